@@ -1,0 +1,189 @@
+//! Builds the three layers of libbastile.so:
+//! - every `cuda/*.cu` into one fatbin (SASS for sm_90a, sm_100f, sm_120f and compute_80 PTX),
+//!   embedded through `$OUT_DIR/fatbins.rs`;
+//! - `include/bastile.h` into Rust structs with bindgen;
+//! - the C++ torch registration layer (`src/torch/*.cpp`) and its cxx bridge, against the torch
+//!   that `python3` (or `$BASTILE_PYTHON`) imports.
+use std::env;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Targets of the fatbin. The `a`/`f` variants carry the architecture-specific instructions;
+/// the PTX lets any later GPU JIT-compile the kernels.
+const GENCODE: &[&str] = &[
+    "arch=compute_90a,code=sm_90a",
+    "arch=compute_100f,code=sm_100f",
+    "arch=compute_120f,code=sm_120f",
+    "arch=compute_80,code=compute_80",
+];
+
+struct Torch {
+    version: String,
+    cxx11_abi: bool,
+    lib_dir: PathBuf,
+    include_dirs: Vec<PathBuf>,
+    /// site-packages directories, where the pip CUDA toolkit lives (`nvidia/cu13/...`).
+    site_dirs: Vec<PathBuf>,
+}
+
+fn main() {
+    for var in ["BASTILE_PYTHON", "NVCC", "CUDA_HOME", "CUDA_PATH", "PATH", "BASTILE_NVCC_FLAGS"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    for path in ["cuda", "include", "src/torch", "src/ffi.rs"] {
+        println!("cargo:rerun-if-changed={path}");
+    }
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+    let torch = query_torch();
+    let nvcc = find_nvcc(&torch).unwrap_or_else(|| {
+        fail(
+            "nvcc not found. Set NVCC or CUDA_HOME, put nvcc on PATH, or install the pip toolkit: \
+             pip install 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88",
+        )
+    });
+    let cuda_include = nvcc.parent().unwrap().parent().unwrap().join("include");
+
+    compile_kernels(&nvcc, &out);
+    generate_params(&out);
+    compile_torch_layer(&torch, &cuda_include);
+
+    println!("cargo:rustc-env=BASTILE_TORCH_VERSION={}", torch.version);
+    println!("cargo:rustc-link-search=native={}", torch.lib_dir.display());
+    for lib in ["c10", "c10_cuda", "torch_cpu", "torch"] {
+        println!("cargo:rustc-link-lib=dylib={lib}");
+    }
+    // torch is already loaded when Python loads us; the rpath serves `cargo test` binaries.
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", torch.lib_dir.display());
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("error: bastile build: {msg}");
+    std::process::exit(1)
+}
+
+fn python() -> String {
+    env::var("BASTILE_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+fn query_torch() -> Torch {
+    let script = "import site, sys, torch, torch.utils.cpp_extension as c\n\
+                  print(torch.__version__)\n\
+                  print(int(torch._C._GLIBCXX_USE_CXX11_ABI))\n\
+                  print(c.library_paths()[0])\n\
+                  print(';'.join(c.include_paths()))\n\
+                  print(';'.join(p for p in sys.path if p.endswith('-packages')))";
+    let py = python();
+    let output = Command::new(&py).args(["-c", script]).output();
+    let output = match output {
+        Ok(o) if o.status.success() => o,
+        Ok(o) => fail(&format!(
+            "`{py}` could not import torch (set BASTILE_PYTHON to the interpreter that has it):\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        )),
+        Err(e) => fail(&format!("could not run `{py}`: {e}")),
+    };
+    let text = String::from_utf8(output.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let paths = |s: &str| s.split(';').filter(|p| !p.is_empty()).map(PathBuf::from).collect();
+    Torch {
+        version: lines[0].to_string(),
+        cxx11_abi: lines[1] == "1",
+        lib_dir: PathBuf::from(lines[2]),
+        include_dirs: paths(lines[3]),
+        site_dirs: paths(lines.get(4).copied().unwrap_or("")),
+    }
+}
+
+fn find_nvcc(torch: &Torch) -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Ok(p) = env::var("NVCC") {
+        candidates.push(p.into());
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(home) = env::var(var) {
+            candidates.push(Path::new(&home).join("bin/nvcc"));
+        }
+    }
+    if let Ok(path) = env::var("PATH") {
+        candidates.extend(env::split_paths(&path).map(|d| d.join("nvcc")));
+    }
+    for site in &torch.site_dirs {
+        candidates.push(site.join("nvidia/cu13/bin/nvcc"));
+    }
+    candidates.push("/usr/local/cuda/bin/nvcc".into());
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+fn compile_kernels(nvcc: &Path, out: &Path) {
+    let mut sources: Vec<PathBuf> = std::fs::read_dir("cuda")
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    sources.sort();
+    let mut rust = String::new();
+    for src in &sources {
+        let stem = src.file_stem().unwrap().to_str().unwrap();
+        let fatbin = out.join(format!("{stem}.fatbin"));
+        let mut cmd = Command::new(nvcc);
+        cmd.args(["-fatbin", "-O3", "-std=c++17", "-Iinclude", "-Icuda", "-Xptxas=-warn-spills"]);
+        for g in GENCODE {
+            cmd.arg(format!("-gencode={g}"));
+        }
+        if let Ok(extra) = env::var("BASTILE_NVCC_FLAGS") {
+            cmd.args(extra.split_whitespace());
+        }
+        cmd.arg(src).arg("-o").arg(&fatbin);
+        let status = cmd.status().unwrap_or_else(|e| fail(&format!("could not run {}: {e}", nvcc.display())));
+        if !status.success() {
+            fail(&format!("nvcc failed on {}", src.display()));
+        }
+        writeln!(
+            rust,
+            "pub static {}: &crate::driver::Fatbin = &crate::driver::Fatbin(*include_bytes!({:?}));",
+            stem.to_uppercase(),
+            fatbin.display().to_string()
+        )
+        .unwrap();
+    }
+    std::fs::write(out.join("fatbins.rs"), rust).unwrap();
+}
+
+fn generate_params(out: &Path) {
+    bindgen::Builder::default()
+        .header("include/bastile.h")
+        .allowlist_type("Bastile.*|RowGeometry|RmsNorm.*")
+        .rustified_enum("BastileDType")
+        .derive_default(true)
+        .layout_tests(false)
+        .generate()
+        .unwrap_or_else(|e| fail(&format!("bindgen on include/bastile.h: {e} (apt-get install libclang-dev)")))
+        .write_to_file(out.join("params.rs"))
+        .unwrap();
+}
+
+fn compile_torch_layer(torch: &Torch, cuda_include: &Path) {
+    let mut cpp: Vec<PathBuf> = std::fs::read_dir("src/torch")
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cpp"))
+        .collect();
+    cpp.sort();
+    let mut build = cxx_build::bridge("src/ffi.rs");
+    build
+        .files(&cpp)
+        .include("include")
+        .include("src/torch")
+        .includes(&torch.include_dirs)
+        .include(cuda_include)
+        .std("c++17")
+        .define("_GLIBCXX_USE_CXX11_ABI", if torch.cxx11_abi { "1" } else { "0" })
+        .flag("-fvisibility=hidden")
+        .flag_if_supported("-Wno-unused-parameter")
+        // Nothing references the registrations by name; keep every object so their static
+        // initialisers (TORCH_LIBRARY) make it into the library.
+        .link_lib_modifier("+whole-archive")
+        .opt_level(2)
+        .compile("bastile_torch");
+}

@@ -1,0 +1,232 @@
+//! The CUDA driver, loaded at run time through cudarc so that the library loads (and its CPU ops
+//! work) on machines with no GPU. Kernels run in torch's primary context on torch's current stream;
+//! modules and functions are loaded once per device and cached.
+use cudarc::driver::sys::{self, CUcontext, CUdevice_attribute, CUfunction, CUmodule, CUresult, CUstream};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Mutex, OnceLock};
+
+pub type Result<T> = std::result::Result<T, String>;
+
+/// A fatbin embedded by build.rs; the driver wants its image aligned.
+#[repr(C, align(64))]
+pub struct Fatbin<T: ?Sized = [u8]>(pub T);
+
+/// Fatbins of every kernel family, named after their `cuda/*.cu` file.
+pub mod fatbins {
+    include!(concat!(env!("OUT_DIR"), "/fatbins.rs"));
+}
+
+fn check(r: CUresult, what: &str) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::os::raw::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
+    unsafe { sys::cuGetErrorName(r, &mut name) };
+    let name = if name.is_null() {
+        format!("{r:?}")
+    } else {
+        // SAFETY: non-null names from the driver are NUL-terminated static strings.
+        unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned()
+    };
+    Err(format!("bastile: {what} failed: {name}"))
+}
+
+/// Loads libcuda and initialises it once; the error says why CUDA is unusable.
+pub fn available() -> Result<()> {
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only probes for the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("bastile: the CUDA driver (libcuda.so) could not be loaded: \
+                        CUDA tensors need an NVIDIA driver on this machine"
+                .into());
+        }
+        // SAFETY: plain driver call.
+        check(unsafe { sys::cuInit(0) }, "cuInit")
+    })
+    .clone()
+}
+
+/// One GPU as torch uses it: its primary context and what has been loaded into it.
+pub struct Device {
+    ctx: CUcontext,
+    sm_count: u32,
+    modules: Mutex<HashMap<usize, CUmodule>>,
+    functions: Mutex<HashMap<(usize, u64), Kernel>>,
+}
+
+// SAFETY: driver handles may be used from any thread; the maps are behind mutexes.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+/// A loaded kernel and how many of its blocks (of the size it was looked up with) fit on one SM.
+#[derive(Clone, Copy)]
+pub struct Kernel {
+    pub function: CUfunction,
+    pub blocks_per_sm: u32,
+}
+
+pub fn device(ordinal: i32) -> Result<&'static Device> {
+    static DEVICES: OnceLock<Result<Vec<OnceLock<Result<Device>>>>> = OnceLock::new();
+    let slots = DEVICES
+        .get_or_init(|| {
+            available()?;
+            let mut n = 0;
+            // SAFETY: plain driver call.
+            check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+            Ok((0..n).map(|_| OnceLock::new()).collect())
+        })
+        .as_ref()
+        .map_err(Clone::clone)?;
+    let slot = usize::try_from(ordinal)
+        .ok()
+        .and_then(|i| slots.get(i))
+        .ok_or_else(|| format!("bastile: CUDA device {ordinal} does not exist ({} visible)", slots.len()))?;
+    slot.get_or_init(|| Device::open(ordinal)).as_ref().map_err(Clone::clone)
+}
+
+impl Device {
+    fn open(ordinal: i32) -> Result<Self> {
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        let mut sms = 0;
+        // SAFETY: plain driver calls with out-pointers to locals. Retaining the primary context
+        // (torch's) keeps it alive for the life of the process.
+        unsafe {
+            check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
+            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(
+                sys::cuDeviceGetAttribute(
+                    &mut sms,
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                    dev,
+                ),
+                "cuDeviceGetAttribute",
+            )?;
+        }
+        Ok(Device { ctx, sm_count: sms as u32, modules: Mutex::default(), functions: Mutex::default() })
+    }
+
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// Makes torch's primary context current on this thread (a no-op when it already is).
+    fn make_current(&self) -> Result<()> {
+        let mut cur = std::ptr::null_mut();
+        // SAFETY: plain driver calls.
+        unsafe {
+            check(sys::cuCtxGetCurrent(&mut cur), "cuCtxGetCurrent")?;
+            if cur != self.ctx {
+                check(sys::cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Kernel `name()` of `fatbin` for blocks of `block` threads, cached under (`fatbin`, `key`):
+    /// the caller's key must identify the name and the block size.
+    pub fn kernel(&self, fatbin: &'static Fatbin, key: u64, block: u32, name: impl FnOnce() -> String) -> Result<Kernel> {
+        self.make_current()?;
+        let id = (fatbin as *const Fatbin as *const u8 as usize, key);
+        if let Some(k) = self.functions.lock().unwrap().get(&id) {
+            return Ok(*k);
+        }
+        let module = self.module(fatbin)?;
+        let name = name();
+        let cname = CString::new(name.clone()).unwrap();
+        let mut function = std::ptr::null_mut();
+        let mut blocks = 0;
+        // SAFETY: module is loaded in this context; out-pointers are locals.
+        unsafe {
+            check(sys::cuModuleGetFunction(&mut function, module, cname.as_ptr()), &format!("loading kernel {name}"))?;
+            check(
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, 0),
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            )?;
+        }
+        let k = Kernel { function, blocks_per_sm: blocks.max(1) as u32 };
+        self.functions.lock().unwrap().insert(id, k);
+        Ok(k)
+    }
+
+    fn module(&self, fatbin: &'static Fatbin) -> Result<CUmodule> {
+        let mut modules = self.modules.lock().unwrap();
+        let id = fatbin as *const Fatbin as *const u8 as usize;
+        if let Some(m) = modules.get(&id) {
+            return Ok(*m);
+        }
+        let mut module = std::ptr::null_mut();
+        // SAFETY: the image is a complete fatbin embedded for the life of the process.
+        check(
+            unsafe { sys::cuModuleLoadData(&mut module, fatbin.0.as_ptr().cast()) },
+            "cuModuleLoadData (does this GPU have a Bastile kernel image? sm_80 or newer is needed)",
+        )?;
+        modules.insert(id, module);
+        Ok(module)
+    }
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32),
+    pub block: (u32, u32),
+    pub shared: u32,
+}
+
+/// Launches `kernel` with a single by-value parameter block on `stream` (torch's `cudaStream_t`).
+///
+/// # Safety
+/// `params` must be the parameter type the kernel was compiled for, and every pointer in it must
+/// be valid for the accesses the kernel makes.
+pub unsafe fn launch<P>(kernel: Kernel, cfg: Launch, stream: usize, params: &P) -> Result<()> {
+    let mut args = [params as *const P as *mut c_void];
+    check(
+        sys::cuLaunchKernel(
+            kernel.function,
+            cfg.grid.0,
+            cfg.grid.1,
+            1,
+            cfg.block.0,
+            cfg.block.1,
+            1,
+            cfg.shared,
+            stream as CUstream,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        ),
+        "cuLaunchKernel",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without libcuda the error must say so; with it, device 0 opens and reports its SMs.
+    #[test]
+    fn device_reports_driver_state() {
+        // SAFETY: only probes for the library.
+        let present = unsafe { sys::is_culib_present() };
+        match device(0) {
+            Err(e) if !present => assert!(e.contains("CUDA driver"), "unexpected error: {e}"),
+            Err(e) => assert!(e.contains("cuInit") || e.contains("does not exist"), "unexpected error: {e}"),
+            Ok(d) => {
+                assert!(present);
+                assert!(d.sm_count() > 0);
+            }
+        }
+    }
+
+    #[test]
+    fn fatbins_are_embedded_and_aligned() {
+        let bin: &Fatbin = fatbins::RMS_NORM;
+        assert!(bin.0.len() > 1024);
+        assert_eq!(bin.0.as_ptr() as usize % 64, 0);
+        // Fatbin container magic (0xBA55ED50, little endian).
+        assert_eq!(&bin.0[..4], &[0x50, 0xED, 0x55, 0xBA]);
+    }
+}

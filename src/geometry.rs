@@ -1,0 +1,136 @@
+//! Launch geometry of row-wise kernels (one normalisation / activation per row of a 2-D view).
+use crate::params::RowGeometry;
+
+/// Most threads a register-cached kernel runs per row (and per block): the kernels'
+/// `__launch_bounds__(256)` lets the compiler give each thread room for its share of a row.
+pub const CACHED_THREADS: i64 = 256;
+/// Most vectors each thread keeps in registers; rows longer than this stream through twice.
+pub const MAX_PER_THREAD: i64 = 8;
+/// Blocks of fewer threads than this hold several rows, so that small rows still fill an SM.
+pub const MIN_BLOCK: i64 = 128;
+
+/// Picks how a row of `cols` elements of `elem_bytes` bytes each is spread over threads.
+/// `vectorizable`: the caller has checked that every tensor the kernel touches is aligned for
+/// 16-byte accesses of the row's element type.
+pub fn rows(cols: i64, elem_bytes: usize, vectorizable: bool) -> RowGeometry {
+    assert!(cols > 0, "a row must have at least one element");
+    let vec = if vectorizable && cols % (16 / elem_bytes as i64) == 0 { 16 / elem_bytes as i64 } else { 1 };
+    let units = cols / vec;
+    let (per_thread, threads) = if vec > 1 && units <= CACHED_THREADS * MAX_PER_THREAD {
+        let mut k = 1;
+        while ceil_div(units, k) > CACHED_THREADS && k < MAX_PER_THREAD {
+            k *= 2;
+        }
+        (k, ceil_div(units, k))
+    } else {
+        (0, units.min(1024))
+    };
+    let group = if threads <= 32 { (threads as u64).next_power_of_two() as i64 } else { ceil_div(threads, 32) * 32 };
+    let rows_per_block = if group < MIN_BLOCK { MIN_BLOCK / group } else { 1 };
+    RowGeometry {
+        vec: vec as i32,
+        per_thread: per_thread as i32,
+        group: group as i32,
+        block: (group * rows_per_block) as i32,
+    }
+}
+
+impl RowGeometry {
+    pub fn rows_per_block(&self) -> i64 {
+        (self.block / self.group) as i64
+    }
+
+    /// Blocks needed to give every row a group once.
+    pub fn blocks_for(&self, rows: i64) -> i64 {
+        ceil_div(rows, self.rows_per_block()).max(1)
+    }
+
+    /// Kernel-name suffix of the variant this geometry needs.
+    pub fn variant(&self) -> &'static str {
+        match (self.vec, self.per_thread) {
+            (1, _) => "sstream",
+            (_, 0) => "vstream",
+            (_, 1) => "k1",
+            (_, 2) => "k2",
+            (_, 4) => "k4",
+            (_, 8) => "k8",
+            _ => unreachable!("no kernel variant for {self:?}"),
+        }
+    }
+}
+
+pub fn ceil_div(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b
+}
+
+/// True when `ptr` may be accessed in `bytes`-wide vectors.
+pub fn aligned(ptr: *const std::ffi::c_void, bytes: usize) -> bool {
+    ptr.is_null() || (ptr as usize) % bytes == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn covers(g: &RowGeometry, cols: i64) {
+        let units = cols / g.vec as i64;
+        if g.per_thread > 0 {
+            assert!(g.group as i64 * g.per_thread as i64 >= units, "{g:?} misses part of {cols}");
+            assert!(g.block as i64 <= CACHED_THREADS.max(MIN_BLOCK), "{g:?}");
+        }
+        assert_eq!(cols % g.vec as i64, 0);
+        assert!(g.block <= 1024 && g.block % g.group == 0, "{g:?}");
+        assert!(g.group < 32 && (g.group as u32).is_power_of_two() || g.group % 32 == 0, "{g:?}");
+    }
+
+    #[test]
+    fn real_hidden_sizes_stay_in_registers() {
+        for cols in [128, 1024, 2048, 2560, 3072, 4096, 5120, 8192, 16384] {
+            let g = rows(cols, 2, true);
+            covers(&g, cols);
+            assert_eq!(g.vec, 8, "{cols}: {g:?}");
+            assert!(g.per_thread > 0, "{cols}: {g:?}");
+        }
+        // Qwen3's per-head norms: 16 threads per row, 8 rows per block.
+        let g = rows(128, 2, true);
+        assert_eq!((g.group, g.block, g.per_thread), (16, 128, 1));
+        // Llama-size rows: 256 threads holding two 16-byte vectors each.
+        let g = rows(4096, 2, true);
+        assert_eq!((g.group, g.block, g.per_thread), (256, 256, 2));
+        let g = rows(16384, 2, true);
+        assert_eq!((g.group, g.per_thread), (256, 8));
+        // f32 rows use 4-element vectors.
+        let g = rows(4096, 4, true);
+        assert_eq!((g.vec, g.group, g.per_thread), (4, 256, 4));
+    }
+
+    #[test]
+    fn odd_unaligned_and_huge_rows_stream() {
+        for (cols, bytes, vec_ok) in [(3, 2, true), (1000, 4, false), (1001, 2, true), (65536, 4, true), (1 << 20, 2, true)] {
+            let g = rows(cols, bytes, vec_ok);
+            covers(&g, cols);
+            assert_eq!(g.per_thread, 0, "{cols}: {g:?}");
+        }
+        assert_eq!(rows(3, 2, true).variant(), "sstream");
+        assert_eq!(rows(1000, 2, false).variant(), "sstream");
+        assert_eq!(rows(1 << 20, 2, true).variant(), "vstream");
+        // A 3-wide row: 4 threads per row, 32 rows per block.
+        let g = rows(3, 2, true);
+        assert_eq!((g.group, g.rows_per_block()), (4, 32));
+    }
+
+    #[test]
+    fn blocks_cover_all_rows() {
+        let g = rows(128, 2, true);
+        assert_eq!(g.blocks_for(65536), 8192);
+        assert_eq!(g.blocks_for(1), 1);
+        assert_eq!(g.blocks_for(9), 2);
+    }
+
+    #[test]
+    fn alignment() {
+        assert!(aligned(64 as *const _, 16));
+        assert!(!aligned(72 as *const _, 16));
+        assert!(aligned(std::ptr::null(), 32));
+    }
+}

@@ -1,0 +1,21 @@
+//! Bastile: fused CUDA kernels for LLM fine-tuning, registered as `torch.ops.bastile.*`.
+//!
+//! Layers, one file each per kernel family (`rms_norm` here):
+//! `cuda/<op>.cu` (kernels) → `src/<op>.rs` (launch geometry, CUDA launch, CPU kernel) →
+//! `src/torch/<op>.cpp` (schemas, dispatch keys, checks, autograd) → `python_shim/bastile`.
+pub mod cpu;
+pub mod driver;
+mod ffi;
+pub mod geometry;
+pub mod params;
+pub mod rms_norm;
+
+/// Version of torch this library was built against; the Python shim refuses another one.
+pub const TORCH_VERSION: &str = env!("BASTILE_TORCH_VERSION");
+
+/// NUL-terminated copy of [`TORCH_VERSION`], readable with ctypes before torch tries to load us.
+#[no_mangle]
+pub extern "C" fn bastile_torch_version() -> *const std::os::raw::c_char {
+    static VERSION: &str = concat!(env!("BASTILE_TORCH_VERSION"), "\0");
+    VERSION.as_ptr().cast()
+}

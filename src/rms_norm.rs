@@ -1,0 +1,333 @@
+//! RMSNorm: CUDA launchers for `cuda/rms_norm.cu` and the CPU kernels (the reference the GPU is
+//! tested against). Semantics of HF `LlamaRMSNorm`/`Qwen3RMSNorm`:
+//! `y = w * to_x_dtype(x * rsqrt(mean(x^2) + eps))`, statistics in f32 (f64 for f64 input).
+use crate::cpu::{self, promote, Element};
+use crate::driver::{self, fatbins, Launch, Result};
+use crate::geometry;
+use crate::params::{BastileDType, RmsNormBackward, RmsNormForward, RowGeometry};
+use rayon::prelude::*;
+use std::ffi::c_void;
+
+fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
+    Ok((BastileDType::from_raw(x)?, BastileDType::from_raw(w)?))
+}
+
+fn cuda_dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
+    let (x, w) = dtypes(x, w)?;
+    if x == BastileDType::BASTILE_F64 || w == BastileDType::BASTILE_F64 {
+        return Err("bastile.rms_norm: float64 is supported on CPU only".into());
+    }
+    Ok((x, w))
+}
+
+/// Geometry for rows of `x`'s dtype; vector access only if every tensor (pointer, dtype) allows
+/// the same number of elements per access.
+fn cuda_geometry(cols: i64, x: BastileDType, tensors: &[(*const c_void, BastileDType)]) -> RowGeometry {
+    let vec = 16 / x.size();
+    let ok = tensors.iter().all(|&(ptr, dt)| geometry::aligned(ptr, vec * dt.size()));
+    geometry::rows(cols, x.size(), ok)
+}
+
+/// Cache key of a kernel: direction, dtypes, variant and block size.
+fn key(dir: u64, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> u64 {
+    dir | (x as u64) << 4 | (w as u64) << 8 | (geo.per_thread as u64) << 12 | (geo.vec as u64) << 20 | (geo.block as u64) << 32
+}
+
+fn name(dir: &str, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> String {
+    format!("rms_norm_{dir}_{}_{}_{}", x.tag(), w.tag(), geo.variant())
+}
+
+pub fn forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()> {
+    let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
+    let y = promote(x, w);
+    p.geo = cuda_geometry(p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
+    let dev = driver::device(device)?;
+    let kernel = dev.kernel(fatbins::RMS_NORM, key(0, x, w, &p.geo), p.geo.block as u32, || name("fwd", x, w, &p.geo))?;
+    // Enough resident blocks for many waves; the kernel loops over the rest.
+    let cap = dev.sm_count() as i64 * kernel.blocks_per_sm as i64 * 16;
+    let grid = p.geo.blocks_for(p.rows).min(cap) as u32;
+    let cfg = Launch { grid: (grid, 1), block: (p.geo.block as u32, 1), shared: 0 };
+    // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
+    unsafe { driver::launch(kernel, cfg, stream, p) }
+}
+
+/// Chooses the backward's geometry and returns how many f32 partial rows of the weight gradient
+/// the caller must allocate in `p.partial`.
+pub fn backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64> {
+    let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
+    let y = promote(x, w);
+    p.geo = cuda_geometry(p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
+    let dev = driver::device(device)?;
+    let kernel = dev.kernel(fatbins::RMS_NORM, key(1, x, w, &p.geo), p.geo.block as u32, || name("bwd", x, w, &p.geo))?;
+    // One resident wave: each block folds all its rows into one partial.
+    let grid = p.geo.blocks_for(p.rows).min(dev.sm_count() as i64 * kernel.blocks_per_sm as i64);
+    Ok(grid * partials_per_block(&p.geo))
+}
+
+/// Register-cached blocks fold their rows' shares in shared memory; streaming groups own a row each.
+fn partials_per_block(geo: &RowGeometry) -> i64 {
+    if geo.per_thread > 0 {
+        1
+    } else {
+        geo.rows_per_block()
+    }
+}
+
+pub fn backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<()> {
+    let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
+    if p.geo.block == 0 || p.partials <= 0 {
+        return Err("bastile.rms_norm_backward: launched without a plan".into());
+    }
+    let dev = driver::device(device)?;
+    let kernel = dev.kernel(fatbins::RMS_NORM, key(1, x, w, &p.geo), p.geo.block as u32, || name("bwd", x, w, &p.geo))?;
+    let grid = (p.partials / partials_per_block(&p.geo)) as u32;
+    let shared = if p.geo.per_thread > 0 && p.geo.rows_per_block() > 1 {
+        (p.geo.rows_per_block() * p.cols * 4) as u32
+    } else {
+        0
+    };
+    let cfg = Launch { grid: (grid, 1), block: (p.geo.block as u32, 1), shared };
+    let reduce = dev.kernel(fatbins::RMS_NORM, 2 | (w as u64) << 8, 256, || format!("rms_norm_bwd_reduce_{}", w.tag()))?;
+    let reduce_cfg = Launch { grid: (geometry::ceil_div(p.cols, 32) as u32, 1), block: (32, 8), shared: 0 };
+    // SAFETY: the C++ layer checked every pointer in `p` and sized `partial` from the plan.
+    unsafe {
+        driver::launch(kernel, cfg, stream, p)?;
+        driver::launch(reduce, reduce_cfg, stream, p)
+    }
+}
+
+/// Per-row statistics are stored in f64 for f64 input, f32 otherwise (as the GPU does).
+fn rstd_is_f64(p_x_dtype: i32) -> bool {
+    p_x_dtype == BastileDType::BASTILE_F64 as i32
+}
+
+pub fn forward_cpu(p: &RmsNormForward) -> Result<()> {
+    let (xd, wd) = dtypes(p.x_dtype, p.w_dtype)?;
+    // SAFETY: the C++ layer checked shapes and dtypes of every pointer in `p`.
+    crate::with_dtypes!(xd, wd, |X, W, Y| unsafe { forward_cpu_typed::<X, W, Y>(p) });
+    Ok(())
+}
+
+unsafe fn forward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormForward) {
+    let (rows, cols) = (p.rows as usize, p.cols as usize);
+    let x = cpu::slice::<X>(p.x, rows * cols);
+    let w = cpu::slice::<W>(p.weight, cols);
+    let y = cpu::slice_mut::<Y>(p.y, rows * cols);
+    let f64_stats = rstd_is_f64(p.x_dtype);
+    let eps = p.eps;
+    let mut rstd = vec![0f64; rows];
+    y.par_chunks_mut(cols).zip(x.par_chunks(cols)).zip(rstd.par_iter_mut()).for_each(|((yr, xr), rs)| {
+        let ss: f64 = xr.iter().map(|v| v.to_f64() * v.to_f64()).sum();
+        let r = 1.0 / (ss / cols as f64 + eps).sqrt();
+        *rs = if f64_stats { r } else { <f32 as Element>::round(r) };
+        for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
+            *yv = Y::from_f64(wv.to_f64() * X::round(xv.to_f64() * *rs));
+        }
+    });
+    if p.rstd.is_null() {
+        return;
+    }
+    if f64_stats {
+        cpu::slice_mut::<f64>(p.rstd, rows).copy_from_slice(&rstd);
+    } else {
+        for (o, r) in cpu::slice_mut::<f32>(p.rstd, rows).iter_mut().zip(&rstd) {
+            *o = *r as f32;
+        }
+    }
+}
+
+pub fn backward_cpu(p: &RmsNormBackward) -> Result<()> {
+    let (xd, wd) = dtypes(p.x_dtype, p.w_dtype)?;
+    // SAFETY: the C++ layer checked shapes and dtypes of every pointer in `p`.
+    crate::with_dtypes!(xd, wd, |X, W, Y| unsafe { backward_cpu_typed::<X, W, Y>(p) });
+    Ok(())
+}
+
+unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBackward) {
+    let (rows, cols) = (p.rows as usize, p.cols as usize);
+    let x = cpu::slice::<X>(p.x, rows * cols);
+    let gy = cpu::slice::<Y>(p.grad_y, rows * cols);
+    let w = cpu::slice::<W>(p.weight, cols);
+    let gx = cpu::slice_mut::<X>(p.grad_x, rows * cols);
+    let rstd: Vec<f64> = if rstd_is_f64(p.x_dtype) {
+        cpu::slice::<f64>(p.rstd, rows).to_vec()
+    } else {
+        cpu::slice::<f32>(p.rstd, rows).iter().map(|&r| r as f64).collect()
+    };
+    // Chunking depends on the shape alone, so the weight gradient's summation order (and value)
+    // does not depend on the thread count.
+    let chunk = rows.div_ceil(256).max(16);
+    let partials: Vec<Vec<f64>> = gx
+        .par_chunks_mut(chunk * cols)
+        .enumerate()
+        .map(|(c, gxc)| {
+            let mut dw = vec![0f64; cols];
+            for (i, gxr) in gxc.chunks_mut(cols).enumerate() {
+                let row = c * chunk + i;
+                let (xr, gr, r) = (&x[row * cols..][..cols], &gy[row * cols..][..cols], rstd[row]);
+                let dot: f64 = xr.iter().zip(gr).zip(w).map(|((xv, g), wv)| g.to_f64() * wv.to_f64() * xv.to_f64()).sum();
+                let c3 = r * r * r * dot / cols as f64;
+                for j in 0..cols {
+                    let (xv, g) = (xr[j].to_f64(), gr[j].to_f64());
+                    gxr[j] = X::from_f64(r * g * w[j].to_f64() - xv * c3);
+                    dw[j] += g * X::round(xv * r);
+                }
+            }
+            dw
+        })
+        .collect();
+    let gw = cpu::slice_mut::<W>(p.grad_w, cols);
+    for (j, o) in gw.iter_mut().enumerate() {
+        *o = W::from_f64(partials.iter().map(|d| d[j]).sum());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+    use BastileDType::*;
+
+    /// Deterministic pseudo-random values in [-2, 2).
+    fn noise(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    /// Reference forward in f64 with no intermediate rounding.
+    fn reference_forward(x: &[f64], w: &[f64], cols: usize, eps: f64) -> Vec<f64> {
+        x.chunks(cols)
+            .flat_map(|r| {
+                let rs = 1.0 / (r.iter().map(|v| v * v).sum::<f64>() / cols as f64 + eps).sqrt();
+                r.iter().zip(w).map(move |(v, wv)| v * rs * wv).collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// Reference backward from the full Jacobian of each row: O(cols^2), independent of the kernel's
+    /// closed form.
+    fn reference_backward(x: &[f64], w: &[f64], gy: &[f64], cols: usize, eps: f64) -> (Vec<f64>, Vec<f64>) {
+        let mut gx = vec![0.0; x.len()];
+        let mut gw = vec![0.0; cols];
+        for (row, xr) in x.chunks(cols).enumerate() {
+            let gr = &gy[row * cols..][..cols];
+            let ms = xr.iter().map(|v| v * v).sum::<f64>() / cols as f64 + eps;
+            let r = 1.0 / ms.sqrt();
+            for k in 0..cols {
+                let mut s = 0.0;
+                for i in 0..cols {
+                    let dn = if i == k { r } else { 0.0 } - xr[i] * xr[k] * r * r * r / cols as f64;
+                    s += gr[i] * w[i] * dn;
+                }
+                gx[row * cols + k] = s;
+                gw[k] += gr[k] * xr[k] * r;
+            }
+        }
+        (gx, gw)
+    }
+
+    fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let den: f64 = b.iter().map(|y| y * y).sum();
+        (num / den.max(1e-300)).sqrt()
+    }
+
+    fn cast<T: Element>(v: &[f64]) -> Vec<T> {
+        v.iter().map(|&x| T::from_f64(x)).collect()
+    }
+
+    fn widen<T: Element>(v: &[T]) -> Vec<f64> {
+        v.iter().map(|x| x.to_f64()).collect()
+    }
+
+    /// Runs forward and backward of the CPU kernels for one dtype pair and checks them against the
+    /// f64 references on the same (rounded) inputs.
+    fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize, tol: f64) {
+        let eps = 1e-6;
+        let x: Vec<X> = cast(&noise(rows * cols, 1));
+        let w: Vec<W> = cast(&noise(cols, 2));
+        let gy: Vec<Y> = cast(&noise(rows * cols, 3));
+        let (xf, wf, gf) = (widen(&x), widen(&w), widen(&gy));
+        let mut y = vec![Y::from_f64(f64::NAN); rows * cols];
+        let mut rstd = vec![0f64; rows]; // large enough for f32 or f64 statistics
+        let mut p = RmsNormForward {
+            x: x.as_ptr().cast(),
+            weight: w.as_ptr().cast(),
+            y: y.as_mut_ptr().cast(),
+            rstd: rstd.as_mut_ptr().cast(),
+            rows: rows as i64,
+            cols: cols as i64,
+            eps,
+            x_dtype: xd as i32,
+            w_dtype: wd as i32,
+            y_dtype: promote(xd, wd) as i32,
+            ..Default::default()
+        };
+        forward_cpu(&p).unwrap();
+        let err = rel_err(&widen(&y), &reference_forward(&xf, &wf, cols, eps));
+        assert!(err < tol, "{xd:?}/{wd:?} {rows}x{cols}: forward error {err}");
+
+        let mut gx = vec![X::from_f64(f64::NAN); rows * cols];
+        let mut gw = vec![W::from_f64(f64::NAN); cols];
+        let b = RmsNormBackward {
+            grad_y: gy.as_ptr().cast(),
+            x: p.x,
+            weight: p.weight,
+            rstd: p.rstd,
+            grad_x: gx.as_mut_ptr().cast(),
+            grad_w: gw.as_mut_ptr().cast(),
+            rows: rows as i64,
+            cols: cols as i64,
+            x_dtype: xd as i32,
+            w_dtype: wd as i32,
+            y_dtype: p.y_dtype,
+            ..Default::default()
+        };
+        backward_cpu(&b).unwrap();
+        let (rgx, rgw) = reference_backward(&xf, &wf, &gf, cols, eps);
+        let (ex, ew) = (rel_err(&widen(&gx), &rgx), rel_err(&widen(&gw), &rgw));
+        assert!(ex < tol && ew < tol, "{xd:?}/{wd:?} {rows}x{cols}: grad_x error {ex}, grad_w error {ew}");
+        p.rstd = std::ptr::null_mut();
+        forward_cpu(&p).unwrap(); // inference path: no statistics written
+    }
+
+    #[test]
+    fn cpu_kernels_match_f64_reference() {
+        for &(rows, cols) in &[(1, 1), (7, 3), (33, 128), (5, 1000), (3, 2560)] {
+            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols, 1e-12);
+            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols, 1e-6);
+            check::<f16, f16, f16>(BASTILE_F16, BASTILE_F16, rows, cols, 2e-3);
+            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols, 1.6e-2);
+            check::<bf16, f32, f32>(BASTILE_BF16, BASTILE_F32, rows, cols, 1.6e-2);
+            check::<f32, bf16, f32>(BASTILE_F32, BASTILE_BF16, rows, cols, 1e-6);
+            check::<f16, bf16, f32>(BASTILE_F16, BASTILE_BF16, rows, cols, 2e-3);
+        }
+    }
+
+    #[test]
+    fn weight_gradient_is_deterministic_and_sums_all_rows() {
+        // Many rows, so that the reduction spans many parallel chunks.
+        check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, 4099, 16, 1e-6);
+    }
+
+    #[test]
+    fn bad_dtype_codes_and_f64_on_cuda_are_errors() {
+        let mut p = RmsNormForward { x_dtype: 9, ..Default::default() };
+        assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
+        p.x_dtype = BASTILE_F64 as i32;
+        assert!(forward_cuda(&mut p, 0, 0).unwrap_err().contains("CPU only"));
+    }
+
+    #[test]
+    fn kernel_names_match_cuda_symbols() {
+        let g = geometry::rows(4096, 2, true);
+        assert_eq!(name("fwd", BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k2");
+        let g = geometry::rows(1001, 2, true);
+        assert_eq!(name("bwd", BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_sstream");
+    }
+}

@@ -1,0 +1,29 @@
+// The `bastile` operator namespace; each op adds its schemas with TORCH_LIBRARY_FRAGMENT.
+#include <c10/cuda/CUDAStream.h>
+
+#include "common.h"
+
+namespace bastile {
+
+BastileDType dtype_code(const at::Tensor& t, const char* op, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return BASTILE_F32;
+    case at::kHalf: return BASTILE_F16;
+    case at::kBFloat16: return BASTILE_BF16;
+    case at::kDouble: return BASTILE_F64;
+    default:
+      TORCH_CHECK(false, "bastile.", op, ": ", arg,
+                  " must be float32, float16, bfloat16 (or float64 on CPU), got ", t.scalar_type());
+  }
+}
+
+size_t current_stream(const at::Tensor& t) {
+  return reinterpret_cast<size_t>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+}
+
+}  // namespace bastile
+
+TORCH_LIBRARY(bastile, m) {
+  // The torch version the library was built against; the Python shim compares it with the running one.
+  m.def("torch_version() -> str", [] { return std::string(bastile::rs::torch_version()); });
+}
