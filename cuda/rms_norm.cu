@@ -1,25 +1,89 @@
 // RMSNorm with HF semantics: y = w * to_x_dtype(x * rsqrt(mean(x^2) + eps)), statistics in f32.
 //
 // A row is handled by `group` threads (geometry from Rust). With per_thread = K > 0 each thread keeps
-// its K vectors of the row in registers, so x is read once; K = 0 streams the row twice (huge or
-// unaligned rows). The backward keeps its share of the weight gradient in registers across all rows
-// the block visits and writes one f32 partial per block; a second tiny kernel folds the partials.
+// its K vectors of the row in registers, so x is read once, and loads its share of the next row
+// before reducing the current one; K = 0 streams the row twice (huge or unaligned rows). Grids are
+// one resident wave, so each block reads the weight once. The backward keeps its share of the weight
+// gradient in registers across all rows the block visits and writes one f32 partial per block; a
+// second tiny kernel folds the partials.
 #include "common.cuh"
 
 using namespace bastile;
 
 namespace {
 
-// Rows the block's groups take in turn; the loop bound is uniform across the block, so every thread
-// reaches each group_sum.
+// Rows the block's groups take in turn (grid-stride); the bound is uniform across the block, so every
+// thread reaches each group_sum.
 #define FOR_EACH_ROW_GROUP(base, rows_per_block)                                      \
   for (int64_t base = (int64_t)blockIdx.x * (rows_per_block); base < p.rows;          \
        base += (int64_t)gridDim.x * (rows_per_block))
 
+// The K vectors of row `row` that this lane holds (lane, lane + G, ...); nothing past the row's end.
+template <int V, int K, class T>
+__device__ __forceinline__ void load_share(Pack<T, V> (&dst)[K], const T *base, int64_t row, int64_t rows,
+                                           int64_t cols, int lane, int G) {
+  if (row >= rows) return;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+    if (lane + k * G < cols / V) dst[k] = load<V>(base + row * cols + (int64_t)(lane + k * G) * V);
+}
+
+// Whether a variant loads the next row while it finishes the current one. The K = 8 variants would
+// run out of registers.
+template <int K> constexpr bool kLookahead = K <= 4;
+
 template <class X, class W, int V, int K>
-__device__ __forceinline__ void forward(const RmsNormForward &p) {
+__device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
   using Y = typename Promote<X, W>::type;
-  constexpr int R = K > 0 ? K : 1;  // vectors held in registers
+  const X *x = static_cast<const X *>(p.x);
+  Y *y = static_cast<Y *>(p.y);
+  float *rstd = static_cast<float *>(p.rstd);
+  const int G = p.geo.group, rows_per_block = blockDim.x / G;
+  const int lane = threadIdx.x % G, grp = threadIdx.x / G;
+  const int64_t cols = p.cols, nvec = cols / V, stride = (int64_t)gridDim.x * rows_per_block;
+  const float eps = (float)p.eps, inv_cols = 1.f / (float)cols;
+
+  Pack<W, V> wv[K];
+  load_share<V>(wv, static_cast<const W *>(p.weight), 0, 1, cols, lane, G);
+  Pack<X, V> xv[K], next[K];
+  if constexpr (kLookahead<K>) load_share<V>(xv, x, (int64_t)blockIdx.x * rows_per_block + grp, p.rows, cols, lane, G);
+
+  FOR_EACH_ROW_GROUP(base, rows_per_block) {
+    const int64_t row = base + grp;
+    const bool live = row < p.rows;
+    if constexpr (kLookahead<K>) load_share<V>(next, x, row + stride, p.rows, cols, lane, G);
+    else load_share<V>(xv, x, row, p.rows, cols, lane, G);
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (live && lane + k * G < nvec)
+#pragma unroll
+        for (int i = 0; i < V; ++i) ss += to_f32(xv[k].v[i]) * to_f32(xv[k].v[i]);
+    ss = group_sum(ss, G);
+    if (live) {
+      const float r = rsqrtf(ss * inv_cols + eps);
+      if (rstd && lane == 0) rstd[row] = r;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t j = lane + k * G;
+        if (j >= nvec) continue;
+        float o[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[i] = to_f32(wv[k].v[i]) * round_to<X>(to_f32(xv[k].v[i]) * r);
+        store<V>(y + row * cols + j * V, o);
+      }
+    }
+    if constexpr (kLookahead<K>) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) xv[k] = next[k];
+    }
+  }
+}
+
+// Rows too long for registers, or not aligned for vectors: read x twice (the second time from cache).
+template <class X, class W, int V>
+__device__ __forceinline__ void forward_stream(const RmsNormForward &p) {
+  using Y = typename Promote<X, W>::type;
   const X *x = static_cast<const X *>(p.x);
   const W *w = static_cast<const W *>(p.weight);
   Y *y = static_cast<Y *>(p.y);
@@ -29,61 +93,129 @@ __device__ __forceinline__ void forward(const RmsNormForward &p) {
   const int64_t cols = p.cols, nvec = cols / V;
   const float eps = (float)p.eps, inv_cols = 1.f / (float)cols;
 
-  Pack<W, V> wv[R];
-  if constexpr (K > 0) {
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (lane + k * G < nvec) wv[k] = load<V>(w + (lane + k * G) * V);
-  }
-
   FOR_EACH_ROW_GROUP(base, rows_per_block) {
     const int64_t row = base + grp;
     const bool live = row < p.rows;
     const X *xr = x + row * cols;
-    Y *yr = y + row * cols;
-    Pack<X, V> xv[R];
     float ss = 0.f;
-    if constexpr (K > 0) {
+    for (int64_t j = lane; live && j < nvec; j += G) {
+      const Pack<X, V> xv = load<V>(xr + j * V);
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int64_t j = lane + k * G;
-        if (live && j < nvec) {
-          xv[k] = load<V>(xr + j * V);
-#pragma unroll
-          for (int i = 0; i < V; ++i) ss += to_f32(xv[k].v[i]) * to_f32(xv[k].v[i]);
-        }
-      }
-    } else if (live) {
-      for (int64_t j = lane; j < nvec; j += G) {
-        xv[0] = load<V>(xr + j * V);
-#pragma unroll
-        for (int i = 0; i < V; ++i) ss += to_f32(xv[0].v[i]) * to_f32(xv[0].v[i]);
-      }
+      for (int i = 0; i < V; ++i) ss += to_f32(xv.v[i]) * to_f32(xv.v[i]);
     }
     ss = group_sum(ss, G);
     if (!live) continue;
     const float r = rsqrtf(ss * inv_cols + eps);
     if (rstd && lane == 0) rstd[row] = r;
-    for (int64_t j = lane, k = 0; K > 0 ? k < K : j < nvec; j += G, ++k) {
-      if (K > 0 && j >= nvec) continue;
-      const int s = K > 0 ? (int)k : 0;
-      if constexpr (K == 0) {
-        xv[0] = load<V>(xr + j * V);
-        wv[0] = load<V>(w + j * V);
-      }
+    for (int64_t j = lane; j < nvec; j += G) {
+      const Pack<X, V> xv = load<V>(xr + j * V);
+      const Pack<W, V> wv = load<V>(w + j * V);
       float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) o[i] = to_f32(wv[s].v[i]) * round_to<X>(to_f32(xv[s].v[i]) * r);
-      store<V>(yr + j * V, o);
+      for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * round_to<X>(to_f32(xv.v[i]) * r);
+      store<V>(y + row * cols + j * V, o);
     }
   }
 }
 
-// dx = r * (g - n * mean(g * n)) with g = dy * w and n = x * r; dw = sum over rows of dy * to_x_dtype(n).
+// dx = r * (g - n * mean(g * n)) with g = dy * w and n = x * r, which is r * g * w - x * r^3 * sum(dy * w * x) / cols;
+// dw = sum over rows of dy * to_x_dtype(n), kept in registers and written as one f32 partial per block.
 template <class X, class W, int V, int K>
-__device__ __forceinline__ void backward(const RmsNormBackward &p) {
+__device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
   using Y = typename Promote<X, W>::type;
-  constexpr int R = K > 0 ? K : 1;
+  const Y *gy = static_cast<const Y *>(p.grad_y);
+  const X *x = static_cast<const X *>(p.x);
+  const float *rstd = static_cast<const float *>(p.rstd);
+  X *gx = static_cast<X *>(p.grad_x);
+  const int G = p.geo.group, rows_per_block = blockDim.x / G;
+  const int lane = threadIdx.x % G, grp = threadIdx.x / G;
+  const int64_t cols = p.cols, nvec = cols / V, stride = (int64_t)gridDim.x * rows_per_block;
+  const float inv_cols = 1.f / (float)cols;
+
+  Pack<W, V> wv[K];
+  load_share<V>(wv, static_cast<const W *>(p.weight), 0, 1, cols, lane, G);
+  float acc[K][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[k][i] = 0.f;
+  Pack<X, V> xv[K], x_next[K];
+  Pack<Y, V> gv[K], g_next[K];
+  if constexpr (kLookahead<K>) {
+    const int64_t first = (int64_t)blockIdx.x * rows_per_block + grp;
+    load_share<V>(xv, x, first, p.rows, cols, lane, G);
+    load_share<V>(gv, gy, first, p.rows, cols, lane, G);
+  }
+
+  FOR_EACH_ROW_GROUP(base, rows_per_block) {
+    const int64_t row = base + grp;
+    const bool live = row < p.rows;
+    if constexpr (kLookahead<K>) {
+      load_share<V>(x_next, x, row + stride, p.rows, cols, lane, G);
+      load_share<V>(g_next, gy, row + stride, p.rows, cols, lane, G);
+    } else {
+      load_share<V>(xv, x, row, p.rows, cols, lane, G);
+      load_share<V>(gv, gy, row, p.rows, cols, lane, G);
+    }
+    const float r = live ? rstd[row] : 0.f;
+    float dot = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (live && lane + k * G < nvec)
+#pragma unroll
+        for (int i = 0; i < V; ++i) dot += to_f32(gv[k].v[i]) * to_f32(wv[k].v[i]) * to_f32(xv[k].v[i]);
+    dot = group_sum(dot, G);
+    if (live) {
+      const float c = r * r * r * dot * inv_cols;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t j = lane + k * G;
+        if (j >= nvec) continue;
+        float o[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float xf = to_f32(xv[k].v[i]), g = to_f32(gv[k].v[i]);
+          o[i] = r * g * to_f32(wv[k].v[i]) - xf * c;
+          acc[k][i] += g * round_to<X>(xf * r);
+        }
+        store<V>(gx + row * cols + j * V, o);
+      }
+    }
+    if constexpr (kLookahead<K>) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        xv[k] = x_next[k];
+        gv[k] = g_next[k];
+      }
+    }
+  }
+
+  float *out = p.partial + (int64_t)blockIdx.x * cols;
+  if (rows_per_block == 1) {
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (lane + k * G < nvec) store<V>(out + (lane + k * G) * V, acc[k]);
+    return;
+  }
+  // Several rows per block: fold the groups' shares in shared memory first.
+  extern __shared__ float fold[];
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+    if (lane + k * G < nvec)
+#pragma unroll
+      for (int i = 0; i < V; ++i) fold[grp * cols + (lane + k * G) * V + i] = acc[k][i];
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    float s = 0.f;
+    for (int g = 0; g < rows_per_block; ++g) s += fold[g * cols + c];
+    out[c] = s;
+  }
+}
+
+// Streaming backward: each group owns a partial row of the weight gradient in global memory.
+template <class X, class W, int V>
+__device__ __forceinline__ void backward_stream(const RmsNormBackward &p) {
+  using Y = typename Promote<X, W>::type;
   const Y *gy = static_cast<const Y *>(p.grad_y);
   const X *x = static_cast<const X *>(p.x);
   const W *w = static_cast<const W *>(p.weight);
@@ -93,85 +225,50 @@ __device__ __forceinline__ void backward(const RmsNormBackward &p) {
   const int lane = threadIdx.x % G, grp = threadIdx.x / G;
   const int64_t cols = p.cols, nvec = cols / V;
   const float inv_cols = 1.f / (float)cols;
-
-  Pack<W, V> wv[R];
-  float acc[R][V];
-  // Streaming keeps its weight-gradient share in a partial row of its own instead of registers.
   float *own = p.partial + ((int64_t)blockIdx.x * rows_per_block + grp) * cols;
-  if constexpr (K > 0) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[k][i] = 0.f;
-      if (lane + k * G < nvec) wv[k] = load<V>(w + (lane + k * G) * V);
-    }
-  } else {
-    for (int64_t c = lane; c < cols; c += G) own[c] = 0.f;
-  }
+  for (int64_t c = lane; c < cols; c += G) own[c] = 0.f;
 
   FOR_EACH_ROW_GROUP(base, rows_per_block) {
     const int64_t row = base + grp;
     const bool live = row < p.rows;
     const X *xr = x + row * cols;
     const Y *gr = gy + row * cols;
-    Pack<X, V> xv[R];
-    Pack<Y, V> gv[R];
-    float dot = 0.f;  // sum of dy * w * x over the row
-    for (int64_t j = lane, k = 0; K > 0 ? k < K : j < nvec; j += G, ++k) {
-      if (!live || j >= nvec) continue;
-      const int s = K > 0 ? (int)k : 0;
-      xv[s] = load<V>(xr + j * V);
-      gv[s] = load<V>(gr + j * V);
-      if constexpr (K == 0) wv[0] = load<V>(w + j * V);
+    float dot = 0.f;
+    for (int64_t j = lane; live && j < nvec; j += G) {
+      const Pack<X, V> xv = load<V>(xr + j * V);
+      const Pack<Y, V> gv = load<V>(gr + j * V);
+      const Pack<W, V> wv = load<V>(w + j * V);
 #pragma unroll
-      for (int i = 0; i < V; ++i) dot += to_f32(gv[s].v[i]) * to_f32(wv[s].v[i]) * to_f32(xv[s].v[i]);
+      for (int i = 0; i < V; ++i) dot += to_f32(gv.v[i]) * to_f32(wv.v[i]) * to_f32(xv.v[i]);
     }
     dot = group_sum(dot, G);
     if (!live) continue;
     const float r = rstd[row];
     const float c = r * r * r * dot * inv_cols;
-    for (int64_t j = lane, k = 0; K > 0 ? k < K : j < nvec; j += G, ++k) {
-      if (K > 0 && j >= nvec) continue;
-      const int s = K > 0 ? (int)k : 0;
-      if constexpr (K == 0) {
-        xv[0] = load<V>(xr + j * V);
-        gv[0] = load<V>(gr + j * V);
-        wv[0] = load<V>(w + j * V);
-      }
+    for (int64_t j = lane; j < nvec; j += G) {
+      const Pack<X, V> xv = load<V>(xr + j * V);
+      const Pack<Y, V> gv = load<V>(gr + j * V);
+      const Pack<W, V> wv = load<V>(w + j * V);
       float o[V];
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float xf = to_f32(xv[s].v[i]), g = to_f32(gv[s].v[i]);
-        o[i] = r * g * to_f32(wv[s].v[i]) - xf * c;
-        const float dw = g * round_to<X>(xf * r);
-        if constexpr (K > 0) acc[s][i] += dw; else own[j * V + i] += dw;
+        const float xf = to_f32(xv.v[i]), g = to_f32(gv.v[i]);
+        o[i] = r * g * to_f32(wv.v[i]) - xf * c;
+        own[j * V + i] += g * round_to<X>(xf * r);
       }
       store<V>(gx + row * cols + j * V, o);
     }
   }
+}
 
-  if constexpr (K > 0) {
-    float *out = p.partial + (int64_t)blockIdx.x * cols;
-    if (rows_per_block == 1) {
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-        if (lane + k * G < nvec) store<V>(out + (lane + k * G) * V, acc[k]);
-      return;
-    }
-    // Several rows per block: fold the groups' shares in shared memory first.
-    extern __shared__ float fold[];
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (lane + k * G < nvec)
-#pragma unroll
-        for (int i = 0; i < V; ++i) fold[grp * cols + (lane + k * G) * V + i] = acc[k][i];
-    __syncthreads();
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      float s = 0.f;
-      for (int g = 0; g < rows_per_block; ++g) s += fold[g * cols + c];
-      out[c] = s;
-    }
-  }
+template <class X, class W, int V, int K>
+__device__ __forceinline__ void forward(const RmsNormForward &p) {
+  if constexpr (K > 0) forward_cached<X, W, V, K>(p); else forward_stream<X, W, V>(p);
+}
+
+template <class X, class W, int V, int K>
+__device__ __forceinline__ void backward(const RmsNormBackward &p) {
+  if constexpr (K > 0) backward_cached<X, W, V, K>(p); else backward_stream<X, W, V>(p);
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 //! Launch geometry of row-wise kernels (one normalisation / activation per row of a 2-D view).
 use crate::params::RowGeometry;
 
+/// Threads a register-cached row prefers: fewer threads holding more vectors each keep more bytes
+/// in flight per SM, which is what a memory-bound row kernel needs.
+pub const PREFERRED_THREADS: i64 = 128;
 /// Most threads a register-cached kernel runs per row (and per block): the kernels'
 /// `__launch_bounds__(256)` lets the compiler give each thread room for its share of a row.
 pub const CACHED_THREADS: i64 = 256;
-/// Most vectors each thread keeps in registers; rows longer than this stream through twice.
+/// Most vectors each thread keeps in registers; longer rows stream through twice.
 pub const MAX_PER_THREAD: i64 = 8;
 /// Blocks of fewer threads than this hold several rows, so that small rows still fill an SM.
 pub const MIN_BLOCK: i64 = 128;
@@ -18,7 +21,7 @@ pub fn rows(cols: i64, elem_bytes: usize, vectorizable: bool) -> RowGeometry {
     let units = cols / vec;
     let (per_thread, threads) = if vec > 1 && units <= CACHED_THREADS * MAX_PER_THREAD {
         let mut k = 1;
-        while ceil_div(units, k) > CACHED_THREADS && k < MAX_PER_THREAD {
+        while ceil_div(units, k) > PREFERRED_THREADS && k < MAX_PER_THREAD {
             k *= 2;
         }
         (k, ceil_div(units, k))
@@ -94,14 +97,14 @@ mod tests {
         // Qwen3's per-head norms: 16 threads per row, 8 rows per block.
         let g = rows(128, 2, true);
         assert_eq!((g.group, g.block, g.per_thread), (16, 128, 1));
-        // Llama-size rows: 256 threads holding two 16-byte vectors each.
+        // Llama-size rows: 128 threads holding four 16-byte vectors each.
         let g = rows(4096, 2, true);
-        assert_eq!((g.group, g.block, g.per_thread), (256, 256, 2));
+        assert_eq!((g.group, g.block, g.per_thread), (128, 128, 4));
         let g = rows(16384, 2, true);
         assert_eq!((g.group, g.per_thread), (256, 8));
         // f32 rows use 4-element vectors.
         let g = rows(4096, 4, true);
-        assert_eq!((g.vec, g.group, g.per_thread), (4, 256, 4));
+        assert_eq!((g.vec, g.group, g.per_thread), (4, 128, 8));
     }
 
     #[test]

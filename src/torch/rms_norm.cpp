@@ -4,7 +4,7 @@
 //   rms_norm_forward(x, weight, eps) -> (y, rstd) what autograd saves from (rstd: per-row 1/rms)
 //   rms_norm_backward(grad_y, x, weight, rstd) -> (grad_x, grad_weight)
 #include <ATen/autocast_mode.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 
@@ -63,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& x_in, const at:
   }
   auto p = forward_params(x, w, y, with_rstd ? rstd.data_ptr() : nullptr, eps);
   if (x.is_cuda()) {
-    const c10::cuda::CUDAGuard guard(x.device());
+    const c10::DeviceGuard guard(x.device());
     call_rust([&] { rs::rms_norm_forward_cuda(p, x.device().index(), current_stream(x)); });
   } else {
     TORCH_CHECK(x.is_cpu(), "bastile.rms_norm: unsupported device ", x.device());
@@ -114,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in
   p.w_dtype = dtype_code(w, kOp, "weight");
   p.y_dtype = dtype_code(grad_y, kOp, "grad_y");
   if (x.is_cuda()) {
-    const c10::cuda::CUDAGuard guard(x.device());
+    const c10::DeviceGuard guard(x.device());
     const int device = x.device().index();
     p.partials = call_rust([&] { return rs::rms_norm_backward_plan(p, device); });
     const auto partial = at::empty({p.partials, p.cols}, x.options().dtype(at::kFloat));

@@ -1,0 +1,115 @@
+"""bastile.apply(): swaps HF forward functions for Bastile ones, and puts them back.
+
+Patches are declared in PATCHES: one row per (op, model family), naming the HF module, the
+attribute to replace and its replacement. Adding a family is one row.
+"""
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .ops import rms_norm
+
+
+def _rms_norm_forward(self, hidden_states):
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+@dataclass(frozen=True)
+class Patch:
+    op: str           # keyword of apply() that selects it
+    family: str       # HF model_type
+    module: str       # module holding the target
+    target: str       # "Class.attribute" or "function"
+    replacement: Callable
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}_{self.family}"
+
+
+_FAMILIES = {
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+}
+
+PATCHES: List[Patch] = [
+    Patch("rms_norm", family, module, f"{prefix}RMSNorm.forward", _rms_norm_forward)
+    for family, (module, prefix) in _FAMILIES.items()
+]
+
+# name -> (owner, attribute, original value as found in owner.__dict__)
+_active: Dict[str, tuple] = {}
+
+
+def _resolve(patch: Patch):
+    """(owner object, attribute name) of a patch target, or None where transformers lacks it."""
+    try:
+        owner = importlib.import_module(patch.module)
+    except ImportError:
+        return None
+    *path, attr = patch.target.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return (owner, attr) if hasattr(owner, attr) else None
+
+
+def supported_families() -> List[str]:
+    return sorted({p.family for p in PATCHES})
+
+
+def apply(rms_norm: bool = True, model=None, families: Optional[Sequence[str]] = None) -> List[str]:
+    """Patches the selected ops for the given families (all supported ones by default, or the
+    family of `model`, an HF model instance). Works before or after the model is built, since it
+    replaces class attributes. Returns the names of the patches now active from this call,
+    e.g. ['rms_norm_qwen3']. Applying twice is harmless."""
+    selected = {"rms_norm": rms_norm}
+    if model is not None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in supported_families():
+            raise ValueError(f"bastile.apply: model type {model_type!r} is not supported; "
+                             f"supported: {', '.join(supported_families())}")
+        families = [model_type]
+    elif families is not None:
+        unknown = sorted(set(families) - set(supported_families()))
+        if unknown:
+            raise ValueError(f"bastile.apply: unknown families {unknown}; supported: {', '.join(supported_families())}")
+    chosen = [p for p in PATCHES if selected.get(p.op) and (families is None or p.family in families)]
+    # Resolve everything first, so that a missing target leaves nothing half-patched.
+    targets = [(p, _resolve(p)) for p in chosen]
+    if model is not None:
+        missing = [p.name for p, t in targets if t is None]
+        if missing:
+            raise RuntimeError(f"bastile.apply: this transformers lacks the targets of {missing}")
+    applied = []
+    for patch, target in targets:
+        if target is None:
+            continue
+        owner, attr = target
+        if patch.name not in _active:
+            _active[patch.name] = (owner, attr, owner.__dict__.get(attr))
+            setattr(owner, attr, patch.replacement)
+        applied.append(patch.name)
+    return applied
+
+
+def reset(names: Optional[Sequence[str]] = None) -> List[str]:
+    """Restores the originals of the named patches (all by default); returns the names restored."""
+    names = list(_active) if names is None else list(names)
+    unknown = [n for n in names if n not in _active]
+    if unknown:
+        raise ValueError(f"bastile.reset: not active: {unknown}; active: {sorted(_active)}")
+    for name in names:
+        owner, attr, original = _active.pop(name)
+        if original is None:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
+    return names
+
+
+def get_patched_ops() -> List[str]:
+    return sorted(_active)

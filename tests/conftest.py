@@ -1,0 +1,35 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python_shim"))
+import bastile  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_patches():
+    """Every test starts and ends with HF unpatched."""
+    bastile.reset()
+    yield
+    bastile.reset()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def poison_cuda_allocator(nbytes: int):
+    """Leaves NaN in the caching allocator's free blocks, so an output element a kernel forgets to
+    write shows up as NaN instead of a plausible stale value."""
+    if CUDA:
+        t = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+        del t

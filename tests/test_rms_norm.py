@@ -1,0 +1,298 @@
+"""torch.ops.bastile.rms_norm against HF's RMSNorm and an fp64 reference."""
+import types
+
+import pytest
+import torch
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+import bastile
+from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+
+op = torch.ops.bastile.rms_norm
+EPS = 1e-6
+
+
+HF_FORWARD = Qwen3RMSNorm.forward  # taken before any test patches it
+
+
+def hf_rms_norm(x, w, eps=EPS):
+    """HF's Qwen3RMSNorm.forward with the given weight (the independent reference)."""
+    return HF_FORWARD(types.SimpleNamespace(weight=w, variance_epsilon=eps), x)
+
+
+def f64_reference(x, w, eps=EPS):
+    x64, w64 = x.double(), w.double()
+    return w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# ---------------------------------------------------------------- CPU and any device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 128), (5, 1000), (3, 3), (1, 2560)])
+def test_opcheck(device, shape):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    w = torch.randn(shape[-1], device=device, requires_grad=True)
+    torch.library.opcheck(op.default, (x, w, EPS))
+    torch.library.opcheck(torch.ops.bastile.rms_norm_forward.default, (x.detach(), w.detach(), EPS))
+    y, rstd = torch.ops.bastile.rms_norm_forward(x.detach(), w.detach(), EPS)
+    torch.library.opcheck(torch.ops.bastile.rms_norm_backward.default, (torch.randn_like(y), x.detach(), w.detach(), rstd))
+
+
+def test_gradcheck_fp64():
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: op(a, b, EPS), (x, w))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_forward_and_backward_match_f64_reference(dtype, tol):
+    x = torch.randn(64, 1000, dtype=dtype, requires_grad=True)
+    w = torch.randn(1000, dtype=dtype, requires_grad=True)
+    y = op(x, w, EPS)
+    assert y.dtype == dtype
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yr = f64_reference(xr, wr)
+    gxr, gwr = torch.autograd.grad(yr, (xr, wr), g.double())
+    assert rel_err(y, yr) < tol and rel_err(gx, gxr) < tol and rel_err(gw, gwr) < tol
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float16, torch.bfloat16),
+])
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtypes_match_hf(x_dtype, w_dtype, device):
+    x = torch.randn(16, 256, device=device).to(x_dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(256, device=device)).to(w_dtype).requires_grad_()
+    y = op(x, w, EPS)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = hf_rms_norm(x2, w2)
+    assert y.dtype == ref.dtype
+    # At most one ulp apart in each rounding HF makes (to x's dtype, then to y's dtype).
+    spacing = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -20}
+    torch.testing.assert_close(y, ref, rtol=2 * max(spacing[x_dtype], spacing[y.dtype]), atol=1e-6)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
+    assert gx.dtype == x_dtype and gw.dtype == w_dtype
+    # HF rounds its intermediates to the 16-bit dtype, we keep f32; a few ulps apart in norm.
+    assert rel_err(gx, rgx) < 8 * ulp_of(x_dtype) and rel_err(gw, rgw) < 8 * ulp_of(x_dtype, w_dtype, y.dtype)
+
+
+def ulp_of(*dtypes):
+    return max({torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -23}[d] for d in dtypes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_leaves_dtypes_as_hf(device):
+    dt = torch.bfloat16
+    x = torch.randn(8, 64, device=device)
+    w = torch.randn(64, device=device)
+    with torch.autocast(device, dtype=dt):
+        y = op(x.to(dt), w, EPS)
+        ref = hf_rms_norm(x.to(dt), w)
+        y32 = op(x, w, EPS)
+    assert y.dtype == ref.dtype == torch.float32 and y32.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=2 ** -20, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_and_broadcast_grad(device):
+    base = torch.randn(8, 64, 6, device=device)
+    x = base.transpose(1, 2)  # [8, 6, 64], last dim strided
+    assert not x.is_contiguous()
+    w = torch.randn(64, device=device, requires_grad=True)
+    xg = x.clone().requires_grad_()
+    y = op(xg, w, EPS)
+    torch.testing.assert_close(y, hf_rms_norm(x, w.detach()), rtol=1e-5, atol=1e-6)
+    # sum() hands backward an expanded (stride-0) gradient.
+    y.sum().backward()
+    x2, w2 = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+    hf_rms_norm(x2, w2).sum().backward()
+    torch.testing.assert_close(xg.grad, x2.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_input(device):
+    x = torch.randn(0, 32, device=device, requires_grad=True)
+    w = torch.randn(32, device=device, requires_grad=True)
+    y = op(x, w, EPS)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert x.grad.shape == (0, 32)
+    torch.testing.assert_close(w.grad, torch.zeros_like(w))
+
+
+def test_no_grad_and_inference_mode_match_autograd_path():
+    x, w = torch.randn(4, 96), torch.randn(96)
+    y = op(x, w, EPS)
+    with torch.no_grad():
+        y_ng = op(x, w, EPS)
+    with torch.inference_mode():
+        y_inf = op(x, w, EPS)
+    torch.testing.assert_close(y_ng, y, rtol=0, atol=0)
+    torch.testing.assert_close(y_inf, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_matches_eager(device, dynamic):
+    torch._dynamo.reset()
+
+    def f(x, w):
+        return torch.ops.bastile.rms_norm(x * 2, w, EPS).sum(-1)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for rows in (4, 7):  # a second shape exercises the symbolic sizes
+        x = torch.randn(rows, 3, 64, device=device, requires_grad=True)
+        w = torch.randn(64, device=device, requires_grad=True)
+        out = compiled(x, w)
+        ref = f(x, w)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        g = torch.autograd.grad(out.sum(), (x, w))
+        gr = torch.autograd.grad(ref.sum(), (x, w))
+        for a, b in zip(g, gr):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_torchscript():
+    @torch.jit.script
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.bastile.rms_norm(x, w, 1e-6)
+
+    x, w = torch.randn(5, 32), torch.randn(32)
+    torch.testing.assert_close(f(x, w), hf_rms_norm(x, w), rtol=1e-5, atol=1e-6)
+
+
+def test_module_and_functional():
+    m = bastile.BastileRMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = torch.randn(2, 3, 48)
+    hf = Qwen3RMSNorm(48, eps=1e-5)
+    hf.load_state_dict(m.state_dict())
+    torch.testing.assert_close(m(x), hf(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bastile.rms_norm(x, m.weight, 1e-5), hf(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: op(torch.randn(4, 8), torch.randn(7), EPS), "weight must have shape"),
+    (lambda: op(torch.randn(4, 8), torch.randn(2, 4), EPS), "weight must have shape"),
+    (lambda: op(torch.randint(0, 5, (4, 8)), torch.randn(8), EPS), "x must be float32"),
+    (lambda: op(torch.randn(4, 8), torch.ones(8, dtype=torch.int32), EPS), "weight must be float32"),
+    (lambda: op(torch.randn(4, 8), torch.randn(8, device="meta"), EPS), "weight is on meta"),
+    (lambda: op(torch.tensor(1.0), torch.randn(1), EPS), "at least one dimension"),
+    (lambda: torch.ops.bastile.rms_norm_backward(torch.randn(4, 8), torch.randn(4, 8), torch.randn(8),
+                                                 torch.randn(3)), "rstd must be"),
+    (lambda: torch.ops.bastile.rms_norm_backward(torch.randn(4, 9), torch.randn(4, 8), torch.randn(8),
+                                                 torch.randn(4)), "grad_y has shape"),
+])
+def test_bad_input_raises(bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        bad()
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    (gx,) = torch.autograd.grad(op(x, w, EPS).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
+
+
+# ---------------------------------------------------------------- CUDA against the CPU reference
+
+HIDDEN = [128, 1000, 1024, 2048, 2560, 3, 4096, 5120, 8192, 16384, 1001, 20000]
+TOL = {  # (forward rtol, gradient norm-relative error); the GPU accumulates in f32
+    torch.float32: (2e-6, 2e-6),
+    torch.float16: (2 ** -9, 2e-3),
+    torch.bfloat16: (2 ** -6, 1.2e-2),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("cols", HIDDEN)
+def test_cuda_matches_cpu(dtype, cols):
+    rows = max(3, min(600, 2 ** 20 // cols))
+    x = torch.randn(rows, cols).to(dtype)
+    w = (1 + 0.2 * torch.randn(cols)).to(dtype)
+    g = torch.randn(rows, cols).to(dtype)
+    y, rstd = torch.ops.bastile.rms_norm_forward(x, w, EPS)
+    gx, gw = torch.ops.bastile.rms_norm_backward(g, x, w, rstd)
+    poison_cuda_allocator(64 * rows * cols)
+    xc, wc, gc = x.cuda(), w.cuda(), g.cuda()
+    yc, rstdc = torch.ops.bastile.rms_norm_forward(xc, wc, EPS)
+    poison_cuda_allocator(64 * rows * cols)
+    gxc, gwc = torch.ops.bastile.rms_norm_backward(gc, xc, wc, rstdc)
+    ftol, gtol = TOL[dtype]
+    for t in (yc, rstdc, gxc, gwc):
+        assert not t.isnan().any()
+    torch.testing.assert_close(rstdc.cpu(), rstd, rtol=2e-6, atol=0)
+    torch.testing.assert_close(yc.cpu(), y, rtol=ftol, atol=1e-5)
+    assert rel_err(gxc, gx) < gtol and rel_err(gwc, gw) < gtol
+    # And against the exact f64 value.
+    assert rel_err(yc, f64_reference(x, w)) < 4 * ftol
+
+
+@needs_cuda
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                             (torch.float16, torch.bfloat16)])
+def test_cuda_mixed_dtypes_match_cpu(x_dtype, w_dtype):
+    x, w, g = torch.randn(300, 2048).to(x_dtype), torch.randn(2048).to(w_dtype), torch.randn(300, 2048)
+    y, rstd = torch.ops.bastile.rms_norm_forward(x, w, EPS)
+    gx, gw = torch.ops.bastile.rms_norm_backward(g.to(y.dtype), x, w, rstd)
+    yc, rstdc = torch.ops.bastile.rms_norm_forward(x.cuda(), w.cuda(), EPS)
+    gxc, gwc = torch.ops.bastile.rms_norm_backward(g.to(y.dtype).cuda(), x.cuda(), w.cuda(), rstdc)
+    assert yc.dtype == y.dtype and gxc.dtype == x_dtype and gwc.dtype == w_dtype
+    torch.testing.assert_close(yc.cpu(), y, rtol=2 ** -7, atol=1e-5)
+    assert rel_err(gxc, gx) < 1.2e-2 and rel_err(gwc, gw) < 1.2e-2
+
+
+@needs_cuda
+def test_cuda_misaligned_views_fall_back_correctly():
+    base = torch.randn(64 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
+    x = base[1:].view(64, 1024)  # 2-byte offset: no 16-byte vectors possible
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(op(x, w, EPS).cpu(), op(x.cpu(), w.cpu(), EPS), rtol=2 ** -7, atol=1e-5)
+
+
+@needs_cuda
+def test_cuda_rows_beyond_int32_elements():
+    # 2^31 + 2^20 elements: every offset past 2^31 needs 64-bit indexing.
+    rows, cols = 2 ** 17 + 64, 16384
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    y, rstd = torch.ops.bastile.rms_norm_forward(x, w, EPS)
+    gx, gw = torch.ops.bastile.rms_norm_backward(y, x, w, rstd)
+    tail = slice(rows - 8, rows)
+    y_ref, rstd_ref = torch.ops.bastile.rms_norm_forward(x[tail].cpu(), w.cpu(), EPS)
+    gx_ref, _ = torch.ops.bastile.rms_norm_backward(y[tail].cpu(), x[tail].cpu(), w.cpu(), rstd_ref)
+    torch.testing.assert_close(y[tail].cpu(), y_ref, rtol=2 ** -7, atol=1e-5)
+    assert rel_err(gx[tail], gx_ref) < 1.2e-2
+    # The weight gradient sums every row; compare with a float64 sum over all of them.
+    n = (x.float() * rstd.unsqueeze(-1)).to(torch.bfloat16).double()
+    assert rel_err(gw, (y.double() * n).sum(0)) < 1e-2
+
+
+@needs_cuda
+def test_cuda_on_side_stream_and_under_graph_capture():
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    ref = op(x, w, EPS)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = op(x, w, EPS)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = op(x, w, EPS)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(yg, op(x, w, EPS), rtol=0, atol=0)
