@@ -156,6 +156,7 @@ fn generate_params(out: &Path) {
         .allowlist_type("Bastile.*|RowGeometry|RmsNorm.*")
         .rustified_enum("BastileDType")
         .derive_default(true)
+        .derive_partialeq(true)
         .layout_tests(false)
         .generate()
         .unwrap_or_else(|e| fail(&format!("bindgen on include/bastile.h: {e} (apt-get install libclang-dev)")))

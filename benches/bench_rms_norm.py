@@ -37,6 +37,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", default="8192x1024,16384x2048,16384x4096,65536x128")
+    ap.add_argument("--impls", default="bastile,hf_eager,torch_compile,liger", help="comma-separated subset")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
@@ -53,6 +54,8 @@ def main():
         fwd_bytes = 2 * rows * cols * size + cols * size
         fwdbwd_bytes = fwd_bytes + 3 * rows * cols * size + 2 * cols * size
         for name, f in implementations().items():
+            if name not in args.impls.split(","):
+                continue
             ref = hf(x, w)
             torch.testing.assert_close(f(x, w), ref, rtol=2 ** -6, atol=1e-2)  # same function before timing
             fwd = time_ms(lambda: f(x, w))

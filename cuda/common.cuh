@@ -35,6 +35,15 @@ template <int N, class T> __device__ __forceinline__ Pack<T, N> load(const T *p)
   return *reinterpret_cast<const Pack<T, N> *>(p);
 }
 
+// Hides pk's value from the optimiser, so that elements are widened again where they are used next
+// instead of widened copies staying live in registers (which halves the rows a kernel keeps in flight).
+template <int N, class T> __device__ __forceinline__ void opaque(Pack<T, N> &pk) {
+  static_assert(sizeof(pk) % 4 == 0, "packs are whole 32-bit words");
+  uint32_t *words = reinterpret_cast<uint32_t *>(&pk);
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(pk) / 4); ++i) asm volatile("" : "+r"(words[i]));
+}
+
 template <int N, class T> __device__ __forceinline__ void store(T *p, const float (&in)[N]) {
   Pack<T, N> pk;
 #pragma unroll

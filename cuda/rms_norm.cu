@@ -42,9 +42,8 @@ __device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
   const int lane = threadIdx.x % G, grp = threadIdx.x / G;
   const int64_t cols = p.cols, nvec = cols / V, stride = (int64_t)gridDim.x * rows_per_block;
   const float eps = (float)p.eps, inv_cols = 1.f / (float)cols;
+  const W *w = static_cast<const W *>(p.weight);
 
-  Pack<W, V> wv[K];
-  load_share<V>(wv, static_cast<const W *>(p.weight), 0, 1, cols, lane, G);
   Pack<X, V> xv[K], next[K];
   if constexpr (kLookahead<K>) load_share<V>(xv, x, (int64_t)blockIdx.x * rows_per_block + grp, p.rows, cols, lane, G);
 
@@ -64,12 +63,16 @@ __device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
       const float r = rsqrtf(ss * inv_cols + eps);
       if (rstd && lane == 0) rstd[row] = r;
 #pragma unroll
+      for (int k = 0; k < K; ++k) opaque(xv[k]);
+#pragma unroll
       for (int k = 0; k < K; ++k) {
         const int64_t j = lane + k * G;
         if (j >= nvec) continue;
+        // The weight comes from L1 each row: registers go to rows in flight instead.
+        const Pack<W, V> wv = load<V>(w + j * V);
         float o[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = to_f32(wv[k].v[i]) * round_to<X>(to_f32(xv[k].v[i]) * r);
+        for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * round_to<X>(to_f32(xv[k].v[i]) * r);
         store<V>(y + row * cols + j * V, o);
       }
     }
@@ -131,9 +134,8 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
   const int lane = threadIdx.x % G, grp = threadIdx.x / G;
   const int64_t cols = p.cols, nvec = cols / V, stride = (int64_t)gridDim.x * rows_per_block;
   const float inv_cols = 1.f / (float)cols;
+  const W *w = static_cast<const W *>(p.weight);  // read from L1 where used, as in the forward
 
-  Pack<W, V> wv[K];
-  load_share<V>(wv, static_cast<const W *>(p.weight), 0, 1, cols, lane, G);
   float acc[K][V];
 #pragma unroll
   for (int k = 0; k < K; ++k)
@@ -161,21 +163,29 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
     float dot = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      if (live && lane + k * G < nvec)
+      if (live && lane + k * G < nvec) {
+        const Pack<W, V> wv = load<V>(w + (lane + k * G) * V);
 #pragma unroll
-        for (int i = 0; i < V; ++i) dot += to_f32(gv[k].v[i]) * to_f32(wv[k].v[i]) * to_f32(xv[k].v[i]);
+        for (int i = 0; i < V; ++i) dot += to_f32(gv[k].v[i]) * to_f32(wv.v[i]) * to_f32(xv[k].v[i]);
+      }
     dot = group_sum(dot, G);
     if (live) {
       const float c = r * r * r * dot * inv_cols;
 #pragma unroll
       for (int k = 0; k < K; ++k) {
+        opaque(xv[k]);
+        opaque(gv[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
         const int64_t j = lane + k * G;
         if (j >= nvec) continue;
+        const Pack<W, V> wv = load<V>(w + j * V);
         float o[V];
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           const float xf = to_f32(xv[k].v[i]), g = to_f32(gv[k].v[i]);
-          o[i] = r * g * to_f32(wv[k].v[i]) - xf * c;
+          o[i] = r * g * to_f32(wv.v[i]) - xf * c;
           acc[k][i] += g * round_to<X>(xf * r);
         }
         store<V>(gx + row * cols + j * V, o);

@@ -4,6 +4,9 @@ use crate::params::RowGeometry;
 /// Threads a register-cached row prefers: fewer threads holding more vectors each keep more bytes
 /// in flight per SM, which is what a memory-bound row kernel needs.
 pub const PREFERRED_THREADS: i64 = 128;
+/// Rows of at most this many vectors get one warp each in the forward: reductions are then shuffles
+/// alone (H100, bf16: 8192x1024 forward 0.0165 ms against 0.0176 ms with 128 threads a row).
+pub const WARP_ROW_UNITS: i64 = 4 * 32;
 /// Most threads a register-cached kernel runs per row (and per block): the kernels'
 /// `__launch_bounds__(256)` lets the compiler give each thread room for its share of a row.
 pub const CACHED_THREADS: i64 = 256;
@@ -16,12 +19,22 @@ pub const MIN_BLOCK: i64 = 128;
 /// `vectorizable`: the caller has checked that every tensor the kernel touches is aligned for
 /// 16-byte accesses of the row's element type.
 pub fn rows(cols: i64, elem_bytes: usize, vectorizable: bool) -> RowGeometry {
+    rows_with(cols, elem_bytes, vectorizable, PREFERRED_THREADS)
+}
+
+/// As [`rows`], with a warp per row where the row is short enough (see [`WARP_ROW_UNITS`]).
+pub fn rows_warp_first(cols: i64, elem_bytes: usize, vectorizable: bool) -> RowGeometry {
+    let preferred = if cols <= WARP_ROW_UNITS * (16 / elem_bytes as i64) { 32 } else { PREFERRED_THREADS };
+    rows_with(cols, elem_bytes, vectorizable, preferred)
+}
+
+fn rows_with(cols: i64, elem_bytes: usize, vectorizable: bool, preferred: i64) -> RowGeometry {
     assert!(cols > 0, "a row must have at least one element");
     let vec = if vectorizable && cols % (16 / elem_bytes as i64) == 0 { 16 / elem_bytes as i64 } else { 1 };
     let units = cols / vec;
     let (per_thread, threads) = if vec > 1 && units <= CACHED_THREADS * MAX_PER_THREAD {
         let mut k = 1;
-        while ceil_div(units, k) > PREFERRED_THREADS && k < MAX_PER_THREAD {
+        while ceil_div(units, k) > preferred && k < MAX_PER_THREAD {
             k *= 2;
         }
         (k, ceil_div(units, k))
@@ -64,6 +77,17 @@ impl RowGeometry {
 
 pub fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
+}
+
+/// Blocks to launch for `blocks` row-group slots when `wave` blocks fit on the GPU at once. Many
+/// slots per resident block: a plain grid, whose tail the block scheduler balances. Few: one
+/// persistent wave, whose blocks look ahead to their next row.
+pub fn grid(blocks: i64, wave: i64) -> i64 {
+    if blocks >= 4 * wave {
+        blocks.min(i32::MAX as i64)
+    } else {
+        blocks.min(wave)
+    }
 }
 
 /// True when `ptr` may be accessed in `bytes`-wide vectors.
@@ -120,6 +144,24 @@ mod tests {
         // A 3-wide row: 4 threads per row, 32 rows per block.
         let g = rows(3, 2, true);
         assert_eq!((g.group, g.rows_per_block()), (4, 32));
+    }
+
+    #[test]
+    fn forward_gives_short_rows_a_warp() {
+        let g = rows_warp_first(1024, 2, true);
+        assert_eq!((g.group, g.per_thread, g.block), (32, 4, 128));
+        let g = rows_warp_first(2048, 2, true);
+        assert_eq!((g.group, g.per_thread), (128, 2));
+        assert_eq!(rows_warp_first(128, 2, true), rows(128, 2, true));
+        covers(&rows_warp_first(1000, 4, true), 1000);
+    }
+
+    #[test]
+    fn grid_is_one_wave_or_all_blocks() {
+        assert_eq!(grid(100, 1056), 100);
+        assert_eq!(grid(2048, 1056), 1056);
+        assert_eq!(grid(16384, 1056), 16384);
+        assert_eq!(grid(1 << 40, 1056), i32::MAX as i64);
     }
 
     #[test]

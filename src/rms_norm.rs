@@ -22,10 +22,15 @@ fn cuda_dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
 
 /// Geometry for rows of `x`'s dtype; vector access only if every tensor (pointer, dtype) allows
 /// the same number of elements per access.
-fn cuda_geometry(cols: i64, x: BastileDType, tensors: &[(*const c_void, BastileDType)]) -> RowGeometry {
+fn cuda_geometry(
+    policy: fn(i64, usize, bool) -> RowGeometry,
+    cols: i64,
+    x: BastileDType,
+    tensors: &[(*const c_void, BastileDType)],
+) -> RowGeometry {
     let vec = 16 / x.size();
     let ok = tensors.iter().all(|&(ptr, dt)| geometry::aligned(ptr, vec * dt.size()));
-    geometry::rows(cols, x.size(), ok)
+    policy(cols, x.size(), ok)
 }
 
 /// Cache key of a kernel: direction, dtypes, variant and block size.
@@ -40,11 +45,10 @@ fn name(dir: &str, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> Strin
 pub fn forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()> {
     let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
     let y = promote(x, w);
-    p.geo = cuda_geometry(p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
+    p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
     let dev = driver::device(device)?;
     let kernel = dev.kernel(fatbins::RMS_NORM, key(0, x, w, &p.geo), p.geo.block as u32, || name("fwd", x, w, &p.geo))?;
-    // One resident wave; blocks loop over the rows, reading the weight once.
-    let grid = p.geo.blocks_for(p.rows).min(dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
+    let grid = geometry::grid(p.geo.blocks_for(p.rows), dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
     let cfg = Launch { grid: (grid, 1), block: (p.geo.block as u32, 1), shared: 0 };
     // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
     unsafe { driver::launch(kernel, cfg, stream, p) }
@@ -55,7 +59,7 @@ pub fn forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Resul
 pub fn backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64> {
     let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
     let y = promote(x, w);
-    p.geo = cuda_geometry(p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
+    p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
     let dev = driver::device(device)?;
     let kernel = dev.kernel(fatbins::RMS_NORM, key(1, x, w, &p.geo), p.geo.block as u32, || name("bwd", x, w, &p.geo))?;
     // One resident wave: each block folds all its rows into one partial.

@@ -1,0 +1,57 @@
+# Bastile. `make train` runs the main job, `make test` the tests; both set up what they need.
+#
+# Here (Rust toolchain, no GPU needed):  setup, build, test, train
+# On a GPU machine with the built library (no Rust needed, system python with torch):
+#   make gpu-test bench PY=python3 NO_BUILD=1
+
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+LIB := target/release/libbastile.so
+export PYTHONPATH := $(CURDIR)/python_shim$(if $(PYTHONPATH),:$(PYTHONPATH))
+export BASTILE_PYTHON := $(abspath $(PY))
+
+# Versions the library is built and tested against (torch matches the GPU machine's build).
+PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
+        nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy
+
+.PHONY: setup build test cargo-test pytest train gpu-test sanitize bench clean
+
+# Project-local virtualenv with the pins, and libclang for bindgen.
+setup: $(VENV)/.ready
+$(VENV)/.ready:
+	@ldconfig -p | grep -q libclang || (apt-get update -qq && apt-get install -y -qq libclang-dev)
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q $(PINS)
+	touch $@
+
+ifeq ($(NO_BUILD),)
+build: setup
+	PATH=$(abspath $(VENV))/bin:$$PATH cargo build --release
+else
+build:
+	@test -f $(LIB) || (echo "$(LIB) missing: build it on a machine with Rust (make build)"; exit 1)
+endif
+
+cargo-test: build
+	PATH=$(abspath $(VENV))/bin:$$PATH cargo test --release
+
+pytest: build
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+test: cargo-test pytest
+
+train: build
+	$(PY) benches/train_qwen3.py
+
+# GPU machine: the whole suite (CUDA tests included), then the CUDA tests under compute-sanitizer.
+gpu-test: build
+	$(PY) -m pytest tests -q -p no:cacheprovider
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest tests/test_rms_norm.py -q \
+		-p no:cacheprovider -k "cuda and not int32 and not compile"
+
+bench: build
+	$(PY) benches/bench_rms_norm.py
+
+clean:
+	cargo clean
