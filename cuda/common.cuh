@@ -56,7 +56,10 @@ template <int N, class T> __device__ __forceinline__ void store(T *p, const floa
 // must call it: it synchronises when a row spans several warps.
 __device__ __forceinline__ float group_sum(float v, int group) {
   const int width = group < 32 ? group : 32;
-  for (int o = width / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o, width);
+  // Unrolled with a uniform predicate: a loop here sat on every row's critical path.
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2)
+    if (o < width) v += __shfl_xor_sync(0xffffffffu, v, o, width);
   if (group <= 32) return v;
   __shared__ float warp_total[32];
   const int warp = threadIdx.x / 32, warps_per_row = group / 32;
