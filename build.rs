@@ -115,15 +115,20 @@ fn find_nvcc(torch: &Torch) -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.is_file())
 }
 
-fn compile_kernels(nvcc: &Path, out: &Path) {
-    let mut sources: Vec<PathBuf> = std::fs::read_dir("cuda")
+/// The files of `dir` ending in `.ext`, sorted so that builds are reproducible.
+fn sources(dir: &str, ext: &str) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .filter(|p| p.extension().is_some_and(|e| e == ext))
         .collect();
-    sources.sort();
+    files.sort();
+    files
+}
+
+fn compile_kernels(nvcc: &Path, out: &Path) {
     let mut rust = String::new();
-    for src in &sources {
+    for src in &sources("cuda", "cu") {
         let stem = src.file_stem().unwrap().to_str().unwrap();
         let fatbin = out.join(format!("{stem}.fatbin"));
         let mut cmd = Command::new(nvcc);
@@ -165,15 +170,9 @@ fn generate_params(out: &Path) {
 }
 
 fn compile_torch_layer(torch: &Torch, cuda_include: &Path) {
-    let mut cpp: Vec<PathBuf> = std::fs::read_dir("src/torch")
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "cpp"))
-        .collect();
-    cpp.sort();
     let mut build = cxx_build::bridge("src/ffi.rs");
     build
-        .files(&cpp)
+        .files(sources("src/torch", "cpp"))
         .include("include")
         .include("src/torch")
         .includes(&torch.include_dirs)
