@@ -2,10 +2,11 @@
 //
 // A row is handled by `group` threads (geometry from Rust). With per_thread = K > 0 each thread keeps
 // its K vectors of the row in registers, so x is read once, and loads its share of the next row
-// before reducing the current one; K = 0 streams the row twice (huge or unaligned rows). Grids are
-// one resident wave, so each block reads the weight once. The backward keeps its share of the weight
-// gradient in registers across all rows the block visits and writes one f32 partial per block; a
-// second tiny kernel folds the partials.
+// before reducing the current one; K = 0 streams the row twice (huge or unaligned rows). The weight
+// is read from L1 where it is used. The forward's grid is one resident wave or all row groups
+// (geometry::grid); the backward's is one wave: it keeps its share of the weight gradient in
+// registers across all rows the block visits and writes one f32 partial per block, which a second
+// tiny kernel folds.
 #include "common.cuh"
 
 using namespace bastile;
