@@ -1,9 +1,9 @@
 //! Builds the three layers of libbastile.so:
 //! - every `cuda/*.cu` into one fatbin (SASS for sm_90a, sm_100f, sm_120f and compute_80 PTX),
 //!   embedded through `$OUT_DIR/fatbins.rs`;
-//! - `include/bastile.h` into Rust structs with bindgen;
-//! - the C++ torch registration layer (`src/torch/*.cpp`) and its cxx bridge, against the torch
-//!   that `python3` (or `$BASTILE_PYTHON`) imports.
+//! - every `include/*.h` (parameter blocks) into Rust structs with bindgen;
+//! - the C++ torch registration layer (`src/torch/*.cpp`) and the cxx bridges of `src/*.rs`,
+//!   against the torch that `python3` (or `$BASTILE_PYTHON`) imports.
 use std::env;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -31,7 +31,7 @@ fn main() {
     for var in ["BASTILE_PYTHON", "NVCC", "CUDA_HOME", "CUDA_PATH", "PATH", "BASTILE_NVCC_FLAGS"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    for path in ["cuda", "include", "src/torch", "src/ffi.rs"] {
+    for path in ["cuda", "include", "src"] {
         println!("cargo:rerun-if-changed={path}");
     }
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
@@ -156,21 +156,27 @@ fn compile_kernels(nvcc: &Path, out: &Path) {
 }
 
 fn generate_params(out: &Path) {
+    let headers: String = sources("include", "h").iter().map(|h| format!("#include \"{}\"\n", h.display())).collect();
     bindgen::Builder::default()
-        .header("include/bastile.h")
-        .allowlist_type("Bastile.*|RowGeometry|RmsNorm.*")
+        .header_contents("params.h", &headers)
+        .clang_arg("-Iinclude")
+        .allowlist_file(".*include/.*\\.h")
         .rustified_enum("BastileDType")
         .derive_default(true)
         .derive_partialeq(true)
         .layout_tests(false)
         .generate()
-        .unwrap_or_else(|e| fail(&format!("bindgen on include/bastile.h: {e} (apt-get install libclang-dev)")))
+        .unwrap_or_else(|e| fail(&format!("bindgen on include/*.h: {e} (apt-get install libclang-dev)")))
         .write_to_file(out.join("params.rs"))
         .unwrap();
 }
 
 fn compile_torch_layer(torch: &Torch, cuda_include: &Path) {
-    let mut build = cxx_build::bridge("src/ffi.rs");
+    // Each kernel family declares its C++-callable entries in its own module's bridge.
+    let bridges = sources("src", "rs")
+        .into_iter()
+        .filter(|f| std::fs::read_to_string(f).unwrap().contains("#[cxx::bridge"));
+    let mut build = cxx_build::bridges(bridges);
     build
         .files(sources("src/torch", "cpp"))
         .include("include")

@@ -8,6 +8,7 @@
 // registers across all rows the block visits and writes one f32 partial per block, which a second
 // tiny kernel folds.
 #include "common.cuh"
+#include "rms_norm.h"
 
 using namespace bastile;
 

@@ -1,29 +1,16 @@
-//! The cxx bridge: what the C++ torch layer may call. Every entry converts a Rust panic into an
-//! error, which cxx throws as a C++ exception and torch raises in Python as RuntimeError.
-use crate::params::{RmsNormBackward, RmsNormForward};
-use crate::rms_norm;
+//! What all cxx bridges share. Each kernel family declares its C++-callable entries in a bridge in
+//! its own module (namespace `bastile::rs::<op>`); every entry runs under [`guard`], so a Rust
+//! panic becomes an error, which cxx throws as a C++ exception and torch raises as RuntimeError.
 
 #[cxx::bridge(namespace = "bastile::rs")]
 mod bridge {
-    #[namespace = ""]
-    unsafe extern "C++" {
-        include!("bastile.h");
-        type RmsNormForward = crate::params::RmsNormForward;
-        type RmsNormBackward = crate::params::RmsNormBackward;
-    }
-
     extern "Rust" {
         fn torch_version() -> &'static str;
-        fn rms_norm_forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()>;
-        fn rms_norm_backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64>;
-        fn rms_norm_backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<()>;
-        fn rms_norm_forward_cpu(p: &RmsNormForward) -> Result<()>;
-        fn rms_norm_backward_cpu(p: &RmsNormBackward) -> Result<()>;
     }
 }
 
 /// Runs `f`, turning a panic into an error so that no unwind reaches C++.
-fn guard<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+pub fn guard<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(payload) => {
@@ -39,24 +26,4 @@ fn guard<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
 
 fn torch_version() -> &'static str {
     crate::TORCH_VERSION
-}
-
-fn rms_norm_forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<(), String> {
-    guard(|| rms_norm::forward_cuda(p, device, stream))
-}
-
-fn rms_norm_backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64, String> {
-    guard(|| rms_norm::backward_plan(p, device))
-}
-
-fn rms_norm_backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<(), String> {
-    guard(|| rms_norm::backward_cuda(p, device, stream))
-}
-
-fn rms_norm_forward_cpu(p: &RmsNormForward) -> Result<(), String> {
-    guard(|| rms_norm::forward_cpu(p))
-}
-
-fn rms_norm_backward_cpu(p: &RmsNormBackward) -> Result<(), String> {
-    guard(|| rms_norm::backward_cpu(p))
 }

@@ -1,6 +1,6 @@
 //! Bastile: fused CUDA kernels for LLM fine-tuning, registered as `torch.ops.bastile.*`.
 //!
-//! Layers, one file each per kernel family (`rms_norm` here):
+//! Layers, one file each per kernel family (`rms_norm`, ...):
 //! `cuda/<op>.cu` (kernels) → `src/<op>.rs` (launch geometry, CUDA launch, CPU kernel) →
 //! `src/torch/<op>.cpp` (schemas, dispatch keys, checks, autograd) → `python_shim/bastile`.
 pub mod cpu;

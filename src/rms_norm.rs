@@ -3,10 +3,53 @@
 //! `y = w * to_x_dtype(x * rsqrt(mean(x^2) + eps))`, statistics in f32 (f64 for f64 input).
 use crate::cpu::{self, promote, Element};
 use crate::driver::{self, fatbins, Launch, Result};
+use crate::ffi::guard;
 use crate::geometry;
 use crate::params::{BastileDType, RmsNormBackward, RmsNormForward, RowGeometry};
 use rayon::prelude::*;
 use std::ffi::c_void;
+
+crate::params::bridged!(RmsNormForward, RmsNormBackward);
+
+/// Entries of `src/torch/rms_norm.cpp` (`bastile::rs::rms_norm::*`).
+#[cxx::bridge(namespace = "bastile::rs::rms_norm")]
+mod bridge {
+    #[namespace = ""]
+    unsafe extern "C++" {
+        include!("rms_norm.h");
+        type RmsNormForward = crate::params::RmsNormForward;
+        type RmsNormBackward = crate::params::RmsNormBackward;
+    }
+
+    extern "Rust" {
+        #[cxx_name = "forward_cuda"]
+        fn ffi_forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()>;
+        #[cxx_name = "backward_plan"]
+        fn ffi_backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64>;
+        #[cxx_name = "backward_cuda"]
+        fn ffi_backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<()>;
+        #[cxx_name = "forward_cpu"]
+        fn ffi_forward_cpu(p: &RmsNormForward) -> Result<()>;
+        #[cxx_name = "backward_cpu"]
+        fn ffi_backward_cpu(p: &RmsNormBackward) -> Result<()>;
+    }
+}
+
+fn ffi_forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()> {
+    guard(|| forward_cuda(p, device, stream))
+}
+fn ffi_backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64> {
+    guard(|| backward_plan(p, device))
+}
+fn ffi_backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<()> {
+    guard(|| backward_cuda(p, device, stream))
+}
+fn ffi_forward_cpu(p: &RmsNormForward) -> Result<()> {
+    guard(|| forward_cpu(p))
+}
+fn ffi_backward_cpu(p: &RmsNormBackward) -> Result<()> {
+    guard(|| backward_cpu(p))
+}
 
 fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
     Ok((BastileDType::from_raw(x)?, BastileDType::from_raw(w)?))

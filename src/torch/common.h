@@ -4,7 +4,6 @@
 #include <torch/library.h>
 
 #include "bastile.h"
-#include "bastile/src/ffi.rs.h"
 #include "rust/cxx.h"
 
 namespace bastile {

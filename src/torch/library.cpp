@@ -1,6 +1,7 @@
 // The `bastile` operator namespace; each op adds its schemas with TORCH_LIBRARY_FRAGMENT.
 #include <c10/cuda/CUDAStream.h>
 
+#include "bastile/src/ffi.rs.h"
 #include "common.h"
 
 namespace bastile {

@@ -8,7 +8,9 @@
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 
+#include "bastile/src/rms_norm.rs.h"
 #include "common.h"
+#include "rms_norm.h"
 
 namespace bastile {
 namespace {
@@ -64,10 +66,10 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& x_in, const at:
   auto p = forward_params(x, w, y, with_rstd ? rstd.data_ptr() : nullptr, eps);
   if (x.is_cuda()) {
     const c10::DeviceGuard guard(x.device());
-    call_rust([&] { rs::rms_norm_forward_cuda(p, x.device().index(), current_stream(x)); });
+    call_rust([&] { rs::rms_norm::forward_cuda(p, x.device().index(), current_stream(x)); });
   } else {
     TORCH_CHECK(x.is_cpu(), "bastile.rms_norm: unsupported device ", x.device());
-    call_rust([&] { rs::rms_norm_forward_cpu(p); });
+    call_rust([&] { rs::rms_norm::forward_cpu(p); });
   }
   return {y, rstd};
 }
@@ -116,13 +118,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in
   if (x.is_cuda()) {
     const c10::DeviceGuard guard(x.device());
     const int device = x.device().index();
-    p.partials = call_rust([&] { return rs::rms_norm_backward_plan(p, device); });
+    p.partials = call_rust([&] { return rs::rms_norm::backward_plan(p, device); });
     const auto partial = at::empty({p.partials, p.cols}, x.options().dtype(at::kFloat));
     p.partial = partial.data_ptr<float>();
-    call_rust([&] { rs::rms_norm_backward_cuda(p, device, current_stream(x)); });
+    call_rust([&] { rs::rms_norm::backward_cuda(p, device, current_stream(x)); });
   } else {
     TORCH_CHECK(x.is_cpu(), "bastile.rms_norm: unsupported device ", x.device());
-    call_rust([&] { rs::rms_norm_backward_cpu(p); });
+    call_rust([&] { rs::rms_norm::backward_cpu(p); });
   }
   return {grad_x, grad_w};
 }
