@@ -152,6 +152,8 @@ fn compile_kernels(nvcc: &Path, out: &Path) {
         )
         .unwrap();
     }
+    let all: Vec<String> = sources("cuda", "cu").iter().map(|s| s.file_stem().unwrap().to_str().unwrap().to_uppercase()).collect();
+    writeln!(rust, "pub static ALL: &[&crate::driver::Fatbin] = &[{}];", all.join(", ")).unwrap();
     std::fs::write(out.join("fatbins.rs"), rust).unwrap();
 }
 

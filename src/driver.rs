@@ -68,9 +68,10 @@ pub struct Kernel {
     pub blocks_per_sm: u32,
 }
 
-pub fn device(ordinal: i32) -> Result<&'static Device> {
+/// One slot per visible GPU, opened on first use.
+fn slots() -> Result<&'static [OnceLock<Result<Device>>]> {
     static DEVICES: OnceLock<Result<Vec<OnceLock<Result<Device>>>>> = OnceLock::new();
-    let slots = DEVICES
+    DEVICES
         .get_or_init(|| {
             available()?;
             let mut n = 0;
@@ -79,7 +80,12 @@ pub fn device(ordinal: i32) -> Result<&'static Device> {
             Ok((0..n).map(|_| OnceLock::new()).collect())
         })
         .as_ref()
-        .map_err(Clone::clone)?;
+        .map(|v| v.as_slice())
+        .map_err(Clone::clone)
+}
+
+pub fn device(ordinal: i32) -> Result<&'static Device> {
+    let slots = slots()?;
     let slot = usize::try_from(ordinal)
         .ok()
         .and_then(|i| slots.get(i))
@@ -152,6 +158,12 @@ impl Device {
         Ok(k)
     }
 
+    /// Loads every kernel family's module now, so that no first call pays for it.
+    pub fn load_all(&self) -> Result<()> {
+        self.make_current()?;
+        fatbins::ALL.iter().try_for_each(|f| self.module(f).map(|_| ()))
+    }
+
     fn module(&self, fatbin: &'static Fatbin) -> Result<CUmodule> {
         let mut modules = self.modules.lock().unwrap();
         let id = fatbin as *const Fatbin as *const u8 as usize;
@@ -166,6 +178,16 @@ impl Device {
         )?;
         modules.insert(id, module);
         Ok(module)
+    }
+}
+
+/// Forgets the kernels looked up on every opened device, with the occupancy each launch geometry
+/// was derived from; the next launch asks the driver again. Modules stay loaded.
+pub fn clear_kernel_cache() {
+    if let Ok(slots) = slots() {
+        for dev in slots.iter().filter_map(|s| s.get()).filter_map(|d| d.as_ref().ok()) {
+            dev.functions.lock().unwrap().clear();
+        }
     }
 }
 
@@ -223,10 +245,12 @@ mod tests {
 
     #[test]
     fn fatbins_are_embedded_and_aligned() {
-        let bin: &Fatbin = fatbins::RMS_NORM;
-        assert!(bin.0.len() > 1024);
-        assert_eq!(bin.0.as_ptr() as usize % 64, 0);
-        // Fatbin container magic (0xBA55ED50, little endian).
-        assert_eq!(&bin.0[..4], &[0x50, 0xED, 0x55, 0xBA]);
+        assert!(fatbins::ALL.iter().any(|b| std::ptr::eq(*b, fatbins::RMS_NORM)));
+        for bin in fatbins::ALL {
+            assert!(bin.0.len() > 1024);
+            assert_eq!(bin.0.as_ptr() as usize % 64, 0);
+            // Fatbin container magic (0xBA55ED50, little endian).
+            assert_eq!(&bin.0[..4], &[0x50, 0xED, 0x55, 0xBA]);
+        }
     }
 }

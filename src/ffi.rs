@@ -6,6 +6,8 @@
 mod bridge {
     extern "Rust" {
         fn torch_version() -> &'static str;
+        fn warmup(device: i32) -> Result<()>;
+        fn clear_kernel_cache();
     }
 }
 
@@ -26,4 +28,12 @@ pub fn guard<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
 
 fn torch_version() -> &'static str {
     crate::TORCH_VERSION
+}
+
+fn warmup(device: i32) -> Result<(), String> {
+    guard(|| crate::driver::device(device)?.load_all())
+}
+
+fn clear_kernel_cache() {
+    crate::driver::clear_kernel_cache()
 }

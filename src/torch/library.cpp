@@ -27,4 +27,10 @@ size_t current_stream(const at::Tensor& t) {
 TORCH_LIBRARY(bastile, m) {
   // The torch version the library was built against; the Python shim compares it with the running one.
   m.def("torch_version() -> str", [] { return std::string(bastile::rs::torch_version()); });
+  // Loads every kernel module on a CUDA device ahead of the first launch.
+  m.def("warmup(int device) -> ()", [](int64_t device) {
+    bastile::call_rust([&] { bastile::rs::warmup(static_cast<int32_t>(device)); });
+  });
+  // Drops the cached kernel handles and occupancy figures launch geometries are derived from.
+  m.def("clear_kernel_cache() -> ()", [] { bastile::rs::clear_kernel_cache(); });
 }
