@@ -44,14 +44,18 @@ test: cargo-test pytest
 train: build
 	$(PY) benches/train_qwen3.py
 
-# GPU machine: the whole suite (CUDA tests included), then the CUDA tests under compute-sanitizer.
+# GPU machine: the whole suite (CUDA tests included), then the ops' CUDA tests under compute-sanitizer
+# (not the > 2^31-element ones, too slow there, nor torch.compile's, whose kernels are not ours).
+SANITIZE ?= cuda and not int32 and not large and not compile
 gpu-test: build
 	$(PY) -m pytest tests -q -p no:cacheprovider
-	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest tests/test_rms_norm.py -q \
-		-p no:cacheprovider -k "cuda and not int32 and not compile"
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -p no:cacheprovider \
+		tests/test_rms_norm.py tests/test_swiglu.py tests/test_rope.py tests/test_qk_norm_rope.py \
+		tests/test_fused_linear_cross_entropy.py -k "$(SANITIZE)"
 
+# Every kernel family against its peers (one script each).
 bench: build
-	$(PY) benches/bench_rms_norm.py
+	set -e; for b in benches/bench_*.py; do $(PY) $$b; done
 
 clean:
 	cargo clean

@@ -1,14 +1,25 @@
-"""bastile.apply()/reset() on HF models: identical losses and gradients, exact restoration."""
+"""bastile.apply()/reset() on HF models: identical losses, gradients and outputs; exact restoration."""
 import copy
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
 import bastile
-from conftest import DEVICES
+from conftest import CUDA, DEVICES
+
+OPS = ["rms_norm", "swiglu", "rope", "fused_linear_cross_entropy"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
+# What the patches replace, read before any test patches anything.
+TARGETS = {
+    (modeling_qwen3.Qwen3RMSNorm, "forward"), (modeling_qwen3.Qwen3MLP, "forward"),
+    (modeling_qwen3.Qwen3Attention, "forward"), (modeling_qwen3.Qwen3ForCausalLM, "forward"),
+    (modeling_llama.LlamaRMSNorm, "forward"), (modeling_llama.LlamaMLP, "forward"),
+    (modeling_llama, "apply_rotary_pos_emb"), (modeling_llama.LlamaForCausalLM, "forward"),
+}
+ORIGINALS = {(owner, attr): owner.__dict__[attr] for owner, attr in TARGETS}
 
 
 def tiny_qwen3(seed=0, **kw):
@@ -19,28 +30,39 @@ def tiny_qwen3(seed=0, **kw):
     return Qwen3ForCausalLM(cfg)
 
 
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
 def test_apply_reset_round_trip_restores_original_objects():
-    originals = {cls: cls.__dict__["forward"] for cls in (modeling_qwen3.Qwen3RMSNorm, modeling_llama.LlamaRMSNorm)}
     names = bastile.apply()
-    assert {"rms_norm_qwen3", "rms_norm_llama", "rms_norm_qwen2", "rms_norm_mistral"} <= set(names)
+    assert sorted(names) == sorted(f"{op}_{fam}" for op in OPS for fam in FAMILIES)
     assert bastile.get_patched_ops() == sorted(names)
-    assert modeling_qwen3.Qwen3RMSNorm.forward is not originals[modeling_qwen3.Qwen3RMSNorm]
+    for owner, attr in TARGETS:
+        assert owner.__dict__[attr] is not ORIGINALS[owner, attr], (owner, attr)
     assert bastile.apply() == names  # twice is harmless
-    assert bastile.reset(["rms_norm_llama"]) == ["rms_norm_llama"]
-    assert modeling_llama.LlamaRMSNorm.__dict__["forward"] is originals[modeling_llama.LlamaRMSNorm]
-    assert "rms_norm_llama" not in bastile.get_patched_ops()
+    assert bastile.reset(["rope_llama"]) == ["rope_llama"]
+    assert modeling_llama.__dict__["apply_rotary_pos_emb"] is ORIGINALS[modeling_llama, "apply_rotary_pos_emb"]
+    assert "rope_llama" not in bastile.get_patched_ops()
     bastile.reset()
     assert bastile.get_patched_ops() == []
-    for cls, fwd in originals.items():
-        assert cls.__dict__["forward"] is fwd
+    for (owner, attr), original in ORIGINALS.items():
+        assert owner.__dict__[attr] is original, (owner, attr)
     with pytest.raises(ValueError, match="not active"):
         bastile.reset(["rms_norm_qwen3"])
 
 
-def test_apply_selects_by_model_and_rejects_unknown():
+def test_apply_selects_ops_and_model_and_rejects_unknown():
     model = tiny_qwen3()
-    assert bastile.apply(model=model) == ["rms_norm_qwen3"]
-    assert bastile.apply(rms_norm=False) == []
+    assert bastile.apply(model=model, swiglu=False, fused_linear_cross_entropy=False) == ["rms_norm_qwen3",
+                                                                                        "rope_qwen3"]
+    assert bastile.apply(rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False) == []
+    assert bastile.apply(families=["llama"], rms_norm=False) == ["swiglu_llama", "rope_llama",
+                                                                 "fused_linear_cross_entropy_llama"]
 
     class Other:
         class config:
@@ -48,29 +70,93 @@ def test_apply_selects_by_model_and_rejects_unknown():
 
     with pytest.raises(ValueError, match="supported: llama, mistral, qwen2, qwen3"):
         bastile.apply(model=Other())
-    assert bastile.get_patched_ops() == ["rms_norm_qwen3"]
+    with pytest.raises(ValueError, match="unknown families"):
+        bastile.apply(families=["gpt2"])
+    assert bastile.get_patched_ops() == ["fused_linear_cross_entropy_llama", "rms_norm_qwen3", "rope_llama",
+                                         "rope_qwen3", "swiglu_llama"]
+
+
+def same_loss_and_grads(make, device, apply_before_build, **apply_kw):
+    ref = make().to(device).train()
+    ids = torch.randint(0, 512, (2, 24), device=device)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    if apply_before_build:
+        bastile.apply(**apply_kw)
+        model = make().to(device).train()
+    else:
+        model = copy.deepcopy(ref)
+        model.zero_grad()
+        bastile.apply(model=model, **apply_kw)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert out.logits is None  # training with labels: the logits are never formed
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    return model
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("apply_before_build", [True, False])
 def test_tiny_qwen3_same_loss_and_gradients(device, apply_before_build):
-    ref = tiny_qwen3().to(device)
-    ids = torch.randint(0, 512, (2, 24), device=device)
-    ref_loss = ref(input_ids=ids, labels=ids).loss
-    ref_loss.backward()
-    if apply_before_build:
-        bastile.apply()
-        model = tiny_qwen3().to(device)
-    else:
-        model = copy.deepcopy(ref)
-        model.zero_grad()
-        bastile.apply(model=model)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-    # The patched model really runs Bastile: every norm's forward is ours.
-    assert all(type(m).forward is modeling_qwen3.Qwen3RMSNorm.forward for m in model.modules()
-               if isinstance(m, modeling_qwen3.Qwen3RMSNorm))
-    assert modeling_qwen3.Qwen3RMSNorm.forward.__module__ == "bastile.patch"
+    model = same_loss_and_grads(tiny_qwen3, device, apply_before_build)
+    # The patched model really runs Bastile.
+    assert type(model).forward.__module__ == "bastile.hf"
+    for m in model.modules():
+        if isinstance(m, (modeling_qwen3.Qwen3RMSNorm, modeling_qwen3.Qwen3MLP, modeling_qwen3.Qwen3Attention)):
+            assert type(m).forward.__module__ == "bastile.hf"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_llama_same_loss_and_gradients(device):
+    same_loss_and_grads(tiny_llama, device, True)
+    assert modeling_llama.apply_rotary_pos_emb.__module__ == "bastile.hf"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inference_outputs_match_hf(device):
+    """Without labels (or in eval mode) the patched forward is HF's: logits, tuples, logits_to_keep,
+    the loss in evaluation, and generation."""
+    ref = tiny_qwen3().to(device).eval()
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    ids = torch.randint(0, 512, (2, 16), device=device)
+    with torch.no_grad():
+        a, b = model(input_ids=ids), ref(input_ids=ids)
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        a, b = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=0)
+        t = model(input_ids=ids, return_dict=False, logits_to_keep=1)
+        assert isinstance(t, tuple) and t[0].shape == (2, 1, 512)
+        torch.testing.assert_close(t[0], b.logits[:, -1:], rtol=1e-5, atol=1e-5)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_custom_loss_function_is_respected():
+    model = tiny_qwen3().train()
+    model.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean() * 0 + 42.0
+    bastile.apply(model=model)
+    ids = torch.randint(0, 512, (1, 8))
+    out = model(input_ids=ids, labels=ids)
+    assert out.loss.item() == 42.0 and out.logits is not None
+
+
+def test_warmup_and_clear_cache():
+    bastile.clear_autotune_cache()
+    x, w = torch.randn(3, 8), torch.randn(8)
+    torch.testing.assert_close(bastile.rms_norm(x, w), w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    if not CUDA:
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            bastile.warmup_all_kernels()
+        return
+    bastile.warmup_all_kernels()
+    bastile.warmup_all_kernels(torch.device("cuda", 0))
+    x, w = x.cuda(), w.cuda()
+    y = bastile.rms_norm(x, w)
+    bastile.clear_autotune_cache()
+    torch.testing.assert_close(bastile.rms_norm(x, w), y, rtol=0, atol=0)

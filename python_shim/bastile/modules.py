@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from .ops import rms_norm
+from . import hf
 
 
 class BastileRMSNorm(nn.Module):
@@ -13,8 +13,27 @@ class BastileRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    forward = hf.rms_norm_forward
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class BastileSwiGLUMLP(nn.Module):
+    """Drop-in for Qwen3MLP/LlamaMLP (same submodules and state-dict keys): down(silu(gate(x)) * up(x)) with
+    the activation and product fused. The projections stay nn.Linear, so PEFT/LoRA can wrap them."""
+
+    def __init__(self, config, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, **kw)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, **kw)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, **kw)
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"BastileSwiGLUMLP: hidden_act must be silu, got {config.hidden_act!r}")
+        self.act_fn = nn.SiLU()
+
+    forward = hf.swiglu_mlp_forward

@@ -1,18 +1,14 @@
 """bastile.apply(): swaps HF forward functions for Bastile ones, and puts them back.
 
-Patches are declared in PATCHES: one row per (op, model family), naming the HF module, the
-attribute to replace and its replacement. Adding a family is one row.
+Patches are declared in FAMILIES: for each HF model_type, its modeling module and, per op, the
+attribute to replace there and its replacement (PATCHES lists them one row per op and family).
+Adding a family is one entry.
 """
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .ops import rms_norm
-
-
-def _rms_norm_forward(self, hidden_states):
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
+from . import hf
 
 @dataclass(frozen=True)
 class Patch:
@@ -27,16 +23,29 @@ class Patch:
         return f"{self.op}_{self.family}"
 
 
-_FAMILIES = {
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
-    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+def _dense(prefix: str) -> Dict[str, tuple]:
+    """What a Llama-like decoder's classes map to: op -> (target, replacement)."""
+    return {
+        "rms_norm": (f"{prefix}RMSNorm.forward", hf.rms_norm_forward),
+        "swiglu": (f"{prefix}MLP.forward", hf.swiglu_mlp_forward),
+        "rope": ("apply_rotary_pos_emb", hf.apply_rotary_pos_emb),
+        "fused_linear_cross_entropy": (f"{prefix}ForCausalLM.forward", hf.causal_lm_forward),
+    }
+
+
+# model_type -> (HF modeling module, op -> (target, replacement)).
+FAMILIES: Dict[str, tuple] = {
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3",
+              {**_dense("Qwen3"), "rope": ("Qwen3Attention.forward", hf.qwen3_attention_forward)}),
+    "llama": ("transformers.models.llama.modeling_llama", _dense("Llama")),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", _dense("Qwen2")),
+    "mistral": ("transformers.models.mistral.modeling_mistral", _dense("Mistral")),
 }
 
 PATCHES: List[Patch] = [
-    Patch("rms_norm", family, module, f"{prefix}RMSNorm.forward", _rms_norm_forward)
-    for family, (module, prefix) in _FAMILIES.items()
+    Patch(op, family, module, target, replacement)
+    for family, (module, targets) in FAMILIES.items()
+    for op, (target, replacement) in targets.items()
 ]
 
 # name -> (owner, attribute, original value as found in owner.__dict__)
@@ -61,12 +70,14 @@ def supported_families() -> List[str]:
     return sorted({p.family for p in PATCHES})
 
 
-def apply(rms_norm: bool = True, model=None, families: Optional[Sequence[str]] = None) -> List[str]:
+def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_linear_cross_entropy: bool = True,
+          model=None, families: Optional[Sequence[str]] = None) -> List[str]:
     """Patches the selected ops for the given families (all supported ones by default, or the
     family of `model`, an HF model instance). Works before or after the model is built, since it
-    replaces class attributes. Returns the names of the patches now active from this call,
-    e.g. ['rms_norm_qwen3']. Applying twice is harmless."""
-    selected = {"rms_norm": rms_norm}
+    replaces class attributes and module functions. Returns the names `<op>_<family>` of the patches
+    active from this call, e.g. ['rms_norm_qwen3', 'swiglu_qwen3', ...]. Applying twice is harmless."""
+    selected = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope,
+                "fused_linear_cross_entropy": fused_linear_cross_entropy}
     if model is not None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in supported_families():

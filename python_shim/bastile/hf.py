@@ -1,0 +1,102 @@
+"""Replacements for HF forward functions, written against the HF code they replace (transformers 5.x).
+
+Each keeps its HF signature and falls back to HF's own math where a Bastile op does not apply (another
+activation, a wrapped LM head, a custom loss), so a patched model always computes what HF would.
+"""
+import importlib
+
+from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
+
+from . import ops
+
+
+def rms_norm_forward(self, hidden_states):
+    return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+_SILU = (nn.SiLU, SiLUActivation)
+
+
+def swiglu_mlp_forward(self, x):
+    """`down(act(gate(x)) * up(x))` with the activation and product fused when the activation is SiLU.
+    The projections are called as modules, so LoRA/PEFT-wrapped ones keep working."""
+    if isinstance(self.act_fn, _SILU):
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    return ops.rope(q, k, cos, sin, unsqueeze_dim)
+
+
+def _hf(module_of, name):
+    return getattr(importlib.import_module(type(module_of).__module__), name)
+
+
+def qwen3_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                            **kwargs):
+    """Qwen3Attention.forward with q_norm, k_norm and the rotation of q and k in one fused op."""
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    cos, sin = position_embeddings
+    q, k = self.q_proj(hidden_states).view(hidden_shape), self.k_proj(hidden_states).view(hidden_shape)
+    if self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
+        q, k = ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
+        query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
+    else:  # one eps per launch: norms with different eps go separately
+        query_states, key_states = ops.rope(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    attention_interface = _hf(self, "ALL_ATTENTION_FUNCTIONS").get_interface(
+        self.config._attn_implementation, _hf(self, "eager_attention_forward"))
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+def _fused_loss_applies(model, labels) -> bool:
+    """Training with labels, a plain linear LM head and HF's default loss: the logits are never needed."""
+    return (labels is not None and model.training and type(model.get_output_embeddings()) is nn.Linear
+            and not hasattr(model, "_loss_function"))
+
+
+def _causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                    **_):
+    """HF's ForCausalLMLoss (labels shifted left, the last position ignored) without the logits."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = model.get_output_embeddings()
+    return ops.fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
+        bias=head.bias, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
+        softcap=getattr(model.config, "final_logit_softcapping", None))
+
+
+@can_return_tuple
+def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
+    and `logits` is None. Otherwise (inference, generation, evaluation) it is HF's forward."""
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         **kwargs)
+    hidden_states = outputs.last_hidden_state
+    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden_states = hidden_states[:, slice_indices, :]
+    logits = loss = None
+    if _fused_loss_applies(self, labels):
+        loss = _causal_lm_loss(self, hidden_states, labels, **kwargs)
+    else:
+        logits = self.lm_head(hidden_states)
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)

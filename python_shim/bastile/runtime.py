@@ -1,0 +1,22 @@
+"""Library-wide controls: loading kernels ahead of time and the per-device launch cache."""
+from typing import Optional
+
+import torch
+
+from . import _library  # noqa: F401  (loads the ops)
+
+
+def warmup_all_kernels(device: Optional[torch.device] = None) -> None:
+    """Loads every Bastile kernel module on `device` (default: the current CUDA device), so the first
+    training step does not pay for it. Raises RuntimeError when there is no CUDA device."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bastile.warmup_all_kernels: no CUDA device is available")
+    index = torch.device(device).index if device is not None else None
+    torch.ops.bastile.warmup(torch.cuda.current_device() if index is None else index)
+
+
+def clear_autotune_cache() -> None:
+    """Bastile does not benchmark launch variants: each launch's geometry follows from the shape and
+    the kernel's occupancy on the device, which is cached per device and kernel. This drops that
+    cache; the next launch asks the driver again."""
+    torch.ops.bastile.clear_kernel_cache()
