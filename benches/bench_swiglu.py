@@ -1,0 +1,74 @@
+"""SwiGLU on the GPU: Bastile vs HF eager (F.silu(g) * u), torch.compile of it, and Liger Kernel (when installed).
+
+    python benches/bench_swiglu.py            # bf16, Qwen3 MLP shapes; CSV under $OUT or bench-results/
+
+Effective bandwidth counts the bytes an ideal kernel must move: forward reads gate and up and writes y;
+forward+backward also reads dy, gate and up and writes grad_gate and grad_up.
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+from common import copy_bandwidth_tbs, environment, markdown, out_dir, time_ms, write_csv
+
+import bastile  # noqa: F401  (loads torch.ops.bastile)
+
+
+def hf(g, u):
+    return F.silu(g) * u
+
+
+def implementations():
+    impls = {"bastile": torch.ops.bastile.swiglu, "eager": hf, "compile": torch.compile(hf, dynamic=False)}
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        impls["liger"] = LigerSiLUMulFunction.apply
+    except ImportError:
+        pass
+    return impls
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shapes", default="8192x3072,16384x6144,16384x12288")
+    ap.add_argument("--impls", default="bastile,eager,compile,liger", help="comma-separated subset")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    size = torch.finfo(dtype).bits // 8
+    print(environment(), flush=True)
+    copy = copy_bandwidth_tbs()
+    print(f"device copy: {copy:.2f} TB/s", flush=True)
+    rows_out = []
+    for shape in args.shapes.split(","):
+        rows, cols = map(int, shape.split("x"))
+        g = 3 * torch.randn(rows, cols, device="cuda", dtype=dtype)
+        u = torch.randn_like(g)
+        dy = torch.randn_like(g)
+        n = g.numel()
+        fwd_bytes = 3 * n * size
+        fwdbwd_bytes = fwd_bytes + 5 * n * size
+        ref = hf(g, u)
+        for name, f in implementations().items():
+            if name not in args.impls.split(","):
+                continue
+            # Liger's backward writes the gradients over the saved inputs: every impl gets its own copies.
+            gg, ug = g.clone().requires_grad_(), u.clone().requires_grad_()
+            torch.testing.assert_close(f(g, u), ref, rtol=2 ** -6, atol=1e-2)  # same function before timing
+            fwd = time_ms(lambda: f(g, u))
+            both = time_ms(lambda: torch.autograd.grad(f(gg, ug), (gg, ug), dy))
+            rows_out.append({
+                "shape": shape, "dtype": args.dtype, "impl": name,
+                "fwd_ms": f"{fwd:.4f}", "fwd_TBps": f"{fwd_bytes / fwd / 1e9:.2f}",
+                "fwdbwd_ms": f"{both:.4f}", "fwdbwd_TBps": f"{fwdbwd_bytes / both / 1e9:.2f}",
+            })
+            print(rows_out[-1], flush=True)
+            del gg, ug
+    write_csv(out_dir() / "swiglu.csv", rows_out)
+    print()
+    print(environment(), f"| device copy {copy:.2f} TB/s")
+    print(markdown(rows_out, ["shape", "impl", "fwd_ms", "fwd_TBps", "fwdbwd_ms", "fwdbwd_TBps"]))
+
+
+if __name__ == "__main__":
+    main()

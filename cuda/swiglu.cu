@@ -1,0 +1,131 @@
+// SwiGLU with the roundings of HF's `act_fn(gate_proj(x)) * up_proj(x)` in the inputs' dtype T:
+//   y         = T(s * u)                                  with s = T(silu(g)), math in f32
+//   grad_up   = T(dy * s)
+//   grad_gate = T(T(dy * u) * sig(g) * (1 + g * (1 - sig(g))))
+// The backward recomputes sig(g) from the saved inputs instead of saving an activation.
+//
+// Memory-bound and elementwise: each thread loads SWIGLU_UNROLL 16-byte vectors of every input
+// before it computes and stores any (bytes in flight), in a grid-stride loop with 64-bit indices.
+// The `vec` variants need every pointer 16-byte aligned and finish the last n % V elements with
+// scalar accesses; the `scalar` variants take any alignment.
+#include "common.cuh"
+#include "swiglu.h"
+
+using namespace bastile;
+
+namespace {
+
+constexpr int U = SWIGLU_UNROLL;
+
+// 1 / (1 + e^-g) in two MUFU instructions, as Triton's exp and division compile: a few f32 ulps off,
+// far below the 16-bit rounding that follows. Flushing denormals saturates it to exactly 1 for
+// g > 87 and 0 for g < -87; inf and NaN propagate as in torch.
+__device__ __forceinline__ float sigmoid(float g) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.44269504088896341f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  return s;
+}
+
+template <class T> __device__ __forceinline__ float forward_value(float g, float u) {
+  return round_to<T>(g * sigmoid(g)) * u;
+}
+
+template <class T>
+__device__ __forceinline__ void backward_value(float dy, float g, float u, float &dg, float &du) {
+  const float sig = sigmoid(g);
+  du = dy * round_to<T>(g * sig);
+  // torch's silu_backward: dy * sig * (1 + g * (1 - sig)), with dy = the product's gradient, rounded to T.
+  dg = round_to<T>(dy * u) * sig * (1.f + g * (1.f - sig));
+}
+
+// Visits the n / V vectors of a flat range, U per thread per grid-stride step: load(k, i) for every
+// k before finish(k, i) for any, so that all of a thread's loads are in flight at once.
+template <int V, class Load, class Finish>
+__device__ __forceinline__ void for_each_vector(int64_t n, Load load, Finish finish) {
+  const int64_t nvec = n / V, step = (int64_t)gridDim.x * blockDim.x * U;
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.x * U + threadIdx.x; base < nvec; base += step) {
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+      if (base + k * blockDim.x < nvec) load(k, base + k * blockDim.x);
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+      if (base + k * blockDim.x < nvec) finish(k, base + k * blockDim.x);
+  }
+}
+
+// Index of the element past the vectors that this thread finishes, or -1: the first n % V threads
+// of the grid take one each.
+template <int V> __device__ __forceinline__ int64_t tail_index(int64_t n) {
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, first = n / V * V;
+  return t < n - first ? first + t : -1;
+}
+
+template <class T, int V> __device__ __forceinline__ void forward(const SwigluForward &p) {
+  const T *__restrict__ gate = static_cast<const T *>(p.gate);
+  const T *__restrict__ up = static_cast<const T *>(p.up);
+  T *__restrict__ y = static_cast<T *>(p.y);
+  Pack<T, V> g[U], u[U];
+  for_each_vector<V>(
+      p.n,
+      [&](int k, int64_t i) {
+        g[k] = load<V>(gate + i * V);
+        u[k] = load<V>(up + i * V);
+      },
+      [&](int k, int64_t i) {
+        float o[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) o[j] = forward_value<T>(to_f32(g[k].v[j]), to_f32(u[k].v[j]));
+        store<V>(y + i * V, o);
+      });
+  const int64_t t = tail_index<V>(p.n);
+  if (t >= 0) y[t] = from_f32<T>(forward_value<T>(to_f32(gate[t]), to_f32(up[t])));
+}
+
+template <class T, int V> __device__ __forceinline__ void backward(const SwigluBackward &p) {
+  const T *__restrict__ grad_y = static_cast<const T *>(p.grad_y);
+  const T *__restrict__ gate = static_cast<const T *>(p.gate);
+  const T *__restrict__ up = static_cast<const T *>(p.up);
+  T *__restrict__ grad_gate = static_cast<T *>(p.grad_gate);
+  T *__restrict__ grad_up = static_cast<T *>(p.grad_up);
+  Pack<T, V> dy[U], g[U], u[U];
+  for_each_vector<V>(
+      p.n,
+      [&](int k, int64_t i) {
+        dy[k] = load<V>(grad_y + i * V);
+        g[k] = load<V>(gate + i * V);
+        u[k] = load<V>(up + i * V);
+      },
+      [&](int k, int64_t i) {
+        float dg[V], du[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+          backward_value<T>(to_f32(dy[k].v[j]), to_f32(g[k].v[j]), to_f32(u[k].v[j]), dg[j], du[j]);
+        store<V>(grad_gate + i * V, dg);
+        store<V>(grad_up + i * V, du);
+      });
+  const int64_t t = tail_index<V>(p.n);
+  if (t >= 0) {
+    float dg, du;
+    backward_value<T>(to_f32(grad_y[t]), to_f32(gate[t]), to_f32(up[t]), dg, du);
+    grad_gate[t] = from_f32<T>(dg);
+    grad_up[t] = from_f32<T>(du);
+  }
+}
+
+}  // namespace
+
+// Kernel names: swiglu_{fwd,bwd}_<dtype>_<vec|scalar>; src/swiglu.rs builds the same.
+#define SWIGLU_KERNELS(tn, T, tag, V)                                                                         \
+  extern "C" __global__ void __launch_bounds__(SWIGLU_BLOCK) swiglu_fwd_##tn##_##tag(const SwigluForward p) { \
+    forward<T, V>(p);                                                                                         \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(SWIGLU_BLOCK) swiglu_bwd_##tn##_##tag(const SwigluBackward p) { \
+    backward<T, V>(p);                                                                                        \
+  }
+
+#define SWIGLU_VARIANTS(tn, T) SWIGLU_KERNELS(tn, T, vec, 16 / sizeof(T)) SWIGLU_KERNELS(tn, T, scalar, 1)
+
+SWIGLU_VARIANTS(f32, float)
+SWIGLU_VARIANTS(f16, f16)
+SWIGLU_VARIANTS(bf16, bf16)

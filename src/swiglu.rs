@@ -1,0 +1,273 @@
+//! SwiGLU: CUDA launchers for `cuda/swiglu.cu` and the CPU kernels (the reference the GPU is tested
+//! against). Semantics of HF `Qwen3MLP`'s `act_fn(gate_proj(x)) * up_proj(x)` in the inputs' dtype T:
+//! `y = T(T(silu(g)) * u)`; the backward is autograd of that expression with its roundings:
+//! `grad_up = T(dy * T(silu(g)))`, `grad_gate = T(T(dy * u) * sig(g) * (1 + g * (1 - sig(g))))`.
+use crate::cpu::{self, Element};
+use crate::driver::{self, fatbins, Result};
+use crate::ffi::guard;
+use crate::geometry;
+use crate::params::{BastileDType, SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_UNROLL};
+use rayon::prelude::*;
+use std::ffi::c_void;
+
+crate::params::bridged!(SwigluForward, SwigluBackward);
+
+/// Entries of `src/torch/swiglu.cpp` (`bastile::rs::swiglu::*`).
+#[cxx::bridge(namespace = "bastile::rs::swiglu")]
+mod bridge {
+    #[namespace = ""]
+    unsafe extern "C++" {
+        include!("swiglu.h");
+        type SwigluForward = crate::params::SwigluForward;
+        type SwigluBackward = crate::params::SwigluBackward;
+    }
+
+    extern "Rust" {
+        #[cxx_name = "forward_cuda"]
+        fn ffi_forward_cuda(p: &SwigluForward, device: i32, stream: usize) -> Result<()>;
+        #[cxx_name = "backward_cuda"]
+        fn ffi_backward_cuda(p: &SwigluBackward, device: i32, stream: usize) -> Result<()>;
+        #[cxx_name = "forward_cpu"]
+        fn ffi_forward_cpu(p: &SwigluForward) -> Result<()>;
+        #[cxx_name = "backward_cpu"]
+        fn ffi_backward_cpu(p: &SwigluBackward) -> Result<()>;
+    }
+}
+
+fn ffi_forward_cuda(p: &SwigluForward, device: i32, stream: usize) -> Result<()> {
+    guard(|| forward_cuda(p, device, stream))
+}
+fn ffi_backward_cuda(p: &SwigluBackward, device: i32, stream: usize) -> Result<()> {
+    guard(|| backward_cuda(p, device, stream))
+}
+fn ffi_forward_cpu(p: &SwigluForward) -> Result<()> {
+    guard(|| forward_cpu(p))
+}
+fn ffi_backward_cpu(p: &SwigluBackward) -> Result<()> {
+    guard(|| backward_cpu(p))
+}
+
+fn cuda_dtype(raw: i32) -> Result<BastileDType> {
+    let dt = BastileDType::from_raw(raw)?;
+    if dt == BastileDType::BASTILE_F64 {
+        return Err("bastile.swiglu: float64 is supported on CPU only".into());
+    }
+    Ok(dt)
+}
+
+/// Elements per access: a 16-byte vector when every pointer allows it, else one.
+fn vector_width(dt: BastileDType, ptrs: &[*const c_void]) -> i64 {
+    let vec = 16 / dt.size();
+    if ptrs.iter().all(|&p| geometry::aligned(p, 16)) {
+        vec as i64
+    } else {
+        1
+    }
+}
+
+fn name(dir: &str, dt: BastileDType, vec: i64) -> String {
+    format!("swiglu_{dir}_{}_{}", dt.tag(), if vec > 1 { "vec" } else { "scalar" })
+}
+
+/// Launches the `dir` kernel over `n` elements with `p` as its parameter block.
+///
+/// # Safety
+/// `p` must be the block the kernel takes, with every pointer valid for `n` elements of `dt`.
+unsafe fn launch<P>(dir: &str, dt: BastileDType, vec: i64, n: i64, p: &P, device: i32, stream: usize) -> Result<()> {
+    let dev = driver::device(device)?;
+    let key = (dir == "bwd") as u64 | (dt as u64) << 4 | (vec as u64) << 8;
+    let kernel = dev.kernel(fatbins::SWIGLU, key, SWIGLU_BLOCK, || name(dir, dt, vec))?;
+    // Each block covers BLOCK * UNROLL accesses per grid-stride step; the n % vec elements past the
+    // last vector go to the first threads of block 0, which always exists.
+    let blocks = geometry::ceil_div(n / vec, (SWIGLU_BLOCK * SWIGLU_UNROLL) as i64).max(1);
+    let grid = geometry::grid(blocks, dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
+    let cfg = driver::Launch { grid: (grid, 1), block: (SWIGLU_BLOCK, 1), shared: 0 };
+    driver::launch(kernel, cfg, stream, p)
+}
+
+pub fn forward_cuda(p: &SwigluForward, device: i32, stream: usize) -> Result<()> {
+    let dt = cuda_dtype(p.dtype)?;
+    let vec = vector_width(dt, &[p.gate, p.up, p.y]);
+    // SAFETY: the C++ layer checked that every pointer in `p` holds `n` contiguous elements of `dt`.
+    unsafe { launch("fwd", dt, vec, p.n, p, device, stream) }
+}
+
+pub fn backward_cuda(p: &SwigluBackward, device: i32, stream: usize) -> Result<()> {
+    let dt = cuda_dtype(p.dtype)?;
+    let vec = vector_width(dt, &[p.grad_y, p.gate, p.up, p.grad_gate, p.grad_up]);
+    // SAFETY: as in forward_cuda.
+    unsafe { launch("bwd", dt, vec, p.n, p, device, stream) }
+}
+
+/// Calls the generic function `$f::<T>($args)` with T the Rust type of dtype code `$dt`.
+macro_rules! by_dtype {
+    ($dt:expr, $f:ident($($arg:expr),*)) => {{
+        use half::{bf16, f16};
+        match BastileDType::from_raw($dt)? {
+            BastileDType::BASTILE_F32 => $f::<f32>($($arg),*),
+            BastileDType::BASTILE_F16 => $f::<f16>($($arg),*),
+            BastileDType::BASTILE_BF16 => $f::<bf16>($($arg),*),
+            BastileDType::BASTILE_F64 => $f::<f64>($($arg),*),
+        }
+    }};
+}
+
+/// Elements each rayon task takes.
+const CHUNK: usize = 1 << 14;
+
+fn sigmoid(g: f64) -> f64 {
+    1.0 / (1.0 + (-g).exp())
+}
+
+pub fn forward_cpu(p: &SwigluForward) -> Result<()> {
+    // SAFETY: the C++ layer checked that every pointer in `p` holds `n` contiguous elements of the dtype.
+    unsafe { by_dtype!(p.dtype, forward_cpu_typed(p)) };
+    Ok(())
+}
+
+unsafe fn forward_cpu_typed<T: Element>(p: &SwigluForward) {
+    let n = p.n as usize;
+    let (g, u, y) = (cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n), cpu::slice_mut::<T>(p.y, n));
+    y.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(u.par_chunks(CHUNK)).for_each(|((y, g), u)| {
+        for ((y, g), u) in y.iter_mut().zip(g).zip(u) {
+            let g = g.to_f64();
+            *y = T::from_f64(T::round(g * sigmoid(g)) * u.to_f64());
+        }
+    });
+}
+
+pub fn backward_cpu(p: &SwigluBackward) -> Result<()> {
+    // SAFETY: as in forward_cpu.
+    unsafe { by_dtype!(p.dtype, backward_cpu_typed(p)) };
+    Ok(())
+}
+
+unsafe fn backward_cpu_typed<T: Element>(p: &SwigluBackward) {
+    let n = p.n as usize;
+    let (dy, g, u) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
+    let (dg, du) = (cpu::slice_mut::<T>(p.grad_gate, n), cpu::slice_mut::<T>(p.grad_up, n));
+    dg.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate().for_each(|(c, (dg, du))| {
+        let range = c * CHUNK..c * CHUNK + dg.len();
+        let inputs = dy[range.clone()].iter().zip(&g[range.clone()]).zip(&u[range]);
+        for ((dg, du), ((dy, g), u)) in dg.iter_mut().zip(du.iter_mut()).zip(inputs) {
+            let (dy, g, u) = (dy.to_f64(), g.to_f64(), u.to_f64());
+            let sig = sigmoid(g);
+            *du = T::from_f64(dy * T::round(g * sig));
+            *dg = T::from_f64(T::round(dy * u) * sig * (1.0 + g * (1.0 - sig)));
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+    use BastileDType::*;
+
+    /// Deterministic pseudo-random values in [-scale, scale).
+    fn noise(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    fn cast<T: Element>(v: &[f64]) -> Vec<T> {
+        v.iter().map(|&x| T::from_f64(x)).collect()
+    }
+
+    /// Exact values in f64 with no intermediate rounding, from another formula than the kernels':
+    /// sig(g) = exp(-ln(1 + e^-g)) and d silu / dg = sig(g) + silu(g) * sig(-g).
+    fn reference(dy: f64, g: f64, u: f64) -> (f64, f64, f64) {
+        let sig = |x: f64| (-(-x).exp().ln_1p()).exp();
+        let silu = g * sig(g);
+        (silu * u, dy * u * (sig(g) + silu * sig(-g)), dy * silu)
+    }
+
+    /// Runs both CPU kernels on `n` elements of T and checks every element against [`reference`] on
+    /// the same (rounded) inputs. Each result is rounded at most twice: `unit` is T's unit roundoff,
+    /// `tiny` the absolute error of results near T's underflow.
+    fn check<T: Element>(dt: BastileDType, n: usize, unit: f64, tiny: f64) {
+        let g: Vec<T> = cast(&noise(n, 1, 12.0));
+        let u: Vec<T> = cast(&noise(n, 2, 3.0));
+        let dy: Vec<T> = cast(&noise(n, 3, 3.0));
+        let nan = || vec![T::from_f64(f64::NAN); n];
+        let (mut y, mut dg, mut du) = (nan(), nan(), nan());
+        let f = SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n: n as i64, dtype: dt as i32 };
+        forward_cpu(&f).unwrap();
+        let b = SwigluBackward {
+            grad_y: dy.as_ptr().cast(),
+            gate: f.gate,
+            up: f.up,
+            grad_gate: dg.as_mut_ptr().cast(),
+            grad_up: du.as_mut_ptr().cast(),
+            n: n as i64,
+            dtype: dt as i32,
+        };
+        backward_cpu(&b).unwrap();
+        let tol = |r: f64| 2.5 * unit * r.abs() + tiny;
+        for i in 0..n {
+            let (ry, rdg, rdu) = reference(dy[i].to_f64(), g[i].to_f64(), u[i].to_f64());
+            for (what, got, want) in [("y", y[i], ry), ("grad_gate", dg[i], rdg), ("grad_up", du[i], rdu)] {
+                let err = (got.to_f64() - want).abs();
+                assert!(err <= tol(want), "{dt:?} n={n} element {i}: {what} = {} but exact {want} (g={}, u={}, dy={})",
+                        got.to_f64(), g[i].to_f64(), u[i].to_f64(), dy[i].to_f64());
+            }
+        }
+    }
+
+    #[test]
+    fn cpu_kernels_match_f64_reference() {
+        // Sizes around the rayon chunk, so that every chunk boundary case runs.
+        for n in [0, 1, 7, 1000, CHUNK, 2 * CHUNK + 3] {
+            // f64: exp and ln round at every step of the reference (|g| < 12), far below f32's 2^-24.
+            check::<f64>(BASTILE_F64, n, 2f64.powi(-44), 0.0);
+            check::<f32>(BASTILE_F32, n, 2f64.powi(-24), 1e-40);
+            check::<f16>(BASTILE_F16, n, 2f64.powi(-11), 2f64.powi(-24));
+            check::<bf16>(BASTILE_BF16, n, 2f64.powi(-8), 1e-40);
+        }
+    }
+
+    #[test]
+    fn roundings_are_those_of_the_hf_expression() {
+        // Inputs where every output of torch's bf16 autograd of F.silu(g) * u (the values asserted)
+        // differs from the exact result rounded once (y -0.54296875, grad_gate 0.75390625,
+        // grad_up -0.4296875).
+        let (g, u, dy) = ([bf16::from_f32(0.75)], [bf16::from_f32(-1.0625)], [bf16::from_f32(-0.84375)]);
+        let (mut y, mut dg, mut du) = ([bf16::ZERO], [bf16::ZERO], [bf16::ZERO]);
+        let dtype = BASTILE_BF16 as i32;
+        let f = SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n: 1, dtype };
+        forward_cpu(&f).unwrap();
+        let b = SwigluBackward {
+            grad_y: dy.as_ptr().cast(),
+            gate: f.gate,
+            up: f.up,
+            grad_gate: dg.as_mut_ptr().cast(),
+            grad_up: du.as_mut_ptr().cast(),
+            n: 1,
+            dtype,
+        };
+        backward_cpu(&b).unwrap();
+        assert_eq!((y[0].to_f32(), dg[0].to_f32(), du[0].to_f32()), (-0.5390625, 0.7578125, -0.427734375));
+    }
+
+    #[test]
+    fn bad_dtype_codes_and_f64_on_cuda_are_errors() {
+        let p = SwigluForward { dtype: 9, n: 1, ..Default::default() };
+        assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
+        let p = SwigluForward { dtype: BASTILE_F64 as i32, ..p };
+        assert!(forward_cuda(&p, 0, 0).unwrap_err().contains("CPU only"));
+    }
+
+    #[test]
+    fn kernel_names_match_cuda_symbols() {
+        let aligned = 4096 as *const c_void;
+        assert_eq!(name("fwd", BASTILE_BF16, vector_width(BASTILE_BF16, &[aligned, aligned])), "swiglu_fwd_bf16_vec");
+        let odd = 4098 as *const c_void;
+        assert_eq!(name("bwd", BASTILE_F16, vector_width(BASTILE_F16, &[aligned, odd])), "swiglu_bwd_f16_scalar");
+        assert_eq!(vector_width(BASTILE_F32, &[aligned]), 4);
+    }
+}

@@ -1,0 +1,376 @@
+"""torch.ops.bastile.swiglu against HF's `act_fn(gate) * up` (F.silu(g) * u) and an fp64 reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bastile
+from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+
+op = torch.ops.bastile.swiglu
+backward_op = torch.ops.bastile.swiglu_backward
+HALF = [torch.bfloat16, torch.float16]
+
+
+def hf(g, u):
+    """Qwen3MLP's activation times up projection (ACT2FN["silu"] is F.silu)."""
+    return F.silu(g) * u
+
+
+def f64_reference(g, u, dy):
+    """Exact y, grad_gate, grad_up in float64, through autograd of the same expression."""
+    g64, u64 = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+    y = hf(g64, u64)
+    return (y.detach(), *torch.autograd.grad(y, (g64, u64), dy.double()))
+
+
+def inputs(shape, dtype, device, seed=0):
+    """gate spans the sigmoid's curved and saturated ranges; up and grad_y are O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = (3 * torch.randn(shape, generator=gen)).to(dtype).to(device)
+    u = torch.randn(shape, generator=gen).to(dtype).to(device)
+    dy = torch.randn(shape, generator=gen).to(dtype).to(device)
+    return g, u, dy
+
+
+def ulps(a, b):
+    """|a - b| elementwise, in units of a's dtype spacing in the binade of the larger of the two;
+    computed on a's device."""
+    fi = torch.finfo(a.dtype)
+    a, b = a.detach().double(), b.detach().to(a.device).double()
+    _, e = torch.frexp(torch.maximum(a.abs(), b.abs()).clamp_min(fi.tiny))
+    return (a - b).abs() / torch.ldexp(torch.full_like(a, fi.eps), e - 1)
+
+
+# Largest fraction of 16-bit elements allowed to differ (by one ulp) from a reference that rounds
+# the same f32 intermediates: both compute silu in f32, a few f32 ulps apart (the GPU uses the
+# hardware exp2 and reciprocal), which moves a 16-bit rounding in ~2^-13 (fp16) or ~2^-16 (bf16)
+# of the elements per rounding.
+MAX_DIFFERING = {torch.bfloat16: 1e-3, torch.float16: 5e-3}
+
+
+def assert_matches(got, want, what=""):
+    """16-bit: equal but for a tiny fraction, and those one ulp apart in each rounding (a one-ulp
+    difference in the rounded silu moves the product by up to two); fp32: rel_err < 1e-6."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert not got.isnan().any(), what
+    if got.dtype in MAX_DIFFERING:
+        assert ulps(got, want).max() <= 2, what
+        differing = (got != want.to(got.device)).double().mean().item()
+        assert differing <= MAX_DIFFERING[got.dtype], f"{what}: {differing:.2e} of elements differ"
+    else:
+        assert rel_err(got, want) < 1e-6, what
+
+
+def run_both(g, u, dy):
+    """y and (grad_gate, grad_up) of the op through autograd."""
+    g, u = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+    y = op(g, u)
+    return y, torch.autograd.grad(y, (g, u), dy)
+
+
+# ---------------------------------------------------------------- CPU and any device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 128), (5, 1001), (7, 3), (3,), ()])
+def test_opcheck(device, shape):
+    g, u, dy = inputs(shape, torch.float32, device)
+    torch.library.opcheck(op.default, (g.requires_grad_(), u.requires_grad_()))
+    torch.library.opcheck(backward_op.default, (dy, g.detach(), u.detach()))
+
+
+def test_gradcheck_fp64():
+    g, u, _ = inputs((3, 5, 7), torch.float64, "cpu")
+    assert torch.autograd.gradcheck(op, (g.requires_grad_(), u.requires_grad_()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_matches_hf_and_f64_reference(dtype, device):
+    g, u, dy = inputs((64, 1000), dtype, device)
+    y, (dg, du) = run_both(g, u, dy)
+    g2, u2 = g.clone().requires_grad_(), u.clone().requires_grad_()
+    ref = hf(g2, u2)
+    rdg, rdu = torch.autograd.grad(ref, (g2, u2), dy)
+    assert_matches(y, ref, "y")
+    assert_matches(dg, rdg, "grad_gate")
+    assert_matches(du, rdu, "grad_up")
+    # Against the exact values: a few of the dtype's roundings (each result is rounded twice).
+    tol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}[dtype]
+    for got, exact in zip((y, dg, du), f64_reference(g, u, dy)):
+        assert rel_err(got, exact) < tol
+
+
+def test_fp64_is_exact_math():
+    g, u, dy = inputs((16, 100), torch.float64, "cpu")
+    y, grads = run_both(g, u, dy)
+    for got, exact in zip((y, *grads), f64_reference(g, u, dy)):
+        assert rel_err(got, exact) < 1e-14
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rounds_where_hf_rounds(device):
+    # bf16 inputs whose every output differs from the exactly computed value rounded once
+    # (-0.54296875, 0.75390625, -0.4296875): the op must round silu(g) and dy * u to bf16 as HF does.
+    t = lambda v: torch.tensor([v], dtype=torch.bfloat16, device=device)
+    y, (dg, du) = run_both(t(0.75), t(-1.0625), t(-0.84375))
+    assert (y.item(), dg.item(), du.item()) == (-0.5390625, 0.7578125, -0.427734375)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_leaves_dtypes_alone(device):
+    g, u, _ = inputs((8, 64), torch.float32, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y32 = op(g, u)
+        ref32 = hf(g, u)
+        y16 = op(g.bfloat16(), u.bfloat16())
+    assert y32.dtype == ref32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+    assert rel_err(y32, ref32) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_inputs(device):
+    # gate and up as the halves of one fused projection, and a transposed grad_y.
+    gu = (3 * torch.randn(6, 10, 2 * 96, device=device)).requires_grad_()
+    dy = torch.randn(96, 10, 6, device=device).transpose(0, 2)
+    g, u = gu.chunk(2, -1)
+    assert not (g.is_contiguous() or u.is_contiguous() or dy.is_contiguous())
+    y = op(g, u)
+    (dgu,) = torch.autograd.grad(y, gu, dy)
+    gu2 = gu.detach().clone().requires_grad_()
+    ref = hf(*gu2.chunk(2, -1))
+    (rdgu,) = torch.autograd.grad(ref, gu2, dy)
+    assert_matches(y, ref, "y")
+    assert_matches(dgu, rdgu, "grad")
+    # Exactly what contiguous copies give.
+    gc, uc, dyc = g.detach().contiguous(), u.detach().contiguous(), dy.contiguous()
+    torch.testing.assert_close(y, op(gc, uc), rtol=0, atol=0)
+    torch.testing.assert_close(dgu, torch.cat(backward_op(dyc, gc, uc), -1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_of_one_input(device):
+    g, u, dy = inputs((4, 24), torch.float32, device)
+    g.requires_grad_()
+    (dg,) = torch.autograd.grad(op(g, u), g, dy)
+    g2 = g.detach().clone().requires_grad_()
+    (rdg,) = torch.autograd.grad(hf(g2, u), g2, dy)
+    assert_matches(dg, rdg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_input(device):
+    g = torch.randn(0, 32, device=device, requires_grad=True)
+    u = torch.randn(0, 32, device=device, requires_grad=True)
+    y = op(g, u)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert g.grad.shape == u.grad.shape == (0, 32)
+
+
+def test_saves_only_gate_and_up():
+    g, u, _ = inputs((4, 16), torch.float32, "cpu")
+    g.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        op(g, u)
+    assert len(saved) == 2 and saved[0].data_ptr() == g.data_ptr() and saved[1].data_ptr() == u.data_ptr()
+    saved.clear()
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = op(g, u)
+    assert not saved and y.grad_fn is None
+
+
+def test_no_grad_and_inference_mode_match_autograd_path():
+    g, u, _ = inputs((4, 96), torch.float32, "cpu")
+    y = op(g.requires_grad_(), u)
+    with torch.no_grad():
+        y_ng = op(g, u)
+    with torch.inference_mode():
+        y_inf = op(g.detach(), u)
+    torch.testing.assert_close(y_ng, y, rtol=0, atol=0)
+    torch.testing.assert_close(y_inf, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_matches_eager(device):
+    torch._dynamo.reset()
+
+    def f(g, u):
+        return op(g * 2, u).sum(-1)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for rows in (4, 7):  # a second shape exercises the symbolic sizes
+        g = torch.randn(rows, 3, 64, device=device, requires_grad=True)
+        u = torch.randn(rows, 3, 64, device=device, requires_grad=True)
+        out, ref = compiled(g, u), f(g, u)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(out.sum(), (g, u)), torch.autograd.grad(ref.sum(), (g, u))):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_torchscript():
+    @torch.jit.script
+    def f(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return torch.ops.bastile.swiglu(g, u)
+
+    g, u, _ = inputs((5, 32), torch.float32, "cpu")
+    torch.testing.assert_close(f(g, u), op(g, u), rtol=0, atol=0)
+
+
+def test_functional_alias():
+    g, u, _ = inputs((3, 40), torch.bfloat16, "cpu")
+    torch.testing.assert_close(bastile.ops.swiglu(g, u), op(g, u), rtol=0, atol=0)
+
+
+def test_double_backward_is_refused():
+    g = torch.randn(4, 8, requires_grad=True)
+    u = torch.randn(4, 8, requires_grad=True)
+    (dg,) = torch.autograd.grad(op(g, u).sum(), g, create_graph=True)
+    with pytest.raises(RuntimeError):
+        dg.sum().backward()
+
+
+f32 = lambda *s: torch.randn(*s)
+BAD = [
+    (lambda: op(f32(4, 8), f32(4, 8).double()), "gate and up must have the same dtype"),
+    (lambda: op(f32(4, 8).half(), f32(4, 8).bfloat16()), "gate and up must have the same dtype"),
+    (lambda: op(f32(4, 8), f32(4, 9)), "gate and up must have the same shape"),
+    (lambda: op(f32(4, 8), f32(8, 4)), "gate and up must have the same shape"),
+    (lambda: op(f32(4, 8), f32(32)), "gate and up must have the same shape"),
+    (lambda: op(f32(4, 8), torch.randn(4, 8, device="meta")), "up is on meta"),
+    (lambda: op(torch.randint(0, 5, (4, 8)), f32(4, 8)), "gate must be float32"),
+    (lambda: op(f32(4, 8), torch.randint(0, 5, (4, 8))), "up must be float32"),
+    (lambda: op(torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32)), "gate must be float32"),
+    (lambda: backward_op(f32(4, 9), f32(4, 8), f32(4, 8)), "gate and grad_y must have the same shape"),
+    (lambda: backward_op(f32(4, 8).half(), f32(4, 8), f32(4, 8)), "gate and grad_y must have the same dtype"),
+    (lambda: backward_op(f32(4, 8), f32(4, 8), f32(4, 7)), "gate and up must have the same shape"),
+]
+
+
+@pytest.mark.parametrize("bad,match", BAD)
+def test_bad_input_raises(bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        bad()
+
+
+# ---------------------------------------------------------------- CUDA against the CPU reference
+
+# Qwen3 MLP activations (tokens x intermediate size) and odd sizes whose last 1..7 elements take the
+# scalar tail after the 16-byte vectors. (2, 1024, 3072) in bf16 has more vectors than one resident
+# wave covers but fewer than four waves: the grid-stride loop runs several steps per thread.
+CUDA_SHAPES = [(2, 1024, 3072), (4096, 6144), (5, 1001), (301, 3), (3,), (1, 9), (7, 17, 1000)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+def test_cuda_matches_cpu(dtype, shape):
+    g, u, dy = inputs(shape, dtype, "cpu")
+    y = op(g, u)
+    dg, du = backward_op(dy, g, u)
+    n = g.numel()
+    poison_cuda_allocator(8 * n)
+    yc = op(g.cuda(), u.cuda())
+    poison_cuda_allocator(8 * n)
+    dgc, duc = backward_op(dy.cuda(), g.cuda(), u.cuda())
+    assert yc.is_cuda and dgc.is_cuda and duc.is_cuda
+    assert_matches(yc, y, "y")
+    assert_matches(dgc, dg, "grad_gate")
+    assert_matches(duc, du, "grad_up")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_matches_hf(dtype):
+    g, u, dy = inputs((512, 3072), dtype, "cuda")
+    y, (dg, du) = run_both(g, u, dy)
+    g2, u2 = g.clone().requires_grad_(), u.clone().requires_grad_()
+    ref = hf(g2, u2)
+    rdg, rdu = torch.autograd.grad(ref, (g2, u2), dy)
+    assert_matches(y, ref, "y")
+    assert_matches(dg, rdg, "grad_gate")
+    assert_matches(du, rdu, "grad_up")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", HALF + [torch.float32])
+@pytest.mark.parametrize("which", ["gate", "up", "all"])
+def test_cuda_misaligned_views(dtype, which):
+    # A slice starting at element 1 is contiguous but not 16-byte aligned: the scalar kernels run.
+    n = 64 * 1024
+    g, u, dy = inputs((n + 1,), dtype, "cuda")
+    sl = lambda t, name: (t[1:] if which in (name, "all") else t[:-1]).view(64, 1024)
+    g, u, dy = sl(g, "gate"), sl(u, "up"), sl(dy, "all")
+    assert g.is_contiguous() and u.is_contiguous()
+    y = op(g, u)
+    dg, du = backward_op(dy, g, u)
+    assert_matches(y, op(g.cpu(), u.cpu()), "y")
+    rdg, rdu = backward_op(dy.cpu(), g.cpu(), u.cpu())
+    assert_matches(dg, rdg, "grad_gate")
+    assert_matches(du, rdu, "grad_up")
+
+
+@needs_cuda
+def test_cuda_bad_inputs():
+    g = torch.randn(4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="gate is on cuda:0 but up is on cpu"):
+        op(g, torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="grad_y is on cpu"):
+        backward_op(torch.randn(4, 8), g, g)
+    with pytest.raises(RuntimeError, match="float64 is supported on CPU only"):
+        op(g.double(), g.double())
+
+
+@needs_cuda
+def test_cuda_on_side_stream_and_under_graph_capture():
+    g, u, _ = inputs((256, 4096), torch.bfloat16, "cuda")
+    ref = op(g, u)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = op(g, u)
+        dg, du = backward_op(ref, g, u)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    rdg, rdu = backward_op(ref, g, u)
+    torch.testing.assert_close(dg, rdg, rtol=0, atol=0)
+    torch.testing.assert_close(du, rdu, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = op(g, u)
+    g.copy_(torch.randn_like(g))
+    graph.replay()
+    torch.testing.assert_close(yg, op(g, u), rtol=0, atol=0)
+
+
+# 2^31 + 2^20 + 3 elements: offsets past 2^31 need 64-bit indexing, and the last 3 take the scalar tail.
+BIG = 2 ** 31 + 2 ** 20 + 3
+
+
+@needs_cuda
+@pytest.mark.skipif(not CUDA or torch.cuda.mem_get_info()[0] < 40 * 2 ** 30, reason="needs 40 GiB of free GPU memory")
+def test_cuda_beyond_int32_elements():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.randn(BIG, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(3)
+    u = torch.randn(BIG, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = op(g, u)
+    dg, du = backward_op(y, g, u)  # y doubles as the incoming gradient
+    # Every element, chunk by chunk, against HF on the GPU (an element left unwritten shows up here).
+    step = 2 ** 26
+    for start in range(0, BIG, step):
+        s = slice(start, min(start + step, BIG))
+        gs, us = g[s].clone().requires_grad_(), u[s].clone().requires_grad_()
+        ref = hf(gs, us)
+        rdg, rdu = torch.autograd.grad(ref, (gs, us), y[s])
+        for got, want in ((y[s], ref), (dg[s], rdg), (du[s], rdu)):
+            assert ulps(got, want).max() <= 2 and (got != want).double().mean().item() <= 1e-3
+        del gs, us, ref, rdg, rdu
+    # And a few slices, the one across 2^31 included, against the CPU kernels.
+    for start in (0, 2 ** 31 - 4096, BIG - 5000):
+        s = slice(start, start + 5000)
+        gc, uc = g[s].cpu(), u[s].cpu()
+        assert_matches(y[s], op(gc, uc), "y")
+        rdg, rdu = backward_op(y[s].cpu(), gc, uc)
+        assert_matches(dg[s], rdg, "grad_gate")
+        assert_matches(du[s], rdu, "grad_up")
