@@ -9,6 +9,7 @@ mod ffi;
 pub mod geometry;
 pub mod params;
 pub mod rms_norm;
+pub mod rope;
 
 /// Version of torch this library was built against; the Python shim refuses another one.
 pub const TORCH_VERSION: &str = env!("BASTILE_TORCH_VERSION");
