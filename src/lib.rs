@@ -10,6 +10,7 @@ pub mod geometry;
 pub mod params;
 pub mod rms_norm;
 pub mod swiglu;
+pub mod rope;
 
 /// Version of torch this library was built against; the Python shim refuses another one.
 pub const TORCH_VERSION: &str = env!("BASTILE_TORCH_VERSION");

@@ -1,0 +1,97 @@
+"""RoPE on the GPU: Bastile vs HF eager apply_rotary_pos_emb, torch.compile of it, and Liger Kernel (when
+installed), with q and k given as HF builds them: transposed views of [batch, seq, heads, head_dim] storage.
+
+    python benches/bench_rope.py            # bf16, the issue's shapes; CSV under $OUT or bench-results/
+
+Shapes are batch x seq x q_heads x k_heads x head_dim. Effective bandwidth counts the bytes an ideal kernel
+must move: the forward reads q, k, cos and sin and writes q_embed, k_embed; the backward moves as much again
+(reads the output gradients and the tables, writes the input gradients).
+"""
+import argparse
+
+import torch
+from common import copy_bandwidth_tbs, environment, markdown, out_dir, time_ms, write_csv
+from transformers import Qwen3Config
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+import bastile
+
+HF_APPLY = modeling_qwen3.apply_rotary_pos_emb
+
+
+def implementations():
+    impls = {"bastile": lambda q, k, cos, sin: torch.ops.bastile.rope(q, k, cos, sin, 1), "hf_eager": HF_APPLY,
+             "torch_compile": torch.compile(HF_APPLY, dynamic=False)}
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+        # Takes HF's [batch, heads, seq, head_dim] views; rotates its (contiguous) copies in place.
+        impls["liger"] = lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
+    except ImportError:
+        pass
+    return impls
+
+
+def tables(batch, seq, dim, dtype, per_batch):
+    """cos, sin from HF's Qwen3RotaryEmbedding: [1, seq, dim] for one sequence per row (HF's default position
+    ids), [batch, seq, dim] for packed rows whose positions restart."""
+    cfg = Qwen3Config(hidden_size=4 * dim, num_attention_heads=4, num_key_value_heads=2, head_dim=dim,
+                      max_position_embeddings=max(seq, 4096))
+    emb = Qwen3RotaryEmbedding(cfg).cuda()
+    if per_batch:
+        pos = torch.stack([torch.cat([torch.arange(seq // (b + 2)), torch.arange(seq - seq // (b + 2))])
+                           for b in range(batch)])
+    else:
+        pos = torch.arange(seq)[None]
+    return emb(torch.empty(1, dtype=dtype, device="cuda"), pos.cuda())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shapes", default="2x4096x16x8x128,1x8192x32x8x128", help="BxSxHqxHkxD, comma-separated")
+    ap.add_argument("--impls", default="bastile,hf_eager,torch_compile,liger", help="comma-separated subset")
+    ap.add_argument("--per-batch-tables", action="store_true", help="cos/sin [B, S, D] (packed rows)")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    size = torch.finfo(dtype).bits // 8
+    print(environment(), flush=True)
+    copy = copy_bandwidth_tbs()
+    print(f"device copy: {copy:.2f} TB/s", flush=True)
+    rows_out = []
+    for shape in args.shapes.split(","):
+        b, s, hq, hk, d = map(int, shape.split("x"))
+        qs = torch.randn(b, s, hq, d, device="cuda", dtype=dtype)
+        ks = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
+        cos, sin = tables(b, s, d, dtype, args.per_batch_tables)
+        gq = torch.randn(b, hq, s, d, device="cuda", dtype=dtype)
+        gk = torch.randn(b, hk, s, d, device="cuda", dtype=dtype)
+        qg, kg = qs.clone().requires_grad_(), ks.clone().requires_grad_()
+        fwd_bytes = 2 * (qs.numel() + ks.numel()) * size + 2 * cos.numel() * size
+        fwdbwd_bytes = 2 * fwd_bytes
+        ref = HF_APPLY(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
+        for name, f in implementations().items():
+            if name not in args.impls.split(","):
+                continue
+            # Same function before timing (on copies: Liger rotates its inputs in place).
+            out = f(qs.clone().transpose(1, 2), ks.clone().transpose(1, 2), cos, sin)
+            for a, r in zip(out, ref):
+                torch.testing.assert_close(a, r, rtol=2 ** -6, atol=1e-2)
+            q, k = qs.transpose(1, 2), ks.transpose(1, 2)
+            fwd = time_ms(lambda: f(q, k, cos, sin))
+            both = time_ms(lambda: torch.autograd.grad(f(qg.transpose(1, 2), kg.transpose(1, 2), cos, sin),
+                                                       (qg, kg), (gq, gk)))
+            rows_out.append({
+                "shape": shape, "dtype": args.dtype, "impl": name,
+                "fwd_ms": f"{fwd:.4f}", "fwd_TBps": f"{fwd_bytes / fwd / 1e9:.2f}",
+                "fwdbwd_ms": f"{both:.4f}", "fwdbwd_TBps": f"{fwdbwd_bytes / both / 1e9:.2f}",
+            })
+            print(rows_out[-1], flush=True)
+    write_csv(out_dir() / "rope.csv", rows_out)
+    print()
+    print(environment(), f"| device copy {copy:.2f} TB/s")
+    print(markdown(rows_out, ["shape", "impl", "fwd_ms", "fwd_TBps", "fwdbwd_ms", "fwdbwd_TBps"]))
+
+
+if __name__ == "__main__":
+    main()

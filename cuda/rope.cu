@@ -1,0 +1,121 @@
+// Rotary position embedding with HF semantics (apply_rotary_pos_emb), q and k in one launch.
+//
+// Forward, i < D/2, h = D/2:  out[i]   = x[i]*cos[i]     - x[i+h]*sin[i]
+//                             out[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h]
+// Backward (the transposed rotation):
+//                             out[i]   = g[i]*cos[i]     + g[i+h]*sin[i+h]
+//                             out[i+h] = g[i+h]*cos[i+h] - g[i]*sin[i]
+// Each product is rounded to promote(in, cos) and then to the output dtype, and the sum to the output
+// dtype, as HF's eager ops (and their autograd) round; products are never fused into FMAs.
+//
+// A token (b, s) is handled by pair_threads x head_lanes threads: a thread loads the cos/sin vectors
+// of its pair (i, i+h) once and rotates that pair in every head_lanes-th head of q, then of k. Strides
+// are int64 and arbitrary (HF's q and k are transposed views); Rust picks vec so that every access
+// is aligned.
+#include "common.cuh"
+#include "rope.h"
+
+using namespace bastile;
+
+namespace {
+
+// a*b rounded to M (the dtype torch multiplies in), then to O (the dtype torch stores the term in).
+template <class M, class O> __device__ __forceinline__ float term(float a, float b) {
+  return round_to<O>(round_to<M>(__fmul_rn(a, b)));
+}
+
+// Stores pk as one access. A plain struct copy came out as 2- or 4-byte stores for the second pack
+// of a thread (nvcc 13.0), which halves the store throughput.
+template <class T, int V> __device__ __forceinline__ void store_pack(T *p, const Pack<T, V> &pk) {
+  uint32_t w[(sizeof(pk) + 3) / 4] = {};
+  memcpy(w, &pk, sizeof(pk));
+  if constexpr (sizeof(pk) == 16)
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+  else if constexpr (sizeof(pk) == 8)
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
+  else
+    *reinterpret_cast<Pack<T, V> *>(p) = pk;
+}
+
+// Head h of token (b, s) of t.
+template <class T>
+__device__ __forceinline__ T *head_of(const RopeTensor &t, int64_t b, int64_t s, int64_t h) {
+  return static_cast<T *>(t.data) + b * t.batch_stride + s * t.seq_stride + h * t.head_stride;
+}
+
+template <class I, class C, class O, bool kBackward, int V>
+__device__ __forceinline__ void rotate(const Rope &p) {
+  using M = typename Promote<I, C>::type;
+  const int per_token = p.pair_threads * p.head_lanes, tokens_per_block = blockDim.x / per_token;
+  const int t = threadIdx.x % per_token, slot = threadIdx.x / per_token;
+  const int first_pair = t % p.pair_threads, lane = t / p.pair_threads;
+  const int64_t half = p.head_dim / 2, pairs = half / V, tokens = p.batch * p.seq;
+  const int64_t heads = p.q_heads + p.k_heads;
+  const C *cos = static_cast<const C *>(p.cos.data), *sin = static_cast<const C *>(p.sin.data);
+
+  for (int64_t tok = (int64_t)blockIdx.x * tokens_per_block + slot; tok < tokens;
+       tok += (int64_t)gridDim.x * tokens_per_block) {
+    const int64_t b = tok / p.seq, s = tok % p.seq;
+    const C *ct = cos + b * p.cos.batch_stride + s * p.cos.seq_stride;
+    const C *st = sin + b * p.sin.batch_stride + s * p.sin.seq_stride;
+    for (int64_t j = first_pair; j < pairs; j += p.pair_threads) {
+      const int64_t i = j * V;
+      Pack<C, V> c1 = load<V>(ct + i), c2 = load<V>(ct + half + i), s1 = load<V>(st + i), s2 = load<V>(st + half + i);
+      for (int64_t hh = lane; hh < heads; hh += p.head_lanes) {
+        // Keeps the tables packed across heads (half the registers of 16-bit tables): otherwise their
+        // widening is hoisted out of this loop.
+        if constexpr (sizeof(c1) % 4 == 0) opaque(c1), opaque(c2), opaque(s1), opaque(s2);
+        const bool is_q = hh < p.q_heads;
+        // Selects values, not references: a reference into the parameter block would copy it to the stack.
+        const I *x = (is_q ? head_of<const I>(p.q, b, s, hh) : head_of<const I>(p.k, b, s, hh - p.q_heads)) + i;
+        O *y = (is_q ? head_of<O>(p.q_out, b, s, hh) : head_of<O>(p.k_out, b, s, hh - p.q_heads)) + i;
+        const Pack<I, V> x1 = load<V>(x), x2 = load<V>(x + half);
+        // Packed as computed: fewer live registers than two float arrays.
+        Pack<O, V> o1, o2;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const float a = to_f32(x1.v[e]), b = to_f32(x2.v[e]);
+          if constexpr (kBackward) {
+            o1.v[e] = from_f32<O>(__fadd_rn(term<M, O>(a, to_f32(c1.v[e])), term<M, O>(b, to_f32(s2.v[e]))));
+            o2.v[e] = from_f32<O>(__fsub_rn(term<M, O>(b, to_f32(c2.v[e])), term<M, O>(a, to_f32(s1.v[e]))));
+          } else {
+            o1.v[e] = from_f32<O>(__fsub_rn(term<M, O>(a, to_f32(c1.v[e])), term<M, O>(b, to_f32(s1.v[e]))));
+            o2.v[e] = from_f32<O>(__fadd_rn(term<M, O>(b, to_f32(c2.v[e])), term<M, O>(a, to_f32(s2.v[e]))));
+          }
+        }
+        store_pack(y, o1);
+        store_pack(y + half, o2);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// rope_{fwd,bwd}_<in>_<cos>_v<V>. The forward writes promote(in, cos); the backward writes in's dtype.
+#define ROPE_KERNELS(in, I, cs, C, V)                                                                  \
+  extern "C" __global__ void __launch_bounds__(256) rope_fwd_##in##_##cs##_v##V(const Rope p) {        \
+    rotate<I, C, typename Promote<I, C>::type, false, V>(p);                                          \
+  }                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(256) rope_bwd_##in##_##cs##_v##V(const Rope p) {        \
+    rotate<I, C, I, true, V>(p);                                                                      \
+  }
+
+// 16-byte accesses at most: 8 elements when every dtype involved is 16-bit, 4 otherwise.
+#define ROPE_NARROW(in, I, cs, C) \
+  ROPE_KERNELS(in, I, cs, C, 1)   \
+  ROPE_KERNELS(in, I, cs, C, 2)   \
+  ROPE_KERNELS(in, I, cs, C, 4)
+#define ROPE_WIDE(in, I, cs, C) \
+  ROPE_NARROW(in, I, cs, C)     \
+  ROPE_KERNELS(in, I, cs, C, 8)
+
+ROPE_WIDE(bf16, bf16, bf16, bf16)
+ROPE_WIDE(f16, f16, f16, f16)
+ROPE_NARROW(f32, float, f32, float)
+ROPE_NARROW(f32, float, f16, f16)
+ROPE_NARROW(f32, float, bf16, bf16)
+ROPE_NARROW(f16, f16, f32, float)
+ROPE_NARROW(f16, f16, bf16, bf16)
+ROPE_NARROW(bf16, bf16, f32, float)
+ROPE_NARROW(bf16, bf16, f16, f16)

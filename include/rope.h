@@ -1,0 +1,39 @@
+/* Parameter block of cuda/rope.cu. */
+#pragma once
+#include "bastile.h"
+
+/* One operand seen as [batch, seq, heads, head_dim]: element strides of the first three (a size-1
+ * dimension has stride 0); head_dim has stride 1. cos and sin use batch and seq only (batch stride 0
+ * when broadcast). */
+typedef struct RopeTensor {
+  void *data;
+  int64_t batch_stride;
+  int64_t seq_stride;
+  int64_t head_stride;
+} RopeTensor;
+
+/* Forward: q, k -> q_out, k_out in promote(in_dtype, cs_dtype). Backward: q, k are the gradients of
+ * the outputs and q_out, k_out the gradients of the inputs, all in in_dtype. */
+typedef struct Rope {
+  RopeTensor q;
+  RopeTensor k;
+  RopeTensor q_out;
+  RopeTensor k_out;
+  RopeTensor cos;
+  RopeTensor sin;
+  int64_t batch;
+  int64_t seq;
+  int64_t q_heads;
+  int64_t k_heads;
+  int64_t head_dim; /* even */
+  int32_t in_dtype;
+  int32_t cs_dtype;  /* of cos and sin */
+  int32_t out_dtype;
+  /* Launch geometry, chosen by Rust: vec elements per access; pair_threads x head_lanes threads per
+   * token, each rotating vector pairs (i, i + head_dim / 2) of every head_lanes-th head;
+   * block / (pair_threads * head_lanes) tokens per block. */
+  int32_t vec;
+  int32_t pair_threads;
+  int32_t head_lanes;
+  int32_t block;
+} Rope;

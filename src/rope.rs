@@ -1,0 +1,429 @@
+//! Rotary position embedding: CUDA launchers for `cuda/rope.cu` and the CPU kernels (the reference
+//! the GPU is tested against). Semantics of HF `apply_rotary_pos_emb` and of its autograd; see
+//! `cuda/rope.cu` for the formulas and the rounding.
+use crate::cpu::{promote, Element};
+use crate::driver::{self, fatbins, Launch, Result};
+use crate::ffi::guard;
+use crate::geometry;
+use crate::params::{BastileDType, Rope, RopeTensor};
+use rayon::prelude::*;
+
+crate::params::bridged!(Rope);
+
+/// Entries of `src/torch/rope.cpp` (`bastile::rs::rope::*`).
+#[cxx::bridge(namespace = "bastile::rs::rope")]
+mod bridge {
+    #[namespace = ""]
+    unsafe extern "C++" {
+        include!("rope.h");
+        type Rope = crate::params::Rope;
+    }
+
+    extern "Rust" {
+        #[cxx_name = "run_cuda"]
+        fn ffi_run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Result<()>;
+        #[cxx_name = "run_cpu"]
+        fn ffi_run_cpu(p: &Rope, backward: bool) -> Result<()>;
+    }
+}
+
+fn ffi_run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Result<()> {
+    guard(|| run_cuda(p, backward, device, stream))
+}
+fn ffi_run_cpu(p: &Rope, backward: bool) -> Result<()> {
+    guard(|| run_cpu(p, backward))
+}
+
+/// Most threads of a block, and of one token's group.
+const BLOCK: i64 = 256;
+/// Most threads along the vector pairs of one head; longer heads loop.
+const MAX_PAIR_THREADS: i64 = 128;
+
+/// Dtypes of the input, of cos/sin and of the output, checked against the direction: the forward
+/// writes promote(input, cos), the backward the input's dtype.
+fn dtypes(p: &Rope, backward: bool) -> Result<(BastileDType, BastileDType, BastileDType)> {
+    let (i, c, o) = (
+        BastileDType::from_raw(p.in_dtype)?,
+        BastileDType::from_raw(p.cs_dtype)?,
+        BastileDType::from_raw(p.out_dtype)?,
+    );
+    let want = if backward { i } else { promote(i, c) };
+    if o != want {
+        return Err(format!("bastile.rope: output dtype {o:?} does not match the inputs (expected {want:?})"));
+    }
+    Ok((i, c, o))
+}
+
+/// Elements per access: 16 bytes of the widest dtype involved (8 only for 16-bit pairs of one dtype,
+/// the kernels that exist), halved until every pointer, stride and half head is a multiple of it.
+fn vector(p: &Rope, i: BastileDType, c: BastileDType, o: BastileDType) -> i64 {
+    let mut vec = 16 / i.size().max(c.size()).max(o.size()) as i64;
+    if vec == 8 && i != c {
+        vec = 4;
+    }
+    let tensors = [(&p.q, i), (&p.k, i), (&p.q_out, o), (&p.k_out, o), (&p.cos, c), (&p.sin, c)];
+    let fits = |v: i64, t: &RopeTensor, d: BastileDType| {
+        geometry::aligned(t.data, v as usize * d.size())
+            && [t.batch_stride, t.seq_stride, t.head_stride].iter().all(|s| s % v == 0)
+    };
+    while vec > 1 && !((p.head_dim / 2) % vec == 0 && tensors.iter().all(|&(t, d)| fits(vec, t, d))) {
+        vec /= 2;
+    }
+    vec
+}
+
+/// Fills `vec`, `pair_threads`, `head_lanes` and `block`: a token's threads cover its vector pairs
+/// once and spread its heads evenly (each thread loads its cos/sin vectors once per token).
+fn plan(p: &mut Rope, vec: i64) {
+    let pairs = (p.head_dim / 2 / vec).max(1);
+    let heads = (p.q_heads + p.k_heads).max(1);
+    let pair_threads = pairs.min(MAX_PAIR_THREADS);
+    let rounds = geometry::ceil_div(heads, BLOCK / pair_threads);
+    let head_lanes = geometry::ceil_div(heads, rounds);
+    let per_token = pair_threads * head_lanes;
+    p.vec = vec as i32;
+    p.pair_threads = pair_threads as i32;
+    p.head_lanes = head_lanes as i32;
+    p.block = (per_token * (BLOCK / per_token)) as i32;
+}
+
+fn name(backward: bool, i: BastileDType, c: BastileDType, vec: i32) -> String {
+    format!("rope_{}_{}_{}_v{vec}", if backward { "bwd" } else { "fwd" }, i.tag(), c.tag())
+}
+
+pub fn run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Result<()> {
+    let (i, c, o) = dtypes(p, backward)?;
+    if [i, c].contains(&BastileDType::BASTILE_F64) {
+        return Err("bastile.rope: float64 is supported on CPU only".into());
+    }
+    plan(p, vector(p, i, c, o));
+    let dev = driver::device(device)?;
+    let key = backward as u64 | (i as u64) << 4 | (c as u64) << 8 | (p.vec as u64) << 12 | (p.block as u64) << 20;
+    let kernel = dev.kernel(fatbins::ROPE, key, p.block as u32, || name(backward, i, c, p.vec))?;
+    let tokens_per_block = (p.block / (p.pair_threads * p.head_lanes)) as i64;
+    let blocks = geometry::ceil_div(p.batch * p.seq, tokens_per_block).max(1);
+    let grid = geometry::grid(blocks, dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
+    let cfg = Launch { grid: (grid, 1), block: (p.block as u32, 1), shared: 0 };
+    // SAFETY: the C++ layer checked shapes, strides, dtypes and devices of every pointer in `p`.
+    unsafe { driver::launch(kernel, cfg, stream, p) }
+}
+
+pub fn run_cpu(p: &Rope, backward: bool) -> Result<()> {
+    let (i, c, _) = dtypes(p, backward)?;
+    // SAFETY: the C++ layer checked shapes, strides and dtypes of every pointer in `p`.
+    crate::with_dtypes!(i, c, |I, C, M| unsafe {
+        if backward {
+            rotate_cpu::<I, C, M, I>(p, true)
+        } else {
+            rotate_cpu::<I, C, M, M>(p, false)
+        }
+    });
+    Ok(())
+}
+
+/// Address of element `e` of head `h` of token (b, s).
+fn at(t: &RopeTensor, b: i64, s: i64, h: i64, e: i64) -> usize {
+    (b * t.batch_stride + s * t.seq_stride + h * t.head_stride + e) as usize
+}
+
+/// The parameter block shared by the CPU kernel's threads.
+struct Shared<'a>(&'a Rope);
+// SAFETY: the kernel only reads the block; through its pointers each token writes its own elements.
+unsafe impl Sync for Shared<'_> {}
+impl Shared<'_> {
+    fn get(&self) -> &Rope {
+        self.0
+    }
+}
+
+/// As the CUDA kernel, in f64 with the same roundings: each product to `M` then `O`, the sum to `O`.
+///
+/// # Safety
+/// Every pointer of `p` must address its tensor with the given strides, in the dtypes `I`, `C`, `O`;
+/// distinct (token, head, element) of an output must be distinct elements, overlapping no input.
+unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, backward: bool) {
+    let shared = Shared(p);
+    let term = |a: f64, b: f64| O::round(M::round(a * b));
+    (0..p.batch * p.seq).into_par_iter().for_each(|tok| {
+        let p = shared.get();
+        let (b, s, half) = (tok / p.seq, tok % p.seq, p.head_dim / 2);
+        let table = |t: &RopeTensor, e: i64| (*(t.data as *const C).add(at(t, b, s, 0, e))).to_f64();
+        let heads = (0..p.q_heads).map(|h| (&p.q, &p.q_out, h)).chain((0..p.k_heads).map(|h| (&p.k, &p.k_out, h)));
+        for (src, dst, h) in heads {
+            let (x, y) = (src.data as *const I, dst.data as *mut O);
+            for e in 0..half {
+                let (c1, c2) = (table(&p.cos, e), table(&p.cos, e + half));
+                let (s1, s2) = (table(&p.sin, e), table(&p.sin, e + half));
+                let x1 = (*x.add(at(src, b, s, h, e))).to_f64();
+                let x2 = (*x.add(at(src, b, s, h, e + half))).to_f64();
+                let (o1, o2) = if backward {
+                    (term(x1, c1) + term(x2, s2), term(x2, c2) - term(x1, s1))
+                } else {
+                    (term(x1, c1) - term(x2, s1), term(x2, c2) + term(x1, s2))
+                };
+                *y.add(at(dst, b, s, h, e)) = O::from_f64(o1);
+                *y.add(at(dst, b, s, h, e + half)) = O::from_f64(o2);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+    use BastileDType::*;
+
+    /// Deterministic pseudo-random values in [-2, 2).
+    fn noise(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    fn cast<T: Element>(v: &[f64]) -> Vec<T> {
+        v.iter().map(|&x| T::from_f64(x)).collect()
+    }
+
+    fn widen<T: Element>(v: &[T]) -> Vec<f64> {
+        v.iter().map(|x| x.to_f64()).collect()
+    }
+
+    fn unit(d: BastileDType) -> f64 {
+        match d {
+            BASTILE_F64 => 2f64.powi(-53),
+            BASTILE_F32 => 2f64.powi(-24),
+            BASTILE_F16 => 2f64.powi(-11),
+            BASTILE_BF16 => 2f64.powi(-8),
+        }
+    }
+
+    struct Shape {
+        batch: usize,
+        seq: usize,
+        q_heads: usize,
+        k_heads: usize,
+        dim: usize,
+        /// cos/sin differ per batch row (else one table broadcast over the batch).
+        per_batch: bool,
+        /// q/k stored [batch, seq, heads, dim] and seen as [batch, heads, seq, dim] (HF's views).
+        transposed: bool,
+    }
+
+    /// Row-major strides of [batch, seq, heads] storage (or [batch, heads, seq]) as a RopeTensor.
+    fn layout(data: *mut std::ffi::c_void, sh: &Shape, heads: usize, transposed: bool) -> RopeTensor {
+        let (s, h, d) = (sh.seq as i64, heads as i64, sh.dim as i64);
+        if transposed {
+            RopeTensor { data, batch_stride: s * h * d, seq_stride: h * d, head_stride: d }
+        } else {
+            RopeTensor { data, batch_stride: h * s * d, seq_stride: d, head_stride: s * d }
+        }
+    }
+
+    /// Exact rotation of one head vector: forward R(θ) x, backward R(θ)^T g, with R built from the
+    /// (possibly unrelated) cos and sin halves as HF's formula defines it.
+    fn reference(x: &[f64], c: &[f64], s: &[f64], backward: bool) -> Vec<f64> {
+        let n = x.len();
+        let h = n / 2;
+        // Matrix of the forward: out[i] = sum_j m[i][j] x[j].
+        let mut m = vec![vec![0.0; n]; n];
+        for i in 0..h {
+            m[i][i] = c[i];
+            m[i][i + h] = -s[i];
+            m[i + h][i + h] = c[i + h];
+            m[i + h][i] = s[i + h];
+        }
+        (0..n).map(|i| (0..n).map(|j| if backward { m[j][i] } else { m[i][j] } * x[j]).sum()).collect()
+    }
+
+    fn check<I: Element, C: Element>(id: BastileDType, cd: BastileDType, sh: &Shape, backward: bool) {
+        let od = if backward { id } else { promote(id, cd) };
+        let (b, s, d) = (sh.batch, sh.seq, sh.dim);
+        let tb = if sh.per_batch { b } else { 1 };
+        let q: Vec<I> = cast(&noise(b * s * sh.q_heads * d, 1));
+        let k: Vec<I> = cast(&noise(b * s * sh.k_heads * d, 2));
+        let cos: Vec<C> = cast(&noise(tb * s * d, 3));
+        let sin: Vec<C> = cast(&noise(tb * s * d, 4));
+        let nan = |n| vec![f64::NAN; n];
+        crate::with_dtypes!(od, od, |O, _W, _Y| {
+            let mut qo: Vec<O> = cast(&nan(q.len()));
+            let mut ko: Vec<O> = cast(&nan(k.len()));
+            let table = |data: *const C| RopeTensor {
+                data: data as *mut _,
+                batch_stride: if sh.per_batch { (s * d) as i64 } else { 0 },
+                seq_stride: d as i64,
+                head_stride: 0,
+            };
+            let p = Rope {
+                q: layout(q.as_ptr() as *mut _, sh, sh.q_heads, sh.transposed),
+                k: layout(k.as_ptr() as *mut _, sh, sh.k_heads, sh.transposed),
+                // Outputs in the other layout: strides of inputs and outputs are independent.
+                q_out: layout(qo.as_mut_ptr().cast(), sh, sh.q_heads, !sh.transposed),
+                k_out: layout(ko.as_mut_ptr().cast(), sh, sh.k_heads, !sh.transposed),
+                cos: table(cos.as_ptr()),
+                sin: table(sin.as_ptr()),
+                batch: b as i64,
+                seq: s as i64,
+                q_heads: sh.q_heads as i64,
+                k_heads: sh.k_heads as i64,
+                head_dim: d as i64,
+                in_dtype: id as i32,
+                cs_dtype: cd as i32,
+                out_dtype: od as i32,
+                ..Default::default()
+            };
+            run_cpu(&p, backward).unwrap();
+            // Each result is a sum of two products, each rounded at most three times, then rounded:
+            // a few units of the output dtype relative to the terms' size.
+            let tol = 8.0 * unit(od).max(unit(promote(id, cd)));
+            let (qf, kf, cf, sf) = (widen(&q), widen(&k), widen(&cos), widen(&sin));
+            let (qof, kof) = (widen(&qo), widen(&ko));
+            for (x, out, heads, tin, tout) in [(&qf, &qof, sh.q_heads, &p.q, &p.q_out), (&kf, &kof, sh.k_heads, &p.k, &p.k_out)] {
+                for bi in 0..b as i64 {
+                    for si in 0..s as i64 {
+                        let row = ((if sh.per_batch { bi } else { 0 }) * s as i64 + si) as usize * d;
+                        let (c, sn) = (&cf[row..row + d], &sf[row..row + d]);
+                        for h in 0..heads as i64 {
+                            let xv: Vec<f64> = (0..d as i64).map(|e| x[at(tin, bi, si, h, e)]).collect();
+                            let want = reference(&xv, c, sn, backward);
+                            for e in 0..d {
+                                let got = out[at(tout, bi, si, h, e as i64)];
+                                let scale = xv.iter().zip(c).map(|(a, b)| (a * b).abs()).fold(1e-30, f64::max)
+                                    + xv.iter().zip(sn).map(|(a, b)| (a * b).abs()).fold(0.0, f64::max);
+                                assert!(
+                                    (got - want[e]).abs() <= tol * scale,
+                                    "{id:?}/{cd:?} backward={backward} b={bi} s={si} h={h} e={e}: {got} vs {}",
+                                    want[e]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    fn shapes() -> Vec<Shape> {
+        vec![
+            Shape { batch: 2, seq: 5, q_heads: 4, k_heads: 2, dim: 8, per_batch: true, transposed: true },
+            Shape { batch: 1, seq: 3, q_heads: 1, k_heads: 1, dim: 2, per_batch: false, transposed: false },
+            Shape { batch: 3, seq: 4, q_heads: 2, k_heads: 1, dim: 128, per_batch: false, transposed: true },
+            Shape { batch: 2, seq: 2, q_heads: 3, k_heads: 0, dim: 6, per_batch: true, transposed: false },
+        ]
+    }
+
+    #[test]
+    fn cpu_kernels_match_f64_reference() {
+        for sh in &shapes() {
+            for backward in [false, true] {
+                check::<f64, f64>(BASTILE_F64, BASTILE_F64, sh, backward);
+                check::<f32, f32>(BASTILE_F32, BASTILE_F32, sh, backward);
+                check::<f16, f16>(BASTILE_F16, BASTILE_F16, sh, backward);
+                check::<bf16, bf16>(BASTILE_BF16, BASTILE_BF16, sh, backward);
+                check::<bf16, f32>(BASTILE_BF16, BASTILE_F32, sh, backward);
+                check::<f32, bf16>(BASTILE_F32, BASTILE_BF16, sh, backward);
+                check::<f16, bf16>(BASTILE_F16, BASTILE_BF16, sh, backward);
+            }
+        }
+    }
+
+    #[test]
+    fn rounding_matches_hf_expression() {
+        // bf16: q*cos and rotate_half(q)*sin are each rounded to bf16, then their sum.
+        let x = [bf16::from_f32(1.0), bf16::from_f32(1.0 / 256.0)];
+        let c = [bf16::from_f32(1.0 + 1.0 / 128.0); 2];
+        let s = [bf16::from_f32(0.75); 2];
+        let mut out = [bf16::ZERO; 2];
+        let t = |data: *const bf16| RopeTensor { data: data as *mut _, batch_stride: 0, seq_stride: 0, head_stride: 2 };
+        let p = Rope {
+            q: t(x.as_ptr()),
+            q_out: t(out.as_mut_ptr()),
+            cos: t(c.as_ptr()),
+            sin: t(s.as_ptr()),
+            batch: 1,
+            seq: 1,
+            q_heads: 1,
+            head_dim: 2,
+            in_dtype: BASTILE_BF16 as i32,
+            cs_dtype: BASTILE_BF16 as i32,
+            out_dtype: BASTILE_BF16 as i32,
+            ..Default::default()
+        };
+        run_cpu(&p, false).unwrap();
+        let r = |v: f32| bf16::from_f32(v).to_f32();
+        let want0 = r(r(1.0 * (1.0 + 1.0 / 128.0)) - r(1.0 / 256.0 * 0.75));
+        let want1 = r(r(1.0 / 256.0 * (1.0 + 1.0 / 128.0)) + r(0.75));
+        assert_eq!((out[0].to_f32(), out[1].to_f32()), (want0, want1));
+    }
+
+    #[test]
+    fn vector_width_follows_alignment() {
+        let t = |addr: usize, stride: i64| RopeTensor { data: addr as *mut _, batch_stride: stride, seq_stride: stride, head_stride: 128 };
+        let mut p = Rope {
+            q: t(4096, 2048),
+            k: t(8192, 1024),
+            q_out: t(4096, 2048),
+            k_out: t(8192, 1024),
+            cos: t(64, 128),
+            sin: t(1024, 128),
+            head_dim: 128,
+            ..Default::default()
+        };
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 8);
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_F32, BASTILE_F32), 4);
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_F16, BASTILE_F32), 4);
+        p.k.seq_stride = 1028; // a view with a 4-element offset between tokens
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 4);
+        p.cos.data = 66 as *mut _;
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 1);
+        p.cos.data = 64 as *mut _;
+        p.head_dim = 72; // half a head is 36 elements
+        assert_eq!(vector(&p, BASTILE_F16, BASTILE_F16, BASTILE_F16), 4);
+    }
+
+    #[test]
+    fn plan_covers_pairs_and_heads() {
+        for (dim, q_heads, k_heads, vec) in [(128, 16, 8, 8), (128, 32, 8, 8), (64, 1, 1, 8), (256, 16, 8, 4), (6, 3, 0, 1), (4096, 2, 2, 1)] {
+            let mut p = Rope { head_dim: dim, q_heads, k_heads, ..Default::default() };
+            plan(&mut p, vec);
+            let (pt, lanes, block) = (p.pair_threads as i64, p.head_lanes as i64, p.block as i64);
+            assert!(pt >= 1 && lanes >= 1 && block <= BLOCK && block % (pt * lanes) == 0, "{dim} {q_heads} {k_heads}: {pt} {lanes} {block}");
+            assert!(pt <= (dim / 2 / vec).max(1) && lanes <= (q_heads + k_heads).max(1));
+        }
+        // Qwen3-style GQA at head_dim 128: a thread per (pair, head), one token per 192-thread block.
+        let mut p = Rope { head_dim: 128, q_heads: 16, k_heads: 8, ..Default::default() };
+        plan(&mut p, 8);
+        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 24, 192));
+        // 40 heads: two heads per thread, 20 lanes.
+        p.q_heads = 32;
+        plan(&mut p, 8);
+        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 20, 160));
+        // One head each: 16 tokens per block.
+        let mut p = Rope { head_dim: 128, q_heads: 1, k_heads: 1, ..Default::default() };
+        plan(&mut p, 8);
+        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 2, 256));
+    }
+
+    #[test]
+    fn bad_dtypes_and_f64_on_cuda_are_errors() {
+        let mut p = Rope { in_dtype: 9, ..Default::default() };
+        assert!(run_cpu(&p, false).unwrap_err().contains("unknown dtype"));
+        p.in_dtype = BASTILE_BF16 as i32;
+        p.cs_dtype = BASTILE_F32 as i32;
+        p.out_dtype = BASTILE_BF16 as i32;
+        assert!(run_cpu(&p, false).unwrap_err().contains("does not match"));
+        p.in_dtype = BASTILE_F64 as i32;
+        p.out_dtype = BASTILE_F64 as i32;
+        assert!(run_cuda(&mut p, false, 0, 0).unwrap_err().contains("CPU only"));
+    }
+
+    #[test]
+    fn kernel_names_match_cuda_symbols() {
+        assert_eq!(name(false, BASTILE_BF16, BASTILE_BF16, 8), "rope_fwd_bf16_bf16_v8");
+        assert_eq!(name(true, BASTILE_F16, BASTILE_F32, 1), "rope_bwd_f16_f32_v1");
+    }
+}

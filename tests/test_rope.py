@@ -1,0 +1,475 @@
+"""torch.ops.bastile.rope against HF's apply_rotary_pos_emb (forward and its autograd) and an fp64 reference."""
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+import bastile
+from conftest import DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+
+op = torch.ops.bastile.rope
+op_backward = torch.ops.bastile.rope_backward
+
+HF_APPLY = modeling_qwen3.apply_rotary_pos_emb  # taken before any test patches it
+
+# Relative spacing of each dtype (one ulp at 1.0) and unit roundoff.
+EPS = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -23, torch.float64: 2 ** -52}
+
+
+def unit(dtype):
+    return EPS[dtype] / 2
+
+
+def rotary_tables(batch_positions, dim, dtype, device):
+    """cos, sin [batch, seq, dim] from HF's Qwen3RotaryEmbedding for the given position ids."""
+    cfg = Qwen3Config(hidden_size=4 * dim, num_attention_heads=4, num_key_value_heads=2, head_dim=dim,
+                      max_position_embeddings=1 << 20)
+    rope_emb = Qwen3RotaryEmbedding(cfg).to(device)
+    pos = torch.as_tensor(batch_positions, dtype=torch.long, device=device)
+    return rope_emb(torch.empty(1, dtype=dtype, device=device), pos)
+
+
+def packed_positions(batch, seq):
+    """Packed sequences: each row holds several documents whose positions restart, differently per row."""
+    rows = []
+    for b in range(batch):
+        cut = min(seq, max(1, (seq * (b + 1)) // (batch + 2)))
+        rows.append(list(range(cut)) + list(range(seq - cut)))
+    return rows
+
+
+def qwen3_inputs(batch, seq, q_heads, k_heads, dim, dtype, device, unsqueeze_dim=1, packed=True, seed=0):
+    """q, k as Qwen3's attention builds them, from leaf [batch, seq, heads, dim] storage (whose .grad is the
+    gradient HF's autograd would give the projections): transposed views for unsqueeze_dim=1."""
+    g = torch.Generator().manual_seed(seed)
+    qs = torch.randn(batch, seq, q_heads, dim, generator=g).to(device, dtype).requires_grad_()
+    ks = torch.randn(batch, seq, k_heads, dim, generator=g).to(device, dtype).requires_grad_()
+    positions = packed_positions(batch, seq) if packed else [list(range(seq))] * batch
+    positions = torch.tensor(positions, dtype=torch.long).reshape(batch, seq)
+    cos, sin = rotary_tables(positions, dim, dtype, device)
+    view = (lambda t: t.transpose(1, 2)) if unsqueeze_dim == 1 else (lambda t: t)
+    return qs, ks, view(qs), view(ks), cos, sin
+
+
+def f64_reference(q, k, cos, sin, unsqueeze_dim=1):
+    return HF_APPLY(q.double(), k.double(), cos.double(), sin.double(), unsqueeze_dim)
+
+
+def assert_matches_hf(out, ref, dtype):
+    """At most one ulp apart anywhere, and bitwise equal almost everywhere: we round as HF does."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=EPS[dtype], atol=EPS[dtype])
+    assert out.numel() == 0 or (out == ref).float().mean().item() > 0.99
+
+
+# ---------------------------------------------------------------- CPU and any device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("per_batch", [True, False])
+def test_opcheck(device, unsqueeze_dim, per_batch):
+    _, _, q, k, cos, sin = qwen3_inputs(2, 5, 4, 2, 16, torch.float32, device, unsqueeze_dim)
+    if not per_batch:
+        cos, sin = cos[:1], sin[:1]
+    torch.library.opcheck(op.default, (q, k, cos, sin, unsqueeze_dim))
+    gq, gk = torch.randn_like(q.detach()), torch.randn_like(k.detach())
+    torch.library.opcheck(op_backward.default, (gq, gk, cos, sin, unsqueeze_dim))
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_gradcheck_fp64(unsqueeze_dim):
+    _, _, q, k, cos, sin = qwen3_inputs(2, 4, 3, 1, 8, torch.float64, "cpu", unsqueeze_dim)
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: op(a, b, cos, sin, unsqueeze_dim), (q, k))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_matches_hf_forward_and_backward(device, dtype, unsqueeze_dim):
+    qs, ks, q, k, cos, sin = qwen3_inputs(2, 33, 4, 2, 64, dtype, device, unsqueeze_dim)
+    q_embed, k_embed = op(q, k, cos, sin, unsqueeze_dim)
+    qs2, ks2 = qs.detach().clone().requires_grad_(), ks.detach().clone().requires_grad_()
+    view = (lambda t: t.transpose(1, 2)) if unsqueeze_dim == 1 else (lambda t: t)
+    rq, rk = HF_APPLY(view(qs2), view(ks2), cos, sin, unsqueeze_dim)
+    assert_matches_hf(q_embed, rq, dtype)
+    assert_matches_hf(k_embed, rk, dtype)
+    gq, gk = torch.randn_like(q_embed), torch.randn_like(k_embed)
+    (q_embed * gq).sum().add((k_embed * gk).sum()).backward()
+    (rq * gq).sum().add((rk * gk).sum()).backward()
+    assert_matches_hf(qs.grad, qs2.grad, dtype)
+    assert_matches_hf(ks.grad, ks2.grad, dtype)
+    # And the exact values: forward and gradient (the transposed rotation) in float64.
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    eq, ek = f64_reference(q64, k64, cos, sin, unsqueeze_dim)
+    rgq, rgk = torch.autograd.grad((eq, ek), (q64, k64), (gq.double(), gk.double()))
+    tol = 4 * unit(dtype)
+    assert rel_err(q_embed, eq) < tol and rel_err(k_embed, ek) < tol
+    assert rel_err(view(qs.grad), rgq) < tol and rel_err(view(ks.grad), rgk) < tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_keep_the_dense_layout_of_inputs(device):
+    _, _, q, k, cos, sin = qwen3_inputs(2, 7, 4, 2, 32, torch.float32, device)
+    q_embed, k_embed = op(q, k, cos, sin)
+    assert not q.is_contiguous()
+    assert q_embed.stride() == torch.empty_like(q).stride() and k_embed.stride() == torch.empty_like(k).stride()
+    rq, rk = HF_APPLY(q, k, cos, sin)
+    torch.testing.assert_close(q_embed, rq, rtol=0, atol=0)
+    torch.testing.assert_close(k_embed, rk, rtol=0, atol=0)
+    # Slices of a fused qkv projection are not dense: results come out contiguous, values unchanged.
+    qkv = torch.randn(2, 7, (4 + 2 + 2) * 32, device=device)
+    q = qkv[..., : 4 * 32].view(2, 7, 4, 32).transpose(1, 2)
+    k = qkv[..., 4 * 32: 6 * 32].view(2, 7, 2, 32).transpose(1, 2)
+    q_embed, k_embed = op(q, k, cos, sin)
+    assert q_embed.is_contiguous() and k_embed.is_contiguous()
+    rq, rk = HF_APPLY(q, k, cos, sin)
+    torch.testing.assert_close(q_embed, rq, rtol=0, atol=0)
+    torch.testing.assert_close(k_embed, rk, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_last_dim_and_tables_are_accepted(device):
+    q = torch.randn(2, 3, 5, 16, device=device)[..., ::2]  # last stride 2: copied, not refused
+    k = torch.randn(2, 1, 5, 8, device=device)
+    cos = torch.randn(5, 8, 2, device=device)[..., 0]
+    sin = torch.randn(5, 8, 2, device=device)[..., 1]
+    for a, b in zip(op(q, k, cos, sin), HF_APPLY(q, k, cos[None], sin[None])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("table_shape", ["1SD", "SD", "BSD"])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_table_broadcasts(device, table_shape, unsqueeze_dim):
+    _, _, q, k, cos, sin = qwen3_inputs(3, 9, 2, 2, 16, torch.float32, device, unsqueeze_dim)
+    if table_shape == "1SD":
+        cos, sin = cos[1:2], sin[1:2]
+    full_cos, full_sin = cos.expand(3, -1, -1), sin.expand(3, -1, -1)
+    if table_shape == "SD":
+        cos, sin = cos[1], sin[1]
+        full_cos, full_sin = cos.expand(3, -1, -1), sin.expand(3, -1, -1)
+    out = op(q, k, cos, sin, unsqueeze_dim)
+    ref = HF_APPLY(q, k, full_cos, full_sin, unsqueeze_dim)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_sequences_use_each_rows_positions(device):
+    # Positions restart inside a row and differ between rows: each batch row needs its own cos/sin.
+    qs, ks, q, k, cos, sin = qwen3_inputs(3, 40, 4, 2, 64, torch.float32, device, packed=True)
+    assert not torch.equal(cos[0], cos[1])
+    out = op(q, k, cos, sin)
+    for a, b in zip(out, HF_APPLY(q, k, cos, sin)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Using row 0's table for every row would be wrong: the test can tell.
+    wrong = op(q, k, cos[:1], sin[:1])
+    assert not torch.allclose(wrong[0], out[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [2, 64, 72, 128, 256])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (1, 1), (3, 0)])
+def test_head_dims_and_gqa(device, dim, heads):
+    q_heads, k_heads = heads
+    qs, ks, q, k, cos, sin = qwen3_inputs(2, 6, q_heads, k_heads, dim, torch.bfloat16, device)
+    out = op(q, k, cos, sin)
+    for a, b in zip(out, HF_APPLY(q, k, cos, sin)):
+        assert_matches_hf(a, b, torch.bfloat16)
+    gq, gk = torch.randn_like(out[0]), torch.randn_like(out[1])
+    torch.autograd.backward(out, (gq, gk))
+    qs2, ks2 = qs.detach().clone().requires_grad_(), ks.detach().clone().requires_grad_()
+    torch.autograd.backward(HF_APPLY(qs2.transpose(1, 2), ks2.transpose(1, 2), cos, sin), (gq, gk))
+    assert_matches_hf(qs.grad, qs2.grad, torch.bfloat16)
+    assert_matches_hf(ks.grad, ks2.grad, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype,cs_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                              (torch.float16, torch.bfloat16)])
+def test_mixed_dtypes_follow_promotion(device, q_dtype, cs_dtype):
+    qs, ks, q, k, cos, sin = qwen3_inputs(2, 11, 4, 2, 32, q_dtype, device)
+    cos, sin = cos.to(cs_dtype), sin.to(cs_dtype)
+    out = op(q, k, cos, sin)
+    qs2, ks2 = qs.detach().clone().requires_grad_(), ks.detach().clone().requires_grad_()
+    ref = HF_APPLY(qs2.transpose(1, 2), ks2.transpose(1, 2), cos, sin)
+    r_dtype = torch.promote_types(q_dtype, cs_dtype)
+    for a, b in zip(out, ref):
+        assert_matches_hf(a, b, r_dtype)
+    g = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, g)
+    torch.autograd.backward(ref, g)
+    assert qs.grad.dtype == q_dtype
+    # HF rounds each term of the gradient to q's dtype before summing, we round the sum once.
+    assert rel_err(qs.grad, qs2.grad) < 2 * unit(q_dtype) and rel_err(ks.grad, ks2.grad) < 2 * unit(q_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_leaves_dtypes_as_hf(device):
+    _, _, q, k, cos, sin = qwen3_inputs(2, 5, 2, 1, 16, torch.bfloat16, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = op(q, k, cos.float(), sin.float())
+        ref = HF_APPLY(q, k, cos.float(), sin.float())
+    assert out[0].dtype == ref[0].dtype == torch.float32
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_of_unused_outputs_and_reductions(device):
+    qs, ks, q, k, cos, sin = qwen3_inputs(2, 5, 4, 2, 16, torch.float32, device)
+    q_embed, k_embed = op(q, k, cos, sin)
+    # sum() hands backward expanded (stride-0) gradients; k_embed's gradient is never given.
+    q_embed.sum().backward()
+    qs2, ks2 = qs.detach().clone().requires_grad_(), ks.detach().clone().requires_grad_()
+    HF_APPLY(qs2.transpose(1, 2), ks2.transpose(1, 2), cos, sin)[0].sum().backward()
+    torch.testing.assert_close(qs.grad, qs2.grad, rtol=0, atol=0)
+    assert ks.grad is None or not ks.grad.any()
+    # An output requires grad only where its input does, as HF's.
+    qe, ke = op(q.detach().requires_grad_(), k.detach(), cos, sin)
+    assert qe.requires_grad and not ke.requires_grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,seq,k_heads", [(0, 5, 2), (2, 0, 2), (2, 5, 0)])
+def test_empty_input(device, batch, seq, k_heads):
+    qs, ks, q, k, cos, sin = qwen3_inputs(batch, seq, 4, k_heads, 16, torch.float32, device)
+    q_embed, k_embed = op(q, k, cos, sin)
+    assert q_embed.shape == q.shape and k_embed.shape == k.shape
+    (q_embed.sum() + k_embed.sum()).backward()
+    assert qs.grad.shape == qs.shape and ks.grad.shape == ks.shape
+    if qs.numel():  # a non-empty q beside an empty k still gets its gradient
+        qs2 = qs.detach().clone().requires_grad_()
+        HF_APPLY(qs2.transpose(1, 2), k.detach(), cos, sin)[0].sum().backward()
+        torch.testing.assert_close(qs.grad, qs2.grad, rtol=0, atol=0)
+
+
+def test_no_grad_and_inference_mode_match_autograd_path():
+    qs, ks, q, k, cos, sin = qwen3_inputs(2, 5, 4, 2, 16, torch.float32, "cpu")
+    out = op(q, k, cos, sin)
+    with torch.no_grad():
+        out_ng = op(q, k, cos, sin)
+        # Under no_grad a cos that requires grad is fine: nothing is differentiated.
+        op(q, k, cos.clone().requires_grad_(), sin)
+    with torch.inference_mode():
+        out_inf = op(q.detach(), k.detach(), cos, sin)
+    for a, b, c in zip(out, out_ng, out_inf):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_matches_eager(device, dynamic):
+    torch._dynamo.reset()
+
+    def f(q, k, cos, sin):
+        q_embed, k_embed = torch.ops.bastile.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+        return (q_embed * 2).sum(-1) + k_embed.sum((1, -1))[:, None]
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for seq in (5, 8):  # a second shape exercises the symbolic sizes
+        qs, ks, _, _, cos, sin = qwen3_inputs(2, seq, 4, 2, 16, torch.float32, device)
+        out = compiled(qs, ks, cos, sin)
+        ref = f(qs, ks, cos, sin)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        g = torch.autograd.grad(out.sum(), (qs, ks))
+        gr = torch.autograd.grad(ref.sum(), (qs, ks))
+        for a, b in zip(g, gr):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_torchscript():
+    @torch.jit.script
+    def f(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return torch.ops.bastile.rope(q, k, cos, sin, 1)
+
+    _, _, q, k, cos, sin = qwen3_inputs(2, 5, 4, 2, 16, torch.float32, "cpu")
+    for a, b in zip(f(q, k, cos, sin), HF_APPLY(q, k, cos, sin)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_functional_mirrors_hf_signature():
+    _, _, q, k, cos, sin = qwen3_inputs(2, 5, 4, 2, 16, torch.float32, "cpu")
+    for a, b in zip(bastile.ops.rope(q, k, cos, sin), HF_APPLY(q, k, cos, sin)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+    out = bastile.ops.rope(qt, kt, cos, sin, 2, position_ids=torch.arange(5)[None])
+    for a, b in zip(out, HF_APPLY(qt, kt, cos, sin, unsqueeze_dim=2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: op(_t(1, 2, 3, 7), _t(1, 1, 3, 7), _t(3, 7), _t(3, 7)), "head_dim must be even"),
+    (lambda: op(_t(1, 2, 3, 8), _t(2, 1, 3, 8), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 4, 8), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 4), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
+    (lambda: op(_t(2, 3, 8), _t(2, 3, 8), _t(3, 8), _t(3, 8)), "must be 4-D"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(4, 8), _t(4, 8)), "cos and sin must have shape"),
+    (lambda: op(_t(2, 2, 3, 8), _t(2, 1, 3, 8), _t(3, 3, 8), _t(3, 3, 8)), "cos and sin must have shape"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 6), _t(3, 6)), "cos and sin must have shape"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(1, 3, 8)), "cos and sin must have one shape"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8), 3), "unsqueeze_dim must be 1"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8, dtype=torch.float16), _t(3, 8), _t(3, 8)), "must have one dtype"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8, dtype=torch.float16)),
+     "cos and sin must have one dtype"),
+    (lambda: op(torch.ones(1, 2, 3, 8, dtype=torch.int32), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8)), "q must be float32"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8, device="meta"), _t(3, 8)), "cos on meta"),
+    (lambda: op(_t(1, 2, 3, 8).requires_grad_(), _t(1, 1, 3, 8), _t(3, 8).requires_grad_(), _t(3, 8)),
+     "rope does not differentiate them"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8).requires_grad_()), "cos and sin require grad"),
+    (lambda: op_backward(_t(1, 2, 3, 7), _t(1, 1, 3, 7), _t(3, 7), _t(3, 7), 1), "rope_backward: head_dim"),
+    (lambda: op_backward(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(2, 8), _t(2, 8), 1), "rope_backward: cos and sin"),
+])
+def test_bad_input_raises(bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        bad()
+
+
+def test_double_backward_is_refused():
+    _, _, q, k, cos, sin = qwen3_inputs(1, 3, 2, 1, 8, torch.float32, "cpu")
+    q_embed, _ = op(q, k, cos, sin)
+    (gq,) = torch.autograd.grad(q_embed.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gq.sum().backward()
+
+
+# ---------------------------------------------------------------- CUDA against the CPU reference
+
+# (batch, seq, q_heads, k_heads, head_dim): Qwen3-0.6B/1.7B (16/8), 4B/8B (32/8), 14B+ (40/8) and a
+# wide head; the CPU kernel rounds exactly as the GPU does, so results must be bitwise equal.
+REAL = [(2, 1024, 16, 8, 128), (1, 2048, 32, 8, 128), (1, 512, 40, 8, 128), (2, 256, 16, 8, 256),
+        (3, 300, 14, 2, 64)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", REAL)
+def test_cuda_matches_cpu_at_real_shapes(dtype, shape):
+    b, s, hq, hk, d = shape
+    qs, ks, q, k, cos, sin = qwen3_inputs(b, s, hq, hk, d, dtype, "cpu")
+    q, k = q.detach(), k.detach()
+    gq, gk = torch.randn(q.shape).to(dtype), torch.randn(k.shape).to(dtype)
+    ref = op(q, k, cos, sin)
+    ref_grad = op_backward(gq, gk, cos, sin, 1)
+    dev = [t.cuda() for t in (qs.detach(), ks.detach(), cos, sin, gq, gk)]
+    qc, kc = dev[0].transpose(1, 2), dev[1].transpose(1, 2)
+    poison_cuda_allocator(8 * (q.numel() + k.numel()) * 4)
+    out = op(qc, kc, dev[2], dev[3])
+    poison_cuda_allocator(8 * (q.numel() + k.numel()) * 4)
+    grad = op_backward(dev[4], dev[5], dev[2], dev[3], 1)
+    for got, want in zip((*out, *grad), (*ref, *ref_grad)):
+        assert not got.isnan().any()
+        assert got.stride() == want.stride()
+        assert torch.equal(got.cpu(), want), f"max diff {(got.cpu().double() - want.double()).abs().max()}"
+    # And against HF on the GPU, forward and autograd.
+    qs2, ks2 = dev[0].clone().requires_grad_(), dev[1].clone().requires_grad_()
+    hq_, hk_ = HF_APPLY(qs2.transpose(1, 2), ks2.transpose(1, 2), dev[2], dev[3])
+    assert_matches_hf(out[0], hq_, dtype)
+    assert_matches_hf(out[1], hk_, dtype)
+    torch.autograd.backward((hq_, hk_), (dev[4], dev[5]))
+    assert_matches_hf(grad[0], qs2.grad.transpose(1, 2), dtype)
+    assert_matches_hf(grad[1], ks2.grad.transpose(1, 2), dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("table", ["BSD", "1SD", "SD"])
+def test_cuda_layouts_match_cpu(unsqueeze_dim, table):
+    qs, ks, q, k, cos, sin = qwen3_inputs(3, 77, 8, 2, 128, torch.bfloat16, "cpu", unsqueeze_dim)
+    q, k = q.detach(), k.detach()
+    if table != "BSD":
+        cos, sin = cos[2:], sin[2:]
+    if table == "SD":
+        cos, sin = cos[0], sin[0]
+    ref = op(q, k, cos, sin, unsqueeze_dim)
+    out = op(q.cuda(), k.cuda(), cos.cuda(), sin.cuda(), unsqueeze_dim)
+    for got, want in zip(out, ref):
+        assert torch.equal(got.cpu(), want)
+
+
+@needs_cuda
+def test_cuda_misaligned_views_fall_back_correctly():
+    # Storage offsets of one element, head_dim 72 (half a head is 36 elements) and odd strides: every vector
+    # width from 8 down to 1 is needed somewhere.
+    for dim, offset in [(128, 1), (72, 0), (72, 2), (2, 0)]:
+        n = 2 * 9 * 5 * dim
+        base = torch.randn(n + offset, dtype=torch.bfloat16)
+        q = base[offset:].view(2, 9, 5, dim).transpose(1, 2)
+        k = torch.randn(2, 9, 3 * dim + 2, dtype=torch.bfloat16)[..., 2:].view(2, 9, 3, dim).transpose(1, 2)
+        cos = torch.randn(2, 9, dim + offset, dtype=torch.bfloat16)[..., offset:]
+        sin = torch.randn(2, 9, dim, dtype=torch.bfloat16)
+        ref = op(q, k, cos, sin)
+        ref_grad = op_backward(ref[0], ref[1], cos, sin, 1)
+        out = op(q.cuda(), k.cuda(), cos.cuda(), sin.cuda())
+        grad = op_backward(out[0], out[1], cos.cuda(), sin.cuda(), 1)
+        for got, want in zip((*out, *grad), (*ref, *ref_grad)):
+            assert torch.equal(got.cpu(), want), (dim, offset)
+
+
+@needs_cuda
+def test_cuda_fwd_bwd_matches_hf_autograd_with_compile():
+    qs, ks, q, k, cos, sin = qwen3_inputs(2, 256, 16, 8, 128, torch.bfloat16, "cuda")
+    f = torch.compile(lambda q, k: op(q, k, cos, sin), fullgraph=True, dynamic=True)
+    out = f(q, k)
+    g = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, g)
+    qs2, ks2 = qs.detach().clone().requires_grad_(), ks.detach().clone().requires_grad_()
+    ref = HF_APPLY(qs2.transpose(1, 2), ks2.transpose(1, 2), cos, sin)
+    torch.autograd.backward(ref, g)
+    for a, b in zip((*out, qs.grad, ks.grad), (*ref, qs2.grad, ks2.grad)):
+        assert_matches_hf(a, b, torch.bfloat16)
+
+
+@needs_cuda
+def test_cuda_on_side_stream_and_under_graph_capture():
+    _, _, q, k, cos, sin = qwen3_inputs(2, 512, 16, 8, 128, torch.bfloat16, "cuda")
+    q, k = q.detach(), k.detach()
+    ref = op(q, k, cos, sin)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = op(q, k, cos, sin)
+        grad = op_backward(out[0], out[1], cos, sin, 1)
+    torch.cuda.current_stream().wait_stream(s)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(grad[0], op_backward(ref[0], ref[1], cos, sin, 1)[0], rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = op(q, k, cos, sin)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    for a, b in zip(out_g, op(q, k, cos, sin)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_cuda
+def test_cuda_offsets_beyond_int32():
+    # q's storage [1, seq, 8, 128] holds 2^31 + 2^20 bf16 elements: the last tokens' offsets pass 2^31.
+    seq, hq, hk, d = 2 ** 21 + 1024, 8, 1, 128
+    need = (3 * seq * (hq + hk) * d + 2 * seq * d) * 2 + (1 << 30)  # q, k, outputs, gradients, tables
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2 ** 30:.1f} GiB of free GPU memory")
+    qs = torch.randn(1, seq, hq, d, device="cuda", dtype=torch.bfloat16)
+    assert qs.numel() > 2 ** 31
+    ks = torch.randn(1, seq, hk, d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(seq, device="cuda")[None]
+    cos, sin = rotary_tables(pos, d, torch.bfloat16, "cuda")
+    q_embed, k_embed = op(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
+    gq, gk = op_backward(q_embed, k_embed, cos, sin, 1)
+    tail = slice(seq - 8, seq)
+    cpu = [t[:, tail].cpu() for t in (qs, ks, cos, sin)]
+    ref = op(cpu[0].transpose(1, 2), cpu[1].transpose(1, 2), cpu[2], cpu[3])
+    ref_grad = op_backward(ref[0], ref[1], cpu[2], cpu[3], 1)
+    for got, want in zip((q_embed, k_embed, gq, gk), (*ref, *ref_grad)):
+        assert torch.equal(got[:, :, tail].cpu(), want)
+    # The rotation is orthogonal when cos^2 + sin^2 = 1: the backward undoes the forward everywhere.
+    assert rel_err(gq[:, :, ::4096], qs.transpose(1, 2)[:, :, ::4096]) < 2 ** -6
