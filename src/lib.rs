@@ -8,6 +8,7 @@ pub mod driver;
 mod ffi;
 pub mod geometry;
 pub mod params;
+pub mod qk_norm_rope;
 pub mod rms_norm;
 
 /// Version of torch this library was built against; the Python shim refuses another one.
