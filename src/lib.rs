@@ -8,9 +8,10 @@ pub mod driver;
 mod ffi;
 pub mod geometry;
 pub mod params;
+pub mod qk_norm_rope;
 pub mod rms_norm;
-pub mod swiglu;
 pub mod rope;
+pub mod swiglu;
 
 /// Version of torch this library was built against; the Python shim refuses another one.
 pub const TORCH_VERSION: &str = env!("BASTILE_TORCH_VERSION");

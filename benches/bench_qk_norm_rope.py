@@ -1,0 +1,101 @@
+"""Qwen3 attention's q/k RMSNorm + rotary embedding on the GPU: Bastile vs HF eager (q_norm, k_norm,
+apply_rotary_pos_emb), torch.compile of it, and Liger Kernel (LigerRMSNorm + LigerRope, when installed).
+
+    python benches/bench_qk_norm_rope.py        # bf16, B x S x Hq x Hk x D shapes; CSV under $OUT or bench-results/
+
+Every implementation takes q [B, S, Hq, D] and k [B, S, Hk, D] (the projections' views) and returns HF's
+[B, H, S, D] layout. Effective bandwidth counts the bytes an ideal kernel must move: the forward reads q,
+k, cos and sin and writes both outputs; forward+backward also reads the output gradients, q, k, cos and
+sin again and writes the input gradients (weights are negligible).
+"""
+import argparse
+import types
+
+import torch
+from common import copy_bandwidth_tbs, environment, markdown, out_dir, time_ms, write_csv
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+import bastile
+
+EPS = 1e-6
+HF_NORM = Qwen3RMSNorm.forward
+
+
+def hf(q, k, qw, kw, cos, sin):
+    qn = HF_NORM(types.SimpleNamespace(weight=qw, variance_epsilon=EPS), q).transpose(1, 2)
+    kn = HF_NORM(types.SimpleNamespace(weight=kw, variance_epsilon=EPS), k).transpose(1, 2)
+    return apply_rotary_pos_emb(qn, kn, cos, sin)
+
+
+def ours(q, k, qw, kw, cos, sin):
+    qo, ko = torch.ops.bastile.qk_norm_rope(q, k, qw, kw, cos, sin, EPS)
+    return qo.transpose(1, 2), ko.transpose(1, 2)
+
+
+def implementations():
+    impls = {"bastile": ours, "hf_eager": hf, "torch_compile": torch.compile(hf, dynamic=False)}
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        def liger(q, k, qw, kw, cos, sin):
+            qn = LigerRMSNormFunction.apply(q, qw, EPS, 0.0, "llama", False).transpose(1, 2)
+            kn = LigerRMSNormFunction.apply(k, kw, EPS, 0.0, "llama", False).transpose(1, 2)
+            return LigerRopeFunction.apply(qn, kn, cos, sin)
+
+        impls["liger"] = liger
+    except ImportError:
+        pass
+    return impls
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shapes", default="2x4096x16x8x128,1x8192x32x8x128", help="BxSxHqxHkxD, comma-separated")
+    ap.add_argument("--impls", default="bastile,hf_eager,torch_compile,liger", help="comma-separated subset")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    size = torch.finfo(dtype).bits // 8
+    print(environment(), flush=True)
+    copy = copy_bandwidth_tbs()
+    print(f"device copy: {copy:.2f} TB/s", flush=True)
+    rows_out = []
+    for shape in args.shapes.split(","):
+        b, s, hq, hk, d = map(int, shape.split("x"))
+        q = torch.randn(b, s, hq, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
+        qw = (1 + 0.1 * torch.randn(d, device="cuda")).to(dtype)
+        kw = (1 + 0.1 * torch.randn(d, device="cuda")).to(dtype)
+        ang = torch.arange(s, device="cuda")[:, None] * 10000 ** (-torch.arange(0, d, 2, device="cuda") / d)
+        ang = torch.cat([ang, ang], -1)[None]
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        gq = torch.randn(b, hq, s, d, device="cuda", dtype=dtype)
+        gk = torch.randn(b, hk, s, d, device="cuda", dtype=dtype)
+        leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+        qk_bytes = (q.numel() + k.numel()) * size
+        cs_bytes = 2 * cos.numel() * size
+        fwd_bytes = 2 * qk_bytes + cs_bytes
+        fwdbwd_bytes = fwd_bytes + 3 * qk_bytes + cs_bytes
+        ref = hf(q, k, qw, kw, cos, sin)
+        for name, f in implementations().items():
+            if name not in args.impls.split(","):
+                continue
+            for a, r in zip(f(q, k, qw, kw, cos, sin), ref):  # the same function before timing
+                torch.testing.assert_close(a, r, rtol=2 ** -6, atol=2e-2)
+            fwd = time_ms(lambda: f(q, k, qw, kw, cos, sin))
+            both = time_ms(lambda: torch.autograd.grad(f(*leaves, cos, sin), leaves, (gq, gk)))
+            rows_out.append({
+                "shape": shape, "dtype": args.dtype, "impl": name,
+                "fwd_ms": f"{fwd:.4f}", "fwd_TBps": f"{fwd_bytes / fwd / 1e9:.2f}",
+                "fwdbwd_ms": f"{both:.4f}", "fwdbwd_TBps": f"{fwdbwd_bytes / both / 1e9:.2f}",
+            })
+            print(rows_out[-1], flush=True)
+    write_csv(out_dir() / "qk_norm_rope.csv", rows_out)
+    print()
+    print(environment(), f"| device copy {copy:.2f} TB/s")
+    print(markdown(rows_out, ["shape", "impl", "fwd_ms", "fwd_TBps", "fwdbwd_ms", "fwdbwd_TBps"]))
+
+
+if __name__ == "__main__":
+    main()

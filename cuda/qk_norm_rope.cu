@@ -1,0 +1,379 @@
+// Qwen3 attention's per-head RMSNorm of q and k followed by rotary embedding, with HF's rounding:
+//   n   = round_N(w * round_X(x * rsqrt(mean(x^2) + eps)))            N = promote(x, w), stats in f32
+//   out = round_R(round_R(n * cos) + round_R(rotate_half(n) * sin))   R = promote(N, cos)
+// One launch handles every (token, head) row of q and of k.
+//
+// A row of D elements belongs to a group of G threads. The "vec" variant gives lane l the V-element
+// vectors at l*V and at D/2 + l*V, so both members of each rotation pair (i, i + D/2) sit in one
+// thread and the row stays in registers between the reduction and the output. The "scalar" variant
+// (rows not aligned for vectors, or too long for one vector pair per lane) walks the pairs twice,
+// the second time from cache. Products and sums go through __fmul_rn/__fadd_rn: in f32 the compiler
+// would otherwise fuse them, which rounds differently from torch's separate multiply and add.
+//
+// The backward's grid is one resident wave. It takes q's rows, then k's: each block keeps its share
+// of one weight's gradient in registers (vec) or in a per-group partial row in global memory (scalar),
+// writes one f32 partial per block (per group), and a second kernel folds the partials.
+#include "common.cuh"
+#include "qk_norm_rope.h"
+
+using namespace bastile;
+
+namespace {
+
+// Row groups a block takes in turn; the bound is uniform across the block, so every thread reaches
+// each group_sum.
+#define FOR_EACH_ROW_GROUP(base, rows, slots) \
+  for (int64_t base = (int64_t)blockIdx.x * (slots); base < (rows); base += (int64_t)gridDim.x * (slots))
+
+// Where row r (token-major, heads of one tensor) lies. Rust keeps row counts below 2^31, so 32-bit
+// division suffices; element offsets are 64-bit.
+struct Row {
+  uint32_t b, s, head;
+  int64_t index;  // the row's place in the contiguous outputs and statistics
+};
+
+__device__ __forceinline__ Row row_of(int64_t r, int64_t heads, int64_t seq) {
+  const uint32_t token = (uint32_t)r / (uint32_t)heads;
+  const uint32_t b = token / (uint32_t)seq;
+  return Row{b, token - b * (uint32_t)seq, (uint32_t)r - token * (uint32_t)heads, r};
+}
+
+__device__ __forceinline__ int64_t offset(const Row &row, int64_t s0, int64_t s1, int64_t s2) {
+  return (int64_t)row.b * s0 + (int64_t)row.s * s1 + (int64_t)row.head * s2;
+}
+
+__device__ __forceinline__ int64_t cs_offset(const Row &row, const int64_t (&st)[2]) {
+  return (int64_t)row.b * st[0] + (int64_t)row.s * st[1];
+}
+
+// HF's normalised element: to N of (w * to X of (x * rstd)).
+template <class X, class N> __device__ __forceinline__ float normed(float x, float w, float r) {
+  return round_to<N>(__fmul_rn(w, round_to<X>(__fmul_rn(x, r))));
+}
+
+// HF's rotation of the pair (lo, hi) = (n[i], n[i + D/2]), each product and the sum rounded to R.
+template <class R>
+__device__ __forceinline__ void rotate(float lo, float hi, float c_lo, float c_hi, float s_lo, float s_hi,
+                                       float &o_lo, float &o_hi) {
+  o_lo = round_to<R>(__fadd_rn(round_to<R>(__fmul_rn(lo, c_lo)), round_to<R>(__fmul_rn(-hi, s_lo))));
+  o_hi = round_to<R>(__fadd_rn(round_to<R>(__fmul_rn(hi, c_hi)), round_to<R>(__fmul_rn(lo, s_hi))));
+}
+
+// The gradient with respect to the pair before rotation (the rotation's transpose), in f32.
+__device__ __forceinline__ void unrotate(float g_lo, float g_hi, float c_lo, float c_hi, float s_lo, float s_hi,
+                                         float &n_lo, float &n_hi) {
+  n_lo = g_lo * c_lo + g_hi * s_hi;
+  n_hi = g_hi * c_hi - g_lo * s_lo;
+}
+
+// The forward's view of one tensor (q or k).
+template <class X, class W, class R> struct Side {
+  const X *x;
+  const W *w;
+  R *out;
+  float *rstd;
+  int64_t heads, s0, s1, s2;
+};
+
+template <class X, class W, class R> __device__ __forceinline__ Side<X, W, R> side(const QkNormRopeForward &p, bool k) {
+  return k ? Side<X, W, R>{static_cast<const X *>(p.k), static_cast<const W *>(p.k_weight), static_cast<R *>(p.k_out),
+                           static_cast<float *>(p.k_rstd), p.shape.k_heads, p.shape.k_stride[0],
+                           p.shape.k_stride[1], p.shape.k_stride[2]}
+           : Side<X, W, R>{static_cast<const X *>(p.q), static_cast<const W *>(p.q_weight), static_cast<R *>(p.q_out),
+                           static_cast<float *>(p.q_rstd), p.shape.q_heads, p.shape.q_stride[0],
+                           p.shape.q_stride[1], p.shape.q_stride[2]};
+}
+
+// Rows of q then of k in one index space.
+template <class P> __device__ __forceinline__ int64_t all_rows(const P &p) {
+  return p.shape.batch * p.shape.seq * (p.shape.q_heads + p.shape.k_heads);
+}
+
+template <class X, class W, class C, int V> __device__ __forceinline__ void forward_vec(const QkNormRopeForward &p) {
+  using N = typename Promote<X, W>::type;
+  using R = typename Promote<N, C>::type;
+  const int G = p.geo.group, slots = blockDim.x / G;
+  const int lane = threadIdx.x % G, slot = threadIdx.x / G;
+  const int64_t D = p.shape.head_dim, lo = (int64_t)lane * V, hi = D / 2 + lo;
+  const bool active = lo < D / 2;  // G is a power of two: lanes past the half's vectors idle
+  const int64_t rows = all_rows(p), q_rows = p.shape.batch * p.shape.seq * p.shape.q_heads;
+  const float eps = (float)p.eps, inv_d = 1.f / (float)D;
+  const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
+
+  FOR_EACH_ROW_GROUP(base, rows, slots) {
+    const int64_t r = base + slot;
+    const bool live = r < rows, is_k = r >= q_rows;
+    const auto t = side<X, W, R>(p, is_k);
+    const Row row = row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq);
+    Pack<X, V> xl, xh;
+    float ss = 0.f;
+    if (live && active) {
+      const X *x = t.x + offset(row, t.s0, t.s1, t.s2);
+      xl = load<V>(x + lo);
+      xh = load<V>(x + hi);
+#pragma unroll
+      for (int i = 0; i < V; ++i) ss += to_f32(xl.v[i]) * to_f32(xl.v[i]) + to_f32(xh.v[i]) * to_f32(xh.v[i]);
+    }
+    ss = group_sum(ss, G);
+    if (!live) continue;
+    const float rs = rsqrtf(ss * inv_d + eps);
+    if (t.rstd && lane == 0) t.rstd[row.index] = rs;
+    if (!active) continue;
+    const Pack<W, V> wl = load<V>(t.w + lo), wh = load<V>(t.w + hi);
+    const C *c = cos + cs_offset(row, p.shape.cos_stride), *s = sin + cs_offset(row, p.shape.sin_stride);
+    const Pack<C, V> cl = load<V>(c + lo), ch = load<V>(c + hi), sl = load<V>(s + lo), sh = load<V>(s + hi);
+    float ol[V], oh[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      rotate<R>(normed<X, N>(to_f32(xl.v[i]), to_f32(wl.v[i]), rs), normed<X, N>(to_f32(xh.v[i]), to_f32(wh.v[i]), rs),
+                to_f32(cl.v[i]), to_f32(ch.v[i]), to_f32(sl.v[i]), to_f32(sh.v[i]), ol[i], oh[i]);
+    R *out = t.out + row.index * D;
+    store<V>(out + lo, ol);
+    store<V>(out + hi, oh);
+  }
+}
+
+template <class X, class W, class C> __device__ __forceinline__ void forward_scalar(const QkNormRopeForward &p) {
+  using N = typename Promote<X, W>::type;
+  using R = typename Promote<N, C>::type;
+  const int G = p.geo.group, slots = blockDim.x / G;
+  const int lane = threadIdx.x % G, slot = threadIdx.x / G;
+  const int64_t D = p.shape.head_dim, half = D / 2;
+  const int64_t rows = all_rows(p), q_rows = p.shape.batch * p.shape.seq * p.shape.q_heads;
+  const float eps = (float)p.eps, inv_d = 1.f / (float)D;
+  const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
+
+  FOR_EACH_ROW_GROUP(base, rows, slots) {
+    const int64_t r = base + slot;
+    const bool live = r < rows, is_k = r >= q_rows;
+    const auto t = side<X, W, R>(p, is_k);
+    const Row row = row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq);
+    const X *x = t.x + (live ? offset(row, t.s0, t.s1, t.s2) : 0);
+    float ss = 0.f;
+    for (int64_t j = lane; live && j < half; j += G) {
+      const float a = to_f32(x[j]), b = to_f32(x[j + half]);
+      ss += a * a + b * b;
+    }
+    ss = group_sum(ss, G);
+    if (!live) continue;
+    const float rs = rsqrtf(ss * inv_d + eps);
+    if (t.rstd && lane == 0) t.rstd[row.index] = rs;
+    const C *c = cos + cs_offset(row, p.shape.cos_stride), *s = sin + cs_offset(row, p.shape.sin_stride);
+    R *out = t.out + row.index * D;
+    for (int64_t j = lane; j < half; j += G) {
+      float o_lo, o_hi;
+      rotate<R>(normed<X, N>(to_f32(x[j]), to_f32(t.w[j]), rs), normed<X, N>(to_f32(x[j + half]), to_f32(t.w[j + half]), rs),
+                to_f32(c[j]), to_f32(c[j + half]), to_f32(s[j]), to_f32(s[j + half]), o_lo, o_hi);
+      out[j] = from_f32<R>(o_lo);
+      out[j + half] = from_f32<R>(o_hi);
+    }
+  }
+}
+
+// The backward's view of one tensor.
+template <class X, class W, class R> struct BackSide {
+  const R *g;
+  const X *x;
+  const W *w;
+  const float *rstd;
+  X *gx;
+  int64_t heads, s0, s1, s2, g0, g1, g2;
+};
+
+template <class X, class W, class R>
+__device__ __forceinline__ BackSide<X, W, R> back_side(const QkNormRopeBackward &p, bool k) {
+  const auto &sh = p.shape;
+  return k ? BackSide<X, W, R>{static_cast<const R *>(p.grad_k), static_cast<const X *>(p.k),
+                               static_cast<const W *>(p.k_weight), static_cast<const float *>(p.k_rstd),
+                               static_cast<X *>(p.grad_k_in), sh.k_heads, sh.k_stride[0], sh.k_stride[1],
+                               sh.k_stride[2], p.grad_k_stride[0], p.grad_k_stride[1], p.grad_k_stride[2]}
+           : BackSide<X, W, R>{static_cast<const R *>(p.grad_q), static_cast<const X *>(p.q),
+                               static_cast<const W *>(p.q_weight), static_cast<const float *>(p.q_rstd),
+                               static_cast<X *>(p.grad_q_in), sh.q_heads, sh.q_stride[0], sh.q_stride[1],
+                               sh.q_stride[2], p.grad_q_stride[0], p.grad_q_stride[1], p.grad_q_stride[2]};
+}
+
+// grad_x = r * gn * w - x * r^3 * dot(gn * w, x) / D, with gn the unrotated gradient;
+// grad_w = sum over rows of gn * to_X(x * r), kept in registers and folded per block.
+template <class X, class W, class C, int V>
+__device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, bool is_k, float *fold) {
+  using N = typename Promote<X, W>::type;
+  using R = typename Promote<N, C>::type;
+  const int G = p.geo.group, slots = blockDim.x / G;
+  const int lane = threadIdx.x % G, slot = threadIdx.x / G;
+  const int64_t D = p.shape.head_dim, lo = (int64_t)lane * V, hi = D / 2 + lo;
+  const bool active = lo < D / 2;
+  const auto t = back_side<X, W, R>(p, is_k);
+  const int64_t rows = p.shape.batch * p.shape.seq * t.heads;
+  const float inv_d = 1.f / (float)D;
+  const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
+  Pack<W, V> wl, wh;
+  if (active) {
+    wl = load<V>(t.w + lo);
+    wh = load<V>(t.w + hi);
+  }
+  float acc_l[V], acc_h[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc_l[i] = acc_h[i] = 0.f;
+
+  FOR_EACH_ROW_GROUP(base, rows, slots) {
+    const int64_t r = base + slot;
+    const bool live = r < rows;
+    const Row row = row_of(r, t.heads, p.shape.seq);
+    Pack<X, V> xl, xh;
+    float nl[V], nh[V];  // the unrotated gradient
+    float dot = 0.f, rs = 0.f;
+    if (live && active) {
+      rs = t.rstd[row.index];
+      const X *x = t.x + offset(row, t.s0, t.s1, t.s2);
+      const R *g = t.g + offset(row, t.g0, t.g1, t.g2);
+      xl = load<V>(x + lo);
+      xh = load<V>(x + hi);
+      const Pack<R, V> gl = load<V>(g + lo), gh = load<V>(g + hi);
+      const C *c = cos + cs_offset(row, p.shape.cos_stride), *s = sin + cs_offset(row, p.shape.sin_stride);
+      const Pack<C, V> cl = load<V>(c + lo), ch = load<V>(c + hi), sl = load<V>(s + lo), sh = load<V>(s + hi);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        unrotate(to_f32(gl.v[i]), to_f32(gh.v[i]), to_f32(cl.v[i]), to_f32(ch.v[i]), to_f32(sl.v[i]), to_f32(sh.v[i]),
+                 nl[i], nh[i]);
+        dot += nl[i] * to_f32(wl.v[i]) * to_f32(xl.v[i]) + nh[i] * to_f32(wh.v[i]) * to_f32(xh.v[i]);
+      }
+    }
+    dot = group_sum(dot, G);
+    if (!live || !active) continue;
+    const float c3 = rs * rs * rs * dot * inv_d;
+    float ol[V], oh[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float a = to_f32(xl.v[i]), b = to_f32(xh.v[i]);
+      ol[i] = rs * nl[i] * to_f32(wl.v[i]) - a * c3;
+      oh[i] = rs * nh[i] * to_f32(wh.v[i]) - b * c3;
+      acc_l[i] += nl[i] * round_to<X>(a * rs);
+      acc_h[i] += nh[i] * round_to<X>(b * rs);
+    }
+    X *gx = t.gx + row.index * D;
+    store<V>(gx + lo, ol);
+    store<V>(gx + hi, oh);
+  }
+
+  // Fold the block's groups in shared memory ([slots][D]) into this block's partial row.
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      fold[slot * D + lo + i] = acc_l[i];
+      fold[slot * D + hi + i] = acc_h[i];
+    }
+  }
+  __syncthreads();
+  float *out = p.partial + ((is_k ? p.partials : 0) + blockIdx.x) * D;
+  for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
+    float s = 0.f;
+    for (int g = 0; g < slots; ++g) s += fold[g * D + c];
+    out[c] = s;
+  }
+  __syncthreads();  // fold is reused by k's rows
+}
+
+template <class X, class W, class C, int V> __device__ __forceinline__ void backward_vec(const QkNormRopeBackward &p) {
+  extern __shared__ float fold[];
+  backward_vec_side<X, W, C, V>(p, false, fold);
+  backward_vec_side<X, W, C, V>(p, true, fold);
+}
+
+// Scalar backward: each group owns a partial row of the weight gradient in global memory.
+template <class X, class W, class C>
+__device__ __forceinline__ void backward_scalar_side(const QkNormRopeBackward &p, bool is_k) {
+  using N = typename Promote<X, W>::type;
+  using R = typename Promote<N, C>::type;
+  const int G = p.geo.group, slots = blockDim.x / G;
+  const int lane = threadIdx.x % G, slot = threadIdx.x / G;
+  const int64_t D = p.shape.head_dim, half = D / 2;
+  const auto t = back_side<X, W, R>(p, is_k);
+  const int64_t rows = p.shape.batch * p.shape.seq * t.heads;
+  const float inv_d = 1.f / (float)D;
+  const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
+  float *own = p.partial + ((is_k ? p.partials : 0) + (int64_t)blockIdx.x * slots + slot) * D;
+  for (int64_t c = lane; c < D; c += G) own[c] = 0.f;
+
+  FOR_EACH_ROW_GROUP(base, rows, slots) {
+    const int64_t r = base + slot;
+    const bool live = r < rows;
+    const Row row = row_of(r, t.heads, p.shape.seq);
+    const X *x = t.x + (live ? offset(row, t.s0, t.s1, t.s2) : 0);
+    const R *g = t.g + (live ? offset(row, t.g0, t.g1, t.g2) : 0);
+    const C *c = cos + (live ? cs_offset(row, p.shape.cos_stride) : 0);
+    const C *s = sin + (live ? cs_offset(row, p.shape.sin_stride) : 0);
+    float dot = 0.f;
+    for (int64_t j = lane; live && j < half; j += G) {
+      float nl, nh;
+      unrotate(to_f32(g[j]), to_f32(g[j + half]), to_f32(c[j]), to_f32(c[j + half]), to_f32(s[j]), to_f32(s[j + half]),
+               nl, nh);
+      dot += nl * to_f32(t.w[j]) * to_f32(x[j]) + nh * to_f32(t.w[j + half]) * to_f32(x[j + half]);
+    }
+    dot = group_sum(dot, G);
+    if (!live) continue;
+    const float rs = t.rstd[row.index];
+    const float c3 = rs * rs * rs * dot * inv_d;
+    X *gx = t.gx + row.index * D;
+    for (int64_t j = lane; j < half; j += G) {
+      float nl, nh;
+      unrotate(to_f32(g[j]), to_f32(g[j + half]), to_f32(c[j]), to_f32(c[j + half]), to_f32(s[j]), to_f32(s[j + half]),
+               nl, nh);
+      const float a = to_f32(x[j]), b = to_f32(x[j + half]);
+      gx[j] = from_f32<X>(rs * nl * to_f32(t.w[j]) - a * c3);
+      gx[j + half] = from_f32<X>(rs * nh * to_f32(t.w[j + half]) - b * c3);
+      own[j] += nl * round_to<X>(a * rs);
+      own[j + half] += nh * round_to<X>(b * rs);
+    }
+  }
+}
+
+template <class X, class W, class C> __device__ __forceinline__ void backward_scalar(const QkNormRopeBackward &p) {
+  backward_scalar_side<X, W, C>(p, false);
+  backward_scalar_side<X, W, C>(p, true);
+}
+
+}  // namespace
+
+#define QK_NORM_ROPE_KERNELS(xn, X, wn, W, cn, C)                                                            \
+  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_fwd_##xn##_##wn##_##cn##_vec(               \
+      const QkNormRopeForward p) {                                                                           \
+    forward_vec<X, W, C, 16 / sizeof(X)>(p);                                                                 \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_fwd_##xn##_##wn##_##cn##_scalar(            \
+      const QkNormRopeForward p) {                                                                           \
+    forward_scalar<X, W, C>(p);                                                                              \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_bwd_##xn##_##wn##_##cn##_vec(               \
+      const QkNormRopeBackward p) {                                                                          \
+    backward_vec<X, W, C, 16 / sizeof(X)>(p);                                                                \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_bwd_##xn##_##wn##_##cn##_scalar(            \
+      const QkNormRopeBackward p) {                                                                          \
+    backward_scalar<X, W, C>(p);                                                                             \
+  }
+
+// Kernel names: qk_norm_rope_{fwd,bwd}_<x>_<w>_<cos>_<vec|scalar>; src/qk_norm_rope.rs builds the same.
+#define QK_NORM_ROPE_FOR_COS(xn, X, wn, W) \
+  QK_NORM_ROPE_KERNELS(xn, X, wn, W, f32, float) \
+  QK_NORM_ROPE_KERNELS(xn, X, wn, W, f16, f16)   \
+  QK_NORM_ROPE_KERNELS(xn, X, wn, W, bf16, bf16)
+
+#define QK_NORM_ROPE_FOR_WEIGHTS(xn, X)                                                  \
+  QK_NORM_ROPE_FOR_COS(xn, X, f32, float) QK_NORM_ROPE_FOR_COS(xn, X, f16, f16) \
+  QK_NORM_ROPE_FOR_COS(xn, X, bf16, bf16)
+
+QK_NORM_ROPE_FOR_WEIGHTS(f32, float)
+QK_NORM_ROPE_FOR_WEIGHTS(f16, f16)
+QK_NORM_ROPE_FOR_WEIGHTS(bf16, bf16)
+
+// Block (32, 8), grid (ceil(D / 32), 2): blockIdx.y picks q's weight or k's.
+#define QK_NORM_ROPE_REDUCE(wn, W)                                                                          \
+  extern "C" __global__ void qk_norm_rope_bwd_reduce_##wn(const QkNormRopeBackward p) {                   \
+    const bool k = blockIdx.y == 1;                                                                        \
+    column_sum<W>(p.partial + (k ? p.partials * p.shape.head_dim : 0), p.partials, p.shape.head_dim,       \
+                  static_cast<W *>(k ? p.grad_k_weight : p.grad_q_weight));                                \
+  }
+QK_NORM_ROPE_REDUCE(f32, float)
+QK_NORM_ROPE_REDUCE(f16, f16)
+QK_NORM_ROPE_REDUCE(bf16, bf16)
