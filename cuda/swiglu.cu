@@ -27,6 +27,17 @@ __device__ __forceinline__ float sigmoid(float g) {
   return s;
 }
 
+// A vector through the read-only (non-coherent) path: the inputs never alias the fresh outputs.
+// keep_packed's barriers would otherwise stop the compiler from proving that by itself.
+template <int V, class T> __device__ __forceinline__ Pack<T, V> load_nc(const T *p) {
+  if constexpr (sizeof(Pack<T, V>) == 16) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4 *>(p));
+    return *reinterpret_cast<const Pack<T, V> *>(&w);
+  } else {
+    return load<V>(p);
+  }
+}
+
 template <class T> __device__ __forceinline__ float forward_value(float g, float u) {
   return round_to<T>(g * sigmoid(g)) * u;
 }
@@ -54,6 +65,12 @@ __device__ __forceinline__ void for_each_vector(int64_t n, Load load, Finish fin
   }
 }
 
+// Widens loaded vectors where they are used, not right after the load: bf16 would otherwise be
+// unpacked early into twice the registers, which cuts the blocks an SM holds.
+template <class... P> __device__ __forceinline__ void keep_packed(P &...pk) {
+  if constexpr (((sizeof(P) % 4 == 0) && ...)) (opaque(pk), ...);
+}
+
 // Index of the element past the vectors that this thread finishes, or -1: the first n % V threads
 // of the grid take one each.
 template <int V> __device__ __forceinline__ int64_t tail_index(int64_t n) {
@@ -69,10 +86,11 @@ template <class T, int V> __device__ __forceinline__ void forward(const SwigluFo
   for_each_vector<V>(
       p.n,
       [&](int k, int64_t i) {
-        g[k] = load<V>(gate + i * V);
-        u[k] = load<V>(up + i * V);
+        g[k] = load_nc<V>(gate + i * V);
+        u[k] = load_nc<V>(up + i * V);
       },
       [&](int k, int64_t i) {
+        keep_packed(g[k], u[k]);
         float o[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) o[j] = forward_value<T>(to_f32(g[k].v[j]), to_f32(u[k].v[j]));
@@ -92,11 +110,12 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
   for_each_vector<V>(
       p.n,
       [&](int k, int64_t i) {
-        dy[k] = load<V>(grad_y + i * V);
-        g[k] = load<V>(gate + i * V);
-        u[k] = load<V>(up + i * V);
+        dy[k] = load_nc<V>(grad_y + i * V);
+        g[k] = load_nc<V>(gate + i * V);
+        u[k] = load_nc<V>(up + i * V);
       },
       [&](int k, int64_t i) {
+        keep_packed(dy[k], g[k], u[k]);
         float dg[V], du[V];
 #pragma unroll
         for (int j = 0; j < V; ++j)
