@@ -6,6 +6,7 @@
 pub mod cpu;
 pub mod driver;
 mod ffi;
+pub mod fused_linear_cross_entropy;
 pub mod geometry;
 pub mod params;
 pub mod rms_norm;

@@ -1,0 +1,314 @@
+//! Fused linear cross-entropy: the per-chunk pass over logits (`cuda/fused_linear_cross_entropy.cu`
+//! and its CPU twin here, the reference the GPU is tested against). For each row of a chunk:
+//! `loss = lse(s) - s[target] + z_loss * lse(s)^2` with `s = softcap * tanh(logit / softcap)` (or the
+//! logit), and, in place of the logits, `d(loss)/d(logit) = scale * ((1 + 2 z_loss lse) softmax(s) -
+//! onehot(target)) * ds/dlogit`, `scale = 1 / count` for reduction "mean", 1 for "sum". Ignored rows
+//! (target == ignore_index) get loss 0 and gradient 0. The GEMMs around the pass are ATen's
+//! (`src/torch/fused_linear_cross_entropy.cpp`).
+use crate::cpu::{self, Element};
+use crate::driver::{self, fatbins, Launch, Result};
+use crate::ffi::guard;
+use crate::geometry;
+use crate::params::{BastileDType, CrossEntropyChunk};
+use rayon::prelude::*;
+
+crate::params::bridged!(CrossEntropyChunk);
+
+/// Entries of `src/torch/fused_linear_cross_entropy.cpp` (`bastile::rs::fused_linear_cross_entropy::*`).
+#[cxx::bridge(namespace = "bastile::rs::fused_linear_cross_entropy")]
+mod bridge {
+    #[namespace = ""]
+    unsafe extern "C++" {
+        include!("fused_linear_cross_entropy.h");
+        type CrossEntropyChunk = crate::params::CrossEntropyChunk;
+    }
+
+    extern "Rust" {
+        #[cxx_name = "chunk_cuda"]
+        fn ffi_chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()>;
+        #[cxx_name = "chunk_cpu"]
+        fn ffi_chunk_cpu(p: &CrossEntropyChunk) -> Result<()>;
+    }
+}
+
+fn ffi_chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()> {
+    guard(|| chunk_cuda(p, device, stream))
+}
+
+fn ffi_chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {
+    guard(|| chunk_cpu(p))
+}
+
+/// Vectors each CUDA thread keeps in registers (`kCached` in the kernel, for the plain variant);
+/// the block is sized so that short rows do not leave most threads idle.
+const CACHED: i64 = 4;
+const MAX_BLOCK: i64 = 512;
+
+fn block_size(vectors: i64) -> i64 {
+    (geometry::ceil_div(geometry::ceil_div(vectors, CACHED), 32) * 32).clamp(32, MAX_BLOCK)
+}
+
+fn name(dtype: BastileDType, vec: bool, softcap: bool) -> String {
+    format!("flce_rows_{}_{}{}", dtype.tag(), if vec { "vec" } else { "scalar" }, if softcap { "_softcap" } else { "" })
+}
+
+pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()> {
+    let dtype = BastileDType::from_raw(p.dtype)?;
+    if dtype == BastileDType::BASTILE_F64 {
+        return Err("bastile.fused_linear_cross_entropy: float64 is supported on CPU only".into());
+    }
+    if p.rows == 0 {
+        return Ok(());
+    }
+    let vec = 16 / dtype.size() as i64;
+    let vectorized = geometry::aligned(p.logits, 16) && p.vocab % vec == 0 && p.ld % vec == 0;
+    p.vec = if vectorized { vec as i32 } else { 1 };
+    let softcap = p.softcap > 0.0;
+    let block = block_size(p.vocab / p.vec as i64);
+    let key = dtype as u64 | (vectorized as u64) << 4 | (softcap as u64) << 5 | (block as u64) << 8;
+    let dev = driver::device(device)?;
+    let kernel = dev.kernel(fatbins::FUSED_LINEAR_CROSS_ENTROPY, key, block as u32, || name(dtype, vectorized, softcap))?;
+    let rows = u32::try_from(p.rows).map_err(|_| "bastile.fused_linear_cross_entropy: too many rows in one chunk")?;
+    let cfg = Launch { grid: (rows, 1), block: (block as u32, 1), shared: 0 };
+    // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
+    unsafe { driver::launch(kernel, cfg, stream, p) }
+}
+
+pub fn chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {
+    use half::{bf16, f16};
+    // SAFETY (each arm): the C++ layer checked shapes and dtypes of every pointer in `p`.
+    match BastileDType::from_raw(p.dtype)? {
+        BastileDType::BASTILE_F32 => unsafe { chunk_cpu_typed::<f32, f32>(p) },
+        BastileDType::BASTILE_F16 => unsafe { chunk_cpu_typed::<f16, f32>(p) },
+        BastileDType::BASTILE_BF16 => unsafe { chunk_cpu_typed::<bf16, f32>(p) },
+        BastileDType::BASTILE_F64 => unsafe { chunk_cpu_typed::<f64, f64>(p) },
+    }
+}
+
+/// Loss and gradient of one row in f64; `row` is overwritten with the gradient when `grad`.
+fn row_cpu<T: Element>(row: &mut [T], target: usize, softcap: f64, z_loss: f64, scale: f64, grad: bool) -> f64 {
+    let s = |z: T| if softcap > 0.0 { softcap * (z.to_f64() / softcap).tanh() } else { z.to_f64() };
+    let max = row.iter().map(|&z| s(z)).fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + row.iter().map(|&z| (s(z) - max).exp()).sum::<f64>().ln();
+    let loss = lse - s(row[target]) + z_loss * lse * lse;
+    if grad {
+        let coef = scale * (1.0 + 2.0 * z_loss * lse);
+        for (j, z) in row.iter_mut().enumerate() {
+            let sj = s(*z);
+            let mut d = (sj - lse).exp() * coef - if j == target { scale } else { 0.0 };
+            if softcap > 0.0 {
+                let t = sj / softcap;
+                d *= 1.0 - t * t;
+            }
+            *z = T::from_f64(d);
+        }
+    }
+    loss
+}
+
+unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Result<()> {
+    let (rows, vocab, ld) = (p.rows as usize, p.vocab as usize, p.ld as usize);
+    if rows == 0 {
+        return Ok(());
+    }
+    let targets = cpu::slice::<i64>(p.target.cast(), rows);
+    // On the CPU the check is free, so a bad target is an error rather than an ignored row.
+    if let Some(&t) = targets.iter().find(|&&t| t != p.ignore_index && !(0..p.vocab).contains(&t)) {
+        return Err(format!(
+            "bastile.fused_linear_cross_entropy: target {t} is outside [0, {vocab}) and is not ignore_index ({})",
+            p.ignore_index
+        ));
+    }
+    let scale = if p.count.is_null() {
+        1.0
+    } else {
+        match *p.count {
+            c if c > 0 => 1.0 / c as f64,
+            _ => 0.0,
+        }
+    };
+    let logits = cpu::slice_mut::<T>(p.logits, (rows - 1) * ld + vocab);
+    let loss = cpu::slice_mut::<L>(p.loss, rows);
+    let (grad, ignore, softcap, z_loss) = (p.grad != 0, p.ignore_index, p.softcap, p.z_loss);
+    logits.par_chunks_mut(ld).zip(loss.par_iter_mut()).zip(targets.par_iter()).for_each(|((row, l), &t)| {
+        let row = &mut row[..vocab];
+        if t == ignore {
+            *l = L::from_f64(0.0);
+            if grad {
+                row.fill(T::from_f64(0.0));
+            }
+        } else {
+            *l = L::from_f64(row_cpu(row, t as usize, softcap, z_loss, scale, grad));
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use BastileDType::*;
+
+    /// Deterministic pseudo-random values in [-4, 4).
+    fn noise(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64) * 8.0 - 4.0
+            })
+            .collect()
+    }
+
+    /// Loss of one row from its definition, with no shared code: the log of a plain sum of exps.
+    fn reference_loss(z: &[f64], t: usize, softcap: f64, z_loss: f64) -> f64 {
+        let s: Vec<f64> = z.iter().map(|&v| if softcap > 0.0 { softcap * (v / softcap).tanh() } else { v }).collect();
+        let lse = s.iter().map(|v| v.exp()).sum::<f64>().ln();
+        lse - s[t] + z_loss * lse * lse
+    }
+
+    /// The gradient by central differences of the reference loss.
+    fn reference_grad(z: &[f64], t: usize, softcap: f64, z_loss: f64) -> Vec<f64> {
+        let h = 1e-6;
+        (0..z.len())
+            .map(|j| {
+                let (mut a, mut b) = (z.to_vec(), z.to_vec());
+                a[j] += h;
+                b[j] -= h;
+                (reference_loss(&a, t, softcap, z_loss) - reference_loss(&b, t, softcap, z_loss)) / (2.0 * h)
+            })
+            .collect()
+    }
+
+    struct Case {
+        rows: usize,
+        vocab: usize,
+        ld: usize,
+        softcap: f64,
+        z_loss: f64,
+        count: Option<i64>,
+    }
+
+    fn run<T: Element, L: Element>(dtype: BastileDType, c: &Case, targets: &[i64], grad: bool) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let z = noise(c.rows * c.ld, 7);
+        let mut logits: Vec<T> = z.iter().map(|&v| T::from_f64(v)).collect();
+        let inputs: Vec<f64> = logits.iter().map(|v| v.to_f64()).collect();
+        let mut loss = vec![L::from_f64(f64::NAN); c.rows];
+        let count = c.count.unwrap_or(0);
+        let p = CrossEntropyChunk {
+            logits: logits.as_mut_ptr().cast(),
+            target: targets.as_ptr(),
+            loss: loss.as_mut_ptr().cast(),
+            count: if c.count.is_some() { &count } else { std::ptr::null() },
+            rows: c.rows as i64,
+            vocab: c.vocab as i64,
+            ld: c.ld as i64,
+            ignore_index: -100,
+            softcap: c.softcap,
+            z_loss: c.z_loss,
+            dtype: dtype as i32,
+            grad: grad as i32,
+            vec: 1,
+        };
+        chunk_cpu(&p).unwrap();
+        (inputs, loss.iter().map(|v| v.to_f64()).collect(), logits.iter().map(|v| v.to_f64()).collect())
+    }
+
+    fn check<T: Element, L: Element>(dtype: BastileDType, c: Case, tol: f64) {
+        let targets: Vec<i64> = (0..c.rows).map(|r| if r % 3 == 1 { -100 } else { ((r * 7919) % c.vocab) as i64 }).collect();
+        let (z, loss, grad) = run::<T, L>(dtype, &c, &targets, true);
+        let scale = match c.count {
+            None => 1.0,
+            Some(n) if n > 0 => 1.0 / n as f64,
+            Some(_) => 0.0,
+        };
+        for (r, &t) in targets.iter().enumerate() {
+            let zr = &z[r * c.ld..][..c.vocab];
+            let gr = &grad[r * c.ld..][..c.vocab];
+            if t < 0 {
+                assert_eq!(loss[r], 0.0);
+                assert!(gr.iter().all(|&g| g == 0.0), "ignored row {r} has a gradient");
+                continue;
+            }
+            let want = reference_loss(zr, t as usize, c.softcap, c.z_loss);
+            assert!((loss[r] - want).abs() <= tol * want.abs().max(1.0), "{dtype:?} row {r}: loss {} vs {want}", loss[r]);
+            let want_g = reference_grad(zr, t as usize, c.softcap, c.z_loss);
+            let err = gr.iter().zip(&want_g).map(|(a, b)| (a - scale * b).abs()).fold(0.0, f64::max);
+            // The finite difference itself is good to ~1e-9.
+            assert!(err <= (tol + 1e-8) * scale, "{dtype:?} row {r}: gradient off by {err}");
+        }
+        // Padding between rows (ld > vocab) is left alone.
+        for r in 0..c.rows {
+            for j in c.vocab..c.ld {
+                assert_eq!(grad[r * c.ld + j], z[r * c.ld + j]);
+            }
+        }
+        // Without `grad` the logits stay and the loss is the same.
+        let (_, loss2, kept) = run::<T, L>(dtype, &c, &targets, false);
+        assert_eq!(loss, loss2);
+        assert_eq!(kept, z);
+    }
+
+    #[test]
+    fn cpu_pass_matches_f64_reference() {
+        for (softcap, z_loss) in [(0.0, 0.0), (30.0, 0.0), (0.0, 1e-2), (5.0, 1e-3)] {
+            for (rows, vocab, ld) in [(1, 1, 1), (5, 3, 3), (9, 1000, 1000), (4, 37, 40)] {
+                for count in [None, Some(3), Some(0)] {
+                    let c = Case { rows, vocab, ld, softcap, z_loss, count };
+                    check::<f64, f64>(BASTILE_F64, c, 1e-12);
+                    let c = Case { rows, vocab, ld, softcap, z_loss, count };
+                    // f32 storage of loss and gradient.
+                    check::<f32, f32>(BASTILE_F32, c, 2e-7);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_gradient_is_the_rounded_f64_value() {
+        let c = Case { rows: 3, vocab: 64, ld: 64, softcap: 0.0, z_loss: 0.0, count: Some(2) };
+        check::<bf16, f32>(BASTILE_BF16, c, 2f64.powi(-8));
+    }
+
+    #[test]
+    fn out_of_range_targets_are_errors_on_cpu() {
+        let c = Case { rows: 2, vocab: 8, ld: 8, softcap: 0.0, z_loss: 0.0, count: None };
+        for bad in [8, -1, -101] {
+            let z = noise(16, 1);
+            let mut loss = [0f64; 2];
+            let targets = [0, bad];
+            let mut logits = z.clone();
+            let p = CrossEntropyChunk {
+                logits: logits.as_mut_ptr().cast(),
+                target: targets.as_ptr(),
+                loss: loss.as_mut_ptr().cast(),
+                rows: c.rows as i64,
+                vocab: c.vocab as i64,
+                ld: c.ld as i64,
+                ignore_index: -100,
+                dtype: BASTILE_F64 as i32,
+                grad: 1,
+                ..Default::default()
+            };
+            let err = chunk_cpu(&p).unwrap_err();
+            assert!(err.contains(&format!("target {bad} is outside [0, 8)")), "{err}");
+            assert_eq!(logits, z, "nothing is written before the check");
+        }
+    }
+
+    #[test]
+    fn f64_is_cpu_only_and_names_match_cuda_symbols() {
+        let mut p = CrossEntropyChunk { dtype: BASTILE_F64 as i32, rows: 1, ..Default::default() };
+        assert!(chunk_cuda(&mut p, 0, 0).unwrap_err().contains("CPU only"));
+        assert_eq!(name(BASTILE_BF16, true, false), "flce_rows_bf16_vec");
+        assert_eq!(name(BASTILE_F32, false, true), "flce_rows_f32_scalar_softcap");
+    }
+
+    #[test]
+    fn blocks_fit_the_row() {
+        assert_eq!(block_size(151936 / 8), 512);
+        assert_eq!(block_size(1), 32);
+        assert_eq!(block_size(4 * 100), 128);
+    }
+}
