@@ -1,0 +1,448 @@
+"""torch.ops.bastile.fused_linear_cross_entropy against HF's eager loss and an fp64 reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+import bastile
+from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+
+op = torch.ops.bastile.fused_linear_cross_entropy
+fwd_op = torch.ops.bastile.fused_linear_cross_entropy_forward
+bwd_op = torch.ops.bastile.fused_linear_cross_entropy_backward
+flce = bastile.ops.fused_linear_cross_entropy
+CHUNK_ENV = "BASTILE_FLCE_CHUNK_BYTES"
+
+
+def eager(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0):
+    """HF's expression (logits in the inputs' dtype, loss in f32), with softcap and z-loss in plain torch.
+    With f64 inputs it is the fp64 reference."""
+    z = F.linear(h, w, b)
+    z = z.double() if z.dtype == torch.float64 else z.float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    loss = F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction)
+    if z_loss:
+        keep = t != ignore_index
+        zl = z_loss * (torch.logsumexp(z, -1) ** 2 * keep).sum()
+        loss = loss + (zl / keep.sum() if reduction == "mean" else zl)
+    return loss
+
+
+def make(n, hdim, vocab, dtype=torch.float32, device="cpu", bias=True, ignored=0.2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hdim, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab, hdim, generator=g) / hdim ** 0.5).to(device, dtype).requires_grad_()
+    b = (0.1 * torch.randn(vocab, generator=g)).to(device, dtype).requires_grad_() if bias else None
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignored] = -100
+    return h, w, b, t.to(device)
+
+
+def grads(loss, inputs):
+    inputs = [x for x in inputs if x is not None]
+    return torch.autograd.grad(loss, inputs)
+
+
+def detached64(*xs):
+    return [None if x is None else x.detach().double().requires_grad_() for x in xs]
+
+
+@pytest.fixture
+def chunks(monkeypatch):
+    """Forces chunks of `rows` rows (for a given vocab and element size) so that small inputs run several,
+    the last one ragged."""
+    def set_rows(rows, vocab, elem_bytes):
+        monkeypatch.setenv(CHUNK_ENV, str(rows * vocab * elem_bytes))
+    return set_rows
+
+
+# ---------------------------------------------------------------- CPU and any device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_opcheck(device, with_bias):
+    h, w, b, t = make(12, 16, 40, device=device, bias=with_bias)
+    torch.library.opcheck(op.default, (h, w, t, b), {"softcap": 5.0, "z_loss": 1e-3})
+    torch.library.opcheck(op.default, (h, w, t, b), {"reduction": "sum"})
+    hd, wd, bd = h.detach(), w.detach(), None if b is None else b.detach()
+    for mask in ([True, True, True], [True, False, False], [False, True, True]):
+        torch.library.opcheck(fwd_op.default, (hd, wd, t, bd), {"grad_mask": mask})
+    _, gh, gw, gb = fwd_op(hd, wd, t, bd)
+    torch.library.opcheck(bwd_op.default, (torch.tensor(0.5, device=device), gh, gw, gb))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradcheck_fp64(reduction, chunks):
+    h, w, b, t = make(7, 5, 11, dtype=torch.float64, ignored=0.3)
+    chunks(3, 11, 8)  # chunks of 3, 3, 1 rows
+    for softcap, z_loss in [(0.0, 0.0), (2.0, 0.1)]:
+        assert torch.autograd.gradcheck(
+            lambda h, w, b: op(h, w, t, b, reduction=reduction, softcap=softcap, z_loss=z_loss), (h, w, b))
+
+
+# Norm-relative error against the fp64 reference allowed per dtype; ours must also be within 1.25x of
+# HF's own error (the 16-bit logits' rounding dominates both).
+TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3, torch.float16: 8e-4}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("softcap,z_loss", [(0.0, 0.0), (3.0, 1e-3)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, reduction, chunks):
+    n, hdim, vocab = 50, 64, 300
+    chunks(16, vocab, torch.finfo(dtype).bits // 8)  # 16, 16, 16, 2 rows
+    h, w, b, t = make(n, hdim, vocab, dtype, device)
+    kw = dict(reduction=reduction, softcap=softcap, z_loss=z_loss)
+    loss = op(h, w, t, b, **kw)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    ours = (loss, *grads(loss, (h, w, b)))
+    hf_loss = eager(h, w, t, b, **kw)
+    hf = (hf_loss, *grads(hf_loss, (h, w, b)))
+    ref_in = detached64(h, w, b)
+    ref_loss = eager(ref_in[0], ref_in[1], t, ref_in[2], **kw)
+    ref = (ref_loss, *grads(ref_loss, ref_in))
+    for name, o, e, r in zip(["loss", "grad_hidden", "grad_weight", "grad_bias"], ours, hf, ref):
+        assert o.dtype == e.dtype and o.shape == e.shape
+        err, err_hf = rel_err(o, r), rel_err(e, r)
+        assert err < TOL[dtype] and err <= 1.25 * err_hf + 0.1 * TOL[dtype], f"{name}: ours {err:.3g}, HF {err_hf:.3g} vs fp64"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_all_targets_ignored_gives_zero_loss_and_grads(device, reduction):
+    h, w, b, _ = make(9, 8, 20, device=device)
+    t = torch.full((9,), -100, device=device)
+    loss = op(h, w, t, b, reduction=reduction)
+    g = grads(loss, (h, w, b))
+    assert loss.item() == 0.0
+    for x in g:
+        assert not x.isnan().any() and (x == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_custom_ignore_index_inside_vocab(device):
+    h, w, b, t = make(20, 8, 30, device=device, ignored=0.0)
+    t[::3] = 7  # a real token id used as the padding id
+    loss = op(h, w, t, b, ignore_index=7)
+    ref = eager(h, w, t, b, ignore_index=7)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for a, e in zip(grads(loss, (h, w, b)), grads(ref, (h, w, b))):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_num_items_in_batch_matches_hf_causal_lm_loss(device, as_tensor):
+    bsz, seq, hdim, vocab = 2, 9, 16, 50
+    h, w, _, _ = make(bsz * seq, hdim, vocab, device=device, bias=False)
+    h3 = h.detach().view(bsz, seq, hdim).requires_grad_()
+    labels = torch.randint(0, vocab, (bsz, seq), device=device)
+    labels[0, :3] = -100
+    num = (labels[:, 1:] != -100).sum() + 5  # as from several micro-batches
+    num_arg = num if as_tensor else int(num)
+    hf_loss = ForCausalLMLoss(F.linear(h3, w), labels, vocab, num_items_in_batch=num_arg)
+    # HF shifts the labels: the target of position i is label i + 1.
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    loss = flce(h3, w, shifted, num_items_in_batch=num_arg)
+    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
+    for a, e in zip(grads(loss, (h3, w)), grads(hf_loss, (h3, w))):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+    # Without num_items_in_batch it is HF's mean.
+    torch.testing.assert_close(flce(h3, w, shifted), ForCausalLMLoss(F.linear(h3, w), labels, vocab),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tied_weight_sums_both_uses(device):
+    vocab, hdim = 40, 16
+    emb = torch.nn.Embedding(vocab, hdim).to(device)
+    ids = torch.randint(0, vocab, (3, 7), device=device)
+    t = torch.randint(0, vocab, (3, 7), device=device)
+
+    def run(loss_fn):
+        emb.weight.grad = None
+        x = emb(ids)
+        loss = loss_fn(torch.tanh(x) * 2, emb.weight, t)
+        loss.backward()
+        return loss.detach(), emb.weight.grad.clone()
+
+    loss, g = run(lambda x, w, t: flce(x, w, t))
+    ref_loss, ref_g = run(lambda x, w, t: eager(x.reshape(-1, hdim), w, t.reshape(-1)))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_leading_dims_and_non_contiguous_hidden(device):
+    base = torch.randn(4, 16, 5, device=device)
+    h = base.transpose(1, 2).requires_grad_()  # [4, 5, 16], last dim strided
+    w = torch.randn(30, 16, device=device, requires_grad=True)
+    t = torch.randint(0, 30, (4, 5), device=device)
+    loss = flce(h, w, t)
+    ref = eager(h.reshape(-1, 16), w, t.reshape(-1))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    (gh,) = torch.autograd.grad(loss, h)
+    (rh,) = torch.autograd.grad(ref, h)
+    assert gh.shape == h.shape
+    torch.testing.assert_close(gh, rh, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_input(device):
+    h = torch.randn(0, 8, device=device, requires_grad=True)
+    w = torch.randn(10, 8, device=device, requires_grad=True)
+    b = torch.randn(10, device=device, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.long, device=device)
+    loss = op(h, w, t, b)
+    assert loss.item() == 0.0
+    gh, gw, gb = grads(loss, (h, w, b))
+    assert gh.shape == (0, 8) and (gw == 0).all() and (gb == 0).all()
+
+
+def count_gemms(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+
+
+def test_no_grad_computes_the_loss_only(chunks):
+    h, w, b, t = make(10, 8, 20)
+    chunks(4, 20, 4)  # 3 chunks
+    with_grad = op(h, w, t, b)
+    with torch.no_grad():
+        assert count_gemms(lambda: op(h, w, t, b)) == 3  # the logits alone
+        no_grad = op(h, w, t, b)
+    assert no_grad.grad_fn is None
+    torch.testing.assert_close(no_grad, with_grad.detach(), rtol=0, atol=0)
+    assert count_gemms(lambda: op(h, w, t, b)) == 9  # logits, grad_hidden, grad_weight
+    # A frozen head (LoRA): no weight gradient GEMM.
+    assert count_gemms(lambda: op(h, w.detach(), t, b.detach())) == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_weight_grad_is_more_accurate(device, chunks):
+    n, hdim, vocab = 512, 32, 64
+    chunks(8, vocab, 2)  # 64 chunks summed into the weight gradient
+    h, w, _, t = make(n, hdim, vocab, torch.bfloat16, device, bias=False, ignored=0.0)
+    (h64, w64) = detached64(h, w)
+    (ref,) = grads(eager(h64, w64, t, reduction="sum"), (w64,))
+    errs = {}
+    for fp32 in (True, False):
+        (g,) = grads(op(h, w, t, reduction="sum", fp32_weight_grad=fp32), (w,))
+        assert g.dtype == torch.bfloat16
+        errs[fp32] = rel_err(g, ref)
+    msg = f"weight grad error vs fp64: f32 accumulation {errs[True]:.3g}, bf16 accumulation {errs[False]:.3g}"
+    assert errs[True] < 0.5 * errs[False], msg
+    assert errs[True] < 4e-3, msg  # one bf16 rounding of the result
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_matches_linear_under_autocast(device):
+    h, w, b, t = make(24, 32, 100, torch.float32, device)
+    for h_in in (h.detach().bfloat16().requires_grad_(), h):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = op(h_in, w, t, b)
+            ref = F.cross_entropy(F.linear(h_in, w, b).float(), t)
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-4)
+        g, rg = grads(loss, (h_in, w, b)), grads(ref, (h_in, w, b))
+        assert [x.dtype for x in g] == [h_in.dtype, torch.float32, torch.float32]
+        for a, e in zip(g, rg):
+            assert rel_err(a, e) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtypes_without_autocast_run_in_hidden_dtype(device):
+    h, w, b, t = make(16, 32, 64, torch.bfloat16, device)
+    w32 = w.detach().float().requires_grad_()
+    loss = op(h, w32, t, b)
+    ref = op(h, w, t, b)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    gw32 = torch.autograd.grad(loss, w32)[0]
+    assert gw32.dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_matches_eager(device, dynamic):
+    torch._dynamo.reset()
+
+    def f(h, w, b, t):
+        return torch.ops.bastile.fused_linear_cross_entropy(h * 2, w, t, b, softcap=4.0) * 3
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for n in (6, 11):  # a second shape exercises the symbolic sizes
+        h, w, b, t = make(n, 16, 40, device=device, seed=n)
+        out, ref = compiled(h, w, b, t), f(h, w, b, t)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        for a, e in zip(grads(out, (h, w, b)), grads(ref, (h, w, b))):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_torchscript():
+    @torch.jit.script
+    def f(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return torch.ops.bastile.fused_linear_cross_entropy(h, w, t, None, -100, "sum")
+
+    h, w, _, t = make(5, 8, 12, bias=False)
+    torch.testing.assert_close(f(h, w, t), eager(h, w, t, reduction="sum"), rtol=1e-5, atol=1e-5)
+
+
+def test_retain_graph_and_double_backward():
+    h, w, b, t = make(6, 8, 12)
+    loss = op(h, w, t, b) * 2
+    first = torch.autograd.grad(loss, (h, w, b), retain_graph=True)
+    second = torch.autograd.grad(loss, (h, w, b))
+    for a, e in zip(first, second):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    (gh,) = torch.autograd.grad(op(h, w, t, b), h, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gh.sum().backward()
+
+
+def test_backward_accumulates_into_existing_grads():
+    h, w, b, t = make(6, 8, 12)
+    op(h, w, t, b).backward()
+    once = [x.grad.clone() for x in (h, w, b)]
+    op(h, w, t, b).backward()
+    for x, g in zip((h, w, b), once):
+        torch.testing.assert_close(x.grad, 2 * g, rtol=1e-6, atol=1e-7)
+
+
+def test_out_of_range_target_raises_on_cpu():
+    h, w, b, t = make(6, 8, 12)
+    t[2] = 12
+    with pytest.raises(RuntimeError, match=r"target 12 is outside \[0, 12\)"):
+        op(h, w, t, b)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long)), "weight must have shape"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long)), "target must have shape"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.int32)), "target must be int64"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.randn(9)),
+     "bias must have shape"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8, device="meta"), torch.zeros(4, dtype=torch.long)),
+     "must be on hidden's device"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), reduction="none"),
+     "reduction must be"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), softcap=-1.0),
+     "softcap must be"),
+    (lambda: op(torch.randint(0, 3, (4, 8)), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)),
+     "hidden must be float32"),
+    (lambda: bwd_op(torch.ones(2), torch.randn(3), torch.randn(3), torch.randn(0)), "grad_loss must be a 0-dim"),
+])
+def test_bad_input_raises(bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        bad()
+
+
+# ---------------------------------------------------------------- CUDA
+
+QWEN3_VOCAB = 151936
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 6e-3), (torch.float16, 8e-4)])
+@pytest.mark.parametrize("vocab", [QWEN3_VOCAB, 1001, 8])  # vectors, the scalar fallback, a tiny row
+@pytest.mark.parametrize("softcap,z_loss", [(0.0, 0.0), (30.0, 1e-4)])
+def test_cuda_matches_hf_and_fp64(dtype, tol, vocab, softcap, z_loss):
+    n, hdim = 200, 256
+    h, w, b, t = make(n, hdim, vocab, dtype, "cuda")
+    poison_cuda_allocator(4 * n * vocab * 4)
+    kw = dict(softcap=softcap, z_loss=z_loss)
+    loss = op(h, w, t, b, **kw)
+    ours = (loss, *grads(loss, (h, w, b)))
+    hf_loss = eager(h, w, t, b, **kw)
+    hf = (hf_loss, *grads(hf_loss, (h, w, b)))
+    ref_in = detached64(h, w, b)
+    ref_loss = eager(ref_in[0], ref_in[1], t, ref_in[2], **kw)
+    ref = (ref_loss, *grads(ref_loss, ref_in))
+    for name, o, e, r in zip(["loss", "grad_hidden", "grad_weight", "grad_bias"], ours, hf, ref):
+        assert not o.isnan().any(), name
+        err, err_hf = rel_err(o, r), rel_err(e, r)
+        assert err < tol and err <= 1.25 * err_hf + 0.1 * tol, f"{name}: ours {err:.3g}, HF {err_hf:.3g} vs fp64"
+
+
+@needs_cuda
+def test_cuda_matches_cpu_kernel():
+    # Same fp32 inputs through both devices: GEMMs differ in rounding only, the logits pass is compared.
+    h, w, b, t = make(64, 128, 4096, torch.float32, "cpu")
+    for kw in (dict(), dict(softcap=10.0, z_loss=1e-3, reduction="sum")):
+        cpu = fwd_op(h.detach(), w.detach(), t, b.detach(), **kw)
+        gpu = fwd_op(h.detach().cuda(), w.detach().cuda(), t.cuda(), b.detach().cuda(), **kw)
+        for a, e in zip(gpu, cpu):
+            assert rel_err(a, e) < 1e-5
+
+
+@needs_cuda
+def test_cuda_out_of_range_targets_are_ignored():
+    h, w, b, t = make(32, 64, 1000, torch.bfloat16, "cuda", ignored=0.0)
+    bad = t.clone()
+    bad[::4] = 1000
+    bad[1::4] = -7
+    ignored = t.clone()
+    ignored[::4] = -100
+    ignored[1::4] = -100
+    a = fwd_op(h.detach(), w.detach(), bad, b.detach())
+    e = fwd_op(h.detach(), w.detach(), ignored, b.detach())
+    for x, y in zip(a, e):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@needs_cuda
+def test_cuda_graph_capture_has_no_host_sync():
+    h, w, b, t = make(300, 128, 5000, torch.bfloat16, "cuda")
+    static_t = t.clone()
+
+    def step():
+        loss = op(h, w, static_t, b)
+        return (loss, *torch.autograd.grad(loss, (h, w, b)))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm up (cuBLAS handles, workspaces) on the side stream
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    static_t.copy_(torch.randint(0, 5000, t.shape, device="cuda"))
+    static_t[:100] = -100  # the mean's divisor changes: it must be counted on the device
+    graph.replay()
+    torch.cuda.synchronize()
+    t_now = static_t.clone()
+    ref = op(h, w, t_now, b)
+    ref = (ref, *torch.autograd.grad(ref, (h, w, b)))
+    for a, e in zip(outs, ref):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp32_weight_grad,limit_gib", [(False, 1.0), (True, 2.5)])
+def test_cuda_peak_memory(fp32_weight_grad, limit_gib):
+    n, hdim, vocab = 32768, 2048, QWEN3_VOCAB
+    need = (n * hdim + vocab * hdim) * 2 * 3 + limit_gib * 2 ** 30
+    if torch.cuda.get_device_properties(0).total_memory < need + 4 * 2 ** 30:
+        pytest.skip("not enough GPU memory")
+    h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hdim, device="cuda") / hdim ** 0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, vocab, (n,), device="cuda")
+
+    def step():
+        h.grad = w.grad = None
+        op(h, w, t, fp32_weight_grad=fp32_weight_grad).backward()
+
+    step()  # cuBLAS workspaces are allocated once, outside the measurement
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16 and not w.grad.isnan().any()
+    assert extra < limit_gib, f"peak extra memory {extra:.3f} GiB (fp32_weight_grad={fp32_weight_grad})"
