@@ -414,11 +414,11 @@ def test_cuda_graph_capture_has_no_host_sync():
     static_t[:100] = -100  # the mean's divisor changes: it must be counted on the device
     graph.replay()
     torch.cuda.synchronize()
-    t_now = static_t.clone()
-    ref = op(h, w, t_now, b)
+    ref = op(h, w, static_t, b)
     ref = (ref, *torch.autograd.grad(ref, (h, w, b)))
+    # A divisor taken from the capture-time targets would be ~30% off; GEMM algorithms may differ by ulps.
     for a, e in zip(outs, ref):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
+        assert rel_err(a, e) < 1e-3
 
 
 @needs_cuda

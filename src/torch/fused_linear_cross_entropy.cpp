@@ -27,9 +27,14 @@ namespace {
 
 constexpr const char* kOp = "fused_linear_cross_entropy";
 // Logits of one chunk stay within this many bytes; BASTILE_FLCE_CHUNK_BYTES overrides it (tests use it
-// to get several chunks from small inputs). 256 MiB is 768 rows of Qwen3's vocabulary in bf16.
+// to get several chunks from small inputs). 256 MiB is 768 rows of Qwen3's vocabulary in bf16. Every
+// chunk's weight-gradient GEMM reads and writes the whole [vocab, hidden] accumulator, so its arithmetic
+// intensity is proportional to the chunk's rows divided by the accumulator's element size: an f32
+// accumulator gets three times the bytes (2560 bf16 rows of Qwen3's vocabulary), which keeps that GEMM
+// compute-bound on an H100 while the peak stays ~2 GiB at 32768 x 2048 (1.16 GiB accumulator, 0.72 GiB
+// logits, 0.125 GiB grad_hidden).
 constexpr int64_t kChunkBytes = int64_t(256) << 20;
-// Chunks are a multiple of this many rows where the budget allows: M of the GEMMs stays tile-sized.
+constexpr int64_t kChunkBytesF32Accumulator = int64_t(768) << 20;
 constexpr int64_t kChunkAlign = 128;
 
 using Mask = std::array<bool, 3>;  // which of grad_hidden, grad_weight, grad_bias to compute
@@ -92,8 +97,8 @@ at::ScalarType accumulate_dtype(at::ScalarType own, const Options& o) {
   return o.fp32_weight_grad ? at::promote_types(own, at::kFloat) : own;
 }
 
-int64_t chunk_rows(int64_t rows, int64_t vocab, int64_t elem_bytes) {
-  int64_t budget = kChunkBytes;
+int64_t chunk_rows(int64_t rows, int64_t vocab, int64_t elem_bytes, bool f32_accumulator) {
+  int64_t budget = f32_accumulator ? kChunkBytesF32Accumulator : kChunkBytes;
   if (const char* env = std::getenv("BASTILE_FLCE_CHUNK_BYTES")) budget = std::max<int64_t>(1, std::atoll(env));
   int64_t n = std::max<int64_t>(1, budget / (vocab * elem_bytes));
   if (n >= kChunkAlign) n = n / kChunkAlign * kChunkAlign;
@@ -150,7 +155,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(const at::Tensor&
   auto acc_b = need_b ? at::empty({vocab}, bias.options().dtype(accumulate_dtype(bias_in->scalar_type(), o)))
                       : at::Tensor();
 
-  const int64_t step = chunk_rows(rows, vocab, hidden.element_size());
+  const bool f32_accumulator = need_w && acc_w.scalar_type() == at::kFloat;
+  const int64_t step = chunk_rows(rows, vocab, hidden.element_size(), f32_accumulator);
   for (int64_t start = 0; start < rows; start += step) {
     const int64_t n = std::min(step, rows - start);
     const auto h = hidden.narrow(0, start, n);
@@ -220,8 +226,8 @@ void check_grad_loss(const at::Tensor& grad_loss) {
 
 // grad * grad_loss in grad's dtype (a 0-dim factor does not promote); in place when the caller owns grad.
 at::Tensor scale(const at::Tensor& grad, const at::Tensor& grad_loss, bool in_place) {
-  if (grad.numel() == 0) return grad;
-  return in_place ? grad.mul_(grad_loss) : at::mul(grad, grad_loss);
+  if (!in_place) return at::mul(grad, grad_loss);
+  return grad.numel() ? grad.mul_(grad_loss) : grad;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flce_backward(const at::Tensor& grad_loss, const at::Tensor& grad_hidden,

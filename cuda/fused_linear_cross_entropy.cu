@@ -1,0 +1,202 @@
+// Cross-entropy over one chunk of logits, for the fused linear cross-entropy (the GEMMs around it are
+// cuBLAS, called by src/torch/fused_linear_cross_entropy.cpp). One block per row:
+//   pass 1 reads the row once, keeping an online max and sum of exp (f32, base-2 units) per thread;
+//   pass 2 reads it again and writes the gradient softmax - onehot (times the reduction's scale, the
+//   z-loss factor and the softcap derivative) over the logits, in place.
+// A row of Qwen3's vocabulary is 304 KB (bf16), more than an SM holds, so pass 2 re-reads it. To make
+// that re-read hit L2 where it can, each thread keeps its first kCached vectors in registers and pass 2
+// walks the rest backwards: the part read last in pass 1 is read first.
+#include <math_constants.h>
+
+#include "common.cuh"
+#include "fused_linear_cross_entropy.h"
+
+using namespace bastile;
+
+namespace {
+
+// Vectors per thread kept in registers between the passes; tanhf's registers crowd out two.
+template <bool CAP> constexpr int kCached = CAP ? 2 : 4;
+constexpr int kInFlight = 4;   // vectors per thread loaded before any is used (memory parallelism)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Max and sum of exp2(u - max) over the logits seen so far, u = logit * log2(e).
+struct Softmax {
+  float max;
+  float sum;
+};
+
+__device__ __forceinline__ Softmax merge(Softmax a, Softmax b) {
+  const float m = fmaxf(a.max, b.max);
+  if (m == -CUDART_INF_F) return {m, 0.f};  // neither has seen a logit
+  return {m, a.sum * exp2f(a.max - m) + b.sum * exp2f(b.max - m)};
+}
+
+// Every thread gets the row's total. One row per block, so the shared array is used once.
+__device__ __forceinline__ Softmax block_merge(Softmax s) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2)
+    s = merge(s, {__shfl_xor_sync(0xffffffffu, s.max, o), __shfl_xor_sync(0xffffffffu, s.sum, o)});
+  __shared__ Softmax warp_total[32];
+  if (threadIdx.x % 32 == 0) warp_total[threadIdx.x / 32] = s;
+  __syncthreads();
+  Softmax total = warp_total[0];
+  for (int w = 1; w < (int)(blockDim.x / 32); ++w) total = merge(total, warp_total[w]);
+  return total;
+}
+
+// Keeps 16-bit vectors packed in registers until they are used (see opaque in common.cuh).
+template <int V, class T> __device__ __forceinline__ void keep_packed(Pack<T, V> &pk) {
+  if constexpr (sizeof(pk) % 4 == 0) opaque(pk);
+}
+
+template <bool CAP> struct Logit {
+  float cap, inv_cap;
+  // The logit the loss sees: softcapped when CAP.
+  __device__ __forceinline__ float operator()(float z) const { return CAP ? cap * tanhf(z * inv_cap) : z; }
+};
+
+template <int V, class T, bool CAP>
+__device__ __forceinline__ void fold(Softmax &s, const Pack<T, V> &pk, const Logit<CAP> &logit) {
+  float u[V];
+  float m = s.max;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    u[i] = logit(to_f32(pk.v[i])) * kLog2e;
+    m = fmaxf(m, u[i]);
+  }
+  float sum = s.sum * exp2f(s.max - m);  // exp2f(-inf) = 0 on the first vector
+#pragma unroll
+  for (int i = 0; i < V; ++i) sum += exp2f(u[i] - m);
+  s = {m, sum};
+}
+
+// What pass 2 needs of the row's statistics.
+struct RowGrad {
+  float lse2;    // log-sum-exp in base-2 units
+  float coef;    // scale * (1 + 2 z_loss lse): the softmax's factor
+  float scale;   // the one-hot's factor
+  int64_t tpack; // the vector holding the target, and its lane
+  int tlane;
+};
+
+template <int V, class T, bool CAP>
+__device__ __forceinline__ void write_grad(T *dst, const Pack<T, V> &pk, int64_t j, const RowGrad &g,
+                                           const Logit<CAP> &logit) {
+  float o[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const float s = logit(to_f32(pk.v[i]));
+    float d = exp2f(s * kLog2e - g.lse2) * g.coef;
+    if (j == g.tpack && i == g.tlane) d -= g.scale;
+    if (CAP) {
+      const float t = s * logit.inv_cap;  // tanh(z / cap)
+      d *= 1.f - t * t;
+    }
+    o[i] = d;
+  }
+  store<V>(dst, o);
+}
+
+template <class T, int V, bool CAP>
+__device__ __forceinline__ void rows(const CrossEntropyChunk &p) {
+  const int64_t row = blockIdx.x;
+  T *x = static_cast<T *>(p.logits) + row * p.ld;
+  float *loss = static_cast<float *>(p.loss);
+  const int64_t target = p.target[row];
+  const int64_t npack = p.vocab / V;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const bool counted = target != p.ignore_index && target >= 0 && target < p.vocab;
+  if (!counted) {  // uniform across the block
+    if (tid == 0) loss[row] = 0.f;
+    if (p.grad) {
+      const float zero[V] = {};
+      for (int64_t j = tid; j < npack; j += nt) store<V>(x + j * V, zero);
+    }
+    return;
+  }
+  const Logit<CAP> logit{(float)p.softcap, CAP ? (float)(1.0 / p.softcap) : 0.f};
+  // Read before the gradient overwrites it (every thread is past block_merge's barrier by then).
+  const float target_logit = tid == 0 ? logit(to_f32(x[target])) : 0.f;
+
+  Softmax s{-CUDART_INF_F, 0.f};
+  Pack<T, V> cache[kCached<CAP>];
+#pragma unroll
+  for (int k = 0; k < kCached<CAP>; ++k) {
+    const int64_t j = tid + (int64_t)k * nt;
+    if (j < npack) {
+      cache[k] = load<V>(x + j * V);
+      fold(s, cache[k], logit);
+    }
+  }
+  const int64_t first = (int64_t)kCached<CAP> * nt;  // first vector index streamed
+  for (int64_t j0 = first + tid; j0 < npack; j0 += (int64_t)kInFlight * nt) {
+    Pack<T, V> pk[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (j0 + u * nt < npack) pk[u] = load<V>(x + (j0 + u * nt) * V);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) keep_packed(pk[u]);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (j0 + u * nt < npack) fold(s, pk[u], logit);
+  }
+  // Keep the cached vectors packed until pass 2 widens them again.
+#pragma unroll
+  for (int k = 0; k < kCached<CAP>; ++k) keep_packed(cache[k]);
+  s = block_merge(s);
+  const float lse2 = s.max + log2f(s.sum);
+  const float lse = lse2 * kLn2;
+  const float z = (float)p.z_loss;
+  if (tid == 0) loss[row] = lse - target_logit + z * lse * lse;
+  if (!p.grad) return;
+
+  float scale = 1.f;
+  if (p.count) {
+    const int64_t c = *p.count;
+    scale = c > 0 ? 1.f / (float)c : 0.f;
+  }
+  const RowGrad g{lse2, scale * (1.f + 2.f * z * lse), scale, target / V, (int)(target % V)};
+  // This thread's streamed vectors, last first.
+  if (first + tid < npack) {
+    const int64_t last = first + tid + (npack - 1 - first - tid) / nt * nt;
+    for (int64_t j0 = last; j0 >= first; j0 -= (int64_t)kInFlight * nt) {
+      Pack<T, V> pk[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (j0 - u * nt >= first) pk[u] = load<V>(x + (j0 - u * nt) * V);
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) keep_packed(pk[u]);
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (j0 - u * nt >= first) write_grad(x + (j0 - u * nt) * V, pk[u], j0 - u * nt, g, logit);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kCached<CAP>; ++k) {
+    const int64_t j = tid + (int64_t)k * nt;
+    if (j < npack) write_grad(x + j * V, cache[k], j, g, logit);
+  }
+}
+
+}  // namespace
+
+// Up to 512 threads, two blocks per SM: 64 registers a thread hold the cached vectors and the
+// vectors in flight without spilling.
+#define FLCE_KERNEL(tn, T, vn, V, cn, CAP)                                                      \
+  extern "C" __global__ void __launch_bounds__(512, 2)                                         \
+      flce_rows_##tn##_##vn##cn(const CrossEntropyChunk p) {                                   \
+    rows<T, V, CAP>(p);                                                                         \
+  }
+
+// Kernel names: flce_rows_<dtype>_<vec|scalar>[_softcap]; src/fused_linear_cross_entropy.rs builds the same.
+#define FLCE_VARIANTS(tn, T)                                 \
+  FLCE_KERNEL(tn, T, vec, 16 / sizeof(T), , false)           \
+  FLCE_KERNEL(tn, T, vec, 16 / sizeof(T), _softcap, true)    \
+  FLCE_KERNEL(tn, T, scalar, 1, , false)                     \
+  FLCE_KERNEL(tn, T, scalar, 1, _softcap, true)
+
+FLCE_VARIANTS(f32, float)
+FLCE_VARIANTS(f16, f16)
+FLCE_VARIANTS(bf16, bf16)

@@ -1,0 +1,22 @@
+/* Parameter block of cuda/fused_linear_cross_entropy.cu: the cross-entropy pass over one chunk of
+ * logits. The GEMMs around it (logits = hidden @ weight^T + bias, and the gradients) are ATen's. */
+#pragma once
+#include "bastile.h"
+
+typedef struct CrossEntropyChunk {
+  void *logits;          /* [rows, vocab] with row stride ld, `dtype`; overwritten with the gradient
+                            d(loss)/d(logits) when `grad` is set */
+  const int64_t *target; /* [rows]; rows whose target is ignore_index, or outside [0, vocab), are ignored */
+  void *loss;            /* [rows] per-row loss, f32 (f64 for f64 logits); 0 for ignored rows */
+  const int64_t *count;  /* reduction "mean": the number of counted targets of the whole batch (the
+                            gradient is scaled by 1 / count, or 0 when it is 0); null for "sum" */
+  int64_t rows;
+  int64_t vocab;
+  int64_t ld;
+  int64_t ignore_index;
+  double softcap;        /* > 0: logit = softcap * tanh(logit / softcap); 0: off */
+  double z_loss;         /* adds z_loss * lse^2 to each counted row's loss */
+  int32_t dtype;         /* of the logits */
+  int32_t grad;          /* nonzero: write the gradient over the logits */
+  int32_t vec;           /* elements per vector access; chosen by Rust */
+} CrossEntropyChunk;
