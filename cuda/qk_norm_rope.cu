@@ -25,8 +25,8 @@ namespace {
 #define FOR_EACH_ROW_GROUP(base, rows, slots) \
   for (int64_t base = (int64_t)blockIdx.x * (slots); base < (rows); base += (int64_t)gridDim.x * (slots))
 
-// Where row r (token-major, heads of one tensor) lies. Rust keeps row counts below 2^31, so 32-bit
-// division suffices; element offsets are 64-bit.
+// Where row r (token-major, heads of one tensor) lies; only asked for live rows (a tensor with no heads
+// has none). Rust keeps row counts below 2^31, so 32-bit division suffices; element offsets are 64-bit.
 struct Row {
   uint32_t b, s, head;
   int64_t index;  // the row's place in the contiguous outputs and statistics
@@ -64,6 +64,21 @@ __device__ __forceinline__ void unrotate(float g_lo, float g_hi, float c_lo, flo
                                          float &n_lo, float &n_hi) {
   n_lo = g_lo * c_lo + g_hi * s_hi;
   n_hi = g_hi * c_hi - g_lo * s_lo;
+}
+
+// store<V> with explicit 16-byte stores: through a Pack copy, the compiler split the second of a row's
+// two output vectors into 2- or 4-byte stores (it could not prove that vector's alignment).
+template <int V, class T> __device__ __forceinline__ void store_words(T *p, const float (&in)[V]) {
+  Pack<T, V> pk;
+#pragma unroll
+  for (int i = 0; i < V; ++i) pk.v[i] = from_f32<T>(in[i]);
+  static_assert(sizeof(pk) % 16 == 0, "whole 16-byte vectors");
+  const uint32_t *w = reinterpret_cast<const uint32_t *>(&pk);
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(pk) / 16); ++i)
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char *>(p) + 16 * i),
+                 "r"(w[4 * i]), "r"(w[4 * i + 1]), "r"(w[4 * i + 2]), "r"(w[4 * i + 3])
+                 : "memory");
 }
 
 // The forward's view of one tensor (q or k).
@@ -104,7 +119,7 @@ template <class X, class W, class C, int V> __device__ __forceinline__ void forw
     const int64_t r = base + slot;
     const bool live = r < rows, is_k = r >= q_rows;
     const auto t = side<X, W, R>(p, is_k);
-    const Row row = row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq);
+    const Row row = live ? row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq) : Row{};
     Pack<X, V> xl, xh;
     float ss = 0.f;
     if (live && active) {
@@ -128,8 +143,8 @@ template <class X, class W, class C, int V> __device__ __forceinline__ void forw
       rotate<R>(normed<X, N>(to_f32(xl.v[i]), to_f32(wl.v[i]), rs), normed<X, N>(to_f32(xh.v[i]), to_f32(wh.v[i]), rs),
                 to_f32(cl.v[i]), to_f32(ch.v[i]), to_f32(sl.v[i]), to_f32(sh.v[i]), ol[i], oh[i]);
     R *out = t.out + row.index * D;
-    store<V>(out + lo, ol);
-    store<V>(out + hi, oh);
+    store_words<V>(out + lo, ol);
+    store_words<V>(out + hi, oh);
   }
 }
 
@@ -147,7 +162,7 @@ template <class X, class W, class C> __device__ __forceinline__ void forward_sca
     const int64_t r = base + slot;
     const bool live = r < rows, is_k = r >= q_rows;
     const auto t = side<X, W, R>(p, is_k);
-    const Row row = row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq);
+    const Row row = live ? row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq) : Row{};
     const X *x = t.x + (live ? offset(row, t.s0, t.s1, t.s2) : 0);
     float ss = 0.f;
     for (int64_t j = lane; live && j < half; j += G) {
@@ -219,7 +234,7 @@ __device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, b
   FOR_EACH_ROW_GROUP(base, rows, slots) {
     const int64_t r = base + slot;
     const bool live = r < rows;
-    const Row row = row_of(r, t.heads, p.shape.seq);
+    const Row row = live ? row_of(r, t.heads, p.shape.seq) : Row{};
     Pack<X, V> xl, xh;
     float nl[V], nh[V];  // the unrotated gradient
     float dot = 0.f, rs = 0.f;
@@ -252,8 +267,8 @@ __device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, b
       acc_h[i] += nh[i] * round_to<X>(b * rs);
     }
     X *gx = t.gx + row.index * D;
-    store<V>(gx + lo, ol);
-    store<V>(gx + hi, oh);
+    store_words<V>(gx + lo, ol);
+    store_words<V>(gx + hi, oh);
   }
 
   // Fold the block's groups in shared memory ([slots][D]) into this block's partial row.
@@ -298,7 +313,7 @@ __device__ __forceinline__ void backward_scalar_side(const QkNormRopeBackward &p
   FOR_EACH_ROW_GROUP(base, rows, slots) {
     const int64_t r = base + slot;
     const bool live = r < rows;
-    const Row row = row_of(r, t.heads, p.shape.seq);
+    const Row row = live ? row_of(r, t.heads, p.shape.seq) : Row{};
     const X *x = t.x + (live ? offset(row, t.s0, t.s1, t.s2) : 0);
     const R *g = t.g + (live ? offset(row, t.g0, t.g1, t.g2) : 0);
     const C *c = cos + (live ? cs_offset(row, p.shape.cos_stride) : 0);
