@@ -43,14 +43,52 @@ __device__ __forceinline__ T *head_of(const RopeTensor &t, int64_t b, int64_t s,
   return static_cast<T *>(t.data) + b * t.batch_stride + s * t.seq_stride + h * t.head_stride;
 }
 
+// cos[i..], cos[i+half..], sin[i..], sin[i+half..] of one token: V elements each.
+template <class C, int V> struct Tables {
+  Pack<C, V> c1, c2, s1, s2;
+};
+
+// Rotates vector pair (i, i + half) of heads first, first + step, ... < heads of src into dst.
+template <class I, class C, class O, bool kBackward, int V>
+__device__ __forceinline__ void rotate_heads(const RopeTensor &src, const RopeTensor &dst, int64_t b, int64_t s,
+                                             int64_t first, int64_t heads, int step, int64_t i, int64_t half,
+                                             Tables<C, V> t) {
+  using M = typename Promote<I, C>::type;
+  const I *x = head_of<const I>(src, b, s, first) + i;
+  O *y = head_of<O>(dst, b, s, first) + i;
+  const int64_t x_step = src.head_stride * step, y_step = dst.head_stride * step;
+  for (int64_t h = first; h < heads; h += step, x += x_step, y += y_step) {
+    // Keeps the tables packed (half the registers of 16-bit tables): otherwise their widening is
+    // hoisted out of the loop.
+    if constexpr (sizeof(t.c1) % 4 == 0) opaque(t.c1), opaque(t.c2), opaque(t.s1), opaque(t.s2);
+    const Pack<I, V> x1 = load<V>(x), x2 = load<V>(x + half);
+    // Packed as computed: fewer live registers than two float arrays.
+    Pack<O, V> o1, o2;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float lo = to_f32(x1.v[e]), hi = to_f32(x2.v[e]);
+      const float c1 = to_f32(t.c1.v[e]), c2 = to_f32(t.c2.v[e]), s1 = to_f32(t.s1.v[e]), s2 = to_f32(t.s2.v[e]);
+      if constexpr (kBackward) {
+        o1.v[e] = from_f32<O>(__fadd_rn(term<M, O>(lo, c1), term<M, O>(hi, s2)));
+        o2.v[e] = from_f32<O>(__fsub_rn(term<M, O>(hi, c2), term<M, O>(lo, s1)));
+      } else {
+        o1.v[e] = from_f32<O>(__fsub_rn(term<M, O>(lo, c1), term<M, O>(hi, s1)));
+        o2.v[e] = from_f32<O>(__fadd_rn(term<M, O>(hi, c2), term<M, O>(lo, s2)));
+      }
+    }
+    store_pack(y, o1);
+    store_pack(y + half, o2);
+  }
+}
+
 template <class I, class C, class O, bool kBackward, int V>
 __device__ __forceinline__ void rotate(const Rope &p) {
-  using M = typename Promote<I, C>::type;
   const int per_token = p.pair_threads * p.head_lanes, tokens_per_block = blockDim.x / per_token;
   const int t = threadIdx.x % per_token, slot = threadIdx.x / per_token;
-  const int first_pair = t % p.pair_threads, lane = t / p.pair_threads;
+  const int first_pair = t % p.pair_threads, lane = t / p.pair_threads, lanes = p.head_lanes;
   const int64_t half = p.head_dim / 2, pairs = half / V, tokens = p.batch * p.seq;
-  const int64_t heads = p.q_heads + p.k_heads;
+  // A token's heads are q's then k's, lane taking every lanes-th: its first k head continues that count.
+  const int64_t first_k = lane + (max(p.q_heads - lane, (int64_t)0) + lanes - 1) / lanes * lanes - p.q_heads;
   const C *cos = static_cast<const C *>(p.cos.data), *sin = static_cast<const C *>(p.sin.data);
 
   for (int64_t tok = (int64_t)blockIdx.x * tokens_per_block + slot; tok < tokens;
@@ -60,32 +98,9 @@ __device__ __forceinline__ void rotate(const Rope &p) {
     const C *st = sin + b * p.sin.batch_stride + s * p.sin.seq_stride;
     for (int64_t j = first_pair; j < pairs; j += p.pair_threads) {
       const int64_t i = j * V;
-      Pack<C, V> c1 = load<V>(ct + i), c2 = load<V>(ct + half + i), s1 = load<V>(st + i), s2 = load<V>(st + half + i);
-      for (int64_t hh = lane; hh < heads; hh += p.head_lanes) {
-        // Keeps the tables packed across heads (half the registers of 16-bit tables): otherwise their
-        // widening is hoisted out of this loop.
-        if constexpr (sizeof(c1) % 4 == 0) opaque(c1), opaque(c2), opaque(s1), opaque(s2);
-        const bool is_q = hh < p.q_heads;
-        // Selects values, not references: a reference into the parameter block would copy it to the stack.
-        const I *x = (is_q ? head_of<const I>(p.q, b, s, hh) : head_of<const I>(p.k, b, s, hh - p.q_heads)) + i;
-        O *y = (is_q ? head_of<O>(p.q_out, b, s, hh) : head_of<O>(p.k_out, b, s, hh - p.q_heads)) + i;
-        const Pack<I, V> x1 = load<V>(x), x2 = load<V>(x + half);
-        // Packed as computed: fewer live registers than two float arrays.
-        Pack<O, V> o1, o2;
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const float a = to_f32(x1.v[e]), b = to_f32(x2.v[e]);
-          if constexpr (kBackward) {
-            o1.v[e] = from_f32<O>(__fadd_rn(term<M, O>(a, to_f32(c1.v[e])), term<M, O>(b, to_f32(s2.v[e]))));
-            o2.v[e] = from_f32<O>(__fsub_rn(term<M, O>(b, to_f32(c2.v[e])), term<M, O>(a, to_f32(s1.v[e]))));
-          } else {
-            o1.v[e] = from_f32<O>(__fsub_rn(term<M, O>(a, to_f32(c1.v[e])), term<M, O>(b, to_f32(s1.v[e]))));
-            o2.v[e] = from_f32<O>(__fadd_rn(term<M, O>(b, to_f32(c2.v[e])), term<M, O>(a, to_f32(s2.v[e]))));
-          }
-        }
-        store_pack(y, o1);
-        store_pack(y + half, o2);
-      }
+      const Tables<C, V> tab{load<V>(ct + i), load<V>(ct + half + i), load<V>(st + i), load<V>(st + half + i)};
+      rotate_heads<I, C, O, kBackward, V>(p.q, p.q_out, b, s, lane, p.q_heads, lanes, i, half, tab);
+      rotate_heads<I, C, O, kBackward, V>(p.k, p.k_out, b, s, first_k, p.k_heads, lanes, i, half, tab);
     }
   }
 }

@@ -282,7 +282,9 @@ mod tests {
             let tol = 8.0 * unit(od).max(unit(promote(id, cd)));
             let (qf, kf, cf, sf) = (widen(&q), widen(&k), widen(&cos), widen(&sin));
             let (qof, kof) = (widen(&qo), widen(&ko));
-            for (x, out, heads, tin, tout) in [(&qf, &qof, sh.q_heads, &p.q, &p.q_out), (&kf, &kof, sh.k_heads, &p.k, &p.k_out)] {
+            for (x, out, heads, tin, tout) in
+                [(&qf, &qof, sh.q_heads, &p.q, &p.q_out), (&kf, &kof, sh.k_heads, &p.k, &p.k_out)]
+            {
                 for bi in 0..b as i64 {
                     for si in 0..s as i64 {
                         let row = ((if sh.per_batch { bi } else { 0 }) * s as i64 + si) as usize * d;
@@ -362,7 +364,12 @@ mod tests {
 
     #[test]
     fn vector_width_follows_alignment() {
-        let t = |addr: usize, stride: i64| RopeTensor { data: addr as *mut _, batch_stride: stride, seq_stride: stride, head_stride: 128 };
+        let t = |addr: usize, stride: i64| RopeTensor {
+            data: addr as *mut _,
+            batch_stride: stride,
+            seq_stride: stride,
+            head_stride: 128,
+        };
         let mut p = Rope {
             q: t(4096, 2048),
             k: t(8192, 1024),
@@ -387,11 +394,16 @@ mod tests {
 
     #[test]
     fn plan_covers_pairs_and_heads() {
-        for (dim, q_heads, k_heads, vec) in [(128, 16, 8, 8), (128, 32, 8, 8), (64, 1, 1, 8), (256, 16, 8, 4), (6, 3, 0, 1), (4096, 2, 2, 1)] {
+        for (dim, q_heads, k_heads, vec) in
+            [(128, 16, 8, 8), (128, 32, 8, 8), (64, 1, 1, 8), (256, 16, 8, 4), (6, 3, 0, 1), (4096, 2, 2, 1)]
+        {
             let mut p = Rope { head_dim: dim, q_heads, k_heads, ..Default::default() };
             plan(&mut p, vec);
             let (pt, lanes, block) = (p.pair_threads as i64, p.head_lanes as i64, p.block as i64);
-            assert!(pt >= 1 && lanes >= 1 && block <= BLOCK && block % (pt * lanes) == 0, "{dim} {q_heads} {k_heads}: {pt} {lanes} {block}");
+            assert!(
+                pt >= 1 && lanes >= 1 && block <= BLOCK && block % (pt * lanes) == 0,
+                "{dim} {q_heads} {k_heads}: {pt} {lanes} {block}"
+            );
             assert!(pt <= (dim / 2 / vec).max(1) && lanes <= (q_heads + k_heads).max(1));
         }
         // Qwen3-style GQA at head_dim 128: a thread per (pair, head), one token per 192-thread block.
