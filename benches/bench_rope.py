@@ -76,7 +76,7 @@ def main():
             # Same function before timing (on copies: Liger rotates its inputs in place).
             out = f(qs.clone().transpose(1, 2), ks.clone().transpose(1, 2), cos, sin)
             for a, r in zip(out, ref):
-                torch.testing.assert_close(a, r, rtol=2 ** -6, atol=1e-2)
+                torch.testing.assert_close(a, r, rtol=2 ** -6, atol=2 ** -4)  # a bf16 unit at |x| < 16: compile rounds its fused math once
             q, k = qs.transpose(1, 2), ks.transpose(1, 2)
             fwd = time_ms(lambda: f(q, k, cos, sin))
             both = time_ms(lambda: torch.autograd.grad(f(qg.transpose(1, 2), kg.transpose(1, 2), cos, sin),

@@ -350,6 +350,8 @@ QWEN3_VOCAB = 151936
 @pytest.mark.parametrize("vocab", [QWEN3_VOCAB, 1001, 8])  # vectors, the scalar fallback, a tiny row
 @pytest.mark.parametrize("softcap,z_loss", [(0.0, 0.0), (30.0, 1e-4)])
 def test_cuda_matches_hf_and_fp64(dtype, tol, vocab, softcap, z_loss):
+    if dtype == torch.float16 and vocab > 2 ** 14:
+        tol = 1e-2  # softmax terms ~1/vocab fall into fp16's subnormal range: HF's own error is ~7e-3 here
     n, hdim = 200, 256
     h, w, b, t = make(n, hdim, vocab, dtype, "cuda")
     poison_cuda_allocator(4 * n * vocab * 4)

@@ -102,7 +102,7 @@ def test_gradcheck_fp64_strided_inputs():
 # rounding: then by one unit of the output at its magnitude (|n| < 4). Gradients: HF rounds its
 # intermediates to 16 bits, we keep f32, so a few units of roundoff apart in norm.
 FWD_ATOL = {torch.bfloat16: 4 * SPACING[torch.bfloat16], torch.float16: 4 * SPACING[torch.float16],
-            torch.float32: 1e-5}
+            torch.float32: 4e-5}  # f32: rsqrtf and torch's rsqrt differ by ulps, amplified where n*cos and rot(n)*sin cancel
 GRAD_TOL = {torch.bfloat16: 8 * ULP[torch.bfloat16], torch.float16: 8 * ULP[torch.float16], torch.float32: 1e-5}
 
 
