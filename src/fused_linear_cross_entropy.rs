@@ -75,14 +75,10 @@ pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Resu
 }
 
 pub fn chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {
-    use half::{bf16, f16};
-    // SAFETY (each arm): the C++ layer checked shapes and dtypes of every pointer in `p`.
-    match BastileDType::from_raw(p.dtype)? {
-        BastileDType::BASTILE_F32 => unsafe { chunk_cpu_typed::<f32, f32>(p) },
-        BastileDType::BASTILE_F16 => unsafe { chunk_cpu_typed::<f16, f32>(p) },
-        BastileDType::BASTILE_BF16 => unsafe { chunk_cpu_typed::<bf16, f32>(p) },
-        BastileDType::BASTILE_F64 => unsafe { chunk_cpu_typed::<f64, f64>(p) },
-    }
+    let dt = BastileDType::from_raw(p.dtype)?;
+    // The loss comes out in promote(dtype, f32): f32, or f64 for f64 input.
+    // SAFETY: the C++ layer checked shapes and dtypes of every pointer in `p`.
+    crate::with_dtypes!(dt, BastileDType::BASTILE_F32, |T, _F, L| unsafe { chunk_cpu_typed::<T, L>(p) })
 }
 
 /// Loss and gradient of one row in f64; `row` is overwritten with the gradient when `grad`.
@@ -147,19 +143,9 @@ unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{noise};
     use half::bf16;
     use BastileDType::*;
-
-    /// Deterministic pseudo-random values in [-4, 4).
-    fn noise(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 11) as f64 / (1u64 << 53) as f64) * 8.0 - 4.0
-            })
-            .collect()
-    }
 
     /// Loss of one row from its definition, with no shared code: the log of a plain sum of exps.
     fn reference_loss(z: &[f64], t: usize, softcap: f64, z_loss: f64) -> f64 {
@@ -191,7 +177,7 @@ mod tests {
     }
 
     fn run<T: Element, L: Element>(dtype: BastileDType, c: &Case, targets: &[i64], grad: bool) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-        let z = noise(c.rows * c.ld, 7);
+        let z = noise(c.rows * c.ld, 7, 4.0);
         let mut logits: Vec<T> = z.iter().map(|&v| T::from_f64(v)).collect();
         let inputs: Vec<f64> = logits.iter().map(|v| v.to_f64()).collect();
         let mut loss = vec![L::from_f64(f64::NAN); c.rows];
@@ -275,7 +261,7 @@ mod tests {
     fn out_of_range_targets_are_errors_on_cpu() {
         let c = Case { rows: 2, vocab: 8, ld: 8, softcap: 0.0, z_loss: 0.0, count: None };
         for bad in [8, -1, -101] {
-            let z = noise(16, 1);
+            let z = noise(16, 1, 4.0);
             let mut loss = [0f64; 2];
             let targets = [0, bad];
             let mut logits = z.clone();

@@ -13,6 +13,8 @@ pub mod qk_norm_rope;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
+#[cfg(test)]
+mod testing;
 
 /// Version of torch this library was built against; the Python shim refuses another one.
 pub const TORCH_VERSION: &str = env!("BASTILE_TORCH_VERSION");

@@ -402,18 +402,8 @@ pub fn backward_cpu(p: &QkNormRopeBackward) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{noise, rel_err_floor};
     use BastileDType::*;
-
-    /// Deterministic pseudo-random values in [-2, 2).
-    fn noise(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
-            })
-            .collect()
-    }
 
     /// A buffer of `dt` elements (stored as raw bytes, 8 per element to fit any dtype).
     struct Buf {
@@ -482,12 +472,6 @@ mod tests {
         (0..m[0].len()).map(|j| m.iter().map(|row| row[j]).collect()).collect()
     }
 
-    fn rel_err_floor(a: &[f64], b: &[f64], floor: f64) -> f64 {
-        let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-        let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(floor);
-        num.sqrt() / den.max(1e-300)
-    }
-
     fn unit(d: BastileDType) -> f64 {
         match d {
             BASTILE_F64 => 2f64.powi(-50),
@@ -503,11 +487,11 @@ mod tests {
         let Case { batch, seq, hq, hk, d, per_batch_cos } = *case;
         let eps = 1e-6;
         let heads = hq + 2 * hk;
-        let fused = Buf::from(&noise(batch * seq * heads * d, 1), xd);
+        let fused = Buf::from(&noise(batch * seq * heads * d, 1, 2.0), xd);
         let stride = [(seq * heads * d) as i64, (heads * d) as i64, d as i64];
-        let (qw, kw) = (Buf::from(&noise(d, 2), wd), Buf::from(&noise(d, 3), wd));
+        let (qw, kw) = (Buf::from(&noise(d, 2, 2.0), wd), Buf::from(&noise(d, 3, 2.0), wd));
         let cs_rows = if per_batch_cos { batch * seq } else { seq };
-        let angle: Vec<f64> = noise(cs_rows * d, 4).iter().map(|a| a * 3.0).collect();
+        let angle: Vec<f64> = noise(cs_rows * d, 4, 2.0).iter().map(|a| a * 3.0).collect();
         let cos = Buf::from(&angle.iter().map(|a| a.cos()).collect::<Vec<_>>(), cd);
         let sin = Buf::from(&angle.iter().map(|a| a.sin()).collect::<Vec<_>>(), cd);
         let cs_stride = [if per_batch_cos { (seq * d) as i64 } else { 0 }, d as i64];
@@ -546,8 +530,8 @@ mod tests {
         };
         forward_cpu(&p).unwrap();
 
-        let gq_all = noise(batch * seq * hq * d * 2, 5); // grad_q read through a transposed-like stride
-        let gk = noise(batch * seq * hk * d, 6);
+        let gq_all = noise(batch * seq * hq * d * 2, 5, 2.0); // grad_q read through a transposed-like stride
+        let gk = noise(batch * seq * hk * d, 6, 2.0);
         let (gq_buf, gk_buf) = (Buf::from(&gq_all, out_dt), Buf::from(&gk, out_dt));
         let (mut gq_in, mut gk_in) = (Buf::nan(batch * seq * hq * d, xd), Buf::nan(batch * seq * hk * d, xd));
         let (mut gqw, mut gkw) = (Buf::nan(d, wd), Buf::nan(d, wd));

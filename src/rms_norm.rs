@@ -231,19 +231,9 @@ unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBack
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{cast, noise, rel_err, rel_err_floor, widen};
     use half::{bf16, f16};
     use BastileDType::*;
-
-    /// Deterministic pseudo-random values in [-2, 2).
-    fn noise(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
-            })
-            .collect()
-    }
 
     /// Reference forward in f64 with no intermediate rounding.
     fn reference_forward(x: &[f64], w: &[f64], cols: usize, eps: f64) -> Vec<f64> {
@@ -277,26 +267,6 @@ mod tests {
         (gx, gw)
     }
 
-    /// ||a - b|| / max(||b||, floor): `floor` is the size of the terms that cancel in b, where b
-    /// itself can be near zero (a one-element row's gradient is).
-    fn rel_err_floor(a: &[f64], b: &[f64], floor: f64) -> f64 {
-        let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-        let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(floor);
-        num.sqrt() / den.max(1e-300)
-    }
-
-    fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-        rel_err_floor(a, b, 0.0)
-    }
-
-    fn cast<T: Element>(v: &[f64]) -> Vec<T> {
-        v.iter().map(|&x| T::from_f64(x)).collect()
-    }
-
-    fn widen<T: Element>(v: &[T]) -> Vec<f64> {
-        v.iter().map(|x| x.to_f64()).collect()
-    }
-
     /// Runs forward and backward of the CPU kernels for one dtype pair and checks them against the
     /// f64 references on the same (rounded) inputs.
     fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize) {
@@ -309,9 +279,9 @@ mod tests {
             BASTILE_BF16 => 2f64.powi(-8),
         };
         let tol = 4.0 * unit(xd).max(unit(wd)).max(unit(promote(xd, wd)));
-        let x: Vec<X> = cast(&noise(rows * cols, 1));
-        let w: Vec<W> = cast(&noise(cols, 2));
-        let gy: Vec<Y> = cast(&noise(rows * cols, 3));
+        let x: Vec<X> = cast(&noise(rows * cols, 1, 2.0));
+        let w: Vec<W> = cast(&noise(cols, 2, 2.0));
+        let gy: Vec<Y> = cast(&noise(rows * cols, 3, 2.0));
         let (xf, wf, gf) = (widen(&x), widen(&w), widen(&gy));
         let mut y = vec![Y::from_f64(f64::NAN); rows * cols];
         let mut rstd = vec![0f64; rows]; // large enough for f32 or f64 statistics

@@ -171,27 +171,9 @@ unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, b
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{cast, noise, widen};
     use half::{bf16, f16};
     use BastileDType::*;
-
-    /// Deterministic pseudo-random values in [-2, 2).
-    fn noise(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
-            })
-            .collect()
-    }
-
-    fn cast<T: Element>(v: &[f64]) -> Vec<T> {
-        v.iter().map(|&x| T::from_f64(x)).collect()
-    }
-
-    fn widen<T: Element>(v: &[T]) -> Vec<f64> {
-        v.iter().map(|x| x.to_f64()).collect()
-    }
 
     fn unit(d: BastileDType) -> f64 {
         match d {
@@ -244,10 +226,10 @@ mod tests {
         let od = if backward { id } else { promote(id, cd) };
         let (b, s, d) = (sh.batch, sh.seq, sh.dim);
         let tb = if sh.per_batch { b } else { 1 };
-        let q: Vec<I> = cast(&noise(b * s * sh.q_heads * d, 1));
-        let k: Vec<I> = cast(&noise(b * s * sh.k_heads * d, 2));
-        let cos: Vec<C> = cast(&noise(tb * s * d, 3));
-        let sin: Vec<C> = cast(&noise(tb * s * d, 4));
+        let q: Vec<I> = cast(&noise(b * s * sh.q_heads * d, 1, 2.0));
+        let k: Vec<I> = cast(&noise(b * s * sh.k_heads * d, 2, 2.0));
+        let cos: Vec<C> = cast(&noise(tb * s * d, 3, 2.0));
+        let sin: Vec<C> = cast(&noise(tb * s * d, 4, 2.0));
         let nan = |n| vec![f64::NAN; n];
         crate::with_dtypes!(od, od, |O, _W, _Y| {
             let mut qo: Vec<O> = cast(&nan(q.len()));

@@ -99,19 +99,6 @@ pub fn backward_cuda(p: &SwigluBackward, device: i32, stream: usize) -> Result<(
     unsafe { launch("bwd", dt, vec, p.n, p, device, stream) }
 }
 
-/// Calls the generic function `$f::<T>($args)` with T the Rust type of dtype code `$dt`.
-macro_rules! by_dtype {
-    ($dt:expr, $f:ident($($arg:expr),*)) => {{
-        use half::{bf16, f16};
-        match BastileDType::from_raw($dt)? {
-            BastileDType::BASTILE_F32 => $f::<f32>($($arg),*),
-            BastileDType::BASTILE_F16 => $f::<f16>($($arg),*),
-            BastileDType::BASTILE_BF16 => $f::<bf16>($($arg),*),
-            BastileDType::BASTILE_F64 => $f::<f64>($($arg),*),
-        }
-    }};
-}
-
 /// Elements each rayon task takes.
 const CHUNK: usize = 1 << 14;
 
@@ -120,8 +107,9 @@ fn sigmoid(g: f64) -> f64 {
 }
 
 pub fn forward_cpu(p: &SwigluForward) -> Result<()> {
+    let dt = BastileDType::from_raw(p.dtype)?;
     // SAFETY: the C++ layer checked that every pointer in `p` holds `n` contiguous elements of the dtype.
-    unsafe { by_dtype!(p.dtype, forward_cpu_typed(p)) };
+    crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu_typed::<T>(p) });
     Ok(())
 }
 
@@ -137,8 +125,9 @@ unsafe fn forward_cpu_typed<T: Element>(p: &SwigluForward) {
 }
 
 pub fn backward_cpu(p: &SwigluBackward) -> Result<()> {
+    let dt = BastileDType::from_raw(p.dtype)?;
     // SAFETY: as in forward_cpu.
-    unsafe { by_dtype!(p.dtype, backward_cpu_typed(p)) };
+    crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { backward_cpu_typed::<T>(p) });
     Ok(())
 }
 
@@ -161,23 +150,9 @@ unsafe fn backward_cpu_typed<T: Element>(p: &SwigluBackward) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{cast, noise};
     use half::{bf16, f16};
     use BastileDType::*;
-
-    /// Deterministic pseudo-random values in [-scale, scale).
-    fn noise(n: usize, seed: u64, scale: f64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
-
-    fn cast<T: Element>(v: &[f64]) -> Vec<T> {
-        v.iter().map(|&x| T::from_f64(x)).collect()
-    }
 
     /// Exact values in f64 with no intermediate rounding, from another formula than the kernels':
     /// sig(g) = exp(-ln(1 + e^-g)) and d silu / dg = sig(g) + silu(g) * sig(-g).
