@@ -7,11 +7,10 @@ grad_hidden, grad_weight), the floor any fused implementation stands on.
 Forward+backward only (training is what the fusion is for). TFLOP/s counts the three GEMMs: 6 N H V.
 Peak extra memory: torch.cuda.max_memory_allocated during one fwd+bwd, less what was allocated before.
 """
-import argparse
 
 import torch
 import torch.nn.functional as F
-from common import environment, markdown, out_dir, time_ms, write_csv
+from common import chosen, environment, parser, report, time_ms
 
 import bastile
 
@@ -59,12 +58,9 @@ def peak_extra_gib(fn):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--shapes", default="8192x1024,8192x4096,32768x2048", help="NxH, comma-separated")
+    ap = parser("8192x1024,8192x4096,32768x2048", "gemm3,bastile,bastile_bf16_wgrad,eager,compile,liger",
+                "NxH, comma-separated")
     ap.add_argument("--vocab", type=int, default=VOCAB)
-    ap.add_argument("--impls", default="gemm3,bastile,bastile_bf16_wgrad,eager,compile,liger",
-                    help="comma-separated subset")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     wanted = args.impls.split(",")
@@ -94,9 +90,7 @@ def main():
                 record("gemm3", time_ms(lambda: gemm3(h, w, g_logits), reps=20), None)
             del g_logits
         reference = None
-        for name, f in implementations().items():
-            if name not in wanted:
-                continue
+        for name, f in chosen(implementations(), args).items():
 
             def step():
                 h.grad = w.grad = None
@@ -123,10 +117,7 @@ def main():
             record(name, ms, peak)
         del h, w, t
         torch.cuda.empty_cache()
-    write_csv(out_dir() / "fused_linear_cross_entropy.csv", rows_out)
-    print()
-    print(environment())
-    print(markdown(rows_out, ["shape", "impl", "fwdbwd_ms", "TFLOPs", "peak_extra_GiB"]))
+    report("fused_linear_cross_entropy", rows_out, ["shape", "impl", "fwdbwd_ms", "TFLOPs", "peak_extra_GiB"])
 
 
 if __name__ == "__main__":

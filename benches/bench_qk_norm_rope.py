@@ -8,11 +8,10 @@ Every implementation takes q [B, S, Hq, D] and k [B, S, Hk, D] (the projections'
 k, cos and sin and writes both outputs; forward+backward also reads the output gradients, q, k, cos and
 sin again and writes the input gradients (weights are negligible).
 """
-import argparse
 import types
 
 import torch
-from common import copy_bandwidth_tbs, environment, markdown, out_dir, time_ms, write_csv
+from common import BANDWIDTH_COLUMNS, bandwidth_row, chosen, parser, report, start, time_ms
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 import bastile
@@ -50,16 +49,12 @@ def implementations():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--shapes", default="2x4096x16x8x128,1x8192x32x8x128", help="BxSxHqxHkxD, comma-separated")
-    ap.add_argument("--impls", default="bastile,hf_eager,torch_compile,liger", help="comma-separated subset")
+    ap = parser("2x4096x16x8x128,1x8192x32x8x128", "bastile,hf_eager,torch_compile,liger",
+                "BxSxHqxHkxD, comma-separated")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
-    print(environment(), flush=True)
-    copy = copy_bandwidth_tbs()
-    print(f"device copy: {copy:.2f} TB/s", flush=True)
+    copy = start()
     rows_out = []
     for shape in args.shapes.split(","):
         b, s, hq, hk, d = map(int, shape.split("x"))
@@ -78,23 +73,13 @@ def main():
         fwd_bytes = 2 * qk_bytes + cs_bytes
         fwdbwd_bytes = fwd_bytes + 3 * qk_bytes + cs_bytes
         ref = hf(q, k, qw, kw, cos, sin)
-        for name, f in implementations().items():
-            if name not in args.impls.split(","):
-                continue
+        for name, f in chosen(implementations(), args).items():
             for a, r in zip(f(q, k, qw, kw, cos, sin), ref):  # the same function before timing
                 torch.testing.assert_close(a, r, rtol=2 ** -6, atol=2 ** -4)  # a bf16 unit at |x| < 16: compile rounds its fused math once
             fwd = time_ms(lambda: f(q, k, qw, kw, cos, sin))
             both = time_ms(lambda: torch.autograd.grad(f(*leaves, cos, sin), leaves, (gq, gk)))
-            rows_out.append({
-                "shape": shape, "dtype": args.dtype, "impl": name,
-                "fwd_ms": f"{fwd:.4f}", "fwd_TBps": f"{fwd_bytes / fwd / 1e9:.2f}",
-                "fwdbwd_ms": f"{both:.4f}", "fwdbwd_TBps": f"{fwdbwd_bytes / both / 1e9:.2f}",
-            })
-            print(rows_out[-1], flush=True)
-    write_csv(out_dir() / "qk_norm_rope.csv", rows_out)
-    print()
-    print(environment(), f"| device copy {copy:.2f} TB/s")
-    print(markdown(rows_out, ["shape", "impl", "fwd_ms", "fwd_TBps", "fwdbwd_ms", "fwdbwd_TBps"]))
+            rows_out.append(bandwidth_row(shape, args.dtype, name, fwd, fwd_bytes, both, fwdbwd_bytes))
+    report("qk_norm_rope", rows_out, BANDWIDTH_COLUMNS, copy)
 
 
 if __name__ == "__main__":

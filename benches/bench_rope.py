@@ -7,10 +7,9 @@ Shapes are batch x seq x q_heads x k_heads x head_dim. Effective bandwidth count
 must move: the forward reads q, k, cos and sin and writes q_embed, k_embed; the backward moves as much again
 (reads the output gradients and the tables, writes the input gradients).
 """
-import argparse
 
 import torch
-from common import copy_bandwidth_tbs, environment, markdown, out_dir, time_ms, write_csv
+from common import BANDWIDTH_COLUMNS, bandwidth_row, chosen, parser, report, start, time_ms
 from transformers import Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -47,17 +46,13 @@ def tables(batch, seq, dim, dtype, per_batch):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--shapes", default="2x4096x16x8x128,1x8192x32x8x128", help="BxSxHqxHkxD, comma-separated")
-    ap.add_argument("--impls", default="bastile,hf_eager,torch_compile,liger", help="comma-separated subset")
+    ap = parser("2x4096x16x8x128,1x8192x32x8x128", "bastile,hf_eager,torch_compile,liger",
+                "BxSxHqxHkxD, comma-separated")
     ap.add_argument("--per-batch-tables", action="store_true", help="cos/sin [B, S, D] (packed rows)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
-    print(environment(), flush=True)
-    copy = copy_bandwidth_tbs()
-    print(f"device copy: {copy:.2f} TB/s", flush=True)
+    copy = start()
     rows_out = []
     for shape in args.shapes.split(","):
         b, s, hq, hk, d = map(int, shape.split("x"))
@@ -70,9 +65,7 @@ def main():
         fwd_bytes = 2 * (qs.numel() + ks.numel()) * size + 2 * cos.numel() * size
         fwdbwd_bytes = 2 * fwd_bytes
         ref = HF_APPLY(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
-        for name, f in implementations().items():
-            if name not in args.impls.split(","):
-                continue
+        for name, f in chosen(implementations(), args).items():
             # Same function before timing (on copies: Liger rotates its inputs in place).
             out = f(qs.clone().transpose(1, 2), ks.clone().transpose(1, 2), cos, sin)
             for a, r in zip(out, ref):
@@ -81,16 +74,8 @@ def main():
             fwd = time_ms(lambda: f(q, k, cos, sin))
             both = time_ms(lambda: torch.autograd.grad(f(qg.transpose(1, 2), kg.transpose(1, 2), cos, sin),
                                                        (qg, kg), (gq, gk)))
-            rows_out.append({
-                "shape": shape, "dtype": args.dtype, "impl": name,
-                "fwd_ms": f"{fwd:.4f}", "fwd_TBps": f"{fwd_bytes / fwd / 1e9:.2f}",
-                "fwdbwd_ms": f"{both:.4f}", "fwdbwd_TBps": f"{fwdbwd_bytes / both / 1e9:.2f}",
-            })
-            print(rows_out[-1], flush=True)
-    write_csv(out_dir() / "rope.csv", rows_out)
-    print()
-    print(environment(), f"| device copy {copy:.2f} TB/s")
-    print(markdown(rows_out, ["shape", "impl", "fwd_ms", "fwd_TBps", "fwdbwd_ms", "fwdbwd_TBps"]))
+            rows_out.append(bandwidth_row(shape, args.dtype, name, fwd, fwd_bytes, both, fwdbwd_bytes))
+    report("rope", rows_out, BANDWIDTH_COLUMNS, copy)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,9 @@
 Effective bandwidth counts the bytes an ideal kernel must move: forward reads gate and up and writes y;
 forward+backward also reads dy, gate and up and writes grad_gate and grad_up.
 """
-import argparse
-
 import torch
 import torch.nn.functional as F
-from common import copy_bandwidth_tbs, environment, markdown, out_dir, time_ms, write_csv
+from common import BANDWIDTH_COLUMNS, bandwidth_row, chosen, parser, report, start, time_ms
 
 import bastile  # noqa: F401  (loads torch.ops.bastile)
 
@@ -29,16 +27,11 @@ def implementations():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--shapes", default="8192x3072,16384x6144,16384x12288")
-    ap.add_argument("--impls", default="bastile,eager,compile,liger", help="comma-separated subset")
+    ap = parser("8192x3072,16384x6144,16384x12288", "bastile,eager,compile,liger")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
-    print(environment(), flush=True)
-    copy = copy_bandwidth_tbs()
-    print(f"device copy: {copy:.2f} TB/s", flush=True)
+    copy = start()
     rows_out = []
     for shape in args.shapes.split(","):
         rows, cols = map(int, shape.split("x"))
@@ -49,25 +42,15 @@ def main():
         fwd_bytes = 3 * n * size
         fwdbwd_bytes = fwd_bytes + 5 * n * size
         ref = hf(g, u)
-        for name, f in implementations().items():
-            if name not in args.impls.split(","):
-                continue
+        for name, f in chosen(implementations(), args).items():
             # Liger's backward writes the gradients over the saved inputs: every impl gets its own copies.
             gg, ug = g.clone().requires_grad_(), u.clone().requires_grad_()
             torch.testing.assert_close(f(g, u), ref, rtol=2 ** -6, atol=1e-2)  # same function before timing
             fwd = time_ms(lambda: f(g, u))
             both = time_ms(lambda: torch.autograd.grad(f(gg, ug), (gg, ug), dy))
-            rows_out.append({
-                "shape": shape, "dtype": args.dtype, "impl": name,
-                "fwd_ms": f"{fwd:.4f}", "fwd_TBps": f"{fwd_bytes / fwd / 1e9:.2f}",
-                "fwdbwd_ms": f"{both:.4f}", "fwdbwd_TBps": f"{fwdbwd_bytes / both / 1e9:.2f}",
-            })
-            print(rows_out[-1], flush=True)
+            rows_out.append(bandwidth_row(shape, args.dtype, name, fwd, fwd_bytes, both, fwdbwd_bytes))
             del gg, ug
-    write_csv(out_dir() / "swiglu.csv", rows_out)
-    print()
-    print(environment(), f"| device copy {copy:.2f} TB/s")
-    print(markdown(rows_out, ["shape", "impl", "fwd_ms", "fwd_TBps", "fwdbwd_ms", "fwdbwd_TBps"]))
+    report("swiglu", rows_out, BANDWIDTH_COLUMNS, copy)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""Shared benchmark helpers: CUDA-event timing with L2 flushed, environment report, tables."""
+"""Shared benchmark helpers: options, CUDA-event timing with L2 flushed, environment report, tables."""
+import argparse
 import csv
 import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -63,3 +65,47 @@ def markdown(rows, cols) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def parser(shapes: str, impls: str, shape_help: str = "comma-separated") -> argparse.ArgumentParser:
+    """The options every kernel benchmark takes: --dtype, --shapes, --impls (a subset, comma-separated)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shapes", default=shapes, help=shape_help)
+    ap.add_argument("--impls", default=impls, help="comma-separated subset")
+    return ap
+
+
+def chosen(impls: dict, args) -> dict:
+    """The implementations named by --impls, in the benchmark's order."""
+    wanted = args.impls.split(",")
+    return {name: f for name, f in impls.items() if name in wanted}
+
+
+def start() -> float:
+    """Prints the environment and the device copy bandwidth (the roofline), and returns the latter."""
+    print(environment(), flush=True)
+    copy = copy_bandwidth_tbs()
+    print(f"device copy: {copy:.2f} TB/s", flush=True)
+    return copy
+
+
+BANDWIDTH_COLUMNS = ["shape", "impl", "fwd_ms", "fwd_TBps", "fwdbwd_ms", "fwdbwd_TBps"]
+
+
+def bandwidth_row(shape: str, dtype: str, impl: str, fwd_ms: float, fwd_bytes: int, fwdbwd_ms: float,
+                  fwdbwd_bytes: int) -> dict:
+    """One printed result of a memory-bound op: times and effective bandwidths."""
+    row = {"shape": shape, "dtype": dtype, "impl": impl,
+           "fwd_ms": f"{fwd_ms:.4f}", "fwd_TBps": f"{fwd_bytes / fwd_ms / 1e9:.2f}",
+           "fwdbwd_ms": f"{fwdbwd_ms:.4f}", "fwdbwd_TBps": f"{fwdbwd_bytes / fwdbwd_ms / 1e9:.2f}"}
+    print(row, flush=True)
+    return row
+
+
+def report(stem: str, rows, columns, copy: Optional[float] = None):
+    """Writes `<stem>.csv` under out_dir() and prints the markdown table under the environment line."""
+    write_csv(out_dir() / f"{stem}.csv", rows)
+    print()
+    print(environment(), *([f"| device copy {copy:.2f} TB/s"] if copy is not None else []))
+    print(markdown(rows, columns))
