@@ -3,6 +3,7 @@
 # Here (Rust toolchain, no GPU needed):  setup, build, test, train
 # On a GPU machine with the built library (no Rust needed, system python with torch):
 #   make gpu-test bench PY=python3 NO_BUILD=1
+#   make bench-kernels | bench-e2e PART=1 | bench-profile  PY=python3 NO_BUILD=1 [ARGS='...']   (BENCHMARKS.md)
 
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
@@ -14,7 +15,7 @@ export BASTILE_PYTHON := $(abspath $(PY))
 PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
         nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6
 
-.PHONY: setup build test cargo-test pytest train gpu-test bench clean
+.PHONY: setup build test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-profile clean
 
 # Project-local virtualenv with the pins, and libclang for bindgen.
 setup: $(VENV)/.ready
@@ -55,8 +56,22 @@ gpu-test: build
 		tests/test_fused_linear_cross_entropy.py -k "$(SANITIZE)"
 
 # Every kernel family against its peers (one script each).
+OP_BENCHES := $(addprefix benches/bench_,$(addsuffix .py,rms_norm swiglu rope qk_norm_rope fused_linear_cross_entropy))
 bench: build
-	set -e; for b in benches/bench_*.py; do $(PY) $$b; done
+	set -e; for b in $(OP_BENCHES); do $(PY) $$b; done
+
+# The suite (BENCHMARKS.md has the commands per 10-minute call); ARGS passes options, e.g. ARGS='--models 0.6B,1.7B'.
+# Every op vs eager, torch.compile and Liger at Qwen3-0.6B/1.7B/4B/8B shapes: kernels.csv, kernels_<op>.png.
+bench-kernels: build
+	$(PY) benches/bench_kernels.py $(ARGS)
+
+# Qwen3 fine-tuning in five modes, one process each; PART=n runs one piece of the matrix that fits 10 minutes.
+bench-e2e: build
+	$(PY) benches/bench_e2e.py $(if $(PART),--part $(PART)) $(ARGS)
+
+# torch.profiler of one Bastile training step (ARGS='--mode hf' for HF's): kernels by CUDA time, by category.
+bench-profile: build
+	$(PY) benches/bench_profile.py $(ARGS)
 
 clean:
 	cargo clean

@@ -6,11 +6,14 @@ grad_hidden, grad_weight), the floor any fused implementation stands on.
 
 Forward+backward only (training is what the fusion is for). TFLOP/s counts the three GEMMs: 6 N H V.
 Peak extra memory: torch.cuda.max_memory_allocated during one fwd+bwd, less what was allocated before.
+`cases(shape, dtype)` is what bench_kernels.py measures too (there also the forward alone, 2 N H V, on
+inputs that need no gradient, and the backward alone).
 """
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-from common import chosen, environment, parser, report, time_ms
+from common import Case, Impl, chosen, device, environment, fmt, measure, parse, parser, report, throughput
 
 import bastile
 
@@ -48,76 +51,53 @@ def gemm3(h, w, g_logits):
     torch.mm(g_logits.t(), h)
 
 
-def peak_extra_gib(fn):
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+def cases(shape: str, dtype: torch.dtype, vocab: int = VOCAB) -> Case:
+    """shape: tokens x hidden; the weight is [vocab, hidden], every tenth target ignored."""
+    n, hdim = map(int, shape.split("x"))
+    h = torch.randn(n, hdim, device=device(), dtype=dtype)
+    w = (torch.randn(vocab, hdim, device=device()) / hdim ** 0.5).to(dtype)
+    t = torch.randint(0, vocab, (n,), device=device())
+    t[::10] = -100
+    leaves = (h.detach().requires_grad_(), w.detach().requires_grad_())  # the same storage, for training
+    reference = []
+
+    def impl(f):
+        def check():  # the loss, without and with gradients (fused impls form them in the forward)
+            if not reference:
+                with torch.no_grad():
+                    reference.append(eager(h, w, t).float())
+            torch.testing.assert_close(f(h, w, t).float(), reference[0], rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(f(*leaves, t).detach().float(), reference[0], rtol=2e-3, atol=2e-3)
+
+        return Impl(forward=lambda: f(h, w, t), graph=lambda: (f(*leaves, t), leaves, None), check=check)
+
+    def bare():
+        g_logits = torch.randn(n, vocab, device=device(), dtype=dtype) * 1e-3
+        return Impl(timed={"fwdbwd": lambda: gemm3(h, w, g_logits)})
+
+    flops = 2 * n * hdim * vocab
+    return Case(f"{shape}x{vocab}", "TFLOP/s", {"fwd": flops, "bwd": None, "fwdbwd": 3 * flops},
+                {"gemm3": bare, **{name: partial(impl, f) for name, f in implementations().items()}},
+                reps=20, warmup=3)
 
 
 def main():
     ap = parser("8192x1024,8192x4096,32768x2048", "gemm3,bastile,bastile_bf16_wgrad,eager,compile,liger",
                 "NxH, comma-separated")
     ap.add_argument("--vocab", type=int, default=VOCAB)
-    args = ap.parse_args()
+    args = parse(ap)
     dtype = getattr(torch, args.dtype)
-    wanted = args.impls.split(",")
-    vocab = args.vocab
     print(environment(), flush=True)
-    rows_out = []
+    rows = []
     for shape in args.shapes.split(","):
-        n, hdim = map(int, shape.split("x"))
-        flops = 6 * n * hdim * vocab
-        h = torch.randn(n, hdim, device="cuda", dtype=dtype, requires_grad=True)
-        w = (torch.randn(vocab, hdim, device="cuda") / hdim ** 0.5).to(dtype).requires_grad_()
-        t = torch.randint(0, vocab, (n,), device="cuda")
-        t[::10] = -100
-
-        def record(name, ms, peak):
-            rows_out.append({
-                "shape": f"{shape}x{vocab}", "dtype": args.dtype, "impl": name,
-                "fwdbwd_ms": "OOM" if ms is None else f"{ms:.3f}",
-                "TFLOPs": "" if ms is None else f"{flops / ms / 1e9:.1f}",
-                "peak_extra_GiB": "" if peak is None else f"{peak:.3f}",
-            })
-            print(rows_out[-1], flush=True)
-
-        if "gemm3" in wanted:
-            g_logits = torch.randn(n, vocab, device="cuda", dtype=dtype) * 1e-3
-            with torch.no_grad():
-                record("gemm3", time_ms(lambda: gemm3(h, w, g_logits), reps=20), None)
-            del g_logits
-        reference = None
-        for name, f in chosen(implementations(), args).items():
-
-            def step():
-                h.grad = w.grad = None
-                loss = f(h, w, t)
-                loss.backward()
-                return loss
-
-            try:
-                loss = step()  # warm up (and compile)
-                if reference is None:
-                    reference = loss.detach().float()
-                else:  # the same function before timing
-                    torch.testing.assert_close(loss.detach().float(), reference, rtol=2e-3, atol=2e-3)
-                h.grad = w.grad = None
-                peak = peak_extra_gib(step)
-                ms = time_ms(step, reps=20, warmup=3)
-            except torch.OutOfMemoryError:
-                h.grad = w.grad = None
-                torch.cuda.empty_cache()
-                record(name, None, None)
-                continue
-            h.grad = w.grad = None
-            torch.cuda.empty_cache()
-            record(name, ms, peak)
-        del h, w, t
-        torch.cuda.empty_cache()
-    report("fused_linear_cross_entropy", rows_out, ["shape", "impl", "fwdbwd_ms", "TFLOPs", "peak_extra_GiB"])
+        case = cases(shape, dtype, args.vocab)
+        for name in chosen(case.impls, args):
+            ms, peak = measure(case, name, ("fwdbwd",))["fwdbwd"]
+            rows.append({"shape": case.shape, "dtype": args.dtype, "impl": name, "fwdbwd_ms": fmt(ms, 3),
+                         "TFLOPs": fmt(throughput(ms, case.work["fwdbwd"]), 1), "peak_extra_GiB": fmt(peak, 3)})
+            print(rows[-1], flush=True)
+        del case
+    report("fused_linear_cross_entropy", rows, ["shape", "impl", "fwdbwd_ms", "TFLOPs", "peak_extra_GiB"])
 
 
 if __name__ == "__main__":

@@ -6,15 +6,17 @@ apply_rotary_pos_emb), torch.compile of it, and Liger Kernel (LigerRMSNorm + Lig
 Every implementation takes q [B, S, Hq, D] and k [B, S, Hk, D] (the projections' views) and returns HF's
 [B, H, S, D] layout. Effective bandwidth counts the bytes an ideal kernel must move: the forward reads q,
 k, cos and sin and writes both outputs; forward+backward also reads the output gradients, q, k, cos and
-sin again and writes the input gradients (weights are negligible).
+sin again and writes the input gradients (weights are negligible). `cases(shape, dtype)` is what
+bench_kernels.py measures too.
 """
 import types
+from functools import partial
 
 import torch
-from common import BANDWIDTH_COLUMNS, bandwidth_row, chosen, parser, report, start, time_ms
+from common import Case, Impl, bandwidth_main, device
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-import bastile
+import bastile  # noqa: F401  (loads torch.ops.bastile)
 
 EPS = 1e-6
 HF_NORM = Qwen3RMSNorm.forward
@@ -48,39 +50,38 @@ def implementations():
     return impls
 
 
-def main():
-    ap = parser("2x4096x16x8x128,1x8192x32x8x128", "bastile,hf_eager,torch_compile,liger",
-                "BxSxHqxHkxD, comma-separated")
-    args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    size = torch.finfo(dtype).bits // 8
-    copy = start()
-    rows_out = []
-    for shape in args.shapes.split(","):
-        b, s, hq, hk, d = map(int, shape.split("x"))
-        q = torch.randn(b, s, hq, d, device="cuda", dtype=dtype)
-        k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
-        qw = (1 + 0.1 * torch.randn(d, device="cuda")).to(dtype)
-        kw = (1 + 0.1 * torch.randn(d, device="cuda")).to(dtype)
-        ang = torch.arange(s, device="cuda")[:, None] * 10000 ** (-torch.arange(0, d, 2, device="cuda") / d)
-        ang = torch.cat([ang, ang], -1)[None]
-        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-        gq = torch.randn(b, hq, s, d, device="cuda", dtype=dtype)
-        gk = torch.randn(b, hk, s, d, device="cuda", dtype=dtype)
-        leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
-        qk_bytes = (q.numel() + k.numel()) * size
-        cs_bytes = 2 * cos.numel() * size
-        fwd_bytes = 2 * qk_bytes + cs_bytes
-        fwdbwd_bytes = fwd_bytes + 3 * qk_bytes + cs_bytes
-        ref = hf(q, k, qw, kw, cos, sin)
-        for name, f in chosen(implementations(), args).items():
-            for a, r in zip(f(q, k, qw, kw, cos, sin), ref):  # the same function before timing
+def cases(shape: str, dtype: torch.dtype) -> Case:
+    """shape: batch x seq x q_heads x k_heads x head_dim."""
+    b, s, hq, hk, d = map(int, shape.split("x"))
+    dev = device()
+    q = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(b, s, hk, d, device=dev, dtype=dtype)
+    qw = (1 + 0.1 * torch.randn(d, device=dev)).to(dtype)
+    kw = (1 + 0.1 * torch.randn(d, device=dev)).to(dtype)
+    ang = torch.arange(s, device=dev)[:, None] * 10000 ** (-torch.arange(0, d, 2, device=dev) / d)
+    ang = torch.cat([ang, ang], -1)[None]
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    gq = torch.randn(b, hq, s, d, device=dev, dtype=dtype)
+    gk = torch.randn(b, hk, s, d, device=dev, dtype=dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, qw, kw)]
+    size = q.element_size()
+    qk_bytes = (q.numel() + k.numel()) * size
+    cs_bytes = 2 * cos.numel() * size
+    fwd_bytes = 2 * qk_bytes + cs_bytes
+    ref = hf(q, k, qw, kw, cos, sin)
+
+    def impl(f):
+        def check():
+            for a, r in zip(f(q, k, qw, kw, cos, sin), ref):
                 torch.testing.assert_close(a, r, rtol=2 ** -6, atol=2 ** -4)  # a bf16 unit at |x| < 16: compile rounds its fused math once
-            fwd = time_ms(lambda: f(q, k, qw, kw, cos, sin))
-            both = time_ms(lambda: torch.autograd.grad(f(*leaves, cos, sin), leaves, (gq, gk)))
-            rows_out.append(bandwidth_row(shape, args.dtype, name, fwd, fwd_bytes, both, fwdbwd_bytes))
-    report("qk_norm_rope", rows_out, BANDWIDTH_COLUMNS, copy)
+
+        return Impl(forward=lambda: f(q, k, qw, kw, cos, sin), graph=lambda: (f(*leaves, cos, sin), leaves, (gq, gk)),
+                    check=check)
+
+    return Case(shape, "TB/s", {"fwd": fwd_bytes, "fwdbwd": fwd_bytes + 3 * qk_bytes + cs_bytes},
+                {name: partial(impl, f) for name, f in implementations().items()})
 
 
 if __name__ == "__main__":
-    main()
+    bandwidth_main("qk_norm_rope", cases, "2x4096x16x8x128,1x8192x32x8x128", "bastile,hf_eager,torch_compile,liger",
+                   "BxSxHqxHkxD, comma-separated")

@@ -3,15 +3,17 @@
     python benches/bench_rms_norm.py            # bf16, the issue's shapes; CSV under $OUT or bench-results/
 
 Effective bandwidth counts the bytes an ideal kernel must move: forward reads x and w and writes y;
-forward+backward also reads dy and x again and writes dx and dw.
+forward+backward also reads dy and x again and writes dx and dw. `cases(shape, dtype)` is what
+bench_kernels.py measures too.
 """
 import types
+from functools import partial
 
 import torch
-from common import BANDWIDTH_COLUMNS, bandwidth_row, chosen, parser, report, start, time_ms
+from common import Case, Impl, bandwidth_main, device
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-import bastile
+import bastile  # noqa: F401  (loads torch.ops.bastile)
 
 EPS = 1e-6
 HF_FORWARD = Qwen3RMSNorm.forward
@@ -32,29 +34,24 @@ def implementations():
     return impls
 
 
-def main():
-    ap = parser("8192x1024,16384x2048,16384x4096,65536x128", "bastile,hf_eager,torch_compile,liger")
-    args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    size = torch.finfo(dtype).bits // 8
-    copy = start()
-    rows_out = []
-    for shape in args.shapes.split(","):
-        rows, cols = map(int, shape.split("x"))
-        x = torch.randn(rows, cols, device="cuda", dtype=dtype)
-        w = (1 + 0.1 * torch.randn(cols, device="cuda")).to(dtype)
-        g = torch.randn_like(x)
-        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        fwd_bytes = 2 * rows * cols * size + cols * size
-        fwdbwd_bytes = fwd_bytes + 3 * rows * cols * size + 2 * cols * size
-        for name, f in chosen(implementations(), args).items():
-            ref = hf(x, w)
-            torch.testing.assert_close(f(x, w), ref, rtol=2 ** -6, atol=1e-2)  # same function before timing
-            fwd = time_ms(lambda: f(x, w))
-            both = time_ms(lambda: torch.autograd.grad(f(xg, wg), (xg, wg), g))
-            rows_out.append(bandwidth_row(shape, args.dtype, name, fwd, fwd_bytes, both, fwdbwd_bytes))
-    report("rms_norm", rows_out, BANDWIDTH_COLUMNS, copy)
+def cases(shape: str, dtype: torch.dtype) -> Case:
+    """shape: rows x hidden."""
+    rows, cols = map(int, shape.split("x"))
+    x = torch.randn(rows, cols, device=device(), dtype=dtype)
+    w = (1 + 0.1 * torch.randn(cols, device=device())).to(dtype)
+    g = torch.randn_like(x)
+    leaves = (x.clone().requires_grad_(), w.clone().requires_grad_())
+    size = x.element_size()
+    fwd_bytes = 2 * rows * cols * size + cols * size
+    ref = hf(x, w)
+
+    def impl(f):
+        return Impl(forward=lambda: f(x, w), graph=lambda: (f(*leaves), leaves, g),
+                    check=lambda: torch.testing.assert_close(f(x, w), ref, rtol=2 ** -6, atol=1e-2))
+
+    return Case(shape, "TB/s", {"fwd": fwd_bytes, "fwdbwd": fwd_bytes + 3 * rows * cols * size + 2 * cols * size},
+                {name: partial(impl, f) for name, f in implementations().items()})
 
 
 if __name__ == "__main__":
-    main()
+    bandwidth_main("rms_norm", cases, "8192x1024,16384x2048,16384x4096,65536x128", "bastile,hf_eager,torch_compile,liger")

@@ -5,16 +5,18 @@ installed), with q and k given as HF builds them: transposed views of [batch, se
 
 Shapes are batch x seq x q_heads x k_heads x head_dim. Effective bandwidth counts the bytes an ideal kernel
 must move: the forward reads q, k, cos and sin and writes q_embed, k_embed; the backward moves as much again
-(reads the output gradients and the tables, writes the input gradients).
+(reads the output gradients and the tables, writes the input gradients). `cases(shape, dtype)` is what
+bench_kernels.py measures too.
 """
+from functools import partial
 
 import torch
-from common import BANDWIDTH_COLUMNS, bandwidth_row, chosen, parser, report, start, time_ms
+from common import Case, Impl, bandwidth_main, device
 from transformers import Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-import bastile
+import bastile  # noqa: F401  (loads torch.ops.bastile)
 
 HF_APPLY = modeling_qwen3.apply_rotary_pos_emb
 
@@ -36,47 +38,43 @@ def tables(batch, seq, dim, dtype, per_batch):
     ids), [batch, seq, dim] for packed rows whose positions restart."""
     cfg = Qwen3Config(hidden_size=4 * dim, num_attention_heads=4, num_key_value_heads=2, head_dim=dim,
                       max_position_embeddings=max(seq, 4096))
-    emb = Qwen3RotaryEmbedding(cfg).cuda()
+    emb = Qwen3RotaryEmbedding(cfg).to(device())
     if per_batch:
         pos = torch.stack([torch.cat([torch.arange(seq // (b + 2)), torch.arange(seq - seq // (b + 2))])
                            for b in range(batch)])
     else:
         pos = torch.arange(seq)[None]
-    return emb(torch.empty(1, dtype=dtype, device="cuda"), pos.cuda())
+    return emb(torch.empty(1, dtype=dtype, device=device()), pos.to(device()))
 
 
-def main():
-    ap = parser("2x4096x16x8x128,1x8192x32x8x128", "bastile,hf_eager,torch_compile,liger",
-                "BxSxHqxHkxD, comma-separated")
-    ap.add_argument("--per-batch-tables", action="store_true", help="cos/sin [B, S, D] (packed rows)")
-    args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    size = torch.finfo(dtype).bits // 8
-    copy = start()
-    rows_out = []
-    for shape in args.shapes.split(","):
-        b, s, hq, hk, d = map(int, shape.split("x"))
-        qs = torch.randn(b, s, hq, d, device="cuda", dtype=dtype)
-        ks = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
-        cos, sin = tables(b, s, d, dtype, args.per_batch_tables)
-        gq = torch.randn(b, hq, s, d, device="cuda", dtype=dtype)
-        gk = torch.randn(b, hk, s, d, device="cuda", dtype=dtype)
-        qg, kg = qs.clone().requires_grad_(), ks.clone().requires_grad_()
-        fwd_bytes = 2 * (qs.numel() + ks.numel()) * size + 2 * cos.numel() * size
-        fwdbwd_bytes = 2 * fwd_bytes
-        ref = HF_APPLY(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
-        for name, f in chosen(implementations(), args).items():
-            # Same function before timing (on copies: Liger rotates its inputs in place).
+def cases(shape: str, dtype: torch.dtype, per_batch_tables: bool = False) -> Case:
+    """shape: batch x seq x q_heads x k_heads x head_dim."""
+    b, s, hq, hk, d = map(int, shape.split("x"))
+    qs = torch.randn(b, s, hq, d, device=device(), dtype=dtype)
+    ks = torch.randn(b, s, hk, d, device=device(), dtype=dtype)
+    cos, sin = tables(b, s, d, dtype, per_batch_tables)
+    gq = torch.randn(b, hq, s, d, device=device(), dtype=dtype)
+    gk = torch.randn(b, hk, s, d, device=device(), dtype=dtype)
+    qg, kg = qs.clone().requires_grad_(), ks.clone().requires_grad_()
+    size = qs.element_size()
+    fwd_bytes = 2 * (qs.numel() + ks.numel()) * size + 2 * cos.numel() * size
+    ref = HF_APPLY(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
+    q, k = qs.transpose(1, 2), ks.transpose(1, 2)
+
+    def impl(f):
+        def check():  # on copies: Liger rotates its inputs in place
             out = f(qs.clone().transpose(1, 2), ks.clone().transpose(1, 2), cos, sin)
             for a, r in zip(out, ref):
                 torch.testing.assert_close(a, r, rtol=2 ** -6, atol=2 ** -4)  # a bf16 unit at |x| < 16: compile rounds its fused math once
-            q, k = qs.transpose(1, 2), ks.transpose(1, 2)
-            fwd = time_ms(lambda: f(q, k, cos, sin))
-            both = time_ms(lambda: torch.autograd.grad(f(qg.transpose(1, 2), kg.transpose(1, 2), cos, sin),
-                                                       (qg, kg), (gq, gk)))
-            rows_out.append(bandwidth_row(shape, args.dtype, name, fwd, fwd_bytes, both, fwdbwd_bytes))
-    report("rope", rows_out, BANDWIDTH_COLUMNS, copy)
+
+        return Impl(forward=lambda: f(q, k, cos, sin),
+                    graph=lambda: (f(qg.transpose(1, 2), kg.transpose(1, 2), cos, sin), (qg, kg), (gq, gk)),
+                    check=check)
+
+    return Case(shape, "TB/s", {"fwd": fwd_bytes, "fwdbwd": 2 * fwd_bytes},
+                {name: partial(impl, f) for name, f in implementations().items()})
 
 
 if __name__ == "__main__":
-    main()
+    bandwidth_main("rope", cases, "2x4096x16x8x128,1x8192x32x8x128", "bastile,hf_eager,torch_compile,liger",
+                   "BxSxHqxHkxD, comma-separated", {"--per-batch-tables": "cos/sin [B, S, D] (packed rows)"})

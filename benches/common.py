@@ -1,21 +1,56 @@
-"""Shared benchmark helpers: options, CUDA-event timing with L2 flushed, environment report, tables."""
+"""Shared benchmark helpers: options, CUDA-event timing with L2 flushed, peak memory, environment report,
+the kernel cases' runner, Qwen3 configurations, tables and charts."""
 import argparse
 import csv
+import importlib.metadata
 import os
 import statistics
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python_shim"))
 
+# torch.compile keeps one graph per shape and grad mode of a function; a benchmark sweeps more than the
+# default 8 and must not fall back to eager silently.
+torch._dynamo.config.recompile_limit = 64
+
+# Where the benchmarks run: CUDA when present; "cpu" only for the --smoke runs that check the scripts.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def use_device(device: str):
+    global DEVICE
+    DEVICE = device
+
+
+def device() -> str:
+    return DEVICE
+
+
+def cuda() -> bool:
+    return DEVICE == "cuda"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
 
 def environment() -> str:
-    p = torch.cuda.get_device_properties(0)
-    return (f"GPU {p.name} ({p.multi_processor_count} SMs), torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}")
+    if cuda():
+        p = torch.cuda.get_device_properties(0)
+        where = f"GPU {p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2 ** 30:.0f} GiB)"
+    else:
+        where = "CPU (no GPU: a smoke run, figures meaningless)"
+    return (f"{where}, torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {_version('transformers')}, "
+            f"triton {_version('triton')}, liger-kernel {_version('liger-kernel')}")
 
 
 _flush = None
@@ -23,7 +58,16 @@ _flush = None
 
 def time_ms(fn, reps: int = 50, warmup: int = 10) -> float:
     """Median milliseconds of fn() on the current stream; L2 is flushed before every repetition and
-    the flush is outside the timed region."""
+    the flush is outside the timed region. On the CPU (smoke runs) a plain wall-clock median."""
+    if not cuda():
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     global _flush
     if _flush is None:
         _flush = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device="cuda")
@@ -40,8 +84,10 @@ def time_ms(fn, reps: int = 50, warmup: int = 10) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def copy_bandwidth_tbs() -> float:
-    """Device-to-device copy of 1 GiB, bytes read + written, for the roofline."""
+def copy_bandwidth_tbs() -> Optional[float]:
+    """Device-to-device copy of 1 GiB, bytes read + written, for the roofline (None on the CPU)."""
+    if not cuda():
+        return None
     a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = time_ms(lambda: b.copy_(a), reps=20)
@@ -52,7 +98,7 @@ def write_csv(path, rows):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list({k: None for r in rows for k in r}), restval="")
         w.writeheader()
         w.writerows(rows)
 
@@ -68,12 +114,20 @@ def markdown(rows, cols) -> str:
 
 
 def parser(shapes: str, impls: str, shape_help: str = "comma-separated") -> argparse.ArgumentParser:
-    """The options every kernel benchmark takes: --dtype, --shapes, --impls (a subset, comma-separated)."""
+    """The options every kernel benchmark takes: --dtype, --shapes, --impls (a subset, comma-separated),
+    --device (cpu only checks the script)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", default=shapes, help=shape_help)
     ap.add_argument("--impls", default=impls, help="comma-separated subset")
+    ap.add_argument("--device", default=DEVICE, help="cuda; cpu only checks that the script runs")
     return ap
+
+
+def parse(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    args = ap.parse_args()
+    use_device(args.device)
+    return args
 
 
 def chosen(impls: dict, args) -> dict:
@@ -86,7 +140,8 @@ def start() -> float:
     """Prints the environment and the device copy bandwidth (the roofline), and returns the latter."""
     print(environment(), flush=True)
     copy = copy_bandwidth_tbs()
-    print(f"device copy: {copy:.2f} TB/s", flush=True)
+    if copy is not None:
+        print(f"device copy: {copy:.2f} TB/s", flush=True)
     return copy
 
 
@@ -97,8 +152,8 @@ def bandwidth_row(shape: str, dtype: str, impl: str, fwd_ms: float, fwd_bytes: i
                   fwdbwd_bytes: int) -> dict:
     """One printed result of a memory-bound op: times and effective bandwidths."""
     row = {"shape": shape, "dtype": dtype, "impl": impl,
-           "fwd_ms": f"{fwd_ms:.4f}", "fwd_TBps": f"{fwd_bytes / fwd_ms / 1e9:.2f}",
-           "fwdbwd_ms": f"{fwdbwd_ms:.4f}", "fwdbwd_TBps": f"{fwdbwd_bytes / fwdbwd_ms / 1e9:.2f}"}
+           "fwd_ms": fmt(fwd_ms, 4), "fwd_TBps": fmt(throughput(fwd_ms, fwd_bytes), 2),
+           "fwdbwd_ms": fmt(fwdbwd_ms, 4), "fwdbwd_TBps": fmt(throughput(fwdbwd_ms, fwdbwd_bytes), 2)}
     print(row, flush=True)
     return row
 
@@ -109,3 +164,220 @@ def report(stem: str, rows, columns, copy: Optional[float] = None):
     print()
     print(environment(), *([f"| device copy {copy:.2f} TB/s"] if copy is not None else []))
     print(markdown(rows, columns))
+
+
+# --- Kernel cases: what bench_<op>.py defines and both it and bench_kernels.py measure -------------------
+
+PASSES = ("fwd", "bwd", "fwdbwd")
+PASS_NAMES = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
+
+
+@dataclass
+class Impl:
+    """One implementation of an op on one case's inputs; every callable makes one call."""
+    forward: Optional[Callable[[], Any]] = None   # on inputs that do not require grad
+    graph: Optional[Callable[[], tuple]] = None   # forward on leaves that do: -> (outputs, leaves, grad_outputs)
+    check: Optional[Callable[[], None]] = None    # raises when the result differs from HF's
+    timed: Dict[str, Callable[[], Any]] = field(default_factory=dict)  # pass -> callable timed as it is
+
+
+@dataclass
+class Case:
+    """One op at one shape: its implementations (built when measured, dropped after, so that per-impl
+    copies and compiled graphs do not pile up) and the work of one call per pass, in bytes an ideal
+    kernel moves (unit TB/s) or in FLOPs (TFLOP/s); a pass without work gets no throughput."""
+    shape: str
+    unit: str
+    work: Dict[str, Optional[float]]
+    impls: Dict[str, Callable[[], Impl]]
+    reps: int = 50
+    warmup: int = 10
+
+    def __post_init__(self):
+        if "bwd" not in self.work and self.work.get("fwd") is not None and self.work.get("fwdbwd") is not None:
+            self.work["bwd"] = self.work["fwdbwd"] - self.work["fwd"]
+
+
+def peak_extra_gib(fn) -> Optional[float]:
+    """Peak memory allocated during one fn() beyond what was allocated before it (None on the CPU)."""
+    if not cuda():
+        fn()
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+
+
+def _pass_fn(impl: Impl, name: str):
+    if name in impl.timed:
+        return impl.timed[name]
+    if impl.graph is None:
+        return impl.forward if name == "fwd" else None
+    if name == "fwd":
+        return impl.forward
+    if name == "fwdbwd":
+        return lambda: torch.autograd.grad(*impl.graph())
+    outputs, leaves, grads = impl.graph()  # bwd: backward alone, over one retained graph
+    return lambda: torch.autograd.grad(outputs, leaves, grads, retain_graph=True)
+
+
+def free():
+    if cuda():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def measure(case: Case, name: str, passes=PASSES, strict: bool = True, reps: Optional[int] = None,
+            warmup: Optional[int] = None) -> dict:
+    """Times one implementation of a case: {"check": "ok" | "FAIL ..." | "ERROR ...", pass: (ms, peak extra
+    GiB)}, ms "OOM" where it ran out of memory. Its result is checked against HF's first. strict re-raises a
+    mismatch or an error; otherwise they are recorded (a long run survives a peer that fails at one shape)."""
+    def failed(e):
+        if strict:
+            raise e
+        text = " ".join(f"{type(e).__name__}: {e}".split())[:160]
+        print(f"{case.shape} {name}: {text}", flush=True)
+        return text
+
+    out = {"check": "ok"}
+    try:
+        impl = case.impls[name]()
+        if impl.check is not None:
+            try:
+                impl.check()
+            except AssertionError as e:
+                out["check"] = "FAIL " + failed(e)
+    except torch.OutOfMemoryError:
+        free()
+        return {"check": "OOM", **{p: ("OOM", None) for p in passes}}
+    except Exception as e:  # noqa: BLE001
+        free()
+        return {"check": "ERROR " + failed(e), **{p: ("ERROR", None) for p in passes}}
+    for p in passes:
+        fn = None
+        try:
+            fn = _pass_fn(impl, p)
+            if fn is not None:
+                ms = time_ms(fn, reps or case.reps, case.warmup if warmup is None else warmup)
+                out[p] = (ms, peak_extra_gib(fn))
+        except torch.OutOfMemoryError:
+            out[p] = ("OOM", None)
+        except Exception as e:  # noqa: BLE001
+            out["check"] = "ERROR " + failed(e)
+            out[p] = ("ERROR", None)
+        del fn
+        free()
+    del impl
+    free()
+    return out
+
+
+def fmt(x, digits: int) -> str:
+    return x if isinstance(x, str) else "" if x is None else f"{x:.{digits}f}"
+
+
+def throughput(ms, work):
+    """Bytes or FLOPs per call and milliseconds -> TB/s or TFLOP/s (None where not defined)."""
+    if work is None or not isinstance(ms, float) or ms <= 0:
+        return None
+    return work / ms / 1e9
+
+
+def bandwidth_main(stem: str, cases, shapes: str, impls: str, shape_help: str = "comma-separated",
+                   switches: Optional[Dict[str, str]] = None):
+    """The whole driver of a memory-bound op's benchmark: fwd and fwd+bwd of every implementation at
+    every shape, a markdown table with ms and effective TB/s, and `<stem>.csv` under out_dir().
+    switches: extra on/off options (flag -> help), passed to cases() as keyword arguments."""
+    ap = parser(shapes, impls, shape_help)
+    for flag, text in (switches or {}).items():
+        ap.add_argument(flag, action="store_true", help=text)
+    args = parse(ap)
+    options = {k: getattr(args, k) for k in (f.lstrip("-").replace("-", "_") for f in switches or {})}
+    dtype = getattr(torch, args.dtype)
+    copy = start()
+    rows = []
+    for shape in args.shapes.split(","):
+        case = cases(shape, dtype, **options)
+        for name in chosen(case.impls, args):
+            r = measure(case, name, ("fwd", "fwdbwd"))
+            rows.append(bandwidth_row(shape, args.dtype, name, r["fwd"][0], case.work["fwd"], r["fwdbwd"][0],
+                                      case.work["fwdbwd"]))
+        del case
+        free()
+    report(stem, rows, BANDWIDTH_COLUMNS, copy)
+
+
+# --- Qwen3 -----------------------------------------------------------------------------------------------
+
+# The published configs (Qwen/Qwen3-*/config.json): widths, depths, heads, tying. Shared by all sizes:
+QWEN3_COMMON = dict(head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, hidden_act="silu")
+QWEN3 = {
+    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True),
+    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True),
+    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=True),
+    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+    # --smoke only: checks the scripts on a CPU in seconds.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True, head_dim=32, vocab_size=512),
+}
+
+
+def qwen3(name: str) -> dict:
+    """The Qwen3Config arguments of a size in QWEN3."""
+    return {**QWEN3_COMMON, **QWEN3[name]}
+
+
+# --- Charts ----------------------------------------------------------------------------------------------
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a message) where matplotlib is absent."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no charts (the CSV has every figure)", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def grouped_bars(ax, groups, series, value, title: str = "", ylabel: str = "", labels: bool = False):
+    """Bars per group (x) and series (one colour each); value(group, series) is a number, None (no bar),
+    or a string (no bar, the string written where the bar would stand: OOM, timeout, ...); labels: the
+    numbers above the bars."""
+    width = 0.8 / max(len(series), 1)
+    numbers = [v for g in groups for s in series if isinstance(v := value(g, s), (int, float))]
+    if not numbers and not any(isinstance(value(g, s), str) for g in groups for s in series):
+        ax.text(0.5, 0.5, "not defined", transform=ax.transAxes, ha="center", va="center", color="gray")
+    top = max(numbers or [1.0])
+    for i, s in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(groups))]
+        vals = [value(g, s) for g in groups]
+        ax.bar(xs, [v if isinstance(v, (int, float)) else 0 for v in vals], width, label=s)
+        for x, v in zip(xs, vals):
+            if isinstance(v, str) and v:
+                ax.text(x, top * 0.02, v, rotation=90, ha="center", va="bottom", fontsize=7, color="red")
+            elif labels and isinstance(v, (int, float)):
+                ax.text(x, v, f"{v:,.3g}" if v < 1000 else f"{v:,.0f}", rotation=90, ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def read_csv(paths) -> list:
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            rows += list(csv.DictReader(f))
+    return rows
