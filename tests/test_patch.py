@@ -22,11 +22,11 @@ TARGETS = {
 ORIGINALS = {(owner, attr): owner.__dict__[attr] for owner, attr in TARGETS}
 
 
-def tiny_qwen3(seed=0, **kw):
+def tiny_qwen3(seed=0, attn="eager", **kw):
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                      attn_implementation="eager", **kw)
+                      attn_implementation=attn, **kw)
     return Qwen3ForCausalLM(cfg)
 
 
@@ -160,3 +160,14 @@ def test_warmup_and_clear_cache():
     y = bastile.rms_norm(x, w)
     bastile.clear_autotune_cache()
     torch.testing.assert_close(bastile.rms_norm(x, w), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_patched_training_step_compiles_without_graph_breaks(attn):
+    """torch.compile(fullgraph=True) raises on any graph break, so the patched forwards must be traceable."""
+    bastile.apply()
+    model = tiny_qwen3(attn=attn).train()
+    ids = torch.randint(0, 512, (2, 16))
+    ref = model(input_ids=ids, labels=ids).loss
+    loss = torch.compile(lambda x: model(input_ids=x, labels=x).loss, fullgraph=True, dynamic=False)(ids)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)

@@ -3,11 +3,12 @@
 Each keeps its HF signature and falls back to HF's own math where a Bastile op does not apply (another
 activation, a wrapped LM head, a custom loss), so a patched model always computes what HF would.
 """
-import importlib
+import sys
 
 from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple
 
 from . import ops
@@ -33,7 +34,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 
 
 def _hf(module_of, name):
-    return getattr(importlib.import_module(type(module_of).__module__), name)
+    """`name` from the HF module that defines module_of's class (imported already, since it is)."""
+    return getattr(sys.modules[type(module_of).__module__], name)
 
 
 def qwen3_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
@@ -52,8 +54,8 @@ def qwen3_attention_forward(self, hidden_states, position_embeddings, attention_
 
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-    attention_interface = _hf(self, "ALL_ATTENTION_FUNCTIONS").get_interface(
-        self.config._attn_implementation, _hf(self, "eager_attention_forward"))
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                _hf(self, "eager_attention_forward"))
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout,
