@@ -3,6 +3,7 @@
 # Here (Rust toolchain, no GPU needed):  setup, build, test, train
 # On a GPU machine with the built library (no Rust needed, system python with torch):
 #   make gpu-test bench PY=python3 NO_BUILD=1
+#   make bench-fsdp PY=python3 NO_BUILD=1          (Qwen3-1.7B under FSDP2 on every GPU)
 
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
@@ -14,7 +15,7 @@ export BASTILE_PYTHON := $(abspath $(PY))
 PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
         nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0
 
-.PHONY: setup build test cargo-test pytest train gpu-test bench clean
+.PHONY: setup build test cargo-test pytest train gpu-test bench bench-fsdp clean
 
 # Project-local virtualenv with the pins, and libclang for bindgen.
 setup: $(VENV)/.ready
@@ -56,7 +57,17 @@ gpu-test: build
 
 # Every kernel family against its peers (one script each).
 bench: build
-	set -e; for b in benches/bench_*.py; do $(PY) $$b; done
+	set -e; for b in benches/bench_*.py; do [ $$b = benches/bench_fsdp.py ] || $(PY) $$b; done
+
+# Qwen3-1.7B under FSDP2 on NPROC GPUs (default: all), HF then Bastile (one torchrun each), then both in
+# one table; CSVs under $OUT or bench-results/. FSDP_ARGS adds options, e.g. "--seq 8192 --checkpointing".
+NPROC ?= $(shell $(PY) -c 'import torch; print(torch.cuda.device_count())')
+FSDP_ARGS ?=
+bench-fsdp: build
+	set -e; for m in hf bastile; do \
+		$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) benches/bench_fsdp.py --mode $$m $(FSDP_ARGS); \
+	done
+	$(PY) benches/bench_fsdp.py --report $(FSDP_ARGS)
 
 clean:
 	cargo clean
