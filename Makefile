@@ -4,6 +4,7 @@
 # On a GPU machine with the built library (no Rust needed, system python with torch):
 #   make gpu-test bench PY=python3 NO_BUILD=1
 #   make bench-kernels | bench-e2e PART=1 | bench-profile  PY=python3 NO_BUILD=1 [ARGS='...']   (BENCHMARKS.md)
+#   make bench-fsdp PY=python3 NO_BUILD=1          (Qwen3-1.7B under FSDP2 on every GPU)
 
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
@@ -13,9 +14,9 @@ export BASTILE_PYTHON := $(abspath $(PY))
 
 # Versions the library is built and tested against (torch matches the GPU machine's build).
 PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
-        nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6
+        nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0
 
-.PHONY: setup build test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-profile clean
+.PHONY: setup build test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-profile bench-fsdp clean
 
 # Project-local virtualenv with the pins, and libclang for bindgen.
 setup: $(VENV)/.ready
@@ -72,6 +73,16 @@ bench-e2e: build
 # torch.profiler of one Bastile training step (ARGS='--mode hf' for HF's): kernels by CUDA time, by category.
 bench-profile: build
 	$(PY) benches/bench_profile.py $(ARGS)
+
+# Qwen3-1.7B under FSDP2 on NPROC GPUs (default: all), HF then Bastile (one torchrun each), then both in
+# one table; CSVs under $OUT or bench-results/. FSDP_ARGS adds options, e.g. "--seq 8192 --checkpointing".
+NPROC ?= $(shell $(PY) -c 'import torch; print(torch.cuda.device_count())')
+FSDP_ARGS ?=
+bench-fsdp: build
+	set -e; for m in hf bastile; do \
+		$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) benches/bench_fsdp.py --mode $$m $(FSDP_ARGS); \
+	done
+	$(PY) benches/bench_fsdp.py --report $(FSDP_ARGS)
 
 clean:
 	cargo clean

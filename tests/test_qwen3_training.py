@@ -15,12 +15,13 @@ VOCAB = 32000
 LR = 3e-4
 
 
-def mini_qwen3(device, dtype, seed=0):
+def mini_qwen3(device, dtype, seed=0, **overrides):
+    """Random-init Qwen3 in train mode; `overrides` replace config values (e.g. tie_word_embeddings)."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
-    return Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).train()
+    cfg = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
+               attn_implementation="sdpa")
+    return Qwen3ForCausalLM(Qwen3Config(**{**cfg, **overrides})).to(device=device, dtype=dtype).train()
 
 
 def batches(steps, micro, batch, seq, device, ignore_fraction, seed=1):
@@ -60,11 +61,14 @@ def train(model, data):
     return losses
 
 
-def assert_params_close(model, ref, tol):
-    """Each parameter tensor within `tol` of the reference in norm. Not elementwise: Adam's update of an
-    element whose gradient is ~0 is sign-like, so single elements may differ by a step while the tensor
-    as a whole agrees."""
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+def assert_params_close(params, ref, tol):
+    """Each parameter tensor (a model, or a dict name -> tensor) within `tol` of the reference in norm.
+    Not elementwise: Adam's update of an element whose gradient is ~0 is sign-like, so single elements
+    may differ by a step while the tensor as a whole agrees."""
+    params, ref = (dict(m.named_parameters()) if isinstance(m, torch.nn.Module) else m for m in (params, ref))
+    assert params.keys() == ref.keys()
+    for name, q in ref.items():
+        p = params[name]
         rel = ((p.double() - q.double()).norm() / q.double().norm()).item()
         assert rel < tol, f"{name}: parameters differ by {rel:.2e} relative"
 

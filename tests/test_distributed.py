@@ -1,0 +1,339 @@
+"""Bastile under data parallelism, activation checkpointing, HF's Trainer and on a second GPU.
+
+Each check compares a patched run with the unpatched HF run built and trained the same way, on the mini
+Qwen3 of test_qwen3_training.
+
+- DDP (CPU, gloo, 2 processes spawned here): `bastile.apply()` before the model is built, each rank trains
+  on its own data; per-step losses on every rank within 1e-5 relative of unpatched DDP's, final
+  parameters close, and the two ranks' parameters bitwise identical (their data differ, so only the
+  all-reduced gradients make them so).
+- FSDP2 (`fully_shard` per decoder layer and at the root): torch 2.11 runs it on CPU with gloo, so the CPU
+  test is the same parity in fp32 with the LM head tied to the embedding (the weight the fused
+  cross-entropy reads is then the root's unsharded embedding). A second case shards the LM head on its
+  own, as torchtitan does: its weight is only gathered inside `lm_head`'s forward, so the patched model
+  must take HF's loss there (it does: the head is no longer a plain nn.Linear) and still match. On >= 2
+  GPUs, NCCL with a bf16 MixedPrecisionPolicy (fp32 master weights and reduction), tied and untied: losses
+  within 1e-2 relative as in the single-GPU bf16 test.
+- Activation checkpointing: every op under `torch.utils.checkpoint` (reentrant and not) gives bitwise the
+  outputs and gradients it gives without (the op is shown to be recomputed); HF's
+  `gradient_checkpointing_enable` (default = non-reentrant, reentrant, and offloading on CUDA) on the
+  patched model gives bitwise the gradients of every parameter that the same model gives without it
+  (every decoder layer shown to run twice), and those are close to unpatched HF's. CPU fp32; CUDA bf16
+  with eager attention (the SDPA kernels' backward is not deterministic, so it could not be bitwise).
+- HF Trainer (CPU, gradient accumulation): logged losses within 1e-5 relative of an unpatched Trainer's.
+- A second GPU: each op's forward and backward on cuda:1 while cuda:0 is current and cuda:1's current
+  stream is a side stream whose inputs are only written after a long sleep: results equal the CPU's,
+  the current device stays 0, nothing is allocated on cuda:0.
+"""
+import copy
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+import bastile
+from conftest import CUDA, DEVICES, rel_err
+from test_qwen3_training import assert_params_close, batches, mini_qwen3, train
+
+TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
+needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
+VOCAB = 2048  # the parallel runs' vocabulary: the mini Qwen3's 32000 would make its embedding 80% of the work
+ALL_PATCHES = [f"{op}_qwen3" for op in ("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")]
+
+
+# ---------------------------------------------------------------- DDP and FSDP2, 2 processes
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wrap(model, strategy, device):
+    if strategy == "ddp":
+        return DistributedDataParallel(model)
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if device == "cuda" else MixedPrecisionPolicy())
+    shard = [*model.model.layers, *([model.lm_head] if strategy == "fsdp_head" else []), model]
+    for module in shard:
+        fully_shard(module, mp_policy=mp_policy)
+    return model
+
+
+def _full(p):
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+
+
+def _parallel_worker(rank, world, port, out, device, jobs, steps):
+    """For each job (strategy, tie), trains unpatched then patched (apply() before building, as users do);
+    saves each mode's per-step losses, rank 0's full parameters, whether this rank's parameters equal
+    rank 0's, and whether the patched model's loss took the fused path."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)  # two ranks on a small CPU
+        dev = torch.device("cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(minutes=3))
+    try:
+        data = batches(steps, 1, 2, 64, dev, 0.3, seed=1 + rank)
+        results = {}
+        for job, (strategy, tie) in jobs.items():
+            results[job] = {}
+            for mode in ("hf", "bastile"):
+                bastile.reset()
+                if mode == "bastile":
+                    assert set(ALL_PATCHES) <= set(bastile.apply())
+                model = mini_qwen3(dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=tie)
+                model = _wrap(model, strategy, device)
+                inner = model.module if strategy == "ddp" else model
+                fused = bastile.hf._fused_loss_applies(inner, data[0][0][1])
+                losses = train(model, data)
+                params = {n: _full(p) for n, p in model.named_parameters()}
+                same_as_rank0 = True
+                for p in params.values():
+                    q = p.to(dev).clone()
+                    dist.broadcast(q, 0)
+                    same_as_rank0 &= torch.equal(q.cpu(), p)
+                results[job][mode] = {"losses": losses, "same_as_rank0": same_as_rank0, "fused_loss": fused,
+                                      "params": params if rank == 0 else None}
+        bastile.reset()
+        torch.save(results, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_parallel(out, device, jobs, steps, world=2):
+    """{job: [rank 0's results, rank 1's]} of _parallel_worker in `world` fresh processes (one launch for
+    all jobs: starting the processes costs more than a job)."""
+    mp.spawn(_parallel_worker, args=(world, _free_port(), out, device, jobs, steps), nprocs=world, join=True)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return {job: [r[job] for r in ranks] for job in jobs}
+
+
+def assert_parity(ranks, loss_tol, param_tol):
+    for rank, r in enumerate(ranks):
+        worst = max(abs(a - b) / abs(b) for a, b in zip(r["bastile"]["losses"], r["hf"]["losses"]))
+        assert worst < loss_tol, (f"rank {rank}: per-step losses differ by {worst:.2e} relative\n"
+                                  f"{r['bastile']['losses']}\n{r['hf']['losses']}")
+    assert ranks[0]["hf"]["losses"] != ranks[1]["hf"]["losses"], "ranks saw the same data: the test is vacuous"
+    assert_params_close(ranks[0]["bastile"]["params"], ranks[0]["hf"]["params"], param_tol)
+
+
+CPU_JOBS = {"ddp": ("ddp", False), "fsdp_tied": ("fsdp", True), "fsdp_lm_head_sharded": ("fsdp_head", False)}
+CUDA_JOBS = {"fsdp_tied": ("fsdp", True), "fsdp_untied": ("fsdp", False)}
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory):
+    return run_parallel(tmp_path_factory.mktemp("cpu_runs"), "cpu", CPU_JOBS, steps=4)
+
+
+@pytest.fixture(scope="module")
+def cuda_runs(tmp_path_factory):
+    return run_parallel(tmp_path_factory.mktemp("cuda_runs"), "cuda", CUDA_JOBS, steps=10)
+
+
+def test_ddp_cpu_matches_hf(cpu_runs):
+    ranks = cpu_runs["ddp"]
+    assert ranks[0]["bastile"]["fused_loss"]
+    assert_parity(ranks, 1e-5, 1e-4)
+    for mode in ("hf", "bastile"):
+        assert ranks[1][mode]["same_as_rank0"], f"{mode}: DDP ranks' parameters differ after training"
+
+
+@pytest.mark.parametrize("job,fused", [("fsdp_tied", True), ("fsdp_lm_head_sharded", False)])
+def test_fsdp2_cpu_matches_hf(cpu_runs, job, fused):
+    ranks = cpu_runs[job]
+    assert ranks[0]["bastile"]["fused_loss"] == fused
+    assert_parity(ranks, 1e-5, 1e-4)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("job", list(CUDA_JOBS))
+def test_fsdp2_cuda_bf16_matches_hf(cuda_runs, job):
+    ranks = cuda_runs[job]
+    assert ranks[0]["bastile"]["fused_loss"]
+    assert_parity(ranks, 1e-2, 3e-2)
+
+
+# ---------------------------------------------------------------- activation checkpointing, per op
+
+def _op_cases(device, dtype):
+    """(name, fn, inputs, needs_grad) per op at the mini Qwen3's sizes; fn returns a tuple of tensors."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    angles = torch.arange(64).unsqueeze(-1) * 10000 ** (-torch.arange(32) / 32)
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = (f(angles).to(device=device, dtype=dtype) for f in (torch.cos, torch.sin))
+    target = torch.randint(0, 1000, (128,), generator=g)
+    target[::5] = -100
+    return [
+        ("rms_norm", lambda x, w: (bastile.ops.rms_norm(x, w, 1e-6),), [t(2, 64, 256), t(256)], [True, True]),
+        ("swiglu", lambda a, b: (bastile.ops.swiglu(a, b),), [t(2, 64, 768), t(2, 64, 768)], [True, True]),
+        ("rope", bastile.ops.rope, [t(2, 4, 64, 64), t(2, 2, 64, 64), cos, sin], [True, True, False, False]),
+        ("qk_norm_rope", lambda q, k, qw, kw, c, s: bastile.ops.qk_norm_rope(q, k, qw, kw, c, s, 1e-6),
+         [t(2, 64, 4, 64), t(2, 64, 2, 64), t(64), t(64), cos, sin], [True, True, True, True, False, False]),
+        ("fused_linear_cross_entropy", lambda h, w, y: (bastile.ops.fused_linear_cross_entropy(h, w, y),),
+         [t(128, 256), t(1000, 256, scale=0.05), target.to(device)], [True, True, False]),
+    ]
+
+
+def _fwd_bwd(fn, inputs, needs_grad, wrap=lambda f, *xs: f(*xs)):
+    """Outputs and input gradients of fn under `wrap`, with a fixed cotangent per output."""
+    xs = [x.detach().clone().requires_grad_(r) for x, r in zip(inputs, needs_grad)]
+    outs = wrap(fn, *xs)
+    g = torch.Generator().manual_seed(1)
+    cotangents = [torch.randn(o.shape, generator=g).to(o) for o in outs]
+    torch.autograd.backward(outs, cotangents)
+    return [o.detach() for o in outs], [x.grad for x, r in zip(xs, needs_grad) if r]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_op_checkpoint_bitwise(device, reentrant):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for name, fn, inputs, needs_grad in _op_cases(device, dtype):
+        calls = []
+
+        def counted(*xs):
+            calls.append(1)
+            return fn(*xs)
+
+        outs, grads = _fwd_bwd(fn, inputs, needs_grad)
+        ck_outs, ck_grads = _fwd_bwd(counted, inputs, needs_grad,
+                                     lambda f, *xs: checkpoint(f, *xs, use_reentrant=reentrant))
+        assert len(calls) == 2, f"{name}: checkpoint ran the op {len(calls)} times, expected forward + recompute"
+        for a, b in zip(outs + grads, ck_outs + ck_grads):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------- activation checkpointing, HF models
+
+def _grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=labels).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+CHECKPOINTING = {"default": {}, "non_reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": False}},
+                 "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
+                 "offload": {"offload": True}}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", list(CHECKPOINTING))
+def test_hf_gradient_checkpointing(device, how):
+    if how == "offload" and device == "cpu":
+        pytest.skip("offloading moves activations from an accelerator to the host")
+    cpu = device == "cpu"
+    dtype = torch.float32 if cpu else torch.bfloat16
+    ref = mini_qwen3(device, dtype, attn_implementation="sdpa" if cpu else "eager")
+    (ids, labels), = batches(1, 1, 2, 64, device, 0.3)[0]
+    hf_grads = _grads(ref, ids, labels)
+    model = copy.deepcopy(ref)
+    assert bastile.apply(model=model) == ALL_PATCHES
+    plain = _grads(model, ids, labels)
+
+    layer_calls = []
+    for layer in model.model.layers:
+        # a pre-hook: non-reentrant recomputation stops inside the layer once it has what the backward needs
+        layer.mlp.register_forward_pre_hook(lambda *_: layer_calls.append(1))
+    model.gradient_checkpointing_enable(**CHECKPOINTING[how])
+    checkpointed = _grads(model, ids, labels)
+    assert len(layer_calls) == 2 * len(model.model.layers), "the decoder layers were not recomputed"
+
+    # HF's own rounding differs from the fused ops' (bf16: by about 1% of a gradient's norm).
+    tol = 1e-5 if cpu else 3e-2
+    for name, want in plain.items():
+        torch.testing.assert_close(checkpointed[name], want, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        assert rel_err(want, hf_grads[name]) < tol, f"{name}: {rel_err(want, hf_grads[name]):.2e} from HF's"
+
+
+# ---------------------------------------------------------------- HF Trainer
+
+def _trainer_run(tmp_path, patched):
+    """Logged step records (loss, grad_norm) and the parameters before and after a 4-step Trainer run on CPU
+    with gradient accumulation over 2 micro-batches (so num_items_in_batch reaches the loss)."""
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    bastile.reset()
+    if patched:
+        bastile.apply()  # before the model is built
+    model = mini_qwen3("cpu", torch.float32)
+    assert (type(model).forward is bastile.hf.causal_lm_forward) == patched
+    dataset = [{"input_ids": ids[i], "labels": labels[i]}
+               for [(ids, labels)] in batches(8, 1, 2, 64, "cpu", 0.3) for i in range(2)]
+    args = TrainingArguments(output_dir=str(tmp_path / f"patched_{patched}"), use_cpu=True, report_to="none",
+                             save_strategy="no", max_steps=4, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, seed=0,
+                             disable_tqdm=True)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    bastile.reset()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return logs, start, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_trainer_cpu_matches_hf(tmp_path):
+    runs = {}
+    for patched in (False, True):
+        runs[patched] = _trainer_run(tmp_path, patched)
+    (hf_logs, hf_start, hf_end), (logs, start, end) = runs[False], runs[True]
+    assert len(logs) == len(hf_logs) == 4
+    for got, want in zip(logs, hf_logs):
+        assert abs(got["loss"] - want["loss"]) / want["loss"] < 1e-5, f"{logs}\n{hf_logs}"
+        assert abs(got["grad_norm"] - want["grad_norm"]) / want["grad_norm"] < 1e-4, f"{logs}\n{hf_logs}"
+    for name in start:
+        assert torch.equal(start[name], hf_start[name]), f"{name}: the two runs started apart"
+        assert not torch.equal(end[name], start[name]), f"{name}: not trained"
+    assert_params_close(end, hf_end, 1e-4)
+
+
+# ---------------------------------------------------------------- a second GPU
+
+@needs_two_gpus
+def test_ops_on_second_gpu_side_stream():
+    torch.cuda.set_device(0)
+    before = torch.cuda.memory_allocated(0)
+    side = torch.cuda.Stream(device=1)
+    for (name, fn, cpu_inputs, needs_grad), (_, _, inputs, _) in zip(_op_cases("cpu", torch.float32),
+                                                                     _op_cases("cuda:1", torch.float32)):
+        want_outs, want_grads = _fwd_bwd(fn, cpu_inputs, needs_grad)
+        torch.cuda.synchronize(1)
+
+        def late(fn, *xs):
+            """Inputs become valid on `side` only after a long sleep; until then they hold NaN, so an op
+            on any other stream reads NaN. The op is called with cuda:0 current."""
+            with torch.cuda.stream(side):
+                staged = [torch.full_like(x, float("nan")) if x.is_floating_point() else x.clone() for x in xs]
+                torch.cuda._sleep(100_000_000)
+                for s, x in zip(staged, xs):
+                    s.copy_(x)  # differentiable: the gradients reach xs
+                with torch.cuda.device(0):
+                    assert torch.cuda.current_stream(1) == side
+                    outs = fn(*staged)
+                    assert torch.cuda.current_device() == 0, f"{name} left cuda:{torch.cuda.current_device()} current"
+                    return outs
+
+        with torch.cuda.stream(side):  # the backward runs on the forward's stream
+            outs, grads = _fwd_bwd(fn, inputs, needs_grad, late)
+        side.synchronize()
+        assert torch.cuda.current_device() == 0
+        for got, want in zip(outs + grads, want_outs + want_grads):
+            assert got.device == torch.device("cuda", 1), f"{name}: result on {got.device}"
+            assert rel_err(got, want) < 1e-5, f"{name}: cuda:1 differs from the CPU by {rel_err(got, want):.2e}"
+    assert torch.cuda.memory_allocated(0) == before, "something was allocated on cuda:0"
