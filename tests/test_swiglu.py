@@ -200,11 +200,13 @@ def test_torch_compile_matches_eager(device):
         return op(g * 2, u).sum(-1)
 
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    torch.manual_seed(0)
     for rows in (4, 7):  # a second shape exercises the symbolic sizes
         g = torch.randn(rows, 3, 64, device=device, requires_grad=True)
         u = torch.randn(rows, 3, 64, device=device, requires_grad=True)
         out, ref = compiled(g, u), f(g, u)
-        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        # Inductor may sum the 64 terms in another order: a few f32 units of the terms' magnitude.
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         for a, b in zip(torch.autograd.grad(out.sum(), (g, u)), torch.autograd.grad(ref.sum(), (g, u))):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
