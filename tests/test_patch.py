@@ -171,3 +171,29 @@ def test_patched_training_step_compiles_without_graph_breaks(attn):
     ref = model(input_ids=ids, labels=ids).loss
     loss = torch.compile(lambda x: model(input_ids=x, labels=x).loss, fullgraph=True, dynamic=False)(ids)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mlp_recomputes_the_activation_instead_of_saving_it(device):
+    """The patched MLP keeps gate and up for the backward, not the activation (as large as either), and
+    its gradients are those of swiglu followed by the down projection, bit for bit."""
+    mlp = tiny_qwen3().model.layers[0].mlp.to(device)
+    x = torch.randn(2, 24, 64, device=device, requires_grad=True)
+    grad = torch.randn(2, 24, 64, device=device)
+
+    def run(forward):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = forward(mlp, x)
+        grads = torch.autograd.grad(out, (x, *mlp.parameters()), grad)
+        return out, grads, {(t.numel(), t.data_ptr()) for t in saved}
+
+    unfused = lambda m, x: m.down_proj(bastile.ops.swiglu(m.gate_proj(x), m.up_proj(x)))
+    out, grads, saved = run(bastile.hf.swiglu_mlp_forward)
+    ref_out, ref_grads, ref_saved = run(unfused)
+    assert torch.equal(out, ref_out)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
+    activation_size = 2 * 24 * mlp.gate_proj.out_features
+    assert sum(1 for n, _ in ref_saved if n == activation_size) == 3  # gate, up and the activation
+    assert sum(1 for n, _ in saved if n == activation_size) == 2  # gate and up

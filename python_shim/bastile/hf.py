@@ -5,6 +5,7 @@ activation, a wrapped LM head, a custom loss), so a patched model always compute
 """
 import sys
 
+import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -21,12 +22,40 @@ def rms_norm_forward(self, hidden_states):
 _SILU = (nn.SiLU, SiLUActivation)
 
 
+class _SwiGLUDown(torch.autograd.Function):
+    """`linear(swiglu(gate, up), weight)` that keeps gate and up only: the activation, which the down
+    projection would save (as large as gate), is recomputed in the backward, an elementwise pass. The
+    gradients are those of the two ops in sequence, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        ctx.save_for_backward(gate, up, weight)
+        return nn.functional.linear(ops.swiglu(gate, up), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, weight = ctx.saved_tensors
+        act = ops.swiglu(gate, up)
+        grad_weight = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(act.reshape(-1, act.shape[-1]))
+        grad_gate = grad_up = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            grad_gate, grad_up = torch.ops.bastile.swiglu_backward(grad.matmul(weight), gate, up)
+        return grad_gate, grad_up, grad_weight
+
+
 def swiglu_mlp_forward(self, x):
     """`down(act(gate(x)) * up(x))` with the activation and product fused when the activation is SiLU.
-    The projections are called as modules, so LoRA/PEFT-wrapped ones keep working."""
-    if isinstance(self.act_fn, _SILU):
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
-    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    The projections are called as modules, so LoRA/PEFT-wrapped ones keep working; a plain bias-free
+    down projection is fused with the activation so that the activation is not kept for the backward."""
+    if not isinstance(self.act_fn, _SILU):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    down = self.down_proj
+    if type(down) is nn.Linear and down.bias is None and not torch.is_autocast_enabled(x.device.type):
+        return _SwiGLUDown.apply(gate, up, down.weight)
+    return down(ops.swiglu(gate, up))
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
