@@ -42,10 +42,10 @@ def batches(steps, micro, batch, seq, device, ignore_fraction, seed=1):
     return out
 
 
-def train(model, data):
+def train(model, data, lr=LR):
     """AdamW steps with gradient accumulation over each step's micro-batches, normalised as HF's Trainer
     does: each micro-batch's summed loss divided by the step's count of predicted tokens."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in data:
         num_items = sum((labels[:, 1:] != -100).sum() for _, labels in step)

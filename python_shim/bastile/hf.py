@@ -111,6 +111,20 @@ def _causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index
         softcap=getattr(model.config, "final_logit_softcapping", None))
 
 
+def _logits_and_loss(model, hidden_states, labels, logits_to_keep, kwargs):
+    """HF's head and loss of a causal LM: the fused linear cross-entropy (no logits) when training with
+    labels, else HF's own `lm_head` and `loss_function`."""
+    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden_states = hidden_states[:, slice_indices, :]
+    if _fused_loss_applies(model, labels):
+        return None, _causal_lm_loss(model, hidden_states, labels, **kwargs)
+    logits = model.lm_head(hidden_states)
+    loss = None
+    if labels is not None:
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+    return logits, loss
+
+
 @can_return_tuple
 def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
@@ -119,15 +133,44 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          **kwargs)
-    hidden_states = outputs.last_hidden_state
-    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    hidden_states = hidden_states[:, slice_indices, :]
-    logits = loss = None
-    if _fused_loss_applies(self, labels):
-        loss = _causal_lm_loss(self, hidden_states, labels, **kwargs)
-    else:
-        logits = self.lm_head(hidden_states)
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+    logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+@can_return_tuple
+def moe_causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                          inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
+                          logits_to_keep=0, **kwargs):
+    """causal_lm_forward of a mixture-of-experts model (Qwen3-MoE, GPT-OSS): the router's load-balancing
+    loss is added as HF adds it, and the router logits are returned."""
+    if output_router_logits is None:
+        output_router_logits = self.config.output_router_logits
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_router_logits=output_router_logits, **kwargs)
+    logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
+    aux_loss = None
+    if output_router_logits:
+        aux_loss = _hf(self, "load_balancing_loss_func")(outputs.router_logits, self.num_experts,
+                                                         self.num_experts_per_tok, attention_mask)
+        if labels is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return _hf(self, "MoeCausalLMOutputWithPast")(
+        loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states, attentions=outputs.attentions, router_logits=outputs.router_logits)
+
+
+def swiglu_apply_gate(self, gate_up):
+    """The experts' gating of transformers' grouped/batched expert implementations (`_apply_gate`):
+    act(gate) * up of the halves of gate_up, fused when the activation is SiLU."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if isinstance(self.act_fn, _SILU):
+        return ops.swiglu(gate, up)
+    return self.act_fn(gate) * up
+
+
+def half_split_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-OSS's rotation: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos and sin of
+    head_dim / 2; the rotate-half rotation with cos and sin repeated, which the rope op computes."""
+    return ops.rope(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), unsqueeze_dim)

@@ -40,6 +40,20 @@ FAMILIES: Dict[str, tuple] = {
     "llama": ("transformers.models.llama.modeling_llama", _dense("Llama")),
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", _dense("Qwen2")),
     "mistral": ("transformers.models.mistral.modeling_mistral", _dense("Mistral")),
+    # Experts go through transformers' grouped/batched implementations (grouped_mm is the default),
+    # which call `_apply_gate`; the "eager" experts loop computes its activation inline and stays HF's.
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", {
+        "rms_norm": ("Qwen3MoeRMSNorm.forward", hf.rms_norm_forward),
+        "swiglu": ("Qwen3MoeExperts._apply_gate", hf.swiglu_apply_gate),
+        "rope": ("Qwen3MoeAttention.forward", hf.qwen3_attention_forward),
+        "fused_linear_cross_entropy": ("Qwen3MoeForCausalLM.forward", hf.moe_causal_lm_forward),
+    }),
+    # GptOssRMSNorm multiplies by the weight before rounding to the input dtype (the rms_norm op after),
+    # so it is not patched.
+    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", {
+        "rope": ("apply_rotary_pos_emb", hf.half_split_apply_rotary_pos_emb),
+        "fused_linear_cross_entropy": ("GptOssForCausalLM.forward", hf.moe_causal_lm_forward),
+    }),
 }
 
 PATCHES: List[Patch] = [
