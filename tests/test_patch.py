@@ -68,7 +68,7 @@ def test_apply_selects_ops_and_model_and_rejects_unknown():
         class config:
             model_type = "gpt2"
 
-    with pytest.raises(ValueError, match="supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="supported: gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe"):
         bastile.apply(model=Other())
     with pytest.raises(ValueError, match="unknown families"):
         bastile.apply(families=["gpt2"])
