@@ -26,6 +26,7 @@ Qwen3 of test_qwen3_training.
   the current device stays 0, nothing is allocated on cuda:0.
 """
 import copy
+import os
 import socket
 from datetime import timedelta
 
@@ -81,6 +82,8 @@ def _parallel_worker(rank, world, port, out, device, jobs, steps):
     else:
         torch.set_num_threads(1)  # two ranks on a small CPU
         dev = torch.device("cpu")
+        # gloo binds to the address the host name resolves to, unreachable on isolated machines: loopback.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(minutes=3))
     try:
