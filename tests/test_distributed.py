@@ -69,7 +69,13 @@ def _wrap(model, strategy, device):
 
 
 def _full(p):
-    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+    """The whole parameter on every rank. FSDP2 shards dim 0; the shards are gathered with the plain c10d
+    API, since DTensor.full_tensor() (functional collectives) crashed over gloo on a host with GPUs."""
+    if not isinstance(p, DTensor):
+        return p.detach().cpu()
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, p.to_local().detach().cpu())
+    return torch.cat(shards)
 
 
 def _parallel_worker(rank, world, port, out, device, jobs, steps):
