@@ -8,7 +8,7 @@
 // before it computes and stores any (bytes in flight), in a grid-stride loop with 64-bit indices.
 // The `vec` variants need every pointer 16-byte aligned and finish the last n % V elements with
 // scalar accesses; the `scalar` variants take any alignment.
-#include "common.cuh"
+#include "elementwise.cuh"
 #include "swiglu.h"
 
 using namespace bastile;
@@ -16,27 +16,6 @@ using namespace bastile;
 namespace {
 
 constexpr int U = SWIGLU_UNROLL;
-
-// 1 / (1 + e^-g) in two MUFU instructions, as Triton's exp and division compile: a few f32 ulps off,
-// far below the 16-bit rounding that follows. Flushing denormals saturates it to exactly 1 for
-// g > 87 and 0 for g < -87; inf and NaN propagate as in torch.
-__device__ __forceinline__ float sigmoid(float g) {
-  float e, s;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.44269504088896341f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
-  return s;
-}
-
-// A vector through the read-only (non-coherent) path: the inputs never alias the fresh outputs.
-// keep_packed's barriers would otherwise stop the compiler from proving that by itself.
-template <int V, class T> __device__ __forceinline__ Pack<T, V> load_nc(const T *p) {
-  if constexpr (sizeof(Pack<T, V>) == 16) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4 *>(p));
-    return *reinterpret_cast<const Pack<T, V> *>(&w);
-  } else {
-    return load<V>(p);
-  }
-}
 
 template <class T> __device__ __forceinline__ float forward_value(float g, float u) {
   return round_to<T>(g * sigmoid(g)) * u;
@@ -50,40 +29,12 @@ __device__ __forceinline__ void backward_value(float dy, float g, float u, float
   dg = round_to<T>(dy * u) * sig * (1.f + g * (1.f - sig));
 }
 
-// Visits the n / V vectors of a flat range, U per thread per grid-stride step: load(k, i) for every
-// k before finish(k, i) for any, so that all of a thread's loads are in flight at once.
-template <int V, class Load, class Finish>
-__device__ __forceinline__ void for_each_vector(int64_t n, Load load, Finish finish) {
-  const int64_t nvec = n / V, step = (int64_t)gridDim.x * blockDim.x * U;
-  for (int64_t base = (int64_t)blockIdx.x * blockDim.x * U + threadIdx.x; base < nvec; base += step) {
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (base + k * blockDim.x < nvec) load(k, base + k * blockDim.x);
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (base + k * blockDim.x < nvec) finish(k, base + k * blockDim.x);
-  }
-}
-
-// Widens loaded vectors where they are used, not right after the load: bf16 would otherwise be
-// unpacked early into twice the registers, which cuts the blocks an SM holds.
-template <class... P> __device__ __forceinline__ void keep_packed(P &...pk) {
-  if constexpr (((sizeof(P) % 4 == 0) && ...)) (opaque(pk), ...);
-}
-
-// Index of the element past the vectors that this thread finishes, or -1: the first n % V threads
-// of the grid take one each.
-template <int V> __device__ __forceinline__ int64_t tail_index(int64_t n) {
-  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, first = n / V * V;
-  return t < n - first ? first + t : -1;
-}
-
 template <class T, int V> __device__ __forceinline__ void forward(const SwigluForward &p) {
   const T *__restrict__ gate = static_cast<const T *>(p.gate);
   const T *__restrict__ up = static_cast<const T *>(p.up);
   T *__restrict__ y = static_cast<T *>(p.y);
   Pack<T, V> g[U], u[U];
-  for_each_vector<V>(
+  for_each_vector<V, U>(
       p.n,
       [&](int k, int64_t i) {
         g[k] = load_nc<V>(gate + i * V);
@@ -107,7 +58,7 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
   T *__restrict__ grad_gate = static_cast<T *>(p.grad_gate);
   T *__restrict__ grad_up = static_cast<T *>(p.grad_up);
   Pack<T, V> dy[U], g[U], u[U];
-  for_each_vector<V>(
+  for_each_vector<V, U>(
       p.n,
       [&](int k, int64_t i) {
         dy[k] = load_nc<V>(grad_y + i * V);

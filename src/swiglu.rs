@@ -3,12 +3,11 @@
 //! `y = T(T(silu(g)) * u)`; the backward is autograd of that expression with its roundings:
 //! `grad_up = T(dy * T(silu(g)))`, `grad_gate = T(T(dy * u) * sig(g) * (1 + g * (1 - sig(g))))`.
 use crate::cpu::{self, Element};
-use crate::driver::{self, fatbins, Result};
+use crate::driver::{fatbins, Result};
+use crate::elementwise::{vector_width, Family};
 use crate::ffi::guard;
-use crate::geometry;
 use crate::params::{BastileDType, SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_UNROLL};
 use rayon::prelude::*;
-use std::ffi::c_void;
 
 crate::params::bridged!(SwigluForward, SwigluBackward);
 
@@ -55,16 +54,6 @@ fn cuda_dtype(raw: i32) -> Result<BastileDType> {
     Ok(dt)
 }
 
-/// Elements per access: a 16-byte vector when every pointer allows it, else one.
-fn vector_width(dt: BastileDType, ptrs: &[*const c_void]) -> i64 {
-    let vec = 16 / dt.size();
-    if ptrs.iter().all(|&p| geometry::aligned(p, 16)) {
-        vec as i64
-    } else {
-        1
-    }
-}
-
 fn name(dir: &str, dt: BastileDType, vec: i64) -> String {
     format!("swiglu_{dir}_{}_{}", dt.tag(), if vec > 1 { "vec" } else { "scalar" })
 }
@@ -74,15 +63,9 @@ fn name(dir: &str, dt: BastileDType, vec: i64) -> String {
 /// # Safety
 /// `p` must be the block the kernel takes, with every pointer valid for `n` elements of `dt`.
 unsafe fn launch<P>(dir: &str, dt: BastileDType, vec: i64, n: i64, p: &P, device: i32, stream: usize) -> Result<()> {
-    let dev = driver::device(device)?;
     let key = (dir == "bwd") as u64 | (dt as u64) << 4 | (vec as u64) << 8;
-    let kernel = dev.kernel(fatbins::SWIGLU, key, SWIGLU_BLOCK, || name(dir, dt, vec))?;
-    // Each block covers BLOCK * UNROLL accesses per grid-stride step; the n % vec elements past the
-    // last vector go to the first threads of block 0, which always exists.
-    let blocks = geometry::ceil_div(n / vec, (SWIGLU_BLOCK * SWIGLU_UNROLL) as i64).max(1);
-    let grid = geometry::grid(blocks, dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
-    let cfg = driver::Launch { grid: (grid, 1), block: (SWIGLU_BLOCK, 1), shared: 0 };
-    driver::launch(kernel, cfg, stream, p)
+    let family = Family { fatbin: fatbins::SWIGLU, block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL };
+    family.launch(key, || name(dir, dt, vec), n / vec, p, device, stream)
 }
 
 pub fn forward_cuda(p: &SwigluForward, device: i32, stream: usize) -> Result<()> {
@@ -152,6 +135,7 @@ mod tests {
     use super::*;
     use crate::testing::{cast, noise};
     use half::{bf16, f16};
+    use std::ffi::c_void;
     use BastileDType::*;
 
     /// Exact values in f64 with no intermediate rounding, from another formula than the kernels':

@@ -27,6 +27,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| elementwise, in units of a's dtype spacing in the binade of the larger of the two;
+    computed on a's device."""
+    fi = torch.finfo(a.dtype)
+    a, b = a.detach().double(), b.detach().to(a.device).double()
+    _, e = torch.frexp(torch.maximum(a.abs(), b.abs()).clamp_min(fi.tiny))
+    return (a - b).abs() / torch.ldexp(torch.full_like(a, fi.eps), e - 1)
+
+
 def poison_cuda_allocator(nbytes: int):
     """Leaves NaN in the caching allocator's free blocks, so an output element a kernel forgets to
     write shows up as NaN instead of a plausible stale value."""

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import bastile
-from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err, ulps
 
 op = torch.ops.bastile.swiglu
 backward_op = torch.ops.bastile.swiglu_backward
@@ -30,15 +30,6 @@ def inputs(shape, dtype, device, seed=0):
     u = torch.randn(shape, generator=gen).to(dtype).to(device)
     dy = torch.randn(shape, generator=gen).to(dtype).to(device)
     return g, u, dy
-
-
-def ulps(a, b):
-    """|a - b| elementwise, in units of a's dtype spacing in the binade of the larger of the two;
-    computed on a's device."""
-    fi = torch.finfo(a.dtype)
-    a, b = a.detach().double(), b.detach().to(a.device).double()
-    _, e = torch.frexp(torch.maximum(a.abs(), b.abs()).clamp_min(fi.tiny))
-    return (a - b).abs() / torch.ldexp(torch.full_like(a, fi.eps), e - 1)
 
 
 # Largest fraction of 16-bit elements allowed to differ (by one ulp) from a reference that rounds

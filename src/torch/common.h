@@ -1,6 +1,7 @@
-// What every op's registration block shares: dtype codes, the call into Rust, torch's stream.
+// What every op's registration block shares: dtype codes, the call into Rust, torch's stream, device dispatch.
 #pragma once
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
 #include "bastile.h"
@@ -24,5 +25,17 @@ auto call_rust(F&& f) -> decltype(f()) {
 
 // torch's current stream on t's device, as a driver-API handle.
 size_t current_stream(const at::Tensor& t);
+
+// Runs cuda(device, stream) for tensors on t's CUDA device (made current), cpu() for CPU tensors.
+template <class Cuda, class Cpu>
+void on_device(const at::Tensor& t, const char* op, Cuda cuda, Cpu cpu) {
+  if (t.is_cuda()) {
+    const c10::DeviceGuard guard(t.device());
+    call_rust([&] { cuda(t.device().index(), current_stream(t)); });
+  } else {
+    TORCH_CHECK(t.is_cpu(), "bastile.", op, ": unsupported device ", t.device());
+    call_rust(cpu);
+  }
+}
 
 }  // namespace bastile

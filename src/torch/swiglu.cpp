@@ -5,7 +5,6 @@
 //
 // Autograd saves only gate and up: the backward recomputes the sigmoid, so no activation is stored.
 #include <ATen/autocast_mode.h>
-#include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 
@@ -32,18 +31,6 @@ void check_like(const at::Tensor& gate, const at::Tensor& t, const char* op, con
 void check_inputs(const at::Tensor& gate, const at::Tensor& up, const char* op) {
   dtype_code(gate, op, "gate");
   check_like(gate, up, op, "up");
-}
-
-// Runs `cuda` or `cpu` for tensors on `t`'s device.
-template <class Cuda, class Cpu>
-void on_device(const at::Tensor& t, const char* op, Cuda cuda, Cpu cpu) {
-  if (t.is_cuda()) {
-    const c10::DeviceGuard guard(t.device());
-    call_rust([&] { cuda(t.device().index(), current_stream(t)); });
-  } else {
-    TORCH_CHECK(t.is_cpu(), "bastile.", op, ": unsupported device ", t.device());
-    call_rust(cpu);
-  }
 }
 
 at::Tensor swiglu(const at::Tensor& gate_in, const at::Tensor& up_in) {

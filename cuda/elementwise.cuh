@@ -1,0 +1,58 @@
+// Helpers of the flat elementwise kernels (swiglu, geglu): memory-bound, so each thread loads U
+// 16-byte vectors of every input before it computes and stores any (bytes in flight), in a
+// grid-stride loop with 64-bit indices; the last n % V elements take scalar accesses.
+#pragma once
+#include "common.cuh"
+
+namespace bastile {
+
+// 1 / (1 + e^-x) in two MUFU instructions, as Triton's exp and division compile: a few f32 ulps off,
+// far below the 16-bit rounding that follows. Flushing denormals saturates it to exactly 1 for
+// x > 87 and 0 for x < -87; inf and NaN propagate as in torch.
+__device__ __forceinline__ float sigmoid(float x) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.44269504088896341f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  return s;
+}
+
+// A vector through the read-only (non-coherent) path: the inputs never alias the fresh outputs.
+// keep_packed's barriers would otherwise stop the compiler from proving that by itself.
+template <int V, class T> __device__ __forceinline__ Pack<T, V> load_nc(const T *p) {
+  if constexpr (sizeof(Pack<T, V>) == 16) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4 *>(p));
+    return *reinterpret_cast<const Pack<T, V> *>(&w);
+  } else {
+    return load<V>(p);
+  }
+}
+
+// Visits the n / V vectors of a flat range, U per thread per grid-stride step: load(k, i) for every
+// k before finish(k, i) for any, so that all of a thread's loads are in flight at once.
+template <int V, int U, class Load, class Finish>
+__device__ __forceinline__ void for_each_vector(int64_t n, Load load, Finish finish) {
+  const int64_t nvec = n / V, step = (int64_t)gridDim.x * blockDim.x * U;
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.x * U + threadIdx.x; base < nvec; base += step) {
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+      if (base + k * blockDim.x < nvec) load(k, base + k * blockDim.x);
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+      if (base + k * blockDim.x < nvec) finish(k, base + k * blockDim.x);
+  }
+}
+
+// Widens loaded vectors where they are used, not right after the load: bf16 would otherwise be
+// unpacked early into twice the registers, which cuts the blocks an SM holds.
+template <class... P> __device__ __forceinline__ void keep_packed(P &...pk) {
+  if constexpr (((sizeof(P) % 4 == 0) && ...)) (opaque(pk), ...);
+}
+
+// Index of the element past the vectors that this thread finishes, or -1: the first n % V threads
+// of the grid take one each.
+template <int V> __device__ __forceinline__ int64_t tail_index(int64_t n) {
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, first = n / V * V;
+  return t < n - first ? first + t : -1;
+}
+
+}  // namespace bastile
