@@ -54,10 +54,10 @@ gpu-test: build
 	$(PY) -m pytest tests -q -p no:cacheprovider
 	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_rms_norm.py tests/test_swiglu.py tests/test_rope.py tests/test_qk_norm_rope.py \
-		tests/test_fused_linear_cross_entropy.py -k "$(SANITIZE)"
+		tests/test_fused_linear_cross_entropy.py tests/test_geglu.py -k "$(SANITIZE)"
 
 # Every kernel family against its peers (one script each).
-OP_BENCHES := $(addprefix benches/bench_,$(addsuffix .py,rms_norm swiglu rope qk_norm_rope fused_linear_cross_entropy))
+OP_BENCHES := $(addprefix benches/bench_,$(addsuffix .py,rms_norm swiglu rope qk_norm_rope fused_linear_cross_entropy geglu))
 bench: build
 	set -e; for b in $(OP_BENCHES); do $(PY) $$b; done
 

@@ -5,8 +5,10 @@
 //! `src/torch/<op>.cpp` (schemas, dispatch keys, checks, autograd) → `python_shim/bastile`.
 pub mod cpu;
 pub mod driver;
+pub mod elementwise;
 mod ffi;
 pub mod fused_linear_cross_entropy;
+pub mod geglu;
 pub mod geometry;
 pub mod params;
 pub mod qk_norm_rope;

@@ -1,0 +1,128 @@
+// GPT-OSS's expert activation (HF GptOssExperts._apply_gate) on gate_up, whose last dim interleaves
+// gate (even positions) and up (odd): with L = limit rounded to T (as torch's clamp rounds its bound),
+//   g = min(gate, L), u = clamp(up, -L, L), s = sig(alpha * g)
+//   y         = (u + 1) * g * s
+//   grad_gate = dy * (u + 1) * s * (1 + alpha * g * (1 - s))   where gate <= L, else 0
+//   grad_up   = dy * g * s                                      where -L <= up <= L, else 0
+// (torch's clamp backward passes the gradient at the bounds themselves). Math in f32, every result
+// rounded once to T: HF rounds after each op in T, so these are closer to the exact values. The
+// backward recomputes s from the saved gate_up instead of saving an activation.
+//
+// The pairs are flat, row boundaries fall between pairs: the `vec` variants take V = 16 / sizeof(T)
+// pairs per access, two 16-byte vectors of gate_up for one 16-byte vector of y (or of grad_y), and
+// need every pointer 16-byte aligned; the last n % V pairs take scalar accesses. The `scalar`
+// variants take any alignment.
+#include "elementwise.cuh"
+#include "geglu.h"
+
+using namespace bastile;
+
+namespace {
+
+constexpr int U = GEGLU_UNROLL;
+
+struct Gate {
+  float alpha, limit;
+
+  // NaN passes through both clamps, as in torch.
+  __device__ __forceinline__ float gate(float g) const { return g > limit ? limit : g; }
+  __device__ __forceinline__ float up(float u) const {
+    u = u < -limit ? -limit : u;
+    return u > limit ? limit : u;
+  }
+
+  __device__ __forceinline__ float forward(float g, float u) const {
+    g = gate(g);
+    return (up(u) + 1.f) * (g * sigmoid(alpha * g));
+  }
+
+  __device__ __forceinline__ void backward(float dy, float g, float u, float &dg, float &du) const {
+    const float gc = gate(g), s = sigmoid(alpha * gc);
+    // Written so that a NaN input fails the test and gets 0, as torch's where(mask, grad, 0) gives.
+    dg = g <= limit ? dy * (up(u) + 1.f) * (s * (1.f + alpha * gc * (1.f - s))) : 0.f;
+    du = u >= -limit && u <= limit ? dy * (gc * s) : 0.f;
+  }
+};
+
+template <class T> __device__ __forceinline__ Gate gate_of(double alpha, double limit) {
+  // Through f32 to T, as c10's Scalar conversion goes.
+  return Gate{(float)alpha, round_to<T>((float)limit)};
+}
+
+// The 2V elements of gate_up behind V pairs, as the two vectors they are loaded in.
+template <class T, int V> struct Pairs {
+  Pack<T, V> lo, hi;
+  __device__ __forceinline__ void load(const T *p) {
+    lo = load_nc<V>(p);
+    hi = load_nc<V>(p + V);
+  }
+  __device__ __forceinline__ float operator[](int m) const { return to_f32(m < V ? lo.v[m] : hi.v[m - V]); }
+};
+
+template <class T, int V> __device__ __forceinline__ void forward(const GegluForward &p) {
+  const T *__restrict__ x = static_cast<const T *>(p.gate_up);
+  T *__restrict__ y = static_cast<T *>(p.y);
+  const Gate f = gate_of<T>(p.alpha, p.limit);
+  Pairs<T, V> in[U];
+  for_each_vector<V, U>(
+      p.n, [&](int k, int64_t i) { in[k].load(x + 2 * V * i); },
+      [&](int k, int64_t i) {
+        keep_packed(in[k].lo, in[k].hi);
+        float o[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) o[j] = f.forward(in[k][2 * j], in[k][2 * j + 1]);
+        store<V>(y + V * i, o);
+      });
+  const int64_t t = tail_index<V>(p.n);
+  if (t >= 0) y[t] = from_f32<T>(f.forward(to_f32(x[2 * t]), to_f32(x[2 * t + 1])));
+}
+
+template <class T, int V> __device__ __forceinline__ void backward(const GegluBackward &p) {
+  const T *__restrict__ grad_y = static_cast<const T *>(p.grad_y);
+  const T *__restrict__ x = static_cast<const T *>(p.gate_up);
+  T *__restrict__ dx = static_cast<T *>(p.grad_gate_up);
+  const Gate f = gate_of<T>(p.alpha, p.limit);
+  Pack<T, V> dy[U];
+  Pairs<T, V> in[U];
+  for_each_vector<V, U>(
+      p.n,
+      [&](int k, int64_t i) {
+        dy[k] = load_nc<V>(grad_y + V * i);
+        in[k].load(x + 2 * V * i);
+      },
+      [&](int k, int64_t i) {
+        keep_packed(dy[k], in[k].lo, in[k].hi);
+        float d[2][V];  // as lo and hi
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const int m = 2 * j;
+          f.backward(to_f32(dy[k].v[j]), in[k][m], in[k][m + 1], d[m / V][m % V], d[(m + 1) / V][(m + 1) % V]);
+        }
+        store<V>(dx + 2 * V * i, d[0]);
+        store<V>(dx + 2 * V * i + V, d[1]);
+      });
+  const int64_t t = tail_index<V>(p.n);
+  if (t >= 0) {
+    float dg, du;
+    f.backward(to_f32(grad_y[t]), to_f32(x[2 * t]), to_f32(x[2 * t + 1]), dg, du);
+    dx[2 * t] = from_f32<T>(dg);
+    dx[2 * t + 1] = from_f32<T>(du);
+  }
+}
+
+}  // namespace
+
+// Kernel names: geglu_{fwd,bwd}_<dtype>_<vec|scalar>; src/geglu.rs builds the same.
+#define GEGLU_KERNELS(tn, T, tag, V)                                                                        \
+  extern "C" __global__ void __launch_bounds__(GEGLU_BLOCK) geglu_fwd_##tn##_##tag(const GegluForward p) { \
+    forward<T, V>(p);                                                                                       \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(GEGLU_BLOCK) geglu_bwd_##tn##_##tag(const GegluBackward p) { \
+    backward<T, V>(p);                                                                                      \
+  }
+
+#define GEGLU_VARIANTS(tn, T) GEGLU_KERNELS(tn, T, vec, 16 / sizeof(T)) GEGLU_KERNELS(tn, T, scalar, 1)
+
+GEGLU_VARIANTS(f32, float)
+GEGLU_VARIANTS(f16, f16)
+GEGLU_VARIANTS(bf16, bf16)

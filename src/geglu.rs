@@ -1,0 +1,326 @@
+//! GEGLU of GPT-OSS (HF `GptOssExperts._apply_gate`): CUDA launchers for `cuda/geglu.cu` and the CPU
+//! kernels (the reference the GPU is tested against). On `n` (gate, up) pairs interleaved in gate_up,
+//! with `L` = limit rounded to T as torch's clamp rounds it, `g = min(gate, L)`, `u = clamp(up, -L, L)`
+//! and `s = sigmoid(alpha * g)`: `y = (u + 1) * g * s`; the gradient of gate is
+//! `dy * (u + 1) * s * (1 + alpha * g * (1 - s))` where `gate <= L`, of up `dy * g * s` where
+//! `-L <= up <= L`, else 0 (torch's clamp backward). Every result is computed in f64 (f32 on the GPU)
+//! and rounded once to T, where HF rounds after each op.
+use crate::cpu::{self, Element};
+use crate::driver::{fatbins, Result};
+use crate::elementwise::{vector_width, Family};
+use crate::ffi::guard;
+use crate::params::{BastileDType, GegluBackward, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
+use rayon::prelude::*;
+
+crate::params::bridged!(GegluForward, GegluBackward);
+
+/// Entries of `src/torch/geglu.cpp` (`bastile::rs::geglu::*`).
+#[cxx::bridge(namespace = "bastile::rs::geglu")]
+mod bridge {
+    #[namespace = ""]
+    unsafe extern "C++" {
+        include!("geglu.h");
+        type GegluForward = crate::params::GegluForward;
+        type GegluBackward = crate::params::GegluBackward;
+    }
+
+    extern "Rust" {
+        #[cxx_name = "forward_cuda"]
+        fn ffi_forward_cuda(p: &GegluForward, device: i32, stream: usize) -> Result<()>;
+        #[cxx_name = "backward_cuda"]
+        fn ffi_backward_cuda(p: &GegluBackward, device: i32, stream: usize) -> Result<()>;
+        #[cxx_name = "forward_cpu"]
+        fn ffi_forward_cpu(p: &GegluForward) -> Result<()>;
+        #[cxx_name = "backward_cpu"]
+        fn ffi_backward_cpu(p: &GegluBackward) -> Result<()>;
+    }
+}
+
+fn ffi_forward_cuda(p: &GegluForward, device: i32, stream: usize) -> Result<()> {
+    guard(|| forward_cuda(p, device, stream))
+}
+fn ffi_backward_cuda(p: &GegluBackward, device: i32, stream: usize) -> Result<()> {
+    guard(|| backward_cuda(p, device, stream))
+}
+fn ffi_forward_cpu(p: &GegluForward) -> Result<()> {
+    guard(|| forward_cpu(p))
+}
+fn ffi_backward_cpu(p: &GegluBackward) -> Result<()> {
+    guard(|| backward_cpu(p))
+}
+
+fn cuda_dtype(raw: i32) -> Result<BastileDType> {
+    let dt = BastileDType::from_raw(raw)?;
+    if dt == BastileDType::BASTILE_F64 {
+        return Err("bastile.geglu: float64 is supported on CPU only".into());
+    }
+    Ok(dt)
+}
+
+fn name(dir: &str, dt: BastileDType, vec: i64) -> String {
+    format!("geglu_{dir}_{}_{}", dt.tag(), if vec > 1 { "vec" } else { "scalar" })
+}
+
+/// Launches the `dir` kernel over `n` pairs with `p` as its parameter block.
+///
+/// # Safety
+/// `p` must be the block the kernel takes, with every pointer valid for `n` pairs of `dt`.
+unsafe fn launch<P>(dir: &str, dt: BastileDType, vec: i64, n: i64, p: &P, device: i32, stream: usize) -> Result<()> {
+    let key = (dir == "bwd") as u64 | (dt as u64) << 4 | (vec as u64) << 8;
+    let family = Family { fatbin: fatbins::GEGLU, block: GEGLU_BLOCK, unroll: GEGLU_UNROLL };
+    family.launch(key, || name(dir, dt, vec), n / vec, p, device, stream)
+}
+
+pub fn forward_cuda(p: &GegluForward, device: i32, stream: usize) -> Result<()> {
+    let dt = cuda_dtype(p.dtype)?;
+    // A vector of y covers two of gate_up: both start 16-byte aligned when their pointers are.
+    let vec = vector_width(dt, &[p.gate_up, p.y]);
+    // SAFETY: the C++ layer checked that gate_up holds 2n and y n contiguous elements of `dt`.
+    unsafe { launch("fwd", dt, vec, p.n, p, device, stream) }
+}
+
+pub fn backward_cuda(p: &GegluBackward, device: i32, stream: usize) -> Result<()> {
+    let dt = cuda_dtype(p.dtype)?;
+    let vec = vector_width(dt, &[p.grad_y, p.gate_up, p.grad_gate_up]);
+    // SAFETY: as in forward_cuda, grad_y holding n and grad_gate_up 2n elements.
+    unsafe { launch("bwd", dt, vec, p.n, p, device, stream) }
+}
+
+/// Pairs each rayon task takes.
+const CHUNK: usize = 1 << 14;
+
+/// alpha and the limit as T's clamp applies it.
+#[derive(Clone, Copy)]
+struct Gate {
+    alpha: f64,
+    limit: f64,
+}
+
+impl Gate {
+    fn new<T: Element>(alpha: f64, limit: f64) -> Self {
+        Gate { alpha, limit: T::round(limit) }
+    }
+
+    // Comparisons in this order keep a NaN, as torch's clamp does (f64::min would drop it).
+    fn gate(self, g: f64) -> f64 {
+        if g > self.limit { self.limit } else { g }
+    }
+
+    fn up(self, u: f64) -> f64 {
+        let u = if u < -self.limit { -self.limit } else { u };
+        if u > self.limit { self.limit } else { u }
+    }
+
+    fn sigmoid(self, g: f64) -> f64 {
+        1.0 / (1.0 + (-self.alpha * g).exp())
+    }
+
+    fn forward(self, g: f64, u: f64) -> f64 {
+        let g = self.gate(g);
+        (self.up(u) + 1.0) * (g * self.sigmoid(g))
+    }
+
+    /// (grad_gate, grad_up); a NaN input fails its mask test and gets 0, as torch's clamp backward.
+    fn backward(self, dy: f64, g: f64, u: f64) -> (f64, f64) {
+        let (gc, l) = (self.gate(g), self.limit);
+        let s = self.sigmoid(gc);
+        let dg = if g <= l { dy * (self.up(u) + 1.0) * (s * (1.0 + self.alpha * gc * (1.0 - s))) } else { 0.0 };
+        let du = if u >= -l && u <= l { dy * (gc * s) } else { 0.0 };
+        (dg, du)
+    }
+}
+
+pub fn forward_cpu(p: &GegluForward) -> Result<()> {
+    let dt = BastileDType::from_raw(p.dtype)?;
+    // SAFETY: the C++ layer checked that gate_up holds 2n and y n contiguous elements of the dtype.
+    crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu_typed::<T>(p) });
+    Ok(())
+}
+
+unsafe fn forward_cpu_typed<T: Element>(p: &GegluForward) {
+    let n = p.n as usize;
+    let (x, y) = (cpu::slice::<T>(p.gate_up, 2 * n), cpu::slice_mut::<T>(p.y, n));
+    let f = Gate::new::<T>(p.alpha, p.limit);
+    y.par_chunks_mut(CHUNK).zip(x.par_chunks(2 * CHUNK)).for_each(|(y, x)| {
+        for (y, gu) in y.iter_mut().zip(x.chunks_exact(2)) {
+            *y = T::from_f64(f.forward(gu[0].to_f64(), gu[1].to_f64()));
+        }
+    });
+}
+
+pub fn backward_cpu(p: &GegluBackward) -> Result<()> {
+    let dt = BastileDType::from_raw(p.dtype)?;
+    // SAFETY: as in forward_cpu, grad_y holding n and grad_gate_up 2n elements.
+    crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { backward_cpu_typed::<T>(p) });
+    Ok(())
+}
+
+unsafe fn backward_cpu_typed<T: Element>(p: &GegluBackward) {
+    let n = p.n as usize;
+    let (dy, x) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate_up, 2 * n));
+    let dx = cpu::slice_mut::<T>(p.grad_gate_up, 2 * n);
+    let f = Gate::new::<T>(p.alpha, p.limit);
+    dx.par_chunks_mut(2 * CHUNK).zip(x.par_chunks(2 * CHUNK)).zip(dy.par_chunks(CHUNK)).for_each(|((dx, x), dy)| {
+        for ((d, gu), dy) in dx.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(dy) {
+            let (dg, du) = f.backward(dy.to_f64(), gu[0].to_f64(), gu[1].to_f64());
+            d[0] = T::from_f64(dg);
+            d[1] = T::from_f64(du);
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{cast, noise};
+    use half::{bf16, f16};
+    use std::ffi::c_void;
+    use BastileDType::*;
+
+    const ALPHA: f64 = 1.702;
+    const LIMIT: f64 = 7.0;
+
+    /// Exact (y, grad_gate, grad_up) in f64 from another formula than the kernels': sig(x) =
+    /// exp(-ln(1 + e^-x)), d/dg [g sig(a g)] = sig(a g) + a g sig(a g) sig(-a g), clamps by f64::clamp
+    /// and the masks as ranges. `limit` must be representable in the dtype under test.
+    fn reference(dy: f64, g: f64, u: f64, alpha: f64, limit: f64) -> (f64, f64, f64) {
+        let sig = |x: f64| (-(-x).exp().ln_1p()).exp();
+        let gc = g.min(limit);
+        let glu = gc * sig(alpha * gc);
+        let dglu = sig(alpha * gc) + alpha * gc * sig(alpha * gc) * sig(-alpha * gc);
+        let uc = u.clamp(-limit, limit);
+        let dg = if (f64::NEG_INFINITY..=limit).contains(&g) { dy * (uc + 1.0) * dglu } else { 0.0 };
+        let du = if (-limit..=limit).contains(&u) { dy * glu } else { 0.0 };
+        ((uc + 1.0) * glu, dg, du)
+    }
+
+    /// Runs both CPU kernels on (gate, up, dy) of T and returns (y, grad_gate_up).
+    fn run<T: Element>(dt: BastileDType, gu: &[T], dy: &[T], alpha: f64, limit: f64) -> (Vec<T>, Vec<T>) {
+        let n = dy.len();
+        let (mut y, mut dx) = (vec![T::from_f64(f64::NAN); n], vec![T::from_f64(f64::NAN); 2 * n]);
+        let (n, dtype) = (n as i64, dt as i32);
+        forward_cpu(&GegluForward { gate_up: gu.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, alpha, limit, dtype })
+            .unwrap();
+        let b = GegluBackward {
+            grad_y: dy.as_ptr().cast(),
+            gate_up: gu.as_ptr().cast(),
+            grad_gate_up: dx.as_mut_ptr().cast(),
+            n,
+            alpha,
+            limit,
+            dtype,
+        };
+        backward_cpu(&b).unwrap();
+        (y, dx)
+    }
+
+    /// Checks every result against [`reference`] on the same (rounded) inputs: rounded once (through
+    /// f32 for 16-bit types), so within `unit` (T's unit roundoff) relative, and `tiny` absolute.
+    fn check<T: Element>(dt: BastileDType, gu: &[T], dy: &[T], unit: f64, tiny: f64) {
+        let (y, dx) = run(dt, gu, dy, ALPHA, LIMIT);
+        let tol = |r: f64| 1.01 * unit * r.abs() + tiny;
+        for i in 0..dy.len() {
+            let (g, u, d) = (gu[2 * i].to_f64(), gu[2 * i + 1].to_f64(), dy[i].to_f64());
+            let (ry, rdg, rdu) = reference(d, g, u, ALPHA, LIMIT);
+            for (what, got, want) in [("y", y[i], ry), ("grad_gate", dx[2 * i], rdg), ("grad_up", dx[2 * i + 1], rdu)] {
+                let err = (got.to_f64() - want).abs();
+                assert!(err <= tol(want), "{dt:?} pair {i}: {what} = {} but exact {want} (g={g}, u={u}, dy={d})",
+                        got.to_f64());
+            }
+        }
+    }
+
+    /// gate across the clamp (|g| < 12, limit 7), up beyond +-7, dy O(1).
+    fn random<T: Element>(n: usize) -> (Vec<T>, Vec<T>) {
+        let (g, u) = (noise(n, 1, 12.0), noise(n, 2, 9.0));
+        let gu: Vec<f64> = g.iter().zip(&u).flat_map(|(&g, &u)| [g, u]).collect();
+        (cast(&gu), cast(&noise(n, 3, 3.0)))
+    }
+
+    fn check_all(gu: &[f64], dy: &[f64]) {
+        // f64: the reference rounds in exp and ln and cancels in 1 + a g (1 - s) near g = -0.75.
+        check::<f64>(BASTILE_F64, &cast(gu), &cast(dy), 2f64.powi(-44), 1e-13);
+        check::<f32>(BASTILE_F32, &cast(gu), &cast(dy), 2f64.powi(-24), 1e-15);
+        // Through f32 to 16 bits: at most 2^-24 more than one rounding.
+        check::<f16>(BASTILE_F16, &cast(gu), &cast(dy), 2f64.powi(-11), 2f64.powi(-25));
+        check::<bf16>(BASTILE_BF16, &cast(gu), &cast(dy), 2f64.powi(-8), 1e-40);
+    }
+
+    #[test]
+    fn cpu_kernels_match_f64_reference() {
+        // Sizes around the rayon chunk, so that every chunk boundary case runs.
+        for n in [0, 1, 7, 1000, CHUNK, 2 * CHUNK + 3] {
+            let (gu, dy) = random::<f64>(n);
+            check_all(&gu, &dy);
+        }
+    }
+
+    #[test]
+    fn clamp_edges() {
+        // Exactly at the limits (the gradient passes), just beyond them in every dtype (it stops),
+        // and far beyond: large gates saturate the sigmoid, large negative ones zero it.
+        let above = 7.0 + 2f64.powi(-5);
+        let below = 7.0 - 2f64.powi(-5);
+        let gates = [7.0, -7.0, above, below, -above, -below, 20.0, -20.0, 100.0, -100.0, 0.0, -0.75];
+        let ups = [7.0, -7.0, above, below, -above, -below, 20.0, -20.0, -1.0, 0.5];
+        let pairs: Vec<(f64, f64)> = gates.iter().flat_map(|&g| ups.iter().map(move |&u| (g, u))).collect();
+        let gu: Vec<f64> = pairs.iter().flat_map(|&(g, u)| [g, u]).collect();
+        let dy: Vec<f64> = (0..pairs.len()).map(|i| [1.0, -0.5, 2.25][i % 3]).collect();
+        check_all(&gu, &dy);
+        let (y, dx) = run::<f32>(BASTILE_F32, &cast(&gu), &cast(&dy), ALPHA, LIMIT);
+        for (i, &(g, u)) in pairs.iter().enumerate() {
+            if g < -50.0 {
+                continue; // sigmoid(alpha * g) underflows f32: every result is 0
+            }
+            assert_eq!(dx[2 * i] == 0.0, g > 7.0 || u == -1.0, "grad_gate at gate {g}, up {u}: {}", dx[2 * i]);
+            assert_eq!(dx[2 * i + 1] == 0.0, u.abs() > 7.0 || g == 0.0, "grad_up at gate {g}, up {u}: {}", dx[2 * i + 1]);
+            if g >= 7.0 {
+                // Every gate from the limit up gives the y of gate 7 (gates[0]) with the same up.
+                assert_eq!(y[i], y[i % ups.len()], "y at gate {g}, up {u}");
+            }
+        }
+    }
+
+    #[test]
+    fn limit_is_rounded_to_the_dtype() {
+        // bf16(7.1) = 7.09375: a gate of 7.09375 is at the limit (gradient passes) and 7.125 beyond it,
+        // clamped to 7.09375, as torch's clamp of a bf16 tensor with max=7.1 does.
+        let v = <bf16 as Element>::from_f64;
+        let pairs = [(7.09375, 0.0), (7.125, 7.09375), (-7.125, -7.09375), (0.5, -7.125)];
+        let gu: Vec<bf16> = pairs.iter().flat_map(|&(g, u)| [v(g), v(u)]).collect();
+        let (y, dx) = run::<bf16>(BASTILE_BF16, &gu, &[v(1.0); 4], ALPHA, 7.1);
+        let exact: Vec<bf16> = pairs.iter().map(|&(g, u)| v(reference(1.0, g, u, ALPHA, 7.09375).0)).collect();
+        assert_eq!(y, exact);
+        let passed: Vec<bool> = dx.iter().map(|d| d.to_f64() != 0.0).collect();
+        assert_eq!(passed, [true, true, false, true, true, true, true, false]);
+    }
+
+    #[test]
+    fn nan_propagates_forward_and_is_masked_backward() {
+        let nan = f64::NAN;
+        let (y, dx) = run::<f32>(BASTILE_F32, &[nan as f32, 1.0, 1.0, nan as f32], &[1.0, 1.0], ALPHA, LIMIT);
+        assert!(y[0].is_nan() && y[1].is_nan());
+        // torch: where(gate <= L, NaN, 0) = 0 for the NaN gate, and NaN through up's mask.
+        assert_eq!(dx[0], 0.0);
+        assert!(dx[1].is_nan());
+        assert!(dx[2].is_nan());
+        assert_eq!(dx[3], 0.0);
+    }
+
+    #[test]
+    fn bad_dtype_codes_and_f64_on_cuda_are_errors() {
+        let p = GegluForward { dtype: 9, n: 1, ..Default::default() };
+        assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
+        let p = GegluForward { dtype: BASTILE_F64 as i32, ..p };
+        assert!(forward_cuda(&p, 0, 0).unwrap_err().contains("CPU only"));
+    }
+
+    #[test]
+    fn kernel_names_match_cuda_symbols() {
+        let aligned = 4096 as *const c_void;
+        assert_eq!(name("fwd", BASTILE_BF16, vector_width(BASTILE_BF16, &[aligned, aligned])), "geglu_fwd_bf16_vec");
+        let odd = 4098 as *const c_void;
+        assert_eq!(name("bwd", BASTILE_F16, vector_width(BASTILE_F16, &[aligned, odd])), "geglu_bwd_f16_scalar");
+        assert_eq!(name("fwd", BASTILE_F32, 4), "geglu_fwd_f32_vec");
+    }
+}

@@ -1,0 +1,506 @@
+"""torch.ops.bastile.geglu against HF GptOssExperts._apply_gate and an fp64 reference.
+
+The op rounds once (math in f32 on the GPU, f64 on the CPU) where HF rounds after every op, so the
+tight checks are against the exact values; against HF in the same dtype the op must be at least as
+close to them, and the clamp masks must agree exactly.
+"""
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+import bastile
+from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err, ulps
+
+op = torch.ops.bastile.geglu
+backward_op = torch.ops.bastile.geglu_backward
+ALPHA, LIMIT = 1.702, 7.0
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+HALF = [torch.bfloat16, torch.float16]
+
+
+def hf(gate_up, alpha=ALPHA, limit=LIMIT):
+    """transformers' own GptOssExperts._apply_gate on gate_up."""
+    return GptOssExperts._apply_gate(SimpleNamespace(alpha=alpha, limit=limit), gate_up)
+
+
+def hf_both(x, dy, alpha=ALPHA, limit=LIMIT):
+    """y and grad_gate_up of HF's expression through autograd, in x's dtype."""
+    x = x.detach().clone().requires_grad_()
+    y = hf(x, alpha, limit)
+    return y.detach(), torch.autograd.grad(y, x, dy)[0]
+
+
+def run_both(x, dy, alpha=ALPHA, limit=LIMIT):
+    """y and grad_gate_up of the op through autograd."""
+    x = x.detach().clone().requires_grad_()
+    y = op(x, alpha, limit)
+    return y.detach(), torch.autograd.grad(y, x, dy)[0]
+
+
+def dtype_limit(limit, dtype):
+    """limit as torch's clamp of a `dtype` tensor applies it: rounded (through float32) to dtype."""
+    return limit if dtype == torch.float64 else torch.tensor(limit, dtype=torch.float32).to(dtype).item()
+
+
+def exact(x, dy, alpha=ALPHA, limit=LIMIT):
+    """y and grad_gate_up in float64 on the same inputs, through autograd of HF's expression with the
+    limit that torch's clamp of x uses."""
+    return hf_both(x.double(), dy.double(), alpha, dtype_limit(limit, x.dtype))
+
+
+def stopped(x, limit=LIMIT):
+    """Where torch's clamps stop the gradient of gate_up: gate > limit, up outside [-limit, limit]."""
+    lim = dtype_limit(limit, x.dtype)
+    g, u = x[..., ::2], x[..., 1::2]
+    return interleave(g > lim, (u < -lim) | (u > lim))
+
+
+def assert_masks(x, dx, hdx, edx, limit=LIMIT):
+    """The gradients, ours (dx) and HF's (hdx), are 0 exactly where the clamps stop them; ours is not
+    0 elsewhere unless the exact value (edx) is below the dtype's range."""
+    stop = stopped(x, limit)
+    assert (dx[stop] == 0).all() and (hdx[stop] == 0).all()
+    tiny = max(1e-30, torch.finfo(dx.dtype).smallest_normal * torch.finfo(dx.dtype).eps)
+    assert (dx[~stop & (edx.abs().to(dx.device) > tiny)] != 0).all()
+
+
+def interleave(g, u):
+    return torch.stack((g, u), -1).flatten(-2)
+
+
+def inputs(shape, dtype, device, seed=0):
+    """gate_up [..., 2 * shape[-1]] and grad_y `shape`: gate and up ~ 4 N(0, 1), so that ~8% of
+    each lies beyond the limit 7 and gates reach the sigmoid's curved and flat ranges."""
+    gen = torch.Generator().manual_seed(seed)
+    g = 4 * torch.randn(shape, generator=gen)
+    u = 4 * torch.randn(shape, generator=gen)
+    dy = torch.randn(shape, generator=gen)
+    return interleave(g, u).to(dtype).to(device), dy.to(dtype).to(device)
+
+
+# Per element, against the exact value: rounded once, so half an ulp, plus the f32 math of the GPU
+# (one gate value next to the zero of d/dg [g sig(a g)] at g = -0.7512 cancels ~0.3 fp16 ulp; the
+# rest stays below 0.01 ulp) or the 16-bit rounding through f32 of the CPU (2^-16 ulp).
+MAX_ULPS = {"cpu": 0.5 + 2 ** -10, "cuda": 1.0}
+# Largest fraction of 16-bit CUDA results allowed to differ from the correctly rounded value (plus 2
+# elements, for small tensors): the f32 math moves a result across a rounding boundary only within a
+# few 2^-24 of it (simulated with the MUFU's error bounds: 4e-5 of bf16 and 3e-4 of fp16 results).
+MAX_MISROUNDED = {torch.bfloat16: 1e-3, torch.float16: 3e-3}
+
+
+def assert_rarely_differs(got, want, what):
+    """got (CUDA, 16-bit) equals want (the same value rounded correctly or by the CPU kernel) but for
+    a few elements."""
+    differing = (got != want.to(got.device)).sum().item()
+    assert differing <= MAX_MISROUNDED[got.dtype] * got.numel() + 2, f"{what}: {differing} of {got.numel()} differ"
+
+
+def assert_exact(got, want, x, what):
+    """got (any dtype) against the float64 `want`: 16-bit and CPU float32 per element in ulps; CUDA
+    float32, whose f32 math cancels near the zero of the gate's derivative, within 1e-6 norm-wise."""
+    dev = got.device.type
+    assert got.dtype == x.dtype and got.shape == want.shape and not got.isnan().any(), what
+    if got.dtype == torch.float32 and dev == "cuda":
+        assert rel_err(got, want) < 1e-6, what
+        return
+    err = ulps(got, want)
+    assert err.max() <= MAX_ULPS[dev], f"{what}: {err.max().item():.3f} ulps at {err.argmax().item()}"
+    if dev == "cuda":
+        assert_rarely_differs(got, want.to(got.dtype), what)
+
+
+# Norm-wise distance of HF's result in the dtype to the op's (both near the exact values; HF's error
+# is many roundings of the dtype, largest for its gradient near the zero of the gate's derivative).
+HF_REL = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}
+
+
+def assert_matches_hf_and_exact(x, dy, alpha=ALPHA, limit=LIMIT):
+    y, dx = run_both(x, dy, alpha, limit)
+    hy, hdx = hf_both(x, dy, alpha, limit)
+    ey, edx = exact(x, dy, alpha, limit)
+    assert_masks(x, dx, hdx, edx, limit)
+    for what, got, ref, ex in (("y", y, hy, ey), ("grad_gate_up", dx, hdx, edx)):
+        assert_exact(got, ex, x, what)
+        assert rel_err(got, ref) < HF_REL[x.dtype], what
+        # At least as close to the exact values as HF's own result (the GPU's float32 math is not
+        # more accurate than torch's float32 kernels: there both are within 1e-6).
+        if not (x.is_cuda and x.dtype == torch.float32):
+            assert rel_err(got, ex) <= rel_err(ref, ex), what
+
+
+# ---------------------------------------------------------------- CPU and any device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 64), (5, 1001), (7, 3), (3,), (1,)])
+def test_opcheck(device, shape):
+    x, dy = inputs(shape, torch.float32, device)
+    torch.library.opcheck(op.default, (x.requires_grad_(), ALPHA, LIMIT))
+    torch.library.opcheck(backward_op.default, (dy, x.detach(), ALPHA, LIMIT))
+
+
+def kink_free(shape, gen):
+    """float64 gate_up whose gates and ups keep 0.2 from the clamp limits (finite differences step
+    across no kink), spread over both sides of each."""
+    g = torch.empty(shape, dtype=torch.float64).uniform_(-12, 12, generator=gen)
+    u = torch.empty(shape, dtype=torch.float64).uniform_(-10, 10, generator=gen)
+    g = torch.where((g - LIMIT).abs() < 0.2, g + 0.5, g)
+    u = torch.where((u.abs() - LIMIT).abs() < 0.2, u * 0.9, u)
+    return interleave(g, u)
+
+
+@pytest.mark.parametrize("alpha,limit", [(ALPHA, LIMIT), (1.0, 3.0)])
+def test_gradcheck_fp64(alpha, limit):
+    gen = torch.Generator().manual_seed(0)
+    x = kink_free((3, 5, 40), gen) * limit / LIMIT
+    assert ((x[..., ::2] > limit).any() and (x[..., 1::2].abs() > limit).any()
+            and (x[..., ::2] < limit).any())  # every branch
+    assert torch.autograd.gradcheck(lambda t: op(t, alpha, limit), (x.requires_grad_(),))
+
+
+# Values at and around the limits: exactly +-7, one ulp of the dtype beyond and within, far beyond
+# (large gates saturate the sigmoid, large negative ones zero it), and ups at -1 (zero gate gradient).
+def edge_inputs(dtype, device):
+    step = 4 * torch.finfo(dtype).eps  # the dtype's spacing at 7
+    near = [LIMIT, LIMIT + step, LIMIT - step, LIMIT + 0.5, 20.0, 100.0]
+    gates = near + [-v for v in near] + [0.0, -0.75, 1.0]
+    ups = near + [-v for v in near] + [-1.0, 0.0, 0.5]
+    g = torch.tensor(gates, dtype=torch.float64).repeat_interleave(len(ups))
+    u = torch.tensor(ups, dtype=torch.float64).repeat(len(gates))
+    # Nonzero and of both signs, so that only the clamps and up = -1 or gate = 0 zero a gradient.
+    dy = torch.linspace(0.25, 2, len(g), dtype=torch.float64) * (-1) ** torch.arange(len(g))
+    x = interleave(g, u).to(dtype).to(device)
+    assert torch.equal(x.double().cpu(), interleave(g, u)), "edge values not representable"
+    return x, dy.to(dtype).to(device)
+
+
+def test_clamp_edges_fp64_exact():
+    x, dy = edge_inputs(torch.float64, "cpu")
+    y, dx = run_both(x, dy)
+    hy, hdx = hf_both(x, dy)
+    # atol: near gate = -0.75 both cancel in d/dg [g sig(a g)], whose terms are O(1).
+    torch.testing.assert_close(y, hy, rtol=1e-14, atol=0)
+    torch.testing.assert_close(dx, hdx, rtol=1e-14, atol=1e-14)
+    assert torch.equal(dx == 0, hdx == 0)
+    g, u = x[..., ::2], x[..., 1::2]
+    # torch's clamp passes the gradient at the limits themselves and stops it beyond.
+    assert torch.equal(dx[..., ::2] == 0, (g > LIMIT) | (u == -1))
+    assert torch.equal(dx[..., 1::2] == 0, (u.abs() > LIMIT) | (g == 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamp_edges(dtype, device):
+    x, dy = edge_inputs(dtype, device)
+    y, dx = run_both(x, dy)
+    hy, hdx = hf_both(x, dy)
+    ey, edx = exact(x, dy)
+    assert_masks(x, dx, hdx, edx)
+    # Below gate -50 the GPU's f32 sigmoid flushes to 0 (exact results ~1e-37 and below).
+    g = x[..., ::2]
+    for what, got, ex, keep in (("y", y, ey, g > -50), ("grad", dx, edx, (g > -50).repeat_interleave(2, -1))):
+        if dtype == torch.float32 and device == "cuda":
+            # alpha in f32 and the rounding of alpha * g * log2(e) move sig(alpha * g) by ~3e-6 at g = -20.
+            torch.testing.assert_close(got[keep].double(), ex[keep].to(device), rtol=1e-5, atol=0)
+        else:
+            assert_exact(got[keep], ex[keep], x, what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 1000), (9, 2880), (33, 3)])
+def test_matches_hf_and_f64_reference(dtype, device, shape):
+    x, dy = inputs(shape, dtype, device)
+    assert_matches_hf_and_exact(x, dy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("alpha,limit", [(1.0, 3.0), (ALPHA, 7.1), (ALPHA, 7.11), (ALPHA, float("inf"))])
+def test_other_alpha_and_limit(dtype, device, alpha, limit):
+    # 7.1 and 7.11 are not representable in 16 bits: torch's clamp rounds them to the dtype (7.09375
+    # and 7.125 in bf16), and so does the op, masks included.
+    x, dy = inputs((16, 500), dtype, device, seed=1)
+    x[0, :8] = torch.tensor([7.09375, 7.09375, 7.125, 7.125, -7.125, -7.125, 3.0, -3.0])
+    assert_matches_hf_and_exact(x, dy, alpha, limit)
+
+
+def test_fp64_is_exact_math():
+    x, dy = inputs((16, 100), torch.float64, "cpu")
+    for got, want in zip(run_both(x, dy), hf_both(x, dy)):
+        assert rel_err(got, want) < 1e-14
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rounds_once(device):
+    # bf16 inputs where HF's result (rounded after each op) differs from the exact value rounded once,
+    # which the op returns.
+    x, dy = inputs((64, 1000), torch.bfloat16, device, seed=2)
+    y, dx = run_both(x, dy)
+    hy, hdx = hf_both(x, dy)
+    ey, edx = exact(x, dy)
+    ey, edx = ey.to(x.dtype), edx.to(x.dtype)
+    assert (hy != ey).double().mean() > 0.05 and (hdx != edx).double().mean() > 0.05
+    if device == "cpu":
+        assert torch.equal(y, ey) and torch.equal(dx, edx)
+    else:
+        assert_rarely_differs(y, ey, "y")
+        assert_rarely_differs(dx, edx, "grad_gate_up")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_as_hf(device):
+    nan = float("nan")
+    x = torch.tensor([[nan, 1.0, 1.0, nan, nan, 9.0, 9.0, nan, 2.0, -0.5]], device=device)
+    dy = torch.ones(1, 5, device=device)
+    y, dx = run_both(x, dy)
+    hy, hdx = hf_both(x, dy)
+    torch.testing.assert_close(y, hy, equal_nan=True, rtol=1e-6, atol=0)
+    torch.testing.assert_close(dx, hdx, equal_nan=True, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_leaves_dtype_alone(device):
+    x, _ = inputs((8, 64), torch.float32, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y32 = op(x, ALPHA, LIMIT)
+        ref32 = hf(x)
+        y16 = op(x.bfloat16(), ALPHA, LIMIT)
+    assert y32.dtype == ref32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+    assert rel_err(y32, ref32) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_inputs(device):
+    # gate_up as a slice of a wider tensor, then transposed; grad_y transposed. Both are copied to
+    # contiguous tensors first: results are exactly those of contiguous inputs.
+    base, _ = inputs((40, 7, 53), torch.float32, device)  # [40, 7, 106]
+    x = base[..., :96].transpose(0, 1).detach().requires_grad_()  # [7, 40, 96]
+    dy = torch.randn(48, 40, 7, device=device).transpose(0, 2)  # [7, 40, 48]
+    assert not (x.is_contiguous() or dy.is_contiguous())
+    y = op(x, ALPHA, LIMIT)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    torch.testing.assert_close(y, op(x.detach().contiguous(), ALPHA, LIMIT), rtol=0, atol=0)
+    torch.testing.assert_close(dx, backward_op(dy.contiguous(), x.detach().contiguous(), ALPHA, LIMIT),
+                               rtol=0, atol=0)
+    assert_matches_hf_and_exact(x.detach(), dy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 64), (4, 0), (0,), (2, 0, 6)])
+def test_empty_input(device, shape):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    y = op(x, ALPHA, LIMIT)
+    assert y.shape == (*shape[:-1], shape[-1] // 2)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_saves_only_gate_up():
+    x, _ = inputs((4, 16), torch.float32, "cpu")
+    x.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        op(x, ALPHA, LIMIT)
+    assert len(saved) == 1 and saved[0].data_ptr() == x.data_ptr()
+    saved.clear()
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = op(x, ALPHA, LIMIT)
+    assert not saved and y.grad_fn is None
+
+
+def test_no_grad_and_inference_mode_match_autograd_path():
+    x, _ = inputs((4, 96), torch.float32, "cpu")
+    y = op(x.requires_grad_(), ALPHA, LIMIT)
+    with torch.no_grad():
+        y_ng = op(x, ALPHA, LIMIT)
+    with torch.inference_mode():
+        y_inf = op(x.detach(), ALPHA, LIMIT)
+    torch.testing.assert_close(y_ng, y, rtol=0, atol=0)
+    torch.testing.assert_close(y_inf, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_matches_eager(device):
+    torch._dynamo.reset()
+
+    def f(x, alpha: float):
+        return op(x * 2, alpha, LIMIT).sum(-1)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for rows, i in ((4, 32), (7, 48)):  # a second shape exercises the symbolic sizes
+        x = (4 * torch.randn(rows, 3, 2 * i, device=device)).requires_grad_()
+        out, ref = compiled(x, ALPHA), f(x, ALPHA)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(ref.sum(), x)[0],
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_torchscript():
+    @torch.jit.script
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.bastile.geglu(x, 1.702, 7.0)
+
+    x, _ = inputs((5, 32), torch.float32, "cpu")
+    torch.testing.assert_close(f(x), op(x, ALPHA, LIMIT), rtol=0, atol=0)
+
+
+def test_functional_alias_has_gpt_oss_defaults():
+    experts = GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=4, num_local_experts=2))
+    params = inspect.signature(bastile.ops.geglu).parameters
+    assert list(params) == ["gate_up", "alpha", "limit"]
+    assert (params["alpha"].default, params["limit"].default) == (experts.alpha, experts.limit)
+    x, _ = inputs((3, 40), torch.bfloat16, "cpu")
+    torch.testing.assert_close(bastile.ops.geglu(x), op(x, ALPHA, LIMIT), rtol=0, atol=0)
+    torch.testing.assert_close(bastile.ops.geglu(x, experts.alpha, experts.limit), op(x, ALPHA, LIMIT), rtol=0, atol=0)
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(4, 8, requires_grad=True)
+    (dx,) = torch.autograd.grad(op(x, ALPHA, LIMIT).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        dx.sum().backward()
+
+
+f32 = lambda *s: torch.randn(*s)
+BAD = [
+    (lambda: op(f32(4, 7), ALPHA, LIMIT), "last dim of gate_up interleaves gate and up, so it must be even"),
+    (lambda: op(f32(5), ALPHA, LIMIT), "must be even"),
+    (lambda: op(torch.tensor(1.0), ALPHA, LIMIT), "gate_up must have at least one dimension"),
+    (lambda: op(torch.randint(0, 5, (4, 8)), ALPHA, LIMIT), "gate_up must be float32"),
+    (lambda: op(torch.ones(4, 8, dtype=torch.int32), ALPHA, LIMIT), "gate_up must be float32"),
+    (lambda: op(torch.ones(4, 8, dtype=torch.bool), ALPHA, LIMIT), "gate_up must be float32"),
+    (lambda: backward_op(f32(4, 8), f32(4, 8), ALPHA, LIMIT), "grad_y must have gate_up's shape with the last dim halved"),
+    (lambda: backward_op(f32(4, 5), f32(4, 8), ALPHA, LIMIT), "grad_y must have gate_up's shape"),
+    (lambda: backward_op(f32(4, 4).half(), f32(4, 8), ALPHA, LIMIT), "gate_up and grad_y must have the same dtype"),
+    (lambda: backward_op(torch.ones(4, 4, dtype=torch.int64), f32(4, 8), ALPHA, LIMIT), "grad_y must be float32"),
+    (lambda: backward_op(f32(4, 4), f32(4, 7), ALPHA, LIMIT), "must be even"),
+    (lambda: backward_op(f32(4, 4), torch.randn(4, 8, device="meta"), ALPHA, LIMIT), "gate_up is on meta but grad_y is on cpu"),
+]
+
+
+@pytest.mark.parametrize("bad,match", BAD)
+def test_bad_input_raises(bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        bad()
+
+
+# ---------------------------------------------------------------- CUDA against the CPU reference
+
+# GPT-OSS-20B expert activations (tokens x 2 * 2880, a ragged token count included), odd I (pairs
+# past the last 16-byte vector take the scalar tail), and a 3-d batch.
+CUDA_SHAPES = [(4096, 2880), (777, 2880), (5, 1001), (301, 3), (3,), (1, 9), (7, 17, 1000), (2, 1)]
+
+
+def assert_cuda_matches_cpu(got, want, what):
+    """Both are the exact value rounded once, the GPU's from f32 math: 16-bit results equal but for a
+    tiny fraction, those one ulp apart; float32 within 1e-6 norm-wise."""
+    assert got.is_cuda and got.dtype == want.dtype and got.shape == want.shape and not got.isnan().any(), what
+    if got.dtype in HALF:
+        assert ulps(got, want).max() <= 1, what
+        assert_rarely_differs(got, want, what)
+    else:
+        assert rel_err(got, want) < 1e-6, what
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+def test_cuda_matches_cpu(dtype, shape):
+    x, dy = inputs(shape, dtype, "cpu")
+    y = op(x, ALPHA, LIMIT)
+    dx = backward_op(dy, x, ALPHA, LIMIT)
+    poison_cuda_allocator(8 * x.numel())
+    yc = op(x.cuda(), ALPHA, LIMIT)
+    poison_cuda_allocator(8 * x.numel())
+    dxc = backward_op(dy.cuda(), x.cuda(), ALPHA, LIMIT)
+    assert_cuda_matches_cpu(yc, y, "y")
+    assert_cuda_matches_cpu(dxc, dx, "grad_gate_up")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", ["gate_up", "grad_y", "both"])
+def test_cuda_misaligned_views(dtype, which):
+    # A slice starting at element 1 (2 for gate_up, which keeps its pairs) is contiguous but not
+    # 16-byte aligned: the scalar kernels run.
+    rows, i = 64, 1000
+    x, dy = inputs((rows * i + 1,), dtype, "cuda")
+    x = (x[2:] if which in ("gate_up", "both") else x[:-2]).view(rows, 2 * i)
+    dy = (dy[1:] if which in ("grad_y", "both") else dy[:-1]).view(rows, i)
+    assert x.is_contiguous() and dy.is_contiguous()
+    assert_cuda_matches_cpu(op(x, ALPHA, LIMIT), op(x.cpu(), ALPHA, LIMIT), "y")
+    assert_cuda_matches_cpu(backward_op(dy, x, ALPHA, LIMIT), backward_op(dy.cpu(), x.cpu(), ALPHA, LIMIT), "grad")
+
+
+@needs_cuda
+def test_cuda_bad_inputs():
+    x = torch.randn(4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="gate_up is on cuda:0 but grad_y is on cpu"):
+        backward_op(torch.randn(4, 4), x, ALPHA, LIMIT)
+    with pytest.raises(RuntimeError, match="float64 is supported on CPU only"):
+        op(x.double(), ALPHA, LIMIT)
+    with pytest.raises(RuntimeError, match="float64 is supported on CPU only"):
+        backward_op(torch.randn(4, 4, device="cuda").double(), x.double(), ALPHA, LIMIT)
+
+
+@needs_cuda
+def test_cuda_on_side_stream_and_under_graph_capture():
+    x, dy = inputs((256, 2880), torch.bfloat16, "cuda")
+    ref = op(x, ALPHA, LIMIT)
+    ref_dx = backward_op(dy, x, ALPHA, LIMIT)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = op(x, ALPHA, LIMIT)
+        dx = backward_op(dy, x, ALPHA, LIMIT)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    torch.testing.assert_close(dx, ref_dx, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = op(x, ALPHA, LIMIT)
+    x.copy_(inputs((256, 2880), torch.bfloat16, "cuda", seed=3)[0])
+    graph.replay()
+    torch.testing.assert_close(yg, op(x, ALPHA, LIMIT), rtol=0, atol=0)
+
+
+# 2^31 + 2^20 + 3 pairs: gate_up has more than 2^32 elements, y more than 2^31, so the offsets of both
+# need 64-bit indexing; the last 3 pairs take the scalar tail.
+BIG = 2 ** 31 + 2 ** 20 + 3
+
+
+def f32_reference(x, dy):
+    """HF's expression through autograd in float32, each result rounded once to x's dtype."""
+    y, dx = hf_both(x.float(), dy.float())
+    return y.to(x.dtype), dx.to(x.dtype)
+
+
+@needs_cuda
+@pytest.mark.skipif(not CUDA or torch.cuda.mem_get_info()[0] < 40 * 2 ** 30, reason="needs 40 GiB of free GPU memory")
+def test_cuda_beyond_int32_elements():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2 * BIG, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(4)
+    y = op(x, ALPHA, LIMIT)
+    dx = backward_op(y, x, ALPHA, LIMIT)  # y doubles as the incoming gradient
+    # Every element, chunk by chunk, against HF's expression in f32 rounded once (an element left
+    # unwritten shows up here).
+    step = 2 ** 26
+    for start in range(0, BIG, step):
+        s, s2 = slice(start, min(start + step, BIG)), slice(2 * start, 2 * min(start + step, BIG))
+        ry, rdx = f32_reference(x[s2], y[s])
+        for what, got, want in (("y", y[s], ry), ("grad_gate_up", dx[s2], rdx)):
+            assert ulps(got, want).max() <= 1, what
+            assert_rarely_differs(got, want, what)
+        del ry, rdx
+    # And slices against the CPU kernels: the first, across 2^30 pairs (gate_up's offset 2^31), across
+    # 2^31 pairs (y's offset 2^31), and the last.
+    for start in (0, 2 ** 30 - 2048, 2 ** 31 - 2048, BIG - 5000):
+        s, s2 = slice(start, start + 5000), slice(2 * start, 2 * start + 10000)
+        xc = x[s2].cpu()
+        assert_cuda_matches_cpu(y[s], op(xc, ALPHA, LIMIT), "y")
+        assert_cuda_matches_cpu(dx[s2], backward_op(y[s].cpu(), xc, ALPHA, LIMIT), "grad_gate_up")
