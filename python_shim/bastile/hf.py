@@ -170,6 +170,11 @@ def swiglu_apply_gate(self, gate_up):
     return self.act_fn(gate) * up
 
 
+def gpt_oss_apply_gate(self, gate_up):
+    """GptOssExperts._apply_gate: clamped, interleaved GEGLU of gate_up in one kernel."""
+    return ops.geglu(gate_up, self.alpha, self.limit)
+
+
 def half_split_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """GPT-OSS's rotation: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos and sin of
     head_dim / 2; the rotate-half rotation with cos and sin repeated, which the rope op computes."""

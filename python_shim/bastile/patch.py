@@ -53,6 +53,7 @@ FAMILIES: Dict[str, tuple] = {
     "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", {
         "rope": ("apply_rotary_pos_emb", hf.half_split_apply_rotary_pos_emb),
         "fused_linear_cross_entropy": ("GptOssForCausalLM.forward", hf.moe_causal_lm_forward),
+        "geglu": ("GptOssExperts._apply_gate", hf.gpt_oss_apply_gate),
     }),
 }
 
@@ -85,13 +86,13 @@ def supported_families() -> List[str]:
 
 
 def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_linear_cross_entropy: bool = True,
-          model=None, families: Optional[Sequence[str]] = None) -> List[str]:
+          geglu: bool = True, model=None, families: Optional[Sequence[str]] = None) -> List[str]:
     """Patches the selected ops for the given families (all supported ones by default, or the
     family of `model`, an HF model instance). Works before or after the model is built, since it
     replaces class attributes and module functions. Returns the names `<op>_<family>` of the patches
     active from this call, e.g. ['rms_norm_qwen3', 'swiglu_qwen3', ...]. Applying twice is harmless."""
     selected = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope,
-                "fused_linear_cross_entropy": fused_linear_cross_entropy}
+                "fused_linear_cross_entropy": fused_linear_cross_entropy, "geglu": geglu}
     if model is not None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in supported_families():
