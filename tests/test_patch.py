@@ -175,6 +175,36 @@ def test_patched_training_step_compiles_without_graph_breaks(attn):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_unmasked_training_step_gives_sdpa_is_causal(monkeypatch, compiled):
+    """With no attention_mask, position_ids or cache, SDPA gets no mask and is_causal, under torch.compile
+    too (where HF alone builds a [seq, seq] mask); a padding mask still reaches SDPA as a mask."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    ref_model = tiny_qwen3(attn="sdpa").train()
+    ids = torch.randint(0, 512, (2, 16))
+    ref = ref_model(input_ids=ids, labels=ids).loss
+    bastile.apply()
+    model = tiny_qwen3(attn="sdpa").train()
+    step = lambda **kw: model(input_ids=ids, labels=ids, **kw).loss
+    if compiled:
+        step = torch.compile(step, fullgraph=True, dynamic=False)
+    calls.clear()
+    torch.testing.assert_close(step(), ref, rtol=1e-5, atol=0)
+    assert calls == [(True, True)] * 2  # one per layer
+    padding = torch.ones_like(ids)
+    padding[0, -3:] = 0
+    calls.clear()
+    step(attention_mask=padding)
+    assert calls == [(False, False)] * 2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_mlp_recomputes_the_activation_instead_of_saving_it(device):
     """The patched MLP keeps gate and up for the backward, not the activation (as large as either), and

@@ -125,12 +125,28 @@ def _logits_and_loss(model, hidden_states, labels, logits_to_keep, kwargs):
     return logits, loss
 
 
+def _decoder_masks(model, attention_mask, position_ids, past_key_values):
+    """The attention_mask to hand the decoder. A call with no padding mask, no positions and no cache
+    attends causally in every layer, which SDPA does itself with `is_causal`. HF finds that out only
+    outside tracing, after a host sync on the positions (its packed-sequence check); under torch.compile
+    it builds the [seq, seq] mask instead, and SDPA's masked kernels are ~3x slower in the backward.
+    Decoders with `config.layer_types` take prepared masks per layer type; all-full-attention ones get
+    the mapping {"full_attention": None}, which says it without looking at the positions."""
+    config = model.config
+    if (attention_mask is None and position_ids is None and past_key_values is None
+            and config._attn_implementation == "sdpa"
+            and set(getattr(config, "layer_types", None) or ()) == {"full_attention"}):
+        return {"full_attention": None}
+    return attention_mask
+
+
 @can_return_tuple
 def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
     and `logits` is None. Otherwise (inference, generation, evaluation) it is HF's forward."""
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    outputs = self.model(input_ids=input_ids, position_ids=position_ids,
+                         attention_mask=_decoder_masks(self, attention_mask, position_ids, past_key_values),
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          **kwargs)
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
@@ -146,7 +162,8 @@ def moe_causal_lm_forward(self, input_ids=None, attention_mask=None, position_id
     loss is added as HF adds it, and the router logits are returned."""
     if output_router_logits is None:
         output_router_logits = self.config.output_router_logits
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    outputs = self.model(input_ids=input_ids, position_ids=position_ids,
+                         attention_mask=_decoder_masks(self, attention_mask, position_ids, past_key_values),
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_router_logits=output_router_logits, **kwargs)
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
