@@ -174,9 +174,9 @@ def num(x):
 def annotate(rows):
     """loss_vs_hf: each mode's last loss relative to hf's at the same model, seq and batch ("!" past 2%)."""
     for r in rows:
-        ref = next((h for h in rows if h["mode"] == "hf" and h["status"] == "ok"
+        ref = next((h for h in rows if h["mode"] == "hf" and h["status"] == "ok" and h["loss_last"]
                     and (h["model"], str(h["seq"]), str(h["batch"])) == (r["model"], str(r["seq"]), str(r["batch"]))), None)
-        if r["status"] != "ok":
+        if r["status"] != "ok" or not r["loss_last"]:  # (merged rows may come without losses)
             r["loss_vs_hf"] = ""
         elif ref is None:
             r["loss_vs_hf"] = "no hf"
