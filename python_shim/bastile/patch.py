@@ -43,10 +43,15 @@ FAMILIES: Dict[str, tuple] = {
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", _dense("Qwen2")),
     "mistral": ("transformers.models.mistral.modeling_mistral", _dense("Mistral")),
     # Experts go through transformers' grouped/batched implementations (grouped_mm is the default),
-    # which call `_apply_gate`; the "eager" experts loop computes its activation inline and stays HF's.
+    # which call `_apply_gate`. The "eager" one (config experts_implementation="eager") stays HF's: it is
+    # the original Qwen3MoeExperts.forward, held in a closure by transformers' dispatching wrapper (no
+    # attribute to replace), and it computes `self.act_fn(gate) * up` inline, where act_fn is a per-instance
+    # module whose product with up happens outside it. Layers in mlp_only_layers (or off the
+    # decoder_sparse_step) are dense Qwen3MoeMLP, a SwiGLU MLP.
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", {
         "rms_norm": ("Qwen3MoeRMSNorm.forward", hf.rms_norm_forward),
-        "swiglu": ("Qwen3MoeExperts._apply_gate", hf.swiglu_apply_gate),
+        "swiglu": [("Qwen3MoeExperts._apply_gate", hf.swiglu_apply_gate),
+                   ("Qwen3MoeMLP.forward", hf.swiglu_mlp_forward)],
         "rope": ("Qwen3MoeAttention.forward", hf.qwen3_attention_forward),
         "fused_linear_cross_entropy": ("Qwen3MoeForCausalLM.forward", hf.moe_causal_lm_forward),
     }),
