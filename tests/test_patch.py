@@ -42,7 +42,7 @@ def tiny_llama(seed=0):
 def test_apply_reset_round_trip_restores_original_objects():
     names = bastile.apply()
     moe = ["rms_norm_qwen3_moe", "swiglu_qwen3_moe", "rope_qwen3_moe", "fused_linear_cross_entropy_qwen3_moe",
-           "rope_gpt_oss", "fused_linear_cross_entropy_gpt_oss", "geglu_gpt_oss"]
+           "rms_norm_gpt_oss", "rope_gpt_oss", "fused_linear_cross_entropy_gpt_oss", "geglu_gpt_oss"]
     assert sorted(names) == sorted([f"{op}_{fam}" for op in OPS for fam in FAMILIES] + moe)
     assert bastile.get_patched_ops() == sorted(names)
     for owner, attr in TARGETS:

@@ -140,6 +140,17 @@ def test_cast_after_weight_f64_reference_from_hf_expression():
     assert rel_err(y, ref) < 1e-6 and rel_err(gx, rgx) < 1e-6 and rel_err(gw, rgw) < 1e-6
 
 
+def test_cast_after_weight_patch_replaces_gpt_oss_rms_norm():
+    m = GptOssRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = torch.randn(2, 3, 64).bfloat16()
+    ref = HF_GPT_OSS_FORWARD(m, x)
+    y = bastile.hf.rms_norm_cast_after_weight_forward(m, x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0)
+
+
 def ulp_of(*dtypes):
     return max({torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -23}[d] for d in dtypes)
 

@@ -55,9 +55,8 @@ FAMILIES: Dict[str, tuple] = {
         "rope": ("Qwen3MoeAttention.forward", hf.qwen3_attention_forward),
         "fused_linear_cross_entropy": ("Qwen3MoeForCausalLM.forward", hf.moe_causal_lm_forward),
     }),
-    # GptOssRMSNorm multiplies by the weight before rounding to the input dtype (the rms_norm op after),
-    # so it is not patched.
     "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", {
+        "rms_norm": ("GptOssRMSNorm.forward", hf.rms_norm_cast_after_weight_forward),
         "rope": ("apply_rotary_pos_emb", hf.half_split_apply_rotary_pos_emb),
         "fused_linear_cross_entropy": ("GptOssForCausalLM.forward", hf.moe_causal_lm_forward),
         "geglu": ("GptOssExperts._apply_gate", hf.gpt_oss_apply_gate),
