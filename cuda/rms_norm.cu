@@ -1,4 +1,7 @@
-// RMSNorm with HF semantics: y = w * to_x_dtype(x * rsqrt(mean(x^2) + eps)), statistics in f32.
+// RMSNorm with HF semantics, statistics in f32, n = x * rsqrt(mean(x^2) + eps):
+//   Llama/Qwen3 (CW = false): y = w * to_x_dtype(n), y in promote(x, w)
+//   GPT-OSS (CW = true, "cast after weight"): y = to_x_dtype(w * n), the product in f32
+// Both have the same grad_x; the weight gradient sums dy * n with n rounded as the forward used it.
 //
 // A row is handled by `group` threads (geometry from Rust). With per_thread = K > 0 each thread keeps
 // its K vectors of the row in registers, so x is read once, and loads its share of the next row
@@ -30,13 +33,23 @@ __device__ __forceinline__ void load_share(Pack<T, V> (&dst)[K], const T *base, 
     if (lane + k * G < cols / V) dst[k] = load<V>(base + row * cols + (int64_t)(lane + k * G) * V);
 }
 
+// Dtype of y (and grad_y): promote(x, w), or x's when the cast comes after the weight.
+template <class X, class W, bool CW> struct Out { using type = typename Promote<X, W>::type; };
+template <class X, class W> struct Out<X, W, true> { using type = X; };
+
+// x * r as the weight multiplies it: rounded to x's dtype (Llama), or kept in f32 (GPT-OSS).
+template <class X, bool CW> __device__ __forceinline__ float normed(float x, float r) {
+  if constexpr (CW) return x * r;
+  else return round_to<X>(x * r);
+}
+
 // Whether a variant loads the next row while it finishes the current one. The K = 8 variants would
 // run out of registers.
 template <int K> constexpr bool kLookahead = K <= 4;
 
-template <class X, class W, int V, int K>
+template <class X, class W, int V, int K, bool CW>
 __device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
-  using Y = typename Promote<X, W>::type;
+  using Y = typename Out<X, W, CW>::type;
   const X *x = static_cast<const X *>(p.x);
   Y *y = static_cast<Y *>(p.y);
   float *rstd = static_cast<float *>(p.rstd);
@@ -74,7 +87,7 @@ __device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
         const Pack<W, V> wv = load<V>(w + j * V);
         float o[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * round_to<X>(to_f32(xv[k].v[i]) * r);
+        for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * normed<X, CW>(to_f32(xv[k].v[i]), r);
         store<V>(y + row * cols + j * V, o);
       }
     }
@@ -86,9 +99,9 @@ __device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
 }
 
 // Rows too long for registers, or not aligned for vectors: read x twice (the second time from cache).
-template <class X, class W, int V>
+template <class X, class W, int V, bool CW>
 __device__ __forceinline__ void forward_stream(const RmsNormForward &p) {
-  using Y = typename Promote<X, W>::type;
+  using Y = typename Out<X, W, CW>::type;
   const X *x = static_cast<const X *>(p.x);
   const W *w = static_cast<const W *>(p.weight);
   Y *y = static_cast<Y *>(p.y);
@@ -117,17 +130,17 @@ __device__ __forceinline__ void forward_stream(const RmsNormForward &p) {
       const Pack<W, V> wv = load<V>(w + j * V);
       float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * round_to<X>(to_f32(xv.v[i]) * r);
+      for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * normed<X, CW>(to_f32(xv.v[i]), r);
       store<V>(y + row * cols + j * V, o);
     }
   }
 }
 
 // dx = r * (g - n * mean(g * n)) with g = dy * w and n = x * r, which is r * g * w - x * r^3 * sum(dy * w * x) / cols;
-// dw = sum over rows of dy * to_x_dtype(n), kept in registers and written as one f32 partial per block.
-template <class X, class W, int V, int K>
+// dw = sum over rows of dy * n (rounded as the forward's), kept in registers and written as one f32 partial per block.
+template <class X, class W, int V, int K, bool CW>
 __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
-  using Y = typename Promote<X, W>::type;
+  using Y = typename Out<X, W, CW>::type;
   const Y *gy = static_cast<const Y *>(p.grad_y);
   const X *x = static_cast<const X *>(p.x);
   const float *rstd = static_cast<const float *>(p.rstd);
@@ -188,7 +201,7 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
         for (int i = 0; i < V; ++i) {
           const float xf = to_f32(xv[k].v[i]), g = to_f32(gv[k].v[i]);
           o[i] = r * g * to_f32(wv.v[i]) - xf * c;
-          acc[k][i] += g * round_to<X>(xf * r);
+          acc[k][i] += g * normed<X, CW>(xf, r);
         }
         store<V>(gx + row * cols + j * V, o);
       }
@@ -225,9 +238,9 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
 }
 
 // Streaming backward: each group owns a partial row of the weight gradient in global memory.
-template <class X, class W, int V>
+template <class X, class W, int V, bool CW>
 __device__ __forceinline__ void backward_stream(const RmsNormBackward &p) {
-  using Y = typename Promote<X, W>::type;
+  using Y = typename Out<X, W, CW>::type;
   const Y *gy = static_cast<const Y *>(p.grad_y);
   const X *x = static_cast<const X *>(p.x);
   const W *w = static_cast<const W *>(p.weight);
@@ -266,52 +279,57 @@ __device__ __forceinline__ void backward_stream(const RmsNormBackward &p) {
       for (int i = 0; i < V; ++i) {
         const float xf = to_f32(xv.v[i]), g = to_f32(gv.v[i]);
         o[i] = r * g * to_f32(wv.v[i]) - xf * c;
-        own[j * V + i] += g * round_to<X>(xf * r);
+        own[j * V + i] += g * normed<X, CW>(xf, r);
       }
       store<V>(gx + row * cols + j * V, o);
     }
   }
 }
 
-template <class X, class W, int V, int K>
+template <class X, class W, int V, int K, bool CW>
 __device__ __forceinline__ void forward(const RmsNormForward &p) {
-  if constexpr (K > 0) forward_cached<X, W, V, K>(p); else forward_stream<X, W, V>(p);
+  if constexpr (K > 0) forward_cached<X, W, V, K, CW>(p); else forward_stream<X, W, V, CW>(p);
 }
 
-template <class X, class W, int V, int K>
+template <class X, class W, int V, int K, bool CW>
 __device__ __forceinline__ void backward(const RmsNormBackward &p) {
-  if constexpr (K > 0) backward_cached<X, W, V, K>(p); else backward_stream<X, W, V>(p);
+  if constexpr (K > 0) backward_cached<X, W, V, K, CW>(p); else backward_stream<X, W, V, CW>(p);
 }
 
 }  // namespace
 
 // Register-cached variants run at most 256 threads a block (src/geometry.rs), which leaves the
 // compiler room to keep a whole row share in registers; streaming variants take up to 1024.
-#define RMS_NORM_KERNELS(xn, X, wn, W, tag, V, K)                                                      \
+#define RMS_NORM_KERNELS(xn, X, wn, W, tag, V, K, mode, CW)                                           \
   extern "C" __global__ void __launch_bounds__(K > 0 ? 256 : 1024)                                    \
-      rms_norm_fwd_##xn##_##wn##_##tag(const RmsNormForward p) {                                       \
-    forward<X, W, V, K>(p);                                                                             \
+      rms_norm_fwd_##xn##_##wn##_##tag##mode(const RmsNormForward p) {                                 \
+    forward<X, W, V, K, CW>(p);                                                                         \
   }                                                                                                     \
   extern "C" __global__ void __launch_bounds__(K > 0 ? 256 : 1024)                                    \
-      rms_norm_bwd_##xn##_##wn##_##tag(const RmsNormBackward p) {                                      \
-    backward<X, W, V, K>(p);                                                                            \
+      rms_norm_bwd_##xn##_##wn##_##tag##mode(const RmsNormBackward p) {                                \
+    backward<X, W, V, K, CW>(p);                                                                        \
   }
 
-// Kernel names: rms_norm_{fwd,bwd}_<x>_<w>_<k1|k2|k4|k8|vstream|sstream>; src/rms_norm.rs builds the same.
-#define RMS_NORM_VARIANTS(xn, X, wn, W)                            \
-  RMS_NORM_KERNELS(xn, X, wn, W, k1, 16 / sizeof(X), 1)            \
-  RMS_NORM_KERNELS(xn, X, wn, W, k2, 16 / sizeof(X), 2)            \
-  RMS_NORM_KERNELS(xn, X, wn, W, k4, 16 / sizeof(X), 4)            \
-  RMS_NORM_KERNELS(xn, X, wn, W, k8, 16 / sizeof(X), 8)            \
-  RMS_NORM_KERNELS(xn, X, wn, W, vstream, 16 / sizeof(X), 0)       \
-  RMS_NORM_KERNELS(xn, X, wn, W, sstream, 1, 0)
+// Kernel names: rms_norm_{fwd,bwd}_<x>_<w>_<k1|k2|k4|k8|vstream|sstream>[_cast_after_weight];
+// src/rms_norm.rs builds the same.
+#define RMS_NORM_VARIANTS(xn, X, wn, W, mode, CW)                            \
+  RMS_NORM_KERNELS(xn, X, wn, W, k1, 16 / sizeof(X), 1, mode, CW)            \
+  RMS_NORM_KERNELS(xn, X, wn, W, k2, 16 / sizeof(X), 2, mode, CW)            \
+  RMS_NORM_KERNELS(xn, X, wn, W, k4, 16 / sizeof(X), 4, mode, CW)            \
+  RMS_NORM_KERNELS(xn, X, wn, W, k8, 16 / sizeof(X), 8, mode, CW)            \
+  RMS_NORM_KERNELS(xn, X, wn, W, vstream, 16 / sizeof(X), 0, mode, CW)       \
+  RMS_NORM_KERNELS(xn, X, wn, W, sstream, 1, 0, mode, CW)
 
-#define RMS_NORM_FOR_WEIGHTS(xn, X) \
-  RMS_NORM_VARIANTS(xn, X, f32, float) RMS_NORM_VARIANTS(xn, X, f16, f16) RMS_NORM_VARIANTS(xn, X, bf16, bf16)
+#define RMS_NORM_FOR_WEIGHTS(xn, X, mode, CW)                                                    \
+  RMS_NORM_VARIANTS(xn, X, f32, float, mode, CW) RMS_NORM_VARIANTS(xn, X, f16, f16, mode, CW) \
+  RMS_NORM_VARIANTS(xn, X, bf16, bf16, mode, CW)
 
-RMS_NORM_FOR_WEIGHTS(f32, float)
-RMS_NORM_FOR_WEIGHTS(f16, f16)
-RMS_NORM_FOR_WEIGHTS(bf16, bf16)
+#define RMS_NORM_FOR_MODES(xn, X) \
+  RMS_NORM_FOR_WEIGHTS(xn, X, , false) RMS_NORM_FOR_WEIGHTS(xn, X, _cast_after_weight, true)
+
+RMS_NORM_FOR_MODES(f32, float)
+RMS_NORM_FOR_MODES(f16, f16)
+RMS_NORM_FOR_MODES(bf16, bf16)
 
 #define RMS_NORM_REDUCE(wn, W) \
   extern "C" __global__ void rms_norm_bwd_reduce_##wn(const RmsNormBackward p) { \

@@ -1,11 +1,13 @@
-/* Parameter blocks of cuda/rms_norm.cu. */
+/* Parameter blocks of cuda/rms_norm.cu. cast_after_weight (0 or 1) picks the rounding: 0 is
+ * Llama's y = w * to_x_dtype(n) in promote(x_dtype, w_dtype), 1 is GPT-OSS's y = to_x_dtype(w * n)
+ * in x_dtype, the product in f32; n = x * rstd. */
 #pragma once
 #include "bastile.h"
 
 typedef struct RmsNormForward {
   const void *x;      /* [rows, cols], x_dtype, contiguous */
   const void *weight; /* [cols], w_dtype */
-  void *y;            /* [rows, cols], y_dtype = promote(x_dtype, w_dtype) */
+  void *y;            /* [rows, cols], y_dtype: promote(x_dtype, w_dtype), or x_dtype if cast_after_weight */
   void *rstd;         /* [rows], f32 (f64 for f64 input); may be null when nothing will need it */
   int64_t rows;
   int64_t cols;
@@ -13,6 +15,7 @@ typedef struct RmsNormForward {
   int32_t x_dtype;
   int32_t w_dtype;
   int32_t y_dtype;
+  int32_t cast_after_weight;
   RowGeometry geo;
 } RmsNormForward;
 
@@ -30,5 +33,6 @@ typedef struct RmsNormBackward {
   int32_t x_dtype;
   int32_t w_dtype;
   int32_t y_dtype;
+  int32_t cast_after_weight;
   RowGeometry geo;
 } RmsNormBackward;

@@ -1,6 +1,7 @@
 //! RMSNorm: CUDA launchers for `cuda/rms_norm.cu` and the CPU kernels (the reference the GPU is
-//! tested against). Semantics of HF `LlamaRMSNorm`/`Qwen3RMSNorm`:
-//! `y = w * to_x_dtype(x * rsqrt(mean(x^2) + eps))`, statistics in f32 (f64 for f64 input).
+//! tested against). With `n = x * rsqrt(mean(x^2) + eps)`, statistics in f32 (f64 for f64 input):
+//! HF `LlamaRMSNorm`/`Qwen3RMSNorm` compute `y = w * to_x_dtype(n)` in `promote(x, w)`, and with
+//! `cast_after_weight` HF `GptOssRMSNorm` computes `y = to_x_dtype(w * n)`, the product in f32.
 use crate::cpu::{self, promote, Element};
 use crate::driver::{self, fatbins, Launch, Result};
 use crate::ffi::guard;
@@ -63,6 +64,23 @@ fn cuda_dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
     Ok((x, w))
 }
 
+fn cast_after_weight(flag: i32) -> Result<bool> {
+    match flag {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(format!("bastile.rms_norm: cast_after_weight must be 0 or 1, got {flag}")),
+    }
+}
+
+/// Dtype of y and grad_y.
+fn out_dtype(x: BastileDType, w: BastileDType, cast_after_weight: bool) -> BastileDType {
+    if cast_after_weight {
+        x
+    } else {
+        promote(x, w)
+    }
+}
+
 /// Geometry for rows of `x`'s dtype; vector access only if every tensor (pointer, dtype) allows
 /// the same number of elements per access.
 fn cuda_geometry(
@@ -76,21 +94,24 @@ fn cuda_geometry(
     policy(cols, x.size(), ok)
 }
 
-/// Cache key of a kernel: direction, dtypes, variant and block size.
-fn key(dir: u64, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> u64 {
-    dir | (x as u64) << 4 | (w as u64) << 8 | (geo.per_thread as u64) << 12 | (geo.vec as u64) << 20 | (geo.block as u64) << 32
+/// Cache key of a kernel: direction, rounding mode, dtypes, variant and block size.
+fn key(dir: u64, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> u64 {
+    dir | (cw as u64) << 3 | (x as u64) << 4 | (w as u64) << 8 | (geo.per_thread as u64) << 12 | (geo.vec as u64) << 20 | (geo.block as u64) << 32
 }
 
-fn name(dir: &str, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> String {
-    format!("rms_norm_{dir}_{}_{}_{}", x.tag(), w.tag(), geo.variant())
+fn name(dir: &str, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> String {
+    let mode = if cw { "_cast_after_weight" } else { "" };
+    format!("rms_norm_{dir}_{}_{}_{}{mode}", x.tag(), w.tag(), geo.variant())
 }
 
 pub fn forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()> {
     let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
-    let y = promote(x, w);
+    let cw = cast_after_weight(p.cast_after_weight)?;
+    let y = out_dtype(x, w, cw);
     p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
     let dev = driver::device(device)?;
-    let kernel = dev.kernel(fatbins::RMS_NORM, key(0, x, w, &p.geo), p.geo.block as u32, || name("fwd", x, w, &p.geo))?;
+    let kernel =
+        dev.kernel(fatbins::RMS_NORM, key(0, cw, x, w, &p.geo), p.geo.block as u32, || name("fwd", cw, x, w, &p.geo))?;
     let grid = geometry::grid(p.geo.blocks_for(p.rows), dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
     let cfg = Launch { grid: (grid, 1), block: (p.geo.block as u32, 1), shared: 0 };
     // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
@@ -101,10 +122,12 @@ pub fn forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Resul
 /// the caller must allocate in `p.partial`.
 pub fn backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64> {
     let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
-    let y = promote(x, w);
+    let cw = cast_after_weight(p.cast_after_weight)?;
+    let y = out_dtype(x, w, cw);
     p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
     let dev = driver::device(device)?;
-    let kernel = dev.kernel(fatbins::RMS_NORM, key(1, x, w, &p.geo), p.geo.block as u32, || name("bwd", x, w, &p.geo))?;
+    let kernel =
+        dev.kernel(fatbins::RMS_NORM, key(1, cw, x, w, &p.geo), p.geo.block as u32, || name("bwd", cw, x, w, &p.geo))?;
     // One resident wave: each block folds all its rows into one partial.
     let grid = p.geo.blocks_for(p.rows).min(dev.sm_count() as i64 * kernel.blocks_per_sm as i64);
     Ok(grid * partials_per_block(&p.geo))
@@ -121,11 +144,13 @@ fn partials_per_block(geo: &RowGeometry) -> i64 {
 
 pub fn backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<()> {
     let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
+    let cw = cast_after_weight(p.cast_after_weight)?;
     if p.geo.block == 0 || p.partials <= 0 {
         return Err("bastile.rms_norm_backward: launched without a plan".into());
     }
     let dev = driver::device(device)?;
-    let kernel = dev.kernel(fatbins::RMS_NORM, key(1, x, w, &p.geo), p.geo.block as u32, || name("bwd", x, w, &p.geo))?;
+    let kernel =
+        dev.kernel(fatbins::RMS_NORM, key(1, cw, x, w, &p.geo), p.geo.block as u32, || name("bwd", cw, x, w, &p.geo))?;
     let grid = (p.partials / partials_per_block(&p.geo)) as u32;
     let shared = if p.geo.per_thread > 0 && p.geo.rows_per_block() > 1 {
         (p.geo.rows_per_block() * p.cols * 4) as u32
@@ -147,14 +172,31 @@ fn rstd_is_f64(p_x_dtype: i32) -> bool {
     p_x_dtype == BastileDType::BASTILE_F64 as i32
 }
 
+/// `x * r` as the weight multiplies it: rounded to x's dtype, or (cast after weight) kept at the
+/// statistics' precision, f32 unless the input is f64.
+fn normed<X: Element>(x: f64, r: f64, cw: bool, f64_stats: bool) -> f64 {
+    match (cw, f64_stats) {
+        (false, _) => X::round(x * r),
+        (true, false) => <f32 as Element>::round(x * r),
+        (true, true) => x * r,
+    }
+}
+
 pub fn forward_cpu(p: &RmsNormForward) -> Result<()> {
     let (xd, wd) = dtypes(p.x_dtype, p.w_dtype)?;
+    let cw = cast_after_weight(p.cast_after_weight)?;
     // SAFETY: the C++ layer checked shapes and dtypes of every pointer in `p`.
-    crate::with_dtypes!(xd, wd, |X, W, Y| unsafe { forward_cpu_typed::<X, W, Y>(p) });
+    crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
+        if cw {
+            forward_cpu_typed::<X, W, X>(p, cw)
+        } else {
+            forward_cpu_typed::<X, W, Y>(p, cw)
+        }
+    });
     Ok(())
 }
 
-unsafe fn forward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormForward) {
+unsafe fn forward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormForward, cw: bool) {
     let (rows, cols) = (p.rows as usize, p.cols as usize);
     let x = cpu::slice::<X>(p.x, rows * cols);
     let w = cpu::slice::<W>(p.weight, cols);
@@ -167,7 +209,7 @@ unsafe fn forward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormForwa
         let r = 1.0 / (ss / cols as f64 + eps).sqrt();
         *rs = if f64_stats { r } else { <f32 as Element>::round(r) };
         for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
-            *yv = Y::from_f64(wv.to_f64() * X::round(xv.to_f64() * *rs));
+            *yv = Y::from_f64(wv.to_f64() * normed::<X>(xv.to_f64(), *rs, cw, f64_stats));
         }
     });
     if p.rstd.is_null() {
@@ -184,18 +226,26 @@ unsafe fn forward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormForwa
 
 pub fn backward_cpu(p: &RmsNormBackward) -> Result<()> {
     let (xd, wd) = dtypes(p.x_dtype, p.w_dtype)?;
+    let cw = cast_after_weight(p.cast_after_weight)?;
     // SAFETY: the C++ layer checked shapes and dtypes of every pointer in `p`.
-    crate::with_dtypes!(xd, wd, |X, W, Y| unsafe { backward_cpu_typed::<X, W, Y>(p) });
+    crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
+        if cw {
+            backward_cpu_typed::<X, W, X>(p, cw)
+        } else {
+            backward_cpu_typed::<X, W, Y>(p, cw)
+        }
+    });
     Ok(())
 }
 
-unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBackward) {
+unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, cw: bool) {
     let (rows, cols) = (p.rows as usize, p.cols as usize);
     let x = cpu::slice::<X>(p.x, rows * cols);
     let gy = cpu::slice::<Y>(p.grad_y, rows * cols);
     let w = cpu::slice::<W>(p.weight, cols);
     let gx = cpu::slice_mut::<X>(p.grad_x, rows * cols);
-    let rstd: Vec<f64> = if rstd_is_f64(p.x_dtype) {
+    let f64_stats = rstd_is_f64(p.x_dtype);
+    let rstd: Vec<f64> = if f64_stats {
         cpu::slice::<f64>(p.rstd, rows).to_vec()
     } else {
         cpu::slice::<f32>(p.rstd, rows).iter().map(|&r| r as f64).collect()
@@ -216,7 +266,7 @@ unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBack
                 for j in 0..cols {
                     let (xv, g) = (xr[j].to_f64(), gr[j].to_f64());
                     gxr[j] = X::from_f64(r * g * w[j].to_f64() - xv * c3);
-                    dw[j] += g * X::round(xv * r);
+                    dw[j] += g * normed::<X>(xv, r, cw, f64_stats);
                 }
             }
             dw
@@ -269,7 +319,8 @@ mod tests {
 
     /// Runs forward and backward of the CPU kernels for one dtype pair and checks them against the
     /// f64 references on the same (rounded) inputs.
-    fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize) {
+    /// `Y` is the output type: promote(X, W), or X with `cw` (cast after weight).
+    fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize, cw: bool) {
         let eps = 1e-6;
         // Four unit roundoffs of the coarsest dtype involved: each result is rounded at most twice.
         let unit = |d: BastileDType| match d {
@@ -278,7 +329,8 @@ mod tests {
             BASTILE_F16 => 2f64.powi(-11),
             BASTILE_BF16 => 2f64.powi(-8),
         };
-        let tol = 4.0 * unit(xd).max(unit(wd)).max(unit(promote(xd, wd)));
+        let yd = out_dtype(xd, wd, cw);
+        let tol = 4.0 * unit(xd).max(unit(wd)).max(unit(yd));
         let x: Vec<X> = cast(&noise(rows * cols, 1, 2.0));
         let w: Vec<W> = cast(&noise(cols, 2, 2.0));
         let gy: Vec<Y> = cast(&noise(rows * cols, 3, 2.0));
@@ -295,12 +347,13 @@ mod tests {
             eps,
             x_dtype: xd as i32,
             w_dtype: wd as i32,
-            y_dtype: promote(xd, wd) as i32,
+            y_dtype: yd as i32,
+            cast_after_weight: cw as i32,
             ..Default::default()
         };
         forward_cpu(&p).unwrap();
         let err = rel_err(&widen(&y), &reference_forward(&xf, &wf, cols, eps));
-        assert!(err < tol, "{xd:?}/{wd:?} {rows}x{cols}: forward error {err}");
+        assert!(err < tol, "{xd:?}/{wd:?}/{cw} {rows}x{cols}: forward error {err}");
 
         let mut gx = vec![X::from_f64(f64::NAN); rows * cols];
         let mut gw = vec![W::from_f64(f64::NAN); cols];
@@ -316,6 +369,7 @@ mod tests {
             x_dtype: xd as i32,
             w_dtype: wd as i32,
             y_dtype: p.y_dtype,
+            cast_after_weight: p.cast_after_weight,
             ..Default::default()
         };
         backward_cpu(&b).unwrap();
@@ -330,7 +384,10 @@ mod tests {
             .sum::<f64>()
             .sqrt();
         let (ex, ew) = (rel_err_floor(&widen(&gx), &rgx, scale), rel_err(&widen(&gw), &rgw));
-        assert!(ex < tol && ew < tol, "{xd:?}/{wd:?} {rows}x{cols}: grad_x error {ex}, grad_w error {ew}");
+        // Cast after weight sums dy * n with n at the statistics' precision, not rounded to x's dtype:
+        // only w's rounding (and f32's) remains, which tells the modes apart for 16-bit x and f32 w.
+        let tol_w = if cw { tol.min(16.0 * unit(wd).max(unit(xd).min(unit(BASTILE_F32)))) } else { tol };
+        assert!(ex < tol && ew < tol_w, "{xd:?}/{wd:?}/{cw} {rows}x{cols}: grad_x error {ex}, grad_w error {ew}");
         p.rstd = std::ptr::null_mut();
         forward_cpu(&p).unwrap(); // inference path: no statistics written
     }
@@ -338,20 +395,68 @@ mod tests {
     #[test]
     fn cpu_kernels_match_f64_reference() {
         for &(rows, cols) in &[(1, 1), (7, 3), (33, 128), (5, 1000), (3, 2560)] {
-            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols);
-            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols);
-            check::<f16, f16, f16>(BASTILE_F16, BASTILE_F16, rows, cols);
-            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols);
-            check::<bf16, f32, f32>(BASTILE_BF16, BASTILE_F32, rows, cols);
-            check::<f32, bf16, f32>(BASTILE_F32, BASTILE_BF16, rows, cols);
-            check::<f16, bf16, f32>(BASTILE_F16, BASTILE_BF16, rows, cols);
+            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols, false);
+            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols, false);
+            check::<f16, f16, f16>(BASTILE_F16, BASTILE_F16, rows, cols, false);
+            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols, false);
+            check::<bf16, f32, f32>(BASTILE_BF16, BASTILE_F32, rows, cols, false);
+            check::<f32, bf16, f32>(BASTILE_F32, BASTILE_BF16, rows, cols, false);
+            check::<f16, bf16, f32>(BASTILE_F16, BASTILE_BF16, rows, cols, false);
+            // Cast after weight (GPT-OSS): y and grad_y in x's dtype.
+            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols, true);
+            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols, true);
+            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols, true);
+            check::<bf16, f32, bf16>(BASTILE_BF16, BASTILE_F32, rows, cols, true);
+            check::<f16, f32, f16>(BASTILE_F16, BASTILE_F32, rows, cols, true);
+            check::<f32, bf16, f32>(BASTILE_F32, BASTILE_BF16, rows, cols, true);
+        }
+    }
+
+    /// Where each mode rounds, element by element, computed here in f32 as torch does it.
+    #[test]
+    fn modes_round_where_hf_does() {
+        let (rows, cols, eps) = (3, 64, 1e-6f64);
+        let x: Vec<bf16> = cast(&noise(rows * cols, 4, 3.0));
+        let w: Vec<f32> = noise(cols, 5, 2.0).iter().map(|&v| v as f32).collect();
+        for cw in [false, true] {
+            let yd = out_dtype(BASTILE_BF16, BASTILE_F32, cw);
+            let mut y = vec![0f32; rows * cols]; // f32 output, or bf16 in its first half
+            let p = RmsNormForward {
+                x: x.as_ptr().cast(),
+                weight: w.as_ptr().cast(),
+                y: y.as_mut_ptr().cast(),
+                rows: rows as i64,
+                cols: cols as i64,
+                eps,
+                x_dtype: BASTILE_BF16 as i32,
+                w_dtype: BASTILE_F32 as i32,
+                y_dtype: yd as i32,
+                cast_after_weight: cw as i32,
+                ..Default::default()
+            };
+            forward_cpu(&p).unwrap();
+            let got: Vec<f32> = if cw {
+                unsafe { cpu::slice::<bf16>(p.y, rows * cols) }.iter().map(|v| v.to_f32()).collect()
+            } else {
+                y.clone()
+            };
+            for (row, xr) in x.chunks(cols).enumerate() {
+                // The statistic as the kernels keep it (f32); everything after it in f32 arithmetic.
+                let ss: f64 = xr.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>() / cols as f64;
+                let r = (1.0 / (ss + eps).sqrt()) as f32;
+                for j in 0..cols {
+                    let n = xr[j].to_f32() * r;
+                    let want = if cw { bf16::from_f32(w[j] * n).to_f32() } else { w[j] * bf16::from_f32(n).to_f32() };
+                    assert_eq!(got[row * cols + j], want, "cw={cw} ({row},{j})");
+                }
+            }
         }
     }
 
     #[test]
     fn weight_gradient_is_deterministic_and_sums_all_rows() {
         // Many rows, so that the reduction spans many parallel chunks.
-        check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, 4099, 16);
+        check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, 4099, 16, false);
     }
 
     #[test]
@@ -365,8 +470,9 @@ mod tests {
     #[test]
     fn kernel_names_match_cuda_symbols() {
         let g = geometry::rows(4096, 2, true);
-        assert_eq!(name("fwd", BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4");
+        assert_eq!(name("fwd", false, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4");
+        assert_eq!(name("fwd", true, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4_cast_after_weight");
         let g = geometry::rows(1001, 2, true);
-        assert_eq!(name("bwd", BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_sstream");
+        assert_eq!(name("bwd", false, BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_sstream");
     }
 }

@@ -20,10 +20,11 @@ CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=256)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=256)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=256, head_dim=32)),
-    # router aux loss on, so that the patched forward must add it as HF does
+    # router aux loss on, so that the patched forward must add it as HF does; layer 1 is a dense MLP
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=32, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-                       output_router_logits=True, router_aux_loss_coef=0.01, norm_topk_prob=True)),
+                       output_router_logits=True, router_aux_loss_coef=0.01, norm_topk_prob=True,
+                       intermediate_size=256, mlp_only_layers=[1])),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=32, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                      output_router_logits=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
@@ -41,10 +42,26 @@ def mini(family, device, dtype, seed=0):
     return model.to(device=device, dtype=dtype).train()
 
 
+# Modules of each mini model that a patch must reach, with the replacement their class must then carry.
+def _reached(model):
+    family, layers = model.config.model_type, model.model.layers
+    if family == "qwen3_moe":
+        return [(layers[1].mlp, "forward", bastile.hf.swiglu_mlp_forward),  # the mlp_only layer
+                (layers[0].mlp.experts, "_apply_gate", bastile.hf.swiglu_apply_gate),
+                (model.model.norm, "forward", bastile.hf.rms_norm_forward)]
+    if family == "gpt_oss":
+        return [(model.model.norm, "forward", bastile.hf.rms_norm_cast_after_weight_forward),
+                (layers[0].input_layernorm, "forward", bastile.hf.rms_norm_cast_after_weight_forward),
+                (layers[0].mlp.experts, "_apply_gate", bastile.hf.gpt_oss_apply_gate)]
+    return []
+
+
 def patched_copy(ref, family):
     model = copy.deepcopy(ref)
     names = bastile.apply(model=model)
     assert names and all(n.endswith("_" + family) for n in names)
+    for module, attr, replacement in _reached(model):
+        assert getattr(type(module), attr) is replacement, (type(module).__name__, attr)
     return model, names
 
 
@@ -88,14 +105,26 @@ def test_generation_matches_hf(family):
 def test_families_patch_the_ops_they_list():
     """Each family's patches replace what they name, and reset puts the originals back."""
     for family in FAMILIES:
-        before = {p.name: p for p in bastile.patch.PATCHES if p.family == family}
+        before = {p.name for p in bastile.patch.PATCHES if p.family == family}
         names = bastile.apply(families=[family])
         assert set(names) == set(before), family
         for name in names:
-            owner, attr, _ = bastile.patch._active[name]
-            assert getattr(owner, attr) is before[name].replacement
+            replaced = bastile.patch._active[name]
+            targets = [p for p in bastile.patch.PATCHES if p.name == name]
+            assert len(replaced) == len(targets), name
+            for (owner, attr, _), patch in zip(replaced, targets):
+                assert getattr(owner, attr) is patch.replacement, (name, patch.target)
         bastile.reset()
     assert bastile.get_patched_ops() == []
+
+
+def test_mini_models_have_what_the_patches_target():
+    """The mini configs build the modules the multi-target patches are for (else the training tests
+    would not exercise them)."""
+    moe = mini("qwen3_moe", "cpu", torch.float32)
+    assert type(moe.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    assert type(moe.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"
+    assert type(mini("gpt_oss", "cpu", torch.float32).model.norm).__name__ == "GptOssRMSNorm"
 
 
 @needs_cuda

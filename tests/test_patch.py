@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import bastile
 from conftest import CUDA, DEVICES
@@ -41,7 +42,7 @@ def tiny_llama(seed=0):
 def test_apply_reset_round_trip_restores_original_objects():
     names = bastile.apply()
     moe = ["rms_norm_qwen3_moe", "swiglu_qwen3_moe", "rope_qwen3_moe", "fused_linear_cross_entropy_qwen3_moe",
-           "rope_gpt_oss", "fused_linear_cross_entropy_gpt_oss", "geglu_gpt_oss"]
+           "rms_norm_gpt_oss", "rope_gpt_oss", "fused_linear_cross_entropy_gpt_oss", "geglu_gpt_oss"]
     assert sorted(names) == sorted([f"{op}_{fam}" for op in OPS for fam in FAMILIES] + moe)
     assert bastile.get_patched_ops() == sorted(names)
     for owner, attr in TARGETS:
@@ -56,6 +57,48 @@ def test_apply_reset_round_trip_restores_original_objects():
         assert owner.__dict__[attr] is original, (owner, attr)
     with pytest.raises(ValueError, match="not active"):
         bastile.reset(["rms_norm_qwen3"])
+
+
+# swiglu_qwen3_moe has two targets: the experts' gate and the dense MLP of mlp_only layers.
+MOE_SWIGLU = [(modeling_qwen3_moe.Qwen3MoeExperts, "_apply_gate"), (modeling_qwen3_moe.Qwen3MoeMLP, "forward")]
+MOE_ORIGINALS = {t: t[0].__dict__[t[1]] for t in MOE_SWIGLU}
+
+
+def test_multi_target_op_applies_and_resets_as_one_name():
+    assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False, fused_linear_cross_entropy=False) == [
+        "swiglu_qwen3_moe"]
+    assert bastile.get_patched_ops() == ["swiglu_qwen3_moe"]
+    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is bastile.hf.swiglu_apply_gate
+    assert modeling_qwen3_moe.Qwen3MoeMLP.forward is bastile.hf.swiglu_mlp_forward
+    assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False,
+                         fused_linear_cross_entropy=False) == ["swiglu_qwen3_moe"]  # twice is harmless
+    assert bastile.reset(["swiglu_qwen3_moe"]) == ["swiglu_qwen3_moe"]
+    for (owner, attr), original in MOE_ORIGINALS.items():
+        assert owner.__dict__[attr] is original, (owner, attr)
+    assert bastile.get_patched_ops() == []
+
+
+def test_multi_target_op_missing_one_target(monkeypatch):
+    """With a model, a missing target refuses the whole call; without, the targets present are patched
+    under the one name and reset restores exactly them."""
+    monkeypatch.delattr(modeling_qwen3_moe, "Qwen3MoeMLP")
+
+    class Moe:
+        class config:
+            model_type = "qwen3_moe"
+
+    with pytest.raises(RuntimeError, match=r"swiglu_qwen3_moe \(Qwen3MoeMLP.forward\)"):
+        bastile.apply(model=Moe())
+    assert bastile.get_patched_ops() == []
+    assert modeling_qwen3_moe.Qwen3MoeExperts.__dict__["_apply_gate"] is MOE_ORIGINALS[MOE_SWIGLU[0]]
+    assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False, fused_linear_cross_entropy=False) == [
+        "swiglu_qwen3_moe"]
+    assert len(bastile.patch._active["swiglu_qwen3_moe"]) == 1
+    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is bastile.hf.swiglu_apply_gate
+    bastile.reset()
+    monkeypatch.undo()
+    for (owner, attr), original in MOE_ORIGINALS.items():
+        assert owner.__dict__[attr] is original, (owner, attr)
 
 
 def test_apply_selects_ops_and_model_and_rejects_unknown():

@@ -1,8 +1,10 @@
-"""torch.ops.bastile.rms_norm against HF's RMSNorm and an fp64 reference."""
+"""torch.ops.bastile.rms_norm against HF's RMSNorm and an fp64 reference, in both roundings:
+Llama/Qwen3's (default) and GPT-OSS's (cast_after_weight=True: the weight multiplies before the cast)."""
 import types
 
 import pytest
 import torch
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import bastile
@@ -13,11 +15,13 @@ EPS = 1e-6
 
 
 HF_FORWARD = Qwen3RMSNorm.forward  # taken before any test patches it
+HF_GPT_OSS_FORWARD = GptOssRMSNorm.forward
 
 
-def hf_rms_norm(x, w, eps=EPS):
-    """HF's Qwen3RMSNorm.forward with the given weight (the independent reference)."""
-    return HF_FORWARD(types.SimpleNamespace(weight=w, variance_epsilon=eps), x)
+def hf_rms_norm(x, w, eps=EPS, cast_after_weight=False):
+    """HF's Qwen3RMSNorm.forward, or GptOssRMSNorm.forward, with the given weight (the independent reference)."""
+    forward = HF_GPT_OSS_FORWARD if cast_after_weight else HF_FORWARD
+    return forward(types.SimpleNamespace(weight=w, variance_epsilon=eps), x)
 
 
 def f64_reference(x, w, eps=EPS):
@@ -30,26 +34,37 @@ def f64_reference(x, w, eps=EPS):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(4, 8), (2, 3, 128), (5, 1000), (3, 3), (1, 2560)])
-def test_opcheck(device, shape):
+@pytest.mark.parametrize("cw", [False, True])
+def test_opcheck(device, shape, cw):
     x = torch.randn(shape, device=device, requires_grad=True)
     w = torch.randn(shape[-1], device=device, requires_grad=True)
-    torch.library.opcheck(op.default, (x, w, EPS))
-    torch.library.opcheck(torch.ops.bastile.rms_norm_forward.default, (x.detach(), w.detach(), EPS))
-    y, rstd = torch.ops.bastile.rms_norm_forward(x.detach(), w.detach(), EPS)
-    torch.library.opcheck(torch.ops.bastile.rms_norm_backward.default, (torch.randn_like(y), x.detach(), w.detach(), rstd))
+    torch.library.opcheck(op.default, (x, w, EPS, cw))
+    torch.library.opcheck(torch.ops.bastile.rms_norm_forward.default, (x.detach(), w.detach(), EPS, cw))
+    y, rstd = torch.ops.bastile.rms_norm_forward(x.detach(), w.detach(), EPS, cw)
+    torch.library.opcheck(torch.ops.bastile.rms_norm_backward.default,
+                          (torch.randn_like(y), x.detach(), w.detach(), rstd, cw))
 
 
-def test_gradcheck_fp64():
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_mixed_dtypes_cast_after_weight(device):
+    x = torch.randn(6, 256, device=device).bfloat16().requires_grad_()
+    w = torch.randn(256, device=device, requires_grad=True)
+    torch.library.opcheck(op.default, (x, w, EPS, True))
+
+
+@pytest.mark.parametrize("cw", [False, True])
+def test_gradcheck_fp64(cw):
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(16, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: op(a, b, EPS), (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: op(a, b, EPS, cw), (x, w))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
-def test_forward_and_backward_match_f64_reference(dtype, tol):
+@pytest.mark.parametrize("cw", [False, True])
+def test_forward_and_backward_match_f64_reference(dtype, tol, cw):
     x = torch.randn(64, 1000, dtype=dtype, requires_grad=True)
     w = torch.randn(1000, dtype=dtype, requires_grad=True)
-    y = op(x, w, EPS)
+    y = op(x, w, EPS, cw)
     assert y.dtype == dtype
     g = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), g)
@@ -82,6 +97,60 @@ def test_mixed_dtypes_match_hf(x_dtype, w_dtype, device):
     assert rel_err(gx, rgx) < 8 * ulp_of(x_dtype) and rel_err(gw, rgw) < 8 * ulp_of(x_dtype, w_dtype, y.dtype)
 
 
+# GPT-OSS's rounding, from HF's expression (weight * (x.float() * rsqrt(mean(x.float()^2) + eps))).to(x.dtype):
+# the product stays in f32 and only the result is rounded, so y and its gradients follow HF to the
+# last rounding, up to f32 summation order.
+@pytest.mark.parametrize("x_dtype,w_dtype", [
+    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+    (torch.float16, torch.float16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+])
+@pytest.mark.parametrize("device", DEVICES)
+def test_cast_after_weight_matches_hf_gpt_oss(x_dtype, w_dtype, device):
+    x = (3 * torch.randn(16, 512, device=device)).to(x_dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(512, device=device)).to(w_dtype).requires_grad_()
+    y = op(x, w, EPS, True)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = hf_rms_norm(x2, w2, cast_after_weight=True)
+    assert y.dtype == ref.dtype == x_dtype  # x's dtype even with an f32 weight
+    # One rounding, to x's dtype, of f32 values that agree to a few f32 ulps (the statistic's summation
+    # order): at most one ulp of x's dtype apart.
+    torch.testing.assert_close(y, ref, rtol=2 * ulp_of(x_dtype) + 2 ** -21, atol=0)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
+    assert gx.dtype == x_dtype and gw.dtype == w_dtype
+    # HF's backward runs in f32 too: one final rounding apart (plus f32 summation order).
+    assert rel_err(gx, rgx) < 2 * ulp_of(x_dtype) + 1e-6 and rel_err(gw, rgw) < 2 * ulp_of(w_dtype) + 1e-6
+    # And the two modes really differ where the rounding differs (a test that could not tell them apart
+    # would pass either way).
+    if x_dtype != torch.float32:
+        assert not torch.equal(y, op(x.detach(), w.detach(), EPS).to(x_dtype))
+
+
+def test_cast_after_weight_f64_reference_from_hf_expression():
+    """fp32 on CPU against HF's GPT-OSS expression evaluated in fp64, forward and both gradients."""
+    x = torch.randn(32, 768, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(768)).requires_grad_()
+    y = op(x, w, EPS, True)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS))
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rgx, rgw = torch.autograd.grad(ref, (x64, w64), g.double())
+    assert rel_err(y, ref) < 1e-6 and rel_err(gx, rgx) < 1e-6 and rel_err(gw, rgw) < 1e-6
+
+
+def test_cast_after_weight_patch_replaces_gpt_oss_rms_norm():
+    m = GptOssRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = torch.randn(2, 3, 64).bfloat16()
+    ref = HF_GPT_OSS_FORWARD(m, x)
+    y = bastile.hf.rms_norm_cast_after_weight_forward(m, x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0)
+
+
 def ulp_of(*dtypes):
     return max({torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -23}[d] for d in dtypes)
 
@@ -95,8 +164,12 @@ def test_autocast_leaves_dtypes_as_hf(device):
         y = op(x.to(dt), w, EPS)
         ref = hf_rms_norm(x.to(dt), w)
         y32 = op(x, w, EPS)
+        y_cw = op(x.to(dt), w, EPS, True)
+        ref_cw = hf_rms_norm(x.to(dt), w, cast_after_weight=True)
     assert y.dtype == ref.dtype == torch.float32 and y32.dtype == torch.float32
+    assert y_cw.dtype == ref_cw.dtype == dt
     torch.testing.assert_close(y, ref, rtol=2 ** -20, atol=1e-6)
+    torch.testing.assert_close(y_cw, ref_cw, rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -140,11 +213,12 @@ def test_no_grad_and_inference_mode_match_autograd_path():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_torch_compile_matches_eager(device, dynamic):
+@pytest.mark.parametrize("cw", [False, True])
+def test_torch_compile_matches_eager(device, dynamic, cw):
     torch._dynamo.reset()
 
     def f(x, w):
-        return torch.ops.bastile.rms_norm(x * 2, w, EPS).sum(-1)
+        return torch.ops.bastile.rms_norm(x * 2, w, EPS, cast_after_weight=cw).sum(-1)
 
     compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
     for rows in (4, 7):  # a second shape exercises the symbolic sizes
@@ -190,6 +264,9 @@ def test_module_and_functional():
                                                  torch.randn(3)), "rstd must be"),
     (lambda: torch.ops.bastile.rms_norm_backward(torch.randn(4, 9), torch.randn(4, 8), torch.randn(8),
                                                  torch.randn(4)), "grad_y has shape"),
+    # With cast_after_weight, grad_y has x's dtype, not promote(x, weight).
+    (lambda: torch.ops.bastile.rms_norm_backward(torch.randn(4, 8), torch.randn(4, 8).bfloat16(), torch.randn(8),
+                                                 torch.randn(4), True), "grad_y must be BFloat16"),
 ])
 def test_bad_input_raises(bad, match):
     with pytest.raises(RuntimeError, match=match):
@@ -217,18 +294,19 @@ TOL = {  # (forward rtol, gradient norm-relative error); the GPU accumulates in 
 @needs_cuda
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("cols", HIDDEN)
-def test_cuda_matches_cpu(dtype, cols):
+@pytest.mark.parametrize("cw", [False, True])
+def test_cuda_matches_cpu(dtype, cols, cw):
     rows = max(3, min(600, 2 ** 20 // cols))
     x = torch.randn(rows, cols).to(dtype)
     w = (1 + 0.2 * torch.randn(cols)).to(dtype)
     g = torch.randn(rows, cols).to(dtype)
-    y, rstd = torch.ops.bastile.rms_norm_forward(x, w, EPS)
-    gx, gw = torch.ops.bastile.rms_norm_backward(g, x, w, rstd)
+    y, rstd = torch.ops.bastile.rms_norm_forward(x, w, EPS, cw)
+    gx, gw = torch.ops.bastile.rms_norm_backward(g, x, w, rstd, cw)
     poison_cuda_allocator(64 * rows * cols)
     xc, wc, gc = x.cuda(), w.cuda(), g.cuda()
-    yc, rstdc = torch.ops.bastile.rms_norm_forward(xc, wc, EPS)
+    yc, rstdc = torch.ops.bastile.rms_norm_forward(xc, wc, EPS, cw)
     poison_cuda_allocator(64 * rows * cols)
-    gxc, gwc = torch.ops.bastile.rms_norm_backward(gc, xc, wc, rstdc)
+    gxc, gwc = torch.ops.bastile.rms_norm_backward(gc, xc, wc, rstdc, cw)
     ftol, gtol = TOL[dtype]
     for t in (yc, rstdc, gxc, gwc):
         assert not t.isnan().any()
@@ -241,14 +319,16 @@ def test_cuda_matches_cpu(dtype, cols):
 
 @needs_cuda
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
-                                             (torch.float16, torch.bfloat16)])
-def test_cuda_mixed_dtypes_match_cpu(x_dtype, w_dtype):
+                                             (torch.float16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("cw", [False, True])
+def test_cuda_mixed_dtypes_match_cpu(x_dtype, w_dtype, cw):
     x, w, g = torch.randn(300, 2048).to(x_dtype), torch.randn(2048).to(w_dtype), torch.randn(300, 2048)
-    y, rstd = torch.ops.bastile.rms_norm_forward(x, w, EPS)
-    gx, gw = torch.ops.bastile.rms_norm_backward(g.to(y.dtype), x, w, rstd)
-    yc, rstdc = torch.ops.bastile.rms_norm_forward(x.cuda(), w.cuda(), EPS)
-    gxc, gwc = torch.ops.bastile.rms_norm_backward(g.to(y.dtype).cuda(), x.cuda(), w.cuda(), rstdc)
-    assert yc.dtype == y.dtype and gxc.dtype == x_dtype and gwc.dtype == w_dtype
+    y, rstd = torch.ops.bastile.rms_norm_forward(x, w, EPS, cw)
+    gx, gw = torch.ops.bastile.rms_norm_backward(g.to(y.dtype), x, w, rstd, cw)
+    yc, rstdc = torch.ops.bastile.rms_norm_forward(x.cuda(), w.cuda(), EPS, cw)
+    gxc, gwc = torch.ops.bastile.rms_norm_backward(g.to(y.dtype).cuda(), x.cuda(), w.cuda(), rstdc, cw)
+    assert yc.dtype == y.dtype == (x_dtype if cw else torch.promote_types(x_dtype, w_dtype))
+    assert gxc.dtype == x_dtype and gwc.dtype == w_dtype
     torch.testing.assert_close(yc.cpu(), y, rtol=2 ** -7, atol=1e-5)
     assert rel_err(gxc, gx) < 1.2e-2 and rel_err(gwc, gw) < 1.2e-2
 
@@ -277,6 +357,23 @@ def test_cuda_rows_beyond_int32_elements():
     # The weight gradient sums every row; compare with a float64 sum over all of them.
     n = (x.float() * rstd.unsqueeze(-1)).to(torch.bfloat16).double()
     assert rel_err(gw, (y.double() * n).sum(0)) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("cols", [2880, 4096, 1001])  # GPT-OSS's hidden size, a register-cached one, unaligned
+def test_cuda_cast_after_weight_matches_hf_gpt_oss(cols):
+    x = (3 * torch.randn(512, cols, device="cuda")).bfloat16().requires_grad_()
+    w = (1 + 0.5 * torch.randn(cols, device="cuda")).bfloat16().requires_grad_()
+    y = op(x, w, EPS, True)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = hf_rms_norm(x2, w2, cast_after_weight=True)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
+    # HF's backward is f32 throughout, as ours: the final roundings and f32 summation order apart.
+    assert rel_err(gx, rgx) < 2 ** -7 and rel_err(gw, rgw) < 2 ** -7
 
 
 @needs_cuda

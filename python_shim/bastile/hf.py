@@ -19,6 +19,11 @@ def rms_norm_forward(self, hidden_states):
     return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+def rms_norm_cast_after_weight_forward(self, hidden_states):
+    """GptOssRMSNorm: the weight multiplies before the result is rounded to the input's dtype."""
+    return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_after_weight=True)
+
+
 _SILU = (nn.SiLU, SiLUActivation)
 
 

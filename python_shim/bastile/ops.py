@@ -4,9 +4,11 @@ import torch
 from . import _library  # noqa: F401  (loads the ops)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """HF RMSNorm: weight * to(x.dtype)(x * rsqrt(mean(x**2, -1) + eps)), statistics in float32."""
-    return torch.ops.bastile.rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, cast_after_weight: bool = False) -> torch.Tensor:
+    """HF RMSNorm with n = x * rsqrt(mean(x**2, -1) + eps), statistics in float32:
+    Llama/Qwen3's weight * to(x.dtype)(n), of dtype promote(x, weight), or with cast_after_weight
+    GPT-OSS's to(x.dtype)(weight * n), the product in float32, of x's dtype."""
+    return torch.ops.bastile.rms_norm(x, weight, eps, cast_after_weight)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """bastile.apply(): swaps HF forward functions for Bastile ones, and puts them back.
 
 Patches are declared in FAMILIES: for each HF model_type, its modeling module and, per op, the
-attribute to replace there and its replacement (PATCHES lists them one row per op and family).
+attribute to replace there and its replacement, or a list of such pairs where the op has several
+targets in the family (PATCHES lists them one row per target). A patch name `<op>_<family>` stands
+for all targets of that op in that family: apply() returns it once and reset() restores them all.
 Adding a family is one entry.
 """
 import importlib
@@ -33,7 +35,7 @@ def _dense(prefix: str) -> Dict[str, tuple]:
     }
 
 
-# model_type -> (HF modeling module, op -> (target, replacement)).
+# model_type -> (HF modeling module, op -> (target, replacement) or [(target, replacement), ...]).
 FAMILIES: Dict[str, tuple] = {
     "qwen3": ("transformers.models.qwen3.modeling_qwen3",
               {**_dense("Qwen3"), "rope": ("Qwen3Attention.forward", hf.qwen3_attention_forward)}),
@@ -41,16 +43,20 @@ FAMILIES: Dict[str, tuple] = {
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", _dense("Qwen2")),
     "mistral": ("transformers.models.mistral.modeling_mistral", _dense("Mistral")),
     # Experts go through transformers' grouped/batched implementations (grouped_mm is the default),
-    # which call `_apply_gate`; the "eager" experts loop computes its activation inline and stays HF's.
+    # which call `_apply_gate`. The "eager" one (config experts_implementation="eager") stays HF's: it is
+    # the original Qwen3MoeExperts.forward, held in a closure by transformers' dispatching wrapper (no
+    # attribute to replace), and it computes `self.act_fn(gate) * up` inline, where act_fn is a per-instance
+    # module whose product with up happens outside it. Layers in mlp_only_layers (or off the
+    # decoder_sparse_step) are dense Qwen3MoeMLP, a SwiGLU MLP.
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", {
         "rms_norm": ("Qwen3MoeRMSNorm.forward", hf.rms_norm_forward),
-        "swiglu": ("Qwen3MoeExperts._apply_gate", hf.swiglu_apply_gate),
+        "swiglu": [("Qwen3MoeExperts._apply_gate", hf.swiglu_apply_gate),
+                   ("Qwen3MoeMLP.forward", hf.swiglu_mlp_forward)],
         "rope": ("Qwen3MoeAttention.forward", hf.qwen3_attention_forward),
         "fused_linear_cross_entropy": ("Qwen3MoeForCausalLM.forward", hf.moe_causal_lm_forward),
     }),
-    # GptOssRMSNorm multiplies by the weight before rounding to the input dtype (the rms_norm op after),
-    # so it is not patched.
     "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", {
+        "rms_norm": ("GptOssRMSNorm.forward", hf.rms_norm_cast_after_weight_forward),
         "rope": ("apply_rotary_pos_emb", hf.half_split_apply_rotary_pos_emb),
         "fused_linear_cross_entropy": ("GptOssForCausalLM.forward", hf.moe_causal_lm_forward),
         "geglu": ("GptOssExperts._apply_gate", hf.gpt_oss_apply_gate),
@@ -59,12 +65,13 @@ FAMILIES: Dict[str, tuple] = {
 
 PATCHES: List[Patch] = [
     Patch(op, family, module, target, replacement)
-    for family, (module, targets) in FAMILIES.items()
-    for op, (target, replacement) in targets.items()
+    for family, (module, per_op) in FAMILIES.items()
+    for op, targets in per_op.items()
+    for target, replacement in (targets if isinstance(targets, list) else [targets])
 ]
 
-# name -> (owner, attribute, original value as found in owner.__dict__)
-_active: Dict[str, tuple] = {}
+# name -> [(owner, attribute, original value as found in owner.__dict__), ...], one per target
+_active: Dict[str, list] = {}
 
 
 def _resolve(patch: Patch):
@@ -105,20 +112,23 @@ def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_l
             raise ValueError(f"bastile.apply: unknown families {unknown}; supported: {', '.join(supported_families())}")
     chosen = [p for p in PATCHES if selected.get(p.op) and (families is None or p.family in families)]
     # Resolve everything first, so that a missing target leaves nothing half-patched.
-    targets = [(p, _resolve(p)) for p in chosen]
+    by_name: Dict[str, list] = {}
+    for p in chosen:
+        by_name.setdefault(p.name, []).append((p, _resolve(p)))
     if model is not None:
-        missing = [p.name for p, t in targets if t is None]
+        missing = [f"{name} ({p.target})" for name, found in by_name.items() for p, t in found if t is None]
         if missing:
             raise RuntimeError(f"bastile.apply: this transformers lacks the targets of {missing}")
     applied = []
-    for patch, target in targets:
-        if target is None:
+    for name, found in by_name.items():
+        found = [(p, t) for p, t in found if t is not None]
+        if not found:
             continue
-        owner, attr = target
-        if patch.name not in _active:
-            _active[patch.name] = (owner, attr, owner.__dict__.get(attr))
-            setattr(owner, attr, patch.replacement)
-        applied.append(patch.name)
+        if name not in _active:
+            _active[name] = [(owner, attr, owner.__dict__.get(attr)) for _, (owner, attr) in found]
+            for p, (owner, attr) in found:
+                setattr(owner, attr, p.replacement)
+        applied.append(name)
     return applied
 
 
@@ -129,11 +139,11 @@ def reset(names: Optional[Sequence[str]] = None) -> List[str]:
     if unknown:
         raise ValueError(f"bastile.reset: not active: {unknown}; active: {sorted(_active)}")
     for name in names:
-        owner, attr, original = _active.pop(name)
-        if original is None:
-            delattr(owner, attr)
-        else:
-            setattr(owner, attr, original)
+        for owner, attr, original in reversed(_active.pop(name)):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
     return names
 
 

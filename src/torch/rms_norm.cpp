@@ -1,8 +1,12 @@
 // torch.ops.bastile.rms_norm: schemas, checks, CPU/CUDA/Meta kernels, autograd and autocast.
 //
-//   rms_norm(x, weight, eps) -> y                 what users call; differentiable
-//   rms_norm_forward(x, weight, eps) -> (y, rstd) what autograd saves from (rstd: per-row 1/rms)
-//   rms_norm_backward(grad_y, x, weight, rstd) -> (grad_x, grad_weight)
+//   rms_norm(x, weight, eps, cast_after_weight=False) -> y                 what users call; differentiable
+//   rms_norm_forward(x, weight, eps, cast_after_weight=False) -> (y, rstd) what autograd saves from
+//                                                                          (rstd: per-row 1/rms)
+//   rms_norm_backward(grad_y, x, weight, rstd, cast_after_weight=False) -> (grad_x, grad_weight)
+//
+// With n = x * rstd: y = weight * to(x.dtype)(n) in promote(x, weight) (Llama, Qwen3), or with
+// cast_after_weight y = to(x.dtype)(weight * n), the product in f32 (GPT-OSS).
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
@@ -32,10 +36,14 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w) {
               x.device());
 }
 
+at::ScalarType out_dtype(const at::Tensor& x, const at::Tensor& w, bool cast_after_weight) {
+  return cast_after_weight ? x.scalar_type() : at::promote_types(x.scalar_type(), w.scalar_type());
+}
+
 c10::SymIntArrayRef row_shape(const at::Tensor& x) { return x.sym_sizes().slice(0, x.dim() - 1); }
 
 RmsNormForward forward_params(const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, void* rstd,
-                              double eps) {
+                              double eps, bool cast_after_weight) {
   RmsNormForward p{};
   p.x = x.data_ptr();
   p.weight = w.data_ptr();
@@ -47,23 +55,24 @@ RmsNormForward forward_params(const at::Tensor& x, const at::Tensor& w, const at
   p.x_dtype = dtype_code(x, kOp, "x");
   p.w_dtype = dtype_code(w, kOp, "weight");
   p.y_dtype = dtype_code(y, kOp, "y");
+  p.cast_after_weight = cast_after_weight;
   return p;
 }
 
 // y, and rstd when `with_rstd` (autograd needs it; inference does not).
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& x_in, const at::Tensor& w_in, double eps,
-                                               bool with_rstd) {
+                                               bool cast_after_weight, bool with_rstd) {
   check_inputs(x_in, w_in);
   const auto x = x_in.contiguous();
   const auto w = w_in.contiguous();
-  auto y = at::empty(x.sizes(), x.options().dtype(at::promote_types(x.scalar_type(), w.scalar_type())));
+  auto y = at::empty(x.sizes(), x.options().dtype(out_dtype(x, w, cast_after_weight)));
   at::Tensor rstd;
   if (with_rstd) rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(stats_dtype(x)));
   if (x.numel() == 0) {
     if (with_rstd) rstd.zero_();
     return {y, rstd};
   }
-  auto p = forward_params(x, w, y, with_rstd ? rstd.data_ptr() : nullptr, eps);
+  auto p = forward_params(x, w, y, with_rstd ? rstd.data_ptr() : nullptr, eps, cast_after_weight);
   if (x.is_cuda()) {
     const c10::DeviceGuard guard(x.device());
     call_rust([&] { rs::rms_norm::forward_cuda(p, x.device().index(), current_stream(x)); });
@@ -74,20 +83,22 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& x_in, const at:
   return {y, rstd};
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  return std::get<0>(run_forward(x, w, eps, false));
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool cast_after_weight) {
+  return std::get<0>(run_forward(x, w, eps, cast_after_weight, false));
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps) {
-  return run_forward(x, w, eps, true);
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& w, double eps,
+                                                    bool cast_after_weight) {
+  return run_forward(x, w, eps, cast_after_weight, true);
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in, const at::Tensor& x_in,
-                                                     const at::Tensor& w_in, const at::Tensor& rstd_in) {
+                                                     const at::Tensor& w_in, const at::Tensor& rstd_in,
+                                                     bool cast_after_weight) {
   check_inputs(x_in, w_in);
   TORCH_CHECK(grad_y_in.sizes() == x_in.sizes(), "bastile.rms_norm_backward: grad_y has shape ",
               grad_y_in.sizes(), " but x has ", x_in.sizes());
-  const auto y_dtype = at::promote_types(x_in.scalar_type(), w_in.scalar_type());
+  const auto y_dtype = out_dtype(x_in, w_in, cast_after_weight);
   TORCH_CHECK(grad_y_in.scalar_type() == y_dtype, "bastile.rms_norm_backward: grad_y must be ", y_dtype,
               ", got ", grad_y_in.scalar_type());
   TORCH_CHECK(rstd_in.sizes() == x_in.sizes().slice(0, x_in.dim() - 1) &&
@@ -115,6 +126,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in
   p.x_dtype = dtype_code(x, kOp, "x");
   p.w_dtype = dtype_code(w, kOp, "weight");
   p.y_dtype = dtype_code(grad_y, kOp, "grad_y");
+  p.cast_after_weight = cast_after_weight;
   if (x.is_cuda()) {
     const c10::DeviceGuard guard(x.device());
     const int device = x.device().index();
@@ -130,38 +142,42 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y_in
 }
 
 // Meta kernels: shapes and dtypes only, symbolic sizes kept for torch.compile(dynamic=True).
-at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& w, double) {
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& w, double, bool cast_after_weight) {
   check_inputs(x, w);
-  return at::empty_symint(x.sym_sizes(), x.options().dtype(at::promote_types(x.scalar_type(), w.scalar_type())));
+  return at::empty_symint(x.sym_sizes(), x.options().dtype(out_dtype(x, w, cast_after_weight)));
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward_meta(const at::Tensor& x, const at::Tensor& w, double eps) {
-  return {rms_norm_meta(x, w, eps), at::empty_symint(row_shape(x), x.options().dtype(stats_dtype(x)))};
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_meta(const at::Tensor& x, const at::Tensor& w, double eps,
+                                                         bool cast_after_weight) {
+  return {rms_norm_meta(x, w, eps, cast_after_weight),
+          at::empty_symint(row_shape(x), x.options().dtype(stats_dtype(x)))};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad_y, const at::Tensor& x,
-                                                          const at::Tensor& w, const at::Tensor&) {
+                                                          const at::Tensor& w, const at::Tensor&, bool) {
   check_inputs(x, w);
   return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(w.sym_sizes(), w.options())};
 }
 
-at::Tensor call_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+at::Tensor call_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool cast_after_weight) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("bastile::rms_norm", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(x, w, eps);
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)>();
+  return op.call(x, w, eps, cast_after_weight);
 }
 
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            double eps) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("bastile::rms_norm_forward", "")
-                               .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double)>();
+                            double eps, bool cast_after_weight) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("bastile::rms_norm_forward", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double, bool)>();
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, rstd] = op.call(x, w, eps);
+    auto [y, rstd] = op.call(x, w, eps, cast_after_weight);
     ctx->save_for_backward({x, w, rstd});
+    ctx->saved_data["cast_after_weight"] = cast_after_weight;
     return y;
   }
 
@@ -170,27 +186,28 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("bastile::rms_norm_backward", "")
                                .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                         const at::Tensor&, const at::Tensor&)>();
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+                                                                         const at::Tensor&, const at::Tensor&, bool)>();
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const auto saved = ctx->get_saved_variables();
-    auto [grad_x, grad_w] = op.call(grads[0], saved[0], saved[1], saved[2]);
-    return {grad_x, grad_w, at::Tensor()};
+    auto [grad_x, grad_w] =
+        op.call(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["cast_after_weight"].toBool());
+    return {grad_x, grad_w, at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& w, double eps) {
+at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& w, double eps, bool cast_after_weight) {
   if (at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad()))
-    return RmsNormFunction::apply(x, w, eps);
+    return RmsNormFunction::apply(x, w, eps, cast_after_weight);
   // Nothing to differentiate: skip saving statistics.
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return call_rms_norm(x, w, eps);
+  return call_rms_norm(x, w, eps, cast_after_weight);
 }
 
 // Autocast leaves rms_norm alone, as it leaves HF's RMSNorm: inputs keep their dtypes, statistics run
-// in f32, and the result has dtype promote(x, weight).
-at::Tensor rms_norm_autocast(const at::Tensor& x, const at::Tensor& w, double eps) {
+// in f32, and the result has dtype promote(x, weight) (x's with cast_after_weight).
+at::Tensor rms_norm_autocast(const at::Tensor& x, const at::Tensor& w, double eps, bool cast_after_weight) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  return call_rms_norm(x, w, eps);
+  return call_rms_norm(x, w, eps, cast_after_weight);
 }
 
 }  // namespace
@@ -198,9 +215,13 @@ at::Tensor rms_norm_autocast(const at::Tensor& x, const at::Tensor& w, double ep
 
 TORCH_LIBRARY_FRAGMENT(bastile, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", tags);
-  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", tags);
-  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)", tags);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_after_weight=False) -> Tensor", tags);
+  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps, bool cast_after_weight=False) -> (Tensor, Tensor)",
+        tags);
+  m.def(
+      "rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd, bool cast_after_weight=False) -> "
+      "(Tensor, Tensor)",
+      tags);
 }
 
 TORCH_LIBRARY_IMPL(bastile, CPU, m) {
