@@ -18,7 +18,9 @@ not timed. Batch: --batch, else 2 (4B: 1), the issue's setting at seq 4096.
 Reported per mode: tokens/s and ms/step over the timed steps; peak GiB = torch.cuda.max_memory_allocated
 over the whole child process (weights, gradients, AdamW states and activations: what a user's run needs;
 max_memory_reserved beside it); the losses of the first and last step, and the last one relative to hf's
-("!" past 2%: beyond bf16 noise over so few steps). OOM is a result; a child past --timeout seconds is
+("!" past 2%: beyond bf16 noise over so few steps); in the CSV also every step's time (step_ms: from one
+step's start to the next's on the GPU's timeline, events that add no synchronisation; a step as long as
+the host's time for it is host-bound). OOM is a result; a child past --timeout seconds is
 killed and reported as "timeout". Writes e2e[-part<n>].csv, .log (every child's output) and three charts
 (tokens/s, peak GiB, ms/step) under $OUT or bench-results/.
 
@@ -106,6 +108,19 @@ def sync(device: str):
         torch.cuda.synchronize()
 
 
+def mark(device: str):
+    """A timestamp that adds no synchronisation: an event on the GPU's timeline, else the host clock."""
+    if device != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def interval_ms(a, b) -> float:
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
 def child(args) -> dict:
     """Trains one mode; the result as a dict (status "ok", "OOM", "skipped: ...", "error: ...")."""
     result = {"model": args.model, "seq": args.seq, "batch": args.batch, "mode": args.mode}
@@ -114,20 +129,23 @@ def child(args) -> dict:
         result["env"] = environment()
         net, opt = build(args.mode, args.model, args.device, args.seed)
         data = tokens(qwen3(args.model)["vocab_size"], args.steps, args.batch, args.seq, args.device, args.seed)
-        losses = []
+        losses, marks = [], []
         sync(args.device)
         t0 = time.perf_counter()
         for i in range(args.steps):
             if i == args.warmup:
                 sync(args.device)
                 t_warm = time.perf_counter()
+            marks.append(mark(args.device))
             losses.append(train_step(net, opt, data[i]))
+        marks.append(mark(args.device))
         sync(args.device)
         elapsed = time.perf_counter() - t_warm
         timed = args.steps - args.warmup
         losses = [l.item() for l in losses]
         result.update(status="ok", tokens_per_s=args.batch * args.seq * timed / elapsed, ms_per_step=elapsed / timed * 1e3,
-                      warmup_s=t_warm - t0, losses=losses)
+                      warmup_s=t_warm - t0, losses=losses,
+                      step_ms=[interval_ms(a, b) for a, b in zip(marks, marks[1:])])
         if args.device == "cuda":
             result.update(peak_alloc_GiB=torch.cuda.max_memory_allocated() / 2 ** 30,
                           peak_reserved_GiB=torch.cuda.max_memory_reserved() / 2 ** 30)
@@ -198,7 +216,8 @@ def row_of(result: dict, model: str, seq: int, batch: int, mode: str) -> dict:
             "peak_alloc_GiB": f("peak_alloc_GiB", 2), "peak_reserved_GiB": f("peak_reserved_GiB", 2),
             "loss_first": f"{losses[0]:.5f}" if losses else "", "loss_last": f"{losses[-1]:.5f}" if losses else "",
             "loss_vs_hf": "", "warmup_s": f("warmup_s", 1), "child_s": f("child_s", 1),
-            "losses": " ".join(f"{l:.5f}" for l in losses)}
+            "losses": " ".join(f"{l:.5f}" for l in losses),
+            "step_ms": " ".join(f"{m:.1f}" for m in result.get("step_ms") or [])}
 
 
 COLUMNS = {"model": "model", "seq": "seq", "batch": "batch", "mode": "mode", "status": "status",
