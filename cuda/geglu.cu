@@ -113,16 +113,4 @@ template <class T, int V> __device__ __forceinline__ void backward(const GegluBa
 }  // namespace
 
 // Kernel names: geglu_{fwd,bwd}_<dtype>_<vec|scalar>; src/geglu.rs builds the same.
-#define GEGLU_KERNELS(tn, T, tag, V)                                                                        \
-  extern "C" __global__ void __launch_bounds__(GEGLU_BLOCK) geglu_fwd_##tn##_##tag(const GegluForward p) { \
-    forward<T, V>(p);                                                                                       \
-  }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(GEGLU_BLOCK) geglu_bwd_##tn##_##tag(const GegluBackward p) { \
-    backward<T, V>(p);                                                                                      \
-  }
-
-#define GEGLU_VARIANTS(tn, T) GEGLU_KERNELS(tn, T, vec, 16 / sizeof(T)) GEGLU_KERNELS(tn, T, scalar, 1)
-
-GEGLU_VARIANTS(f32, float)
-GEGLU_VARIANTS(f16, f16)
-GEGLU_VARIANTS(bf16, bf16)
+ELEMENTWISE_KERNELS(geglu, GegluForward, GegluBackward, GEGLU_BLOCK)

@@ -86,16 +86,4 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
 }  // namespace
 
 // Kernel names: swiglu_{fwd,bwd}_<dtype>_<vec|scalar>; src/swiglu.rs builds the same.
-#define SWIGLU_KERNELS(tn, T, tag, V)                                                                         \
-  extern "C" __global__ void __launch_bounds__(SWIGLU_BLOCK) swiglu_fwd_##tn##_##tag(const SwigluForward p) { \
-    forward<T, V>(p);                                                                                         \
-  }                                                                                                           \
-  extern "C" __global__ void __launch_bounds__(SWIGLU_BLOCK) swiglu_bwd_##tn##_##tag(const SwigluBackward p) { \
-    backward<T, V>(p);                                                                                        \
-  }
-
-#define SWIGLU_VARIANTS(tn, T) SWIGLU_KERNELS(tn, T, vec, 16 / sizeof(T)) SWIGLU_KERNELS(tn, T, scalar, 1)
-
-SWIGLU_VARIANTS(f32, float)
-SWIGLU_VARIANTS(f16, f16)
-SWIGLU_VARIANTS(bf16, bf16)
+ELEMENTWISE_KERNELS(swiglu, SwigluForward, SwigluBackward, SWIGLU_BLOCK)
