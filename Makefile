@@ -21,7 +21,7 @@ PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvi
 # Project-local virtualenv with the pins, and libclang for bindgen.
 setup: $(VENV)/.ready
 $(VENV)/.ready:
-	@ldconfig -p | grep -q libclang || (apt-get update -qq && apt-get install -y -qq libclang-dev)
+	@ldconfig -p | grep -Eq 'libclang(-[0-9.]+)?\.so' || (apt-get update -qq && apt-get install -y -qq libclang-dev)
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(PINS)
