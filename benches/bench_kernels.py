@@ -9,6 +9,7 @@ torch.compile of it, and Liger Kernel when it is installed; forward, backward an
 Shapes per size (tokens = batch x seq): rms_norm tokens x hidden; swiglu tokens x intermediate; rope and
 qk_norm_rope batch x seq x heads x kv_heads x 128; fused_linear_cross_entropy tokens x hidden x vocab 151936.
 The cases (inputs, implementations, bytes or FLOPs) are each op's `cases()` in benches/bench_<op>.py.
+geglu, GPT-OSS's expert activation, has no Qwen3 shape: benches/bench_geglu.py times it at GPT-OSS's.
 
 Per pass: median ms (CUDA events, L2 flushed before each repetition, warm-up and compilation excluded:
 common.time_ms), effective TB/s (bytes an ideal kernel moves) or, for the cross-entropy, TFLOP/s (2NHV
@@ -19,8 +20,7 @@ inputs that need gradients and the backward. Every implementation's output is ch
 (a mismatch is flagged in the "check" column, not fatal).
 
 Writes kernels.csv and kernels_<op>.png (time, throughput, peak memory per pass; bars per size and
-implementation) under $OUT or bench-results/. About 3-6 minutes on an H100 for everything (mostly
-torch.compile); `--budget-s` stops starting new cases past that many seconds, so that a time-limited run
+implementation) under $OUT or bench-results/. 81 s on the H100 for everything (mostly torch.compile); `--budget-s` stops starting new cases past that many seconds, so that a time-limited run
 still writes what it measured.
 """
 import argparse
