@@ -20,8 +20,9 @@ inputs that need gradients and the backward. Every implementation's output is ch
 (a mismatch is flagged in the "check" column, not fatal).
 
 Writes kernels.csv and kernels_<op>.png (time, throughput, peak memory per pass; bars per size and
-implementation) under $OUT or bench-results/. 81 s on the H100 for everything (mostly torch.compile); `--budget-s` stops starting new cases past that many seconds, so that a time-limited run
-still writes what it measured.
+implementation) under $OUT or bench-results/. 81 s on the H100 for everything (mostly torch.compile);
+`--budget-s` stops starting new cases past that many seconds, so that a time-limited run still writes what
+it measured.
 """
 import argparse
 import time
