@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "bastile.h"
 
 namespace bastile {
@@ -44,6 +46,42 @@ template <int N, class T> __device__ __forceinline__ void opaque(Pack<T, N> &pk)
   for (int i = 0; i < (int)(sizeof(pk) / 4); ++i) asm volatile("" : "+r"(words[i]));
 }
 
+// Element pair (2i, 2i + 1) of a pack of 16-bit values as one bf16x2/half2 register, for packed math.
+// Where torch computes in f32 and rounds to the 16-bit dtype, the packed op gives the same value when
+// the f32 result is exact or rounds only bits the 16-bit rounding drops anyway: the product or the
+// sum/difference of two 16-bit values (the _rn forms keep the compiler from fusing them into FMAs).
+template <class T> struct PairOf;
+template <> struct PairOf<bf16> { using type = __nv_bfloat162; };
+template <> struct PairOf<f16> { using type = __half2; };
+template <class T> using pair_t = typename PairOf<T>::type;
+
+template <class T, int N> __device__ __forceinline__ pair_t<T> &pair(Pack<T, N> &pk, int i) {
+  return reinterpret_cast<pair_t<T> *>(pk.v)[i];
+}
+template <class T, int N> __device__ __forceinline__ const pair_t<T> &pair(const Pack<T, N> &pk, int i) {
+  return reinterpret_cast<const pair_t<T> *>(pk.v)[i];
+}
+
+// (a, b) rounded to T.
+template <class T> __device__ __forceinline__ pair_t<T> to_pair(float a, float b);
+template <> __device__ __forceinline__ __nv_bfloat162 to_pair<bf16>(float a, float b) { return __floats2bfloat162_rn(a, b); }
+template <> __device__ __forceinline__ __half2 to_pair<f16>(float a, float b) { return __floats2half2_rn(a, b); }
+
+// Whether packed math on pairs applies to these dtypes: all one 16-bit type.
+template <class T, class... U> constexpr bool kPairable = sizeof(T) == 2 && (std::is_same_v<T, U> && ...);
+
+// A 16-byte pack that is read once: fetched into L2 256 bytes at a time, not kept in L1. Short rows
+// (a few hundred bytes a thread group) gain from the wider L2 fetch.
+template <int N, class T> __device__ __forceinline__ Pack<T, N> load_once(const T *p) {
+  static_assert(sizeof(Pack<T, N>) == 16, "16-byte packs only");
+  Pack<T, N> pk;
+  uint32_t *w = reinterpret_cast<uint32_t *>(&pk);
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "l"(p));
+  return pk;
+}
+
 template <int N, class T> __device__ __forceinline__ void store(T *p, const float (&in)[N]) {
   Pack<T, N> pk;
 #pragma unroll
@@ -51,15 +89,34 @@ template <int N, class T> __device__ __forceinline__ void store(T *p, const floa
   *reinterpret_cast<Pack<T, N> *>(p) = pk;
 }
 
+// Stores pk as one access. A plain struct copy came out as 2- or 4-byte stores for the second pack
+// of a thread (nvcc 13.0), which halves the store throughput.
+template <class T, int V> __device__ __forceinline__ void store_pack(T *p, const Pack<T, V> &pk) {
+  uint32_t w[(sizeof(pk) + 3) / 4] = {};
+  memcpy(w, &pk, sizeof(pk));
+  if constexpr (sizeof(pk) == 16)
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+  else if constexpr (sizeof(pk) == 8)
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
+  else
+    *reinterpret_cast<Pack<T, V> *>(p) = pk;
+}
+
+// Sum of v over the `group` consecutive threads of a warp that share a row; group is a power of two
+// up to 32.
+__device__ __forceinline__ float warp_group_sum(float v, int group) {
+  // Unrolled with a uniform predicate: a loop here sat on every row's critical path.
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2)
+    if (o < group) v += __shfl_xor_sync(0xffffffffu, v, o, group);
+  return v;
+}
+
 // Sum of v over the `group` consecutive threads that share a row. group is a power of two below 32,
 // or a multiple of 32 (then the block holds blockDim.x / group such rows). Every thread of the block
 // must call it: it synchronises when a row spans several warps.
 __device__ __forceinline__ float group_sum(float v, int group) {
-  const int width = group < 32 ? group : 32;
-  // Unrolled with a uniform predicate: a loop here sat on every row's critical path.
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2)
-    if (o < width) v += __shfl_xor_sync(0xffffffffu, v, o, width);
+  v = warp_group_sum(v, group < 32 ? group : 32);
   if (group <= 32) return v;
   __shared__ float warp_total[32];
   const int warp = threadIdx.x / 32, warps_per_row = group / 32;

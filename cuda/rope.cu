@@ -24,19 +24,6 @@ template <class M, class O> __device__ __forceinline__ float term(float a, float
   return round_to<O>(round_to<M>(__fmul_rn(a, b)));
 }
 
-// Stores pk as one access. A plain struct copy came out as 2- or 4-byte stores for the second pack
-// of a thread (nvcc 13.0), which halves the store throughput.
-template <class T, int V> __device__ __forceinline__ void store_pack(T *p, const Pack<T, V> &pk) {
-  uint32_t w[(sizeof(pk) + 3) / 4] = {};
-  memcpy(w, &pk, sizeof(pk));
-  if constexpr (sizeof(pk) == 16)
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
-  else if constexpr (sizeof(pk) == 8)
-    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
-  else
-    *reinterpret_cast<Pack<T, V> *>(p) = pk;
-}
-
 // Head h of token (b, s) of t.
 template <class T>
 __device__ __forceinline__ T *head_of(const RopeTensor &t, int64_t b, int64_t s, int64_t h) {
