@@ -4,10 +4,11 @@
 // Both have the same grad_x; the weight gradient sums dy * n with n rounded as the forward used it.
 //
 // A row is handled by `group` threads (geometry from Rust). With per_thread = K > 0 each thread keeps
-// its K vectors of the row in registers, so x is read once, and loads its share of the next row
-// before reducing the current one; K = 0 streams the row twice (huge or unaligned rows). The weight
-// is read from L1 where it is used. The forward's grid is one resident wave or all row groups
-// (geometry::grid); the backward's is one wave: it keeps its share of the weight gradient in
+// its K vectors of the row in registers, so x is read once; the forward takes R rows per group at a
+// time (R = 2 for short rows), the backward loads its share of the next row before reducing the
+// current one; K = 0 streams the row twice (huge or unaligned rows). The weight is read from L1
+// where it is used. The forward's grid gives every row group a block; the
+// backward's is one wave: it keeps its share of the weight gradient in
 // registers across all rows the block visits and writes one f32 partial per block, which a second
 // tiny kernel folds.
 #include "common.cuh"
@@ -24,13 +25,18 @@ namespace {
        base += (int64_t)gridDim.x * (rows_per_block))
 
 // The K vectors of row `row` that this lane holds (lane, lane + G, ...); nothing past the row's end.
-template <int V, int K, class T>
+// ONCE: through load_once (16-byte packs only).
+template <int V, int K, bool ONCE = false, class T>
 __device__ __forceinline__ void load_share(Pack<T, V> (&dst)[K], const T *base, int64_t row, int64_t rows,
                                            int64_t cols, int lane, int G) {
   if (row >= rows) return;
+  const T *r = base + row * cols + (int64_t)lane * V;
 #pragma unroll
   for (int k = 0; k < K; ++k)
-    if (lane + k * G < cols / V) dst[k] = load<V>(base + row * cols + (int64_t)(lane + k * G) * V);
+    if (lane + k * G < cols / V) {
+      if constexpr (ONCE) dst[k] = load_once<V>(r + (int64_t)k * G * V);
+      else dst[k] = load<V>(r + (int64_t)k * G * V);
+    }
 }
 
 // Dtype of y (and grad_y): promote(x, w), or x's when the cast comes after the weight.
@@ -43,57 +49,74 @@ template <class X, bool CW> __device__ __forceinline__ float normed(float x, flo
   else return round_to<X>(x * r);
 }
 
-// Whether a variant loads the next row while it finishes the current one. The K = 8 variants would
-// run out of registers.
+// Whether a backward variant loads the next row while it finishes the current one. The K = 8
+// variants would run out of registers.
 template <int K> constexpr bool kLookahead = K <= 4;
 
-template <class X, class W, int V, int K, bool CW>
+// One row share: y = w * n for the K packs this lane holds, n = x * r rounded as the weight multiplies it.
+template <class X, class W, class Y, int V, int K, bool CW>
+__device__ __forceinline__ void scale_share(const Pack<X, V> (&xv)[K], const W *w, Y *yr, float r, int lane, int G,
+                                            int64_t nvec) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t j = lane + k * G;
+    if (j >= nvec) continue;
+    // The weight comes from L1 each row: registers go to rows in flight instead. (Loading all K packs
+    // before the first store was slower on the H100: 8192x1024 17.8 us against 15.7 us.)
+    const Pack<W, V> wv = load<V>(w + j * V);
+    if constexpr (!CW && kPairable<X, W> && V % 2 == 0) {
+      Pack<Y, V> o;
+#pragma unroll
+      for (int i = 0; i < V / 2; ++i)
+        pair(o, i) = __hmul2_rn(to_pair<X>(to_f32(xv[k].v[2 * i]) * r, to_f32(xv[k].v[2 * i + 1]) * r), pair(wv, i));
+      store_pack(yr + j * V, o);
+    } else {
+      float o[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * normed<X, CW>(to_f32(xv[k].v[i]), r);
+      store<V>(yr + j * V, o);
+    }
+  }
+}
+
+// R rows per group at a time, all loaded before any is reduced (bytes in flight for short rows; their
+// loads go through load_once).
+template <class X, class W, int V, int K, int R, bool CW>
 __device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
   using Y = typename Out<X, W, CW>::type;
   const X *x = static_cast<const X *>(p.x);
+  const W *w = static_cast<const W *>(p.weight);
   Y *y = static_cast<Y *>(p.y);
   float *rstd = static_cast<float *>(p.rstd);
   const int G = p.geo.group, rows_per_block = blockDim.x / G;
-  const int lane = threadIdx.x % G, grp = threadIdx.x / G;
-  const int64_t cols = p.cols, nvec = cols / V, stride = (int64_t)gridDim.x * rows_per_block;
+  const int lane = threadIdx.x % G;
+  const int64_t grp = threadIdx.x / G;
+  const int64_t cols = p.cols, nvec = cols / V;
   const float eps = (float)p.eps, inv_cols = 1.f / (float)cols;
-  const W *w = static_cast<const W *>(p.weight);
 
-  Pack<X, V> xv[K], next[K];
-  if constexpr (kLookahead<K>) load_share<V>(xv, x, (int64_t)blockIdx.x * rows_per_block + grp, p.rows, cols, lane, G);
-
-  FOR_EACH_ROW_GROUP(base, rows_per_block) {
-    const int64_t row = base + grp;
-    const bool live = row < p.rows;
-    if constexpr (kLookahead<K>) load_share<V>(next, x, row + stride, p.rows, cols, lane, G);
-    else load_share<V>(xv, x, row, p.rows, cols, lane, G);
-    float ss = 0.f;
+  FOR_EACH_ROW_GROUP(base, rows_per_block * R) {
+    Pack<X, V> xv[R][K];
 #pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (live && lane + k * G < nvec)
+    for (int q = 0; q < R; ++q)
+      load_share<V, K, (R > 1)>(xv[q], x, base + q * rows_per_block + grp, p.rows, cols, lane, G);
 #pragma unroll
-        for (int i = 0; i < V; ++i) ss += to_f32(xv[k].v[i]) * to_f32(xv[k].v[i]);
-    ss = group_sum(ss, G);
-    if (live) {
+    for (int q = 0; q < R; ++q) {
+      const int64_t row = base + q * rows_per_block + grp;
+      const bool live = row < p.rows;
+      float ss = 0.f;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (live && lane + k * G < nvec)
+#pragma unroll
+          for (int i = 0; i < V; ++i) ss += to_f32(xv[q][k].v[i]) * to_f32(xv[q][k].v[i]);
+      // Rows taken two at a time are a warp or less (geometry): no block-wide fold.
+      ss = R > 1 ? warp_group_sum(ss, G) : group_sum(ss, G);
+      if (!live) continue;
       const float r = rsqrtf(ss * inv_cols + eps);
       if (rstd && lane == 0) rstd[row] = r;
 #pragma unroll
-      for (int k = 0; k < K; ++k) opaque(xv[k]);
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int64_t j = lane + k * G;
-        if (j >= nvec) continue;
-        // The weight comes from L1 each row: registers go to rows in flight instead.
-        const Pack<W, V> wv = load<V>(w + j * V);
-        float o[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * normed<X, CW>(to_f32(xv[k].v[i]), r);
-        store<V>(y + row * cols + j * V, o);
-      }
-    }
-    if constexpr (kLookahead<K>) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) xv[k] = next[k];
+      for (int k = 0; k < K; ++k) opaque(xv[q][k]);
+      scale_share<X, W, Y, V, K, CW>(xv[q], w, y + row * cols, r, lane, G, nvec);
     }
   }
 }
@@ -286,9 +309,9 @@ __device__ __forceinline__ void backward_stream(const RmsNormBackward &p) {
   }
 }
 
-template <class X, class W, int V, int K, bool CW>
+template <class X, class W, int V, int K, int R, bool CW>
 __device__ __forceinline__ void forward(const RmsNormForward &p) {
-  if constexpr (K > 0) forward_cached<X, W, V, K, CW>(p); else forward_stream<X, W, V, CW>(p);
+  if constexpr (K > 0) forward_cached<X, W, V, K, R, CW>(p); else forward_stream<X, W, V, CW>(p);
 }
 
 template <class X, class W, int V, int K, bool CW>
@@ -300,25 +323,32 @@ __device__ __forceinline__ void backward(const RmsNormBackward &p) {
 
 // Register-cached variants run at most 256 threads a block (src/geometry.rs), which leaves the
 // compiler room to keep a whole row share in registers; streaming variants take up to 1024.
-#define RMS_NORM_KERNELS(xn, X, wn, W, tag, V, K, mode, CW)                                           \
-  extern "C" __global__ void __launch_bounds__(K > 0 ? 256 : 1024)                                    \
-      rms_norm_fwd_##xn##_##wn##_##tag##mode(const RmsNormForward p) {                                 \
-    forward<X, W, V, K, CW>(p);                                                                         \
-  }                                                                                                     \
-  extern "C" __global__ void __launch_bounds__(K > 0 ? 256 : 1024)                                    \
-      rms_norm_bwd_##xn##_##wn##_##tag##mode(const RmsNormBackward p) {                                \
-    backward<X, W, V, K, CW>(p);                                                                        \
+#define RMS_NORM_FWD(xn, X, wn, W, tag, V, K, R, mode, CW)                                   \
+  extern "C" __global__ void __launch_bounds__(K > 0 ? 256 : 1024)                           \
+      rms_norm_fwd_##xn##_##wn##_##tag##mode(const RmsNormForward p) {                        \
+    forward<X, W, V, K, R, CW>(p);                                                             \
   }
+#define RMS_NORM_BWD(xn, X, wn, W, tag, V, K, mode, CW)                                      \
+  extern "C" __global__ void __launch_bounds__(K > 0 ? 256 : 1024)                           \
+      rms_norm_bwd_##xn##_##wn##_##tag##mode(const RmsNormBackward p) {                       \
+    backward<X, W, V, K, CW>(p);                                                               \
+  }
+#define RMS_NORM_KERNELS(xn, X, wn, W, tag, V, K, mode, CW) \
+  RMS_NORM_FWD(xn, X, wn, W, tag, V, K, 1, mode, CW) RMS_NORM_BWD(xn, X, wn, W, tag, V, K, mode, CW)
 
-// Kernel names: rms_norm_{fwd,bwd}_<x>_<w>_<k1|k2|k4|k8|vstream|sstream>[_cast_after_weight];
-// src/rms_norm.rs builds the same.
+// Kernel names: rms_norm_{fwd,bwd}_<x>_<w>_<k1|k2|k4|k8|vstream|sstream>[_cast_after_weight], and the
+// forward's two-rows-a-step variants rms_norm_fwd_<x>_<w>_<k1|k2|k4>r2[...] for short rows; src/rms_norm.rs
+// builds the same.
 #define RMS_NORM_VARIANTS(xn, X, wn, W, mode, CW)                            \
   RMS_NORM_KERNELS(xn, X, wn, W, k1, 16 / sizeof(X), 1, mode, CW)            \
   RMS_NORM_KERNELS(xn, X, wn, W, k2, 16 / sizeof(X), 2, mode, CW)            \
   RMS_NORM_KERNELS(xn, X, wn, W, k4, 16 / sizeof(X), 4, mode, CW)            \
   RMS_NORM_KERNELS(xn, X, wn, W, k8, 16 / sizeof(X), 8, mode, CW)            \
   RMS_NORM_KERNELS(xn, X, wn, W, vstream, 16 / sizeof(X), 0, mode, CW)       \
-  RMS_NORM_KERNELS(xn, X, wn, W, sstream, 1, 0, mode, CW)
+  RMS_NORM_KERNELS(xn, X, wn, W, sstream, 1, 0, mode, CW)                    \
+  RMS_NORM_FWD(xn, X, wn, W, k1r2, 16 / sizeof(X), 1, 2, mode, CW)           \
+  RMS_NORM_FWD(xn, X, wn, W, k2r2, 16 / sizeof(X), 2, 2, mode, CW)           \
+  RMS_NORM_FWD(xn, X, wn, W, k4r2, 16 / sizeof(X), 4, 2, mode, CW)
 
 #define RMS_NORM_FOR_WEIGHTS(xn, X, mode, CW)                                                    \
   RMS_NORM_VARIANTS(xn, X, f32, float, mode, CW) RMS_NORM_VARIANTS(xn, X, f16, f16, mode, CW) \

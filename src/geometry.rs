@@ -4,9 +4,13 @@ use crate::params::RowGeometry;
 /// Threads a register-cached row prefers: fewer threads holding more vectors each keep more bytes
 /// in flight per SM, which is what a memory-bound row kernel needs.
 pub const PREFERRED_THREADS: i64 = 128;
-/// Rows of at most this many vectors get one warp each in the forward: reductions are then shuffles
-/// alone (H100, bf16: 8192x1024 forward 0.0165 ms against 0.0176 ms with 128 threads a row).
+/// Rows of at most this many vectors get a warp or less each in the forward, every thread holding
+/// [`SHORT_ROW_PER_THREAD`] vectors: reductions are then shuffles alone, over few lanes (H100, bf16:
+/// 8192x1024 forward 0.0165 ms against 0.0176 ms with 128 threads a row; 65536x128 with 4 lanes a
+/// row 15.7 us against 16.8 us with 8 and 16).
 pub const WARP_ROW_UNITS: i64 = 4 * 32;
+/// Vectors each thread of a short row holds.
+pub const SHORT_ROW_PER_THREAD: i64 = 4;
 /// Most threads a register-cached kernel runs per row (and per block): the kernels'
 /// `__launch_bounds__(256)` lets the compiler give each thread room for its share of a row.
 pub const CACHED_THREADS: i64 = 256;
@@ -22,9 +26,10 @@ pub fn rows(cols: i64, elem_bytes: usize, vectorizable: bool) -> RowGeometry {
     rows_with(cols, elem_bytes, vectorizable, PREFERRED_THREADS)
 }
 
-/// As [`rows`], with a warp per row where the row is short enough (see [`WARP_ROW_UNITS`]).
+/// As [`rows`], with a warp or less per row where the row is short enough (see [`WARP_ROW_UNITS`]).
 pub fn rows_warp_first(cols: i64, elem_bytes: usize, vectorizable: bool) -> RowGeometry {
-    let preferred = if cols <= WARP_ROW_UNITS * (16 / elem_bytes as i64) { 32 } else { PREFERRED_THREADS };
+    let units = cols / (16 / elem_bytes as i64);
+    let preferred = if units <= WARP_ROW_UNITS { ceil_div(units, SHORT_ROW_PER_THREAD).max(1) } else { PREFERRED_THREADS };
     rows_with(cols, elem_bytes, vectorizable, preferred)
 }
 
@@ -147,13 +152,22 @@ mod tests {
     }
 
     #[test]
-    fn forward_gives_short_rows_a_warp() {
+    fn forward_gives_short_rows_a_warp_or_less() {
         let g = rows_warp_first(1024, 2, true);
         assert_eq!((g.group, g.per_thread, g.block), (32, 4, 128));
         let g = rows_warp_first(2048, 2, true);
         assert_eq!((g.group, g.per_thread), (128, 2));
-        assert_eq!(rows_warp_first(128, 2, true), rows(128, 2, true));
-        covers(&rows_warp_first(1000, 4, true), 1000);
+        // Qwen3's per-head norms: four lanes a row, 32 rows a block.
+        let g = rows_warp_first(128, 2, true);
+        assert_eq!((g.group, g.per_thread, g.block), (4, 4, 128));
+        // 100 vectors: 25 threads of four, rounded up to a warp.
+        let g = rows_warp_first(800, 2, true);
+        assert_eq!((g.group, g.per_thread), (32, 4));
+        for cols in [8, 24, 64, 128, 256, 512, 800, 1000, 1024] {
+            covers(&rows_warp_first(cols, 2, true), cols);
+            covers(&rows_warp_first(cols, 4, true), cols);
+        }
+        assert_eq!(rows_warp_first(3, 2, true).variant(), "sstream");
     }
 
     #[test]
