@@ -6,7 +6,8 @@
 //                             out[i]   = g[i]*cos[i]     + g[i+h]*sin[i+h]
 //                             out[i+h] = g[i+h]*cos[i+h] - g[i]*sin[i]
 // Each product is rounded to promote(in, cos) and then to the output dtype, and the sum to the output
-// dtype, as HF's eager ops (and their autograd) round; products are never fused into FMAs.
+// dtype, as HF's eager ops (and their autograd) round; products are never fused into FMAs. With one
+// 16-bit dtype throughout, that is packed math on element pairs (common.cuh: pair_t).
 //
 // A token (b, s) is handled by pair_threads x head_lanes threads: a thread loads the cos/sin vectors
 // of its pair (i, i+h) once and rotates that pair in every head_lanes-th head of q, then of k. Strides
@@ -51,20 +52,49 @@ __device__ __forceinline__ void rotate_heads(const RopeTensor &src, const RopeTe
     const Pack<I, V> x1 = load<V>(x), x2 = load<V>(x + half);
     // Packed as computed: fewer live registers than two float arrays.
     Pack<O, V> o1, o2;
+    if constexpr (kPairable<I, C, O> && V >= 4) {
+      // One dtype throughout: each term and each sum is one packed op on two elements (2-element
+      // packs would spill: nvcc 13.0 keeps their pairs in local memory).
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float lo = to_f32(x1.v[e]), hi = to_f32(x2.v[e]);
-      const float c1 = to_f32(t.c1.v[e]), c2 = to_f32(t.c2.v[e]), s1 = to_f32(t.s1.v[e]), s2 = to_f32(t.s2.v[e]);
-      if constexpr (kBackward) {
-        o1.v[e] = from_f32<O>(__fadd_rn(term<M, O>(lo, c1), term<M, O>(hi, s2)));
-        o2.v[e] = from_f32<O>(__fsub_rn(term<M, O>(hi, c2), term<M, O>(lo, s1)));
-      } else {
-        o1.v[e] = from_f32<O>(__fsub_rn(term<M, O>(lo, c1), term<M, O>(hi, s1)));
-        o2.v[e] = from_f32<O>(__fadd_rn(term<M, O>(hi, c2), term<M, O>(lo, s2)));
+      for (int e = 0; e < V / 2; ++e) {
+        const auto lo = pair(x1, e), hi = pair(x2, e);
+        if constexpr (kBackward) {
+          pair(o1, e) = __hadd2_rn(__hmul2_rn(lo, pair(t.c1, e)), __hmul2_rn(hi, pair(t.s2, e)));
+          pair(o2, e) = __hsub2_rn(__hmul2_rn(hi, pair(t.c2, e)), __hmul2_rn(lo, pair(t.s1, e)));
+        } else {
+          pair(o1, e) = __hsub2_rn(__hmul2_rn(lo, pair(t.c1, e)), __hmul2_rn(hi, pair(t.s1, e)));
+          pair(o2, e) = __hadd2_rn(__hmul2_rn(hi, pair(t.c2, e)), __hmul2_rn(lo, pair(t.s2, e)));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float lo = to_f32(x1.v[e]), hi = to_f32(x2.v[e]);
+        const float c1 = to_f32(t.c1.v[e]), c2 = to_f32(t.c2.v[e]), s1 = to_f32(t.s1.v[e]), s2 = to_f32(t.s2.v[e]);
+        if constexpr (kBackward) {
+          o1.v[e] = from_f32<O>(__fadd_rn(term<M, O>(lo, c1), term<M, O>(hi, s2)));
+          o2.v[e] = from_f32<O>(__fsub_rn(term<M, O>(hi, c2), term<M, O>(lo, s1)));
+        } else {
+          o1.v[e] = from_f32<O>(__fsub_rn(term<M, O>(lo, c1), term<M, O>(hi, s1)));
+          o2.v[e] = from_f32<O>(__fadd_rn(term<M, O>(hi, c2), term<M, O>(lo, s2)));
+        }
       }
     }
     store_pack(y, o1);
     store_pack(y + half, o2);
+  }
+}
+
+// (batch row, position) of a token: 32-bit division where it fits, as a 64-bit one is dozens of
+// instructions in a thread that may rotate a single head.
+__device__ __forceinline__ void split_token(int64_t tok, int64_t seq, int64_t &b, int64_t &s) {
+  if ((tok | seq) <= (int64_t)UINT32_MAX) {
+    const uint32_t t = (uint32_t)tok, n = (uint32_t)seq, q = t / n;
+    b = q;
+    s = t - q * n;
+  } else {
+    b = tok / seq;
+    s = tok % seq;
   }
 }
 
@@ -75,12 +105,15 @@ __device__ __forceinline__ void rotate(const Rope &p) {
   const int first_pair = t % p.pair_threads, lane = t / p.pair_threads, lanes = p.head_lanes;
   const int64_t half = p.head_dim / 2, pairs = half / V, tokens = p.batch * p.seq;
   // A token's heads are q's then k's, lane taking every lanes-th: its first k head continues that count.
-  const int64_t first_k = lane + (max(p.q_heads - lane, (int64_t)0) + lanes - 1) / lanes * lanes - p.q_heads;
+  // Head counts fit in 32 bits (src/rope.rs checks).
+  const int q_heads = (int)p.q_heads;
+  const int64_t first_k = lane + (max(q_heads - lane, 0) + lanes - 1) / lanes * lanes - q_heads;
   const C *cos = static_cast<const C *>(p.cos.data), *sin = static_cast<const C *>(p.sin.data);
 
   for (int64_t tok = (int64_t)blockIdx.x * tokens_per_block + slot; tok < tokens;
        tok += (int64_t)gridDim.x * tokens_per_block) {
-    const int64_t b = tok / p.seq, s = tok % p.seq;
+    int64_t b, s;
+    split_token(tok, p.seq, b, s);
     const C *ct = cos + b * p.cos.batch_stride + s * p.cos.seq_stride;
     const C *st = sin + b * p.sin.batch_stride + s * p.sin.seq_stride;
     for (int64_t j = first_pair; j < pairs; j += p.pair_threads) {

@@ -96,6 +96,9 @@ pub fn run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Res
     if [i, c].contains(&BastileDType::BASTILE_F64) {
         return Err("bastile.rope: float64 is supported on CPU only".into());
     }
+    if p.q_heads.max(p.k_heads) > i32::MAX as i64 {
+        return Err("bastile.rope: more than 2^31 - 1 heads".into());
+    }
     plan(p, vector(p, i, c, o));
     let dev = driver::device(device)?;
     let key = backward as u64 | (i as u64) << 4 | (c as u64) << 8 | (p.vec as u64) << 12 | (p.block as u64) << 20;
