@@ -7,10 +7,9 @@
 // its K vectors of the row in registers, so x is read once; the forward takes R rows per group at a
 // time (R = 2 for short rows), the backward loads its share of the next row before reducing the
 // current one; K = 0 streams the row twice (huge or unaligned rows). The weight is read from L1
-// where it is used. The forward's grid gives every row group a block; the
-// backward's is one wave: it keeps its share of the weight gradient in
-// registers across all rows the block visits and writes one f32 partial per block, which a second
-// tiny kernel folds.
+// where it is used. The forward's grid gives every row group a block; the backward's is one wave:
+// it keeps its share of the weight gradient in registers across all rows the block visits and
+// writes one f32 partial per block, which a second tiny kernel folds.
 #include "common.cuh"
 #include "rms_norm.h"
 
@@ -61,8 +60,9 @@ __device__ __forceinline__ void scale_share(const Pack<X, V> (&xv)[K], const W *
   for (int k = 0; k < K; ++k) {
     const int64_t j = lane + k * G;
     if (j >= nvec) continue;
-    // The weight comes from L1 each row: registers go to rows in flight instead. (Loading all K packs
-    // before the first store was slower on the H100: 8192x1024 17.8 us against 15.7 us.)
+    // The weight comes from L1 each row: registers go to rows in flight instead. (A build loading all K
+    // packs before the first store measured 8192x1024 17.8 us against 15.7 us, in two calls on two H100s:
+    // not conclusive, as calls differ by up to 12%.)
     const Pack<W, V> wv = load<V>(w + j * V);
     if constexpr (!CW && kPairable<X, W> && V % 2 == 0) {
       Pack<Y, V> o;

@@ -6,8 +6,9 @@ use crate::params::RowGeometry;
 pub const PREFERRED_THREADS: i64 = 128;
 /// Rows of at most this many vectors get a warp or less each in the forward, every thread holding
 /// [`SHORT_ROW_PER_THREAD`] vectors: reductions are then shuffles alone, over few lanes (H100, bf16:
-/// 8192x1024 forward 0.0165 ms against 0.0176 ms with 128 threads a row; 65536x128 with 4 lanes a
-/// row 15.7 us against 16.8 us with 8 and 16).
+/// 8192x1024 forward 0.0165 ms against 0.0176 ms with 128 threads a row; at 65536x128, experimental
+/// kernels of this layout in one process: 15.7 us with 4 lanes a row, 16.8 us with 8, and the previous
+/// 16-lane kernel 17.1 us).
 pub const WARP_ROW_UNITS: i64 = 4 * 32;
 /// Vectors each thread of a short row holds.
 pub const SHORT_ROW_PER_THREAD: i64 = 4;
@@ -86,7 +87,7 @@ pub fn ceil_div(a: i64, b: i64) -> i64 {
 
 /// Blocks to launch for `blocks` row-group slots when `wave` blocks fit on the GPU at once. Many
 /// slots per resident block: a plain grid, whose tail the block scheduler balances. Few: one
-/// persistent wave, whose blocks look ahead to their next row.
+/// persistent wave, whose blocks stride over the rest.
 pub fn grid(blocks: i64, wave: i64) -> i64 {
     if blocks >= 4 * wave {
         blocks.min(i32::MAX as i64)
