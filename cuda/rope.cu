@@ -10,9 +10,9 @@
 // 16-bit dtype throughout, that is packed math on element pairs (common.cuh: pair_t).
 //
 // A token (b, s) is handled by pair_threads x head_lanes threads: a thread loads the cos/sin vectors
-// of its pair (i, i+h) once and rotates that pair in every head_lanes-th head of q, then of k. Strides
-// are int64 and arbitrary (HF's q and k are transposed views); Rust picks vec so that every access
-// is aligned.
+// of its pair (i, i+h) once and rotates that pair in every head_lanes-th head of q and k (one index
+// space), loading up to kHeadsAtOnce heads before it stores any. Strides are int64 and arbitrary (HF's
+// q and k are transposed views); Rust picks vec so that every access is aligned.
 #include "common.cuh"
 #include "rope.h"
 
@@ -25,10 +25,9 @@ template <class M, class O> __device__ __forceinline__ float term(float a, float
   return round_to<O>(round_to<M>(__fmul_rn(a, b)));
 }
 
-// Head h of token (b, s) of t.
-template <class T>
-__device__ __forceinline__ T *head_of(const RopeTensor &t, int64_t b, int64_t s, int64_t h) {
-  return static_cast<T *>(t.data) + b * t.batch_stride + s * t.seq_stride + h * t.head_stride;
+// Element (b, s, 0, 0) of t.
+template <class T> __device__ __forceinline__ T *token_of(const RopeTensor &t, int64_t b, int64_t s) {
+  return static_cast<T *>(t.data) + b * t.batch_stride + s * t.seq_stride;
 }
 
 // cos[i..], cos[i+half..], sin[i..], sin[i+half..] of one token: V elements each.
@@ -36,52 +35,38 @@ template <class C, int V> struct Tables {
   Pack<C, V> c1, c2, s1, s2;
 };
 
-// Rotates vector pair (i, i + half) of heads first, first + step, ... < heads of src into dst.
+// The rotation of one vector pair (x1, x2) = (x[i..], x[i+half..]) by the token's tables.
 template <class I, class C, class O, bool kBackward, int V>
-__device__ __forceinline__ void rotate_heads(const RopeTensor &src, const RopeTensor &dst, int64_t b, int64_t s,
-                                             int64_t first, int64_t heads, int step, int64_t i, int64_t half,
-                                             Tables<C, V> t) {
+__device__ __forceinline__ void rotate_pair(const Pack<I, V> &x1, const Pack<I, V> &x2, const Tables<C, V> &t,
+                                            Pack<O, V> &o1, Pack<O, V> &o2) {
   using M = typename Promote<I, C>::type;
-  const I *x = head_of<const I>(src, b, s, first) + i;
-  O *y = head_of<O>(dst, b, s, first) + i;
-  const int64_t x_step = src.head_stride * step, y_step = dst.head_stride * step;
-  for (int64_t h = first; h < heads; h += step, x += x_step, y += y_step) {
-    // Keeps the tables packed (half the registers of 16-bit tables): otherwise their widening is
-    // hoisted out of the loop.
-    if constexpr (sizeof(t.c1) % 4 == 0) opaque(t.c1), opaque(t.c2), opaque(t.s1), opaque(t.s2);
-    const Pack<I, V> x1 = load<V>(x), x2 = load<V>(x + half);
-    // Packed as computed: fewer live registers than two float arrays.
-    Pack<O, V> o1, o2;
-    if constexpr (kPairable<I, C, O> && V >= 4) {
-      // One dtype throughout: each term and each sum is one packed op on two elements (2-element
-      // packs would spill: nvcc 13.0 keeps their pairs in local memory).
+  if constexpr (kPairable<I, C, O> && V >= 4) {
+    // One dtype throughout: each term and each sum is one packed op on two elements (2-element
+    // packs would spill: nvcc 13.0 keeps their pairs in local memory).
 #pragma unroll
-      for (int e = 0; e < V / 2; ++e) {
-        const auto lo = pair(x1, e), hi = pair(x2, e);
-        if constexpr (kBackward) {
-          pair(o1, e) = __hadd2_rn(__hmul2_rn(lo, pair(t.c1, e)), __hmul2_rn(hi, pair(t.s2, e)));
-          pair(o2, e) = __hsub2_rn(__hmul2_rn(hi, pair(t.c2, e)), __hmul2_rn(lo, pair(t.s1, e)));
-        } else {
-          pair(o1, e) = __hsub2_rn(__hmul2_rn(lo, pair(t.c1, e)), __hmul2_rn(hi, pair(t.s1, e)));
-          pair(o2, e) = __hadd2_rn(__hmul2_rn(hi, pair(t.c2, e)), __hmul2_rn(lo, pair(t.s2, e)));
-        }
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const float lo = to_f32(x1.v[e]), hi = to_f32(x2.v[e]);
-        const float c1 = to_f32(t.c1.v[e]), c2 = to_f32(t.c2.v[e]), s1 = to_f32(t.s1.v[e]), s2 = to_f32(t.s2.v[e]);
-        if constexpr (kBackward) {
-          o1.v[e] = from_f32<O>(__fadd_rn(term<M, O>(lo, c1), term<M, O>(hi, s2)));
-          o2.v[e] = from_f32<O>(__fsub_rn(term<M, O>(hi, c2), term<M, O>(lo, s1)));
-        } else {
-          o1.v[e] = from_f32<O>(__fsub_rn(term<M, O>(lo, c1), term<M, O>(hi, s1)));
-          o2.v[e] = from_f32<O>(__fadd_rn(term<M, O>(hi, c2), term<M, O>(lo, s2)));
-        }
+    for (int e = 0; e < V / 2; ++e) {
+      const auto lo = pair(x1, e), hi = pair(x2, e);
+      if constexpr (kBackward) {
+        pair(o1, e) = __hadd2_rn(__hmul2_rn(lo, pair(t.c1, e)), __hmul2_rn(hi, pair(t.s2, e)));
+        pair(o2, e) = __hsub2_rn(__hmul2_rn(hi, pair(t.c2, e)), __hmul2_rn(lo, pair(t.s1, e)));
+      } else {
+        pair(o1, e) = __hsub2_rn(__hmul2_rn(lo, pair(t.c1, e)), __hmul2_rn(hi, pair(t.s1, e)));
+        pair(o2, e) = __hadd2_rn(__hmul2_rn(hi, pair(t.c2, e)), __hmul2_rn(lo, pair(t.s2, e)));
       }
     }
-    store_pack(y, o1);
-    store_pack(y + half, o2);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float lo = to_f32(x1.v[e]), hi = to_f32(x2.v[e]);
+      const float c1 = to_f32(t.c1.v[e]), c2 = to_f32(t.c2.v[e]), s1 = to_f32(t.s1.v[e]), s2 = to_f32(t.s2.v[e]);
+      if constexpr (kBackward) {
+        o1.v[e] = from_f32<O>(__fadd_rn(term<M, O>(lo, c1), term<M, O>(hi, s2)));
+        o2.v[e] = from_f32<O>(__fsub_rn(term<M, O>(hi, c2), term<M, O>(lo, s1)));
+      } else {
+        o1.v[e] = from_f32<O>(__fsub_rn(term<M, O>(lo, c1), term<M, O>(hi, s1)));
+        o2.v[e] = from_f32<O>(__fadd_rn(term<M, O>(hi, c2), term<M, O>(lo, s2)));
+      }
+    }
   }
 }
 
@@ -98,29 +83,50 @@ __device__ __forceinline__ void split_token(int64_t tok, int64_t seq, int64_t &b
   }
 }
 
+// Heads a thread loads before it stores any: bytes in flight, and one table load serves them all.
+constexpr int kHeadsAtOnce = 4;
+
 template <class I, class C, class O, bool kBackward, int V>
 __device__ __forceinline__ void rotate(const Rope &p) {
   const int per_token = p.pair_threads * p.head_lanes, tokens_per_block = blockDim.x / per_token;
   const int t = threadIdx.x % per_token, slot = threadIdx.x / per_token;
   const int first_pair = t % p.pair_threads, lane = t / p.pair_threads, lanes = p.head_lanes;
-  const int64_t half = p.head_dim / 2, pairs = half / V, tokens = p.batch * p.seq;
-  // A token's heads are q's then k's, lane taking every lanes-th: its first k head continues that count.
+  // A token's heads are q's then k's, one index space; lane takes heads lane, lane + lanes, ...
   // Head counts fit in 32 bits (src/rope.rs checks).
-  const int q_heads = (int)p.q_heads;
-  const int64_t first_k = lane + (max(q_heads - lane, 0) + lanes - 1) / lanes * lanes - q_heads;
-  const C *cos = static_cast<const C *>(p.cos.data), *sin = static_cast<const C *>(p.sin.data);
+  const int q_heads = (int)p.q_heads, heads = q_heads + (int)p.k_heads;
+  const int64_t half = p.head_dim / 2, pairs = half / V, tokens = p.batch * p.seq;
 
   for (int64_t tok = (int64_t)blockIdx.x * tokens_per_block + slot; tok < tokens;
        tok += (int64_t)gridDim.x * tokens_per_block) {
     int64_t b, s;
     split_token(tok, p.seq, b, s);
-    const C *ct = cos + b * p.cos.batch_stride + s * p.cos.seq_stride;
-    const C *st = sin + b * p.sin.batch_stride + s * p.sin.seq_stride;
+    const C *ct = token_of<const C>(p.cos, b, s), *st = token_of<const C>(p.sin, b, s);
+    const I *qx = token_of<const I>(p.q, b, s), *kx = token_of<const I>(p.k, b, s);
+    O *qy = token_of<O>(p.q_out, b, s), *ky = token_of<O>(p.k_out, b, s);
     for (int64_t j = first_pair; j < pairs; j += p.pair_threads) {
       const int64_t i = j * V;
       const Tables<C, V> tab{load<V>(ct + i), load<V>(ct + half + i), load<V>(st + i), load<V>(st + half + i)};
-      rotate_heads<I, C, O, kBackward, V>(p.q, p.q_out, b, s, lane, p.q_heads, lanes, i, half, tab);
-      rotate_heads<I, C, O, kBackward, V>(p.k, p.k_out, b, s, first_k, p.k_heads, lanes, i, half, tab);
+      for (int h0 = lane; h0 < heads; h0 += lanes * kHeadsAtOnce) {
+        Pack<I, V> x1[kHeadsAtOnce], x2[kHeadsAtOnce];
+#pragma unroll
+        for (int u = 0; u < kHeadsAtOnce; ++u) {
+          const int h = h0 + u * lanes;
+          if (h >= heads) break;
+          const I *x = (h < q_heads ? qx + h * p.q.head_stride : kx + (h - q_heads) * p.k.head_stride) + i;
+          x1[u] = load<V>(x);
+          x2[u] = load<V>(x + half);
+        }
+#pragma unroll
+        for (int u = 0; u < kHeadsAtOnce; ++u) {
+          const int h = h0 + u * lanes;
+          if (h >= heads) break;
+          O *y = (h < q_heads ? qy + h * p.q_out.head_stride : ky + (h - q_heads) * p.k_out.head_stride) + i;
+          Pack<O, V> o1, o2;
+          rotate_pair<I, C, O, kBackward, V>(x1[u], x2[u], tab, o1, o2);
+          store_pack(y, o1);
+          store_pack(y + half, o2);
+        }
+      }
     }
   }
 }

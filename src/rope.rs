@@ -34,10 +34,15 @@ fn ffi_run_cpu(p: &Rope, backward: bool) -> Result<()> {
     guard(|| run_cpu(p, backward))
 }
 
-/// Most threads of a block, and of one token's group.
+/// Most threads of a block (the kernels' `__launch_bounds__`), and of one token's group.
 const BLOCK: i64 = 256;
+/// Threads a block aims for: several tokens' groups when one is small (H100, bf16, 2x4096 tokens x 24
+/// heads x 128: 96-thread blocks of two tokens measured among the best in a same-process sweep).
+const TARGET_BLOCK: i64 = 128;
 /// Most threads along the vector pairs of one head; longer heads loop.
 const MAX_PAIR_THREADS: i64 = 128;
+/// Heads a thread loads before it stores any (`kHeadsAtOnce` in cuda/rope.cu).
+const HEADS_AT_ONCE: i64 = 4;
 
 /// Dtypes of the input, of cos/sin and of the output, checked against the direction: the forward
 /// writes promote(input, cos), the backward the input's dtype.
@@ -73,18 +78,18 @@ fn vector(p: &Rope, i: BastileDType, c: BastileDType, o: BastileDType) -> i64 {
 }
 
 /// Fills `vec`, `pair_threads`, `head_lanes` and `block`: a token's threads cover its vector pairs
-/// once and spread its heads evenly (each thread loads its cos/sin vectors once per token).
+/// once, and each lane takes up to [`HEADS_AT_ONCE`] heads a round (one load of the cos/sin vectors
+/// serves them all).
 fn plan(p: &mut Rope, vec: i64) {
     let pairs = (p.head_dim / 2 / vec).max(1);
     let heads = (p.q_heads + p.k_heads).max(1);
     let pair_threads = pairs.min(MAX_PAIR_THREADS);
-    let rounds = geometry::ceil_div(heads, BLOCK / pair_threads);
-    let head_lanes = geometry::ceil_div(heads, rounds);
+    let head_lanes = geometry::ceil_div(heads, HEADS_AT_ONCE).min(BLOCK / pair_threads);
     let per_token = pair_threads * head_lanes;
     p.vec = vec as i32;
     p.pair_threads = pair_threads as i32;
     p.head_lanes = head_lanes as i32;
-    p.block = (per_token * (BLOCK / per_token)) as i32;
+    p.block = (per_token * (TARGET_BLOCK / per_token).max(1)) as i32;
 }
 
 fn name(backward: bool, i: BastileDType, c: BastileDType, vec: i32) -> String {
@@ -391,18 +396,22 @@ mod tests {
             );
             assert!(pt <= (dim / 2 / vec).max(1) && lanes <= (q_heads + k_heads).max(1));
         }
-        // Qwen3-style GQA at head_dim 128: a thread per (pair, head), one token per 192-thread block.
+        // Qwen3-style GQA at head_dim 128: 6 lanes of 4 heads, two tokens per 96-thread block.
         let mut p = Rope { head_dim: 128, q_heads: 16, k_heads: 8, ..Default::default() };
         plan(&mut p, 8);
-        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 24, 192));
-        // 40 heads: two heads per thread, 20 lanes.
+        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 6, 96));
+        // 40 heads: 10 lanes, one token per block.
         p.q_heads = 32;
         plan(&mut p, 8);
-        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 20, 160));
-        // One head each: 16 tokens per block.
+        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 10, 80));
+        // Two heads: one lane, 16 tokens per block.
         let mut p = Rope { head_dim: 128, q_heads: 1, k_heads: 1, ..Default::default() };
         plan(&mut p, 8);
-        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 2, 256));
+        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 1, 128));
+        // Many heads of a long head dim: lanes capped by the block, the rest in rounds.
+        let mut p = Rope { head_dim: 4096, q_heads: 64, k_heads: 64, ..Default::default() };
+        plan(&mut p, 8);
+        assert_eq!((p.pair_threads, p.head_lanes, p.block), (128, 2, 256));
     }
 
     #[test]
