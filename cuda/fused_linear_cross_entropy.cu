@@ -8,7 +8,7 @@
 // walks the rest backwards: the part read last in pass 1 is read first.
 #include <math_constants.h>
 
-#include "common.cuh"
+#include "elementwise.cuh"
 #include "fused_linear_cross_entropy.h"
 
 using namespace bastile;
@@ -44,11 +44,6 @@ __device__ __forceinline__ Softmax block_merge(Softmax s) {
   Softmax total = warp_total[0];
   for (int w = 1; w < (int)(blockDim.x / 32); ++w) total = merge(total, warp_total[w]);
   return total;
-}
-
-// Keeps 16-bit vectors packed in registers until they are used (see opaque in common.cuh).
-template <int V, class T> __device__ __forceinline__ void keep_packed(Pack<T, V> &pk) {
-  if constexpr (sizeof(pk) % 4 == 0) opaque(pk);
 }
 
 template <bool CAP> struct Logit {
@@ -180,6 +175,24 @@ __device__ __forceinline__ void rows(const CrossEntropyChunk &p) {
   }
 }
 
+// dst = src * factor, each element in f32 and rounded once. Plain loads: dst may be src.
+template <class T, int V> __device__ __forceinline__ void scale(const GradScale &p) {
+  const T *src = static_cast<const T *>(p.src);
+  T *dst = static_cast<T *>(p.dst);
+  const float f = *p.factor;
+  Pack<T, V> v[FLCE_SCALE_UNROLL];
+  for_each_vector<V, FLCE_SCALE_UNROLL>(
+      p.n, [&](int k, int64_t i) { v[k] = load<V>(src + i * V); },
+      [&](int k, int64_t i) {
+        float o[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) o[j] = to_f32(v[k].v[j]) * f;
+        store<V>(dst + i * V, o);
+      });
+  const int64_t t = tail_index<V>(p.n);
+  if (t >= 0) dst[t] = from_f32<T>(to_f32(src[t]) * f);
+}
+
 }  // namespace
 
 // Up to 512 threads, two blocks per SM: 64 registers a thread hold the cached vectors and the
@@ -200,3 +213,13 @@ __device__ __forceinline__ void rows(const CrossEntropyChunk &p) {
 FLCE_VARIANTS(f32, float)
 FLCE_VARIANTS(f16, f16)
 FLCE_VARIANTS(bf16, bf16)
+
+// flce_scale_<dtype>_<vec|scalar>.
+#define FLCE_SCALE(tn, T, vn, V)                                                                         \
+  extern "C" __global__ void __launch_bounds__(FLCE_SCALE_BLOCK) flce_scale_##tn##_##vn(const GradScale p) { \
+    scale<T, V>(p);                                                                                      \
+  }
+#define FLCE_SCALES(tn, T) FLCE_SCALE(tn, T, vec, 16 / sizeof(T)) FLCE_SCALE(tn, T, scalar, 1)
+FLCE_SCALES(f32, float)
+FLCE_SCALES(f16, f16)
+FLCE_SCALES(bf16, bf16)

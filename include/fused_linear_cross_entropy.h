@@ -20,3 +20,18 @@ typedef struct CrossEntropyChunk {
   int32_t grad;          /* nonzero: write the gradient over the logits */
   int32_t vec;           /* elements per vector access; chosen by Rust */
 } CrossEntropyChunk;
+
+/* Threads per block and vectors per thread per grid-stride step of the gradient scaling. */
+#define FLCE_SCALE_BLOCK 256
+#define FLCE_SCALE_UNROLL 4
+
+/* The backward: dst = src * factor[0] over n contiguous elements of `dtype`, in f32 and rounded once
+ * (torch's grad * grad_loss for an f32 grad_loss), with the factor read on the device: no host sync.
+ * dst may be src. */
+typedef struct GradScale {
+  const void *src;
+  void *dst;
+  const float *factor;
+  int64_t n;
+  int32_t dtype;
+} GradScale;

@@ -7,12 +7,13 @@
 //! (`src/torch/fused_linear_cross_entropy.cpp`).
 use crate::cpu::{self, Element};
 use crate::driver::{self, fatbins, Launch, Result};
+use crate::elementwise::{vector_width, Family};
 use crate::ffi::guard;
 use crate::geometry;
-use crate::params::{BastileDType, CrossEntropyChunk};
+use crate::params::{BastileDType, CrossEntropyChunk, GradScale, FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL};
 use rayon::prelude::*;
 
-crate::params::bridged!(CrossEntropyChunk);
+crate::params::bridged!(CrossEntropyChunk, GradScale);
 
 /// Entries of `src/torch/fused_linear_cross_entropy.cpp` (`bastile::rs::fused_linear_cross_entropy::*`).
 #[cxx::bridge(namespace = "bastile::rs::fused_linear_cross_entropy")]
@@ -21,6 +22,7 @@ mod bridge {
     unsafe extern "C++" {
         include!("fused_linear_cross_entropy.h");
         type CrossEntropyChunk = crate::params::CrossEntropyChunk;
+        type GradScale = crate::params::GradScale;
     }
 
     extern "Rust" {
@@ -28,6 +30,8 @@ mod bridge {
         fn ffi_chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()>;
         #[cxx_name = "chunk_cpu"]
         fn ffi_chunk_cpu(p: &CrossEntropyChunk) -> Result<()>;
+        #[cxx_name = "scale_cuda"]
+        fn ffi_scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()>;
     }
 }
 
@@ -37,6 +41,10 @@ fn ffi_chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Resu
 
 fn ffi_chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {
     guard(|| chunk_cpu(p))
+}
+
+fn ffi_scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()> {
+    guard(|| scale_cuda(p, device, stream))
 }
 
 /// Vectors each CUDA thread keeps in registers (`kCached` in the kernel, for the plain variant);
@@ -72,6 +80,26 @@ pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Resu
     let cfg = Launch { grid: (rows, 1), block: (block as u32, 1), shared: 0 };
     // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
     unsafe { driver::launch(kernel, cfg, stream, p) }
+}
+
+fn scale_name(dtype: BastileDType, vec: i64) -> String {
+    format!("flce_scale_{}_{}", dtype.tag(), if vec > 1 { "vec" } else { "scalar" })
+}
+
+/// The backward's scaling of a gradient by the loss's upstream gradient (a device f32 scalar). ATen's
+/// `grad * grad_loss` with a 0-dim CUDA factor takes its generic, unvectorised loop (H100: ~1 TB/s).
+pub fn scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()> {
+    let dtype = BastileDType::from_raw(p.dtype)?;
+    if dtype == BastileDType::BASTILE_F64 {
+        return Err("bastile.fused_linear_cross_entropy: float64 is supported on CPU only".into());
+    }
+    let vec = vector_width(dtype, &[p.src, p.dst]);
+    let family = Family { fatbin: fatbins::FUSED_LINEAR_CROSS_ENTROPY, block: FLCE_SCALE_BLOCK, unroll: FLCE_SCALE_UNROLL };
+    // Bit 40 set: clear of chunk_cuda's keys, which stay below 2^18.
+    let key = 1 << 40 | dtype as u64 | ((vec > 1) as u64) << 4;
+    // SAFETY: the C++ layer checked that src and dst hold n contiguous elements of `dtype` and that
+    // factor is one f32 on the same device.
+    unsafe { family.launch(key, || scale_name(dtype, vec), p.n / vec, p, device, stream) }
 }
 
 pub fn chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {
@@ -289,6 +317,10 @@ mod tests {
         assert!(chunk_cuda(&mut p, 0, 0).unwrap_err().contains("CPU only"));
         assert_eq!(name(BASTILE_BF16, true, false), "flce_rows_bf16_vec");
         assert_eq!(name(BASTILE_F32, false, true), "flce_rows_f32_scalar_softcap");
+        let q = GradScale { dtype: BASTILE_F64 as i32, n: 1, ..Default::default() };
+        assert!(scale_cuda(&q, 0, 0).unwrap_err().contains("CPU only"));
+        assert_eq!(scale_name(BASTILE_BF16, 8), "flce_scale_bf16_vec");
+        assert_eq!(scale_name(BASTILE_F16, 1), "flce_scale_f16_scalar");
     }
 
     #[test]

@@ -370,6 +370,31 @@ def test_cuda_matches_hf_and_fp64(dtype, tol, vocab, softcap, z_loss):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_backward_scales_in_f32_rounding_once(dtype):
+    # The backward multiplies the forward's gradients by the upstream gradient, a device scalar: each
+    # element in f32, rounded once to its dtype, as torch's grad * grad_loss on the CPU.
+    s = torch.tensor(1 / 3, device="cuda")
+    g = torch.randn(4099, device="cuda").to(dtype)
+    for x in (g, g[1:], g[:5]):  # 16-byte vectors and a tail, an unaligned view, less than one vector
+        want = (x.cpu().float() * s.cpu()).to(dtype)
+        out = bwd_op(s, x, x[:0], x[:0])
+        assert out[0].data_ptr() != x.data_ptr()
+        torch.testing.assert_close(out[0].cpu(), want, rtol=0, atol=0)
+        assert out[1].numel() == out[2].numel() == 0
+    # Through autograd: in place on a fresh graph, into new tensors when the graph is retained.
+    h, w, b, t = make(64, 32, 1000, dtype, "cuda")
+    unit = grads(op(h, w, t, b), (h, w, b))
+    loss = op(h, w, t, b)
+    kept = torch.autograd.grad(loss, (h, w, b), s, retain_graph=True)
+    fresh = torch.autograd.grad(loss, (h, w, b), s)
+    for u, a, c in zip(unit, kept, fresh):
+        want = (u.cpu().float() * s.cpu()).to(dtype)
+        torch.testing.assert_close(a.cpu(), want, rtol=0, atol=0)
+        torch.testing.assert_close(c.cpu(), want, rtol=0, atol=0)
+
+
+@needs_cuda
 def test_cuda_matches_cpu_kernel():
     # Same fp32 inputs through both devices: GEMMs differ in rounding only, the logits pass is compared.
     h, w, b, t = make(64, 128, 4096, torch.float32, "cpu")

@@ -226,9 +226,23 @@ void check_grad_loss(const at::Tensor& grad_loss) {
 }
 
 // grad * grad_loss in grad's dtype (a 0-dim factor does not promote); in place when the caller owns grad.
+// On CUDA with an f32 factor, our kernel: ATen's loop for a 0-dim CUDA operand is not vectorised.
 at::Tensor scale(const at::Tensor& grad, const at::Tensor& grad_loss, bool in_place) {
-  if (!in_place) return at::mul(grad, grad_loss);
-  return grad.numel() ? grad.mul_(grad_loss) : grad;
+  if (!grad.numel()) return in_place ? grad : grad.clone();
+  if (grad.is_cuda() && grad.is_contiguous() && grad.scalar_type() != at::kDouble &&
+      grad_loss.scalar_type() == at::kFloat && grad_loss.device() == grad.device()) {
+    const c10::DeviceGuard guard(grad.device());
+    auto out = in_place ? grad : at::empty_like(grad);
+    GradScale p{};
+    p.src = grad.data_ptr();
+    p.dst = out.data_ptr();
+    p.factor = grad_loss.data_ptr<float>();
+    p.n = grad.numel();
+    p.dtype = dtype_code(grad, kOp, "gradient");
+    call_rust([&] { rs::fused_linear_cross_entropy::scale_cuda(p, grad.device().index(), current_stream(grad)); });
+    return out;
+  }
+  return in_place ? grad.mul_(grad_loss) : at::mul(grad, grad_loss);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flce_backward(const at::Tensor& grad_loss, const at::Tensor& grad_hidden,
