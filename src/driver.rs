@@ -68,6 +68,22 @@ pub struct Kernel {
     pub blocks_per_sm: u32,
 }
 
+/// Which way a kernel runs: the `fwd`/`bwd` part of its name.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Dir {
+    Fwd,
+    Bwd,
+}
+
+impl Dir {
+    pub fn tag(self) -> &'static str {
+        match self {
+            Dir::Fwd => "fwd",
+            Dir::Bwd => "bwd",
+        }
+    }
+}
+
 /// One slot per visible GPU, opened on first use.
 fn slots() -> Result<&'static [OnceLock<Result<Device>>]> {
     static DEVICES: OnceLock<Result<Vec<OnceLock<Result<Device>>>>> = OnceLock::new();

@@ -5,7 +5,7 @@
 //! (f64 for f64 input), then `out = to_R(to_R(n * cos) + to_R(rotate_half(n) * sin))` with
 //! R = promote(N, cos), `rotate_half(v) = cat(-v[D/2:], v[:D/2])`.
 use crate::cpu::{promote, Element};
-use crate::driver::{self, fatbins, Launch, Result};
+use crate::driver::{self, fatbins, Dir, Kernel, Launch, Result};
 use crate::ffi::guard;
 use crate::geometry;
 use crate::params::{BastileDType, QkNormRopeBackward, QkNormRopeForward, QkNormRopeShape, RowGeometry};
@@ -98,13 +98,16 @@ fn variant(geo: &RowGeometry) -> &'static str {
     }
 }
 
-/// Cache key of a kernel: direction, dtypes and variant (the block size is fixed).
-fn key(dir: u64, (x, w, c): DTypes, geo: &RowGeometry) -> u64 {
-    dir | (x as u64) << 4 | (w as u64) << 8 | (c as u64) << 12 | (geo.vec as u64) << 16
+fn name(dir: Dir, (x, w, c): DTypes, geo: &RowGeometry) -> String {
+    format!("qk_norm_rope_{}_{}_{}_{}_{}", dir.tag(), x.tag(), w.tag(), c.tag(), variant(geo))
 }
 
-fn name(dir: &str, (x, w, c): DTypes, geo: &RowGeometry) -> String {
-    format!("qk_norm_rope_{dir}_{}_{}_{}_{}", x.tag(), w.tag(), c.tag(), variant(geo))
+/// The kernel of a direction, dtypes and variant, loaded once per device; its cache key holds
+/// everything its name depends on (the block size is fixed per variant).
+fn kernel(dev: &driver::Device, dir: Dir, d: DTypes, geo: &RowGeometry) -> Result<Kernel> {
+    let (x, w, c) = d;
+    let key = (dir == Dir::Bwd) as u64 | (x as u64) << 4 | (w as u64) << 8 | (c as u64) << 12 | (geo.vec as u64) << 16;
+    dev.kernel(fatbins::QK_NORM_ROPE, key, geo.block as u32, || name(dir, d, geo))
 }
 
 fn tokens(s: &QkNormRopeShape) -> i64 {
@@ -147,7 +150,7 @@ pub fn forward_cuda(p: &mut QkNormRopeForward, device: i32, stream: usize) -> Re
     check_rows(&p.shape)?;
     p.geo = geometry_of(p.shape.head_dim, d.0, &row_tensors(p, d.0, d.1, d.2));
     let dev = driver::device(device)?;
-    let kernel = dev.kernel(fatbins::QK_NORM_ROPE, key(0, d, &p.geo), p.geo.block as u32, || name("fwd", d, &p.geo))?;
+    let kernel = kernel(dev, Dir::Fwd, d, &p.geo)?;
     let rows = tokens(&p.shape) * (p.shape.q_heads + p.shape.k_heads);
     let grid = geometry::grid(p.geo.blocks_for(rows), dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
     let cfg = Launch { grid: (grid, 1), block: (p.geo.block as u32, 1), shared: 0 };
@@ -177,7 +180,7 @@ pub fn backward_plan(p: &mut QkNormRopeBackward, device: i32) -> Result<i64> {
     ];
     p.geo = geometry_of(s.head_dim, x, &tensors);
     let dev = driver::device(device)?;
-    let kernel = dev.kernel(fatbins::QK_NORM_ROPE, key(1, d, &p.geo), p.geo.block as u32, || name("bwd", d, &p.geo))?;
+    let kernel = kernel(dev, Dir::Bwd, d, &p.geo)?;
     // One resident wave: each block folds all its rows of one weight into one partial (per group
     // in the scalar variant).
     let rows = tokens(s) * s.q_heads.max(s.k_heads);
@@ -199,7 +202,7 @@ pub fn backward_cuda(p: &QkNormRopeBackward, device: i32, stream: usize) -> Resu
         return Err("bastile.qk_norm_rope_backward: launched without a plan".into());
     }
     let dev = driver::device(device)?;
-    let kernel = dev.kernel(fatbins::QK_NORM_ROPE, key(1, d, &p.geo), p.geo.block as u32, || name("bwd", d, &p.geo))?;
+    let kernel = kernel(dev, Dir::Bwd, d, &p.geo)?;
     let grid = (p.partials / partials_per_block(&p.geo)) as u32;
     // The vec variant folds its groups' shares in shared memory: [groups][head_dim] f32.
     let shared = if p.geo.vec > 1 { (p.geo.rows_per_block() * p.shape.head_dim * 4) as u32 } else { 0 };
@@ -674,8 +677,8 @@ mod tests {
     #[test]
     fn kernel_names_match_cuda_symbols() {
         let g = cuda_geometry(128, BASTILE_BF16, &[]);
-        assert_eq!(name("fwd", (BASTILE_BF16, BASTILE_F32, BASTILE_BF16), &g), "qk_norm_rope_fwd_bf16_f32_bf16_vec");
+        assert_eq!(name(Dir::Fwd, (BASTILE_BF16, BASTILE_F32, BASTILE_BF16), &g), "qk_norm_rope_fwd_bf16_f32_bf16_vec");
         let g = cuda_geometry(6, BASTILE_F16, &[]);
-        assert_eq!(name("bwd", (BASTILE_F16, BASTILE_F16, BASTILE_F32), &g), "qk_norm_rope_bwd_f16_f16_f32_scalar");
+        assert_eq!(name(Dir::Bwd, (BASTILE_F16, BASTILE_F16, BASTILE_F32), &g), "qk_norm_rope_bwd_f16_f16_f32_scalar");
     }
 }

@@ -3,7 +3,7 @@
 //! HF `LlamaRMSNorm`/`Qwen3RMSNorm` compute `y = w * to_x_dtype(n)` in `promote(x, w)`, and with
 //! `cast_after_weight` HF `GptOssRMSNorm` computes `y = to_x_dtype(w * n)`, the product in f32.
 use crate::cpu::{self, promote, Element};
-use crate::driver::{self, fatbins, Kernel, Launch, Result};
+use crate::driver::{self, fatbins, Dir, Kernel, Launch, Result};
 use crate::ffi::guard;
 use crate::geometry;
 use crate::params::{BastileDType, RmsNormBackward, RmsNormForward, RowGeometry};
@@ -96,24 +96,24 @@ fn cuda_geometry(
 
 /// Rows each forward group takes at a time: two for rows of a warp or less, so that both rows' loads
 /// are in flight together (the `r2` variants; the backward takes one).
-fn rows_at_once(dir: &str, geo: &RowGeometry) -> i64 {
-    if dir == "fwd" && (1..=4).contains(&geo.per_thread) && geo.group <= 32 {
+fn rows_at_once(dir: Dir, geo: &RowGeometry) -> i64 {
+    if dir == Dir::Fwd && (1..=4).contains(&geo.per_thread) && geo.group <= 32 {
         2
     } else {
         1
     }
 }
 
-fn name(dir: &str, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> String {
+fn name(dir: Dir, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> String {
     let mode = if cw { "_cast_after_weight" } else { "" };
     let rows = if rows_at_once(dir, geo) == 2 { "r2" } else { "" };
-    format!("rms_norm_{dir}_{}_{}_{}{rows}{mode}", x.tag(), w.tag(), geo.variant())
+    format!("rms_norm_{}_{}_{}_{}{rows}{mode}", dir.tag(), x.tag(), w.tag(), geo.variant())
 }
 
-/// The kernel of a direction ("fwd" or "bwd"), rounding mode, dtypes and geometry, loaded once per
+/// The kernel of a direction, rounding mode, dtypes and geometry, loaded once per
 /// device; its cache key holds everything its name depends on, and the block size.
-fn kernel(dev: &driver::Device, dir: &str, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> Result<Kernel> {
-    let key = (dir == "bwd") as u64
+fn kernel(dev: &driver::Device, dir: Dir, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> Result<Kernel> {
+    let key = (dir == Dir::Bwd) as u64
         | (cw as u64) << 3
         | (x as u64) << 4
         | (w as u64) << 8
@@ -130,10 +130,10 @@ pub fn forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Resul
     let y = out_dtype(x, w, cw);
     p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
     let dev = driver::device(device)?;
-    let kernel = kernel(dev, "fwd", cw, x, w, &p.geo)?;
+    let kernel = kernel(dev, Dir::Fwd, cw, x, w, &p.geo)?;
     // Every row group its block (an experimental kernel of this layout, H100, bf16, 8192x2048: 24.9 us
     // against 25.7 us as one resident wave); the kernel loops past 2^31 - 1 blocks.
-    let grid = p.geo.blocks_for(geometry::ceil_div(p.rows, rows_at_once("fwd", &p.geo))).min(i32::MAX as i64) as u32;
+    let grid = p.geo.blocks_for(geometry::ceil_div(p.rows, rows_at_once(Dir::Fwd, &p.geo))).min(i32::MAX as i64) as u32;
     let cfg = Launch { grid: (grid, 1), block: (p.geo.block as u32, 1), shared: 0 };
     // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
     unsafe { driver::launch(kernel, cfg, stream, p) }
@@ -147,7 +147,7 @@ pub fn backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64> {
     let y = out_dtype(x, w, cw);
     p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
     let dev = driver::device(device)?;
-    let kernel = kernel(dev, "bwd", cw, x, w, &p.geo)?;
+    let kernel = kernel(dev, Dir::Bwd, cw, x, w, &p.geo)?;
     // One resident wave: each block folds all its rows into one partial.
     let grid = p.geo.blocks_for(p.rows).min(dev.sm_count() as i64 * kernel.blocks_per_sm as i64);
     Ok(grid * partials_per_block(&p.geo))
@@ -169,7 +169,7 @@ pub fn backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<
         return Err("bastile.rms_norm_backward: launched without a plan".into());
     }
     let dev = driver::device(device)?;
-    let kernel = kernel(dev, "bwd", cw, x, w, &p.geo)?;
+    let kernel = kernel(dev, Dir::Bwd, cw, x, w, &p.geo)?;
     let grid = (p.partials / partials_per_block(&p.geo)) as u32;
     let shared = if p.geo.per_thread > 0 && p.geo.rows_per_block() > 1 {
         (p.geo.rows_per_block() * p.cols * 4) as u32
@@ -489,15 +489,15 @@ mod tests {
     #[test]
     fn kernel_names_match_cuda_symbols() {
         let g = geometry::rows(4096, 2, true);
-        assert_eq!(name("fwd", false, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4");
-        assert_eq!(name("fwd", true, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4_cast_after_weight");
+        assert_eq!(name(Dir::Fwd, false, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4");
+        assert_eq!(name(Dir::Fwd, true, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4_cast_after_weight");
         let g = geometry::rows(1001, 2, true);
-        assert_eq!(name("bwd", false, BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_sstream");
+        assert_eq!(name(Dir::Bwd, false, BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_sstream");
         // Short rows: the forward takes two rows a step, the backward one.
         let g = geometry::rows_warp_first(1024, 2, true);
-        assert_eq!(name("fwd", false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_fwd_bf16_bf16_k4r2");
-        assert_eq!(name("bwd", false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_bwd_bf16_bf16_k4");
+        assert_eq!(name(Dir::Fwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_fwd_bf16_bf16_k4r2");
+        assert_eq!(name(Dir::Bwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_bwd_bf16_bf16_k4");
         let g = geometry::rows_warp_first(4096, 2, true);
-        assert_eq!(name("fwd", true, BASTILE_F16, BASTILE_F32, &g), "rms_norm_fwd_f16_f32_k4_cast_after_weight");
+        assert_eq!(name(Dir::Fwd, true, BASTILE_F16, BASTILE_F32, &g), "rms_norm_fwd_f16_f32_k4_cast_after_weight");
     }
 }
