@@ -13,7 +13,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from common import Case, Impl, chosen, device, environment, fmt, measure, parse, parser, report, throughput
+from common import (Case, Impl, chosen, device, environment, fmt, measure_rounds, parse, parser, report, throughput,
+                    with_rounds)
 
 import bastile
 
@@ -82,8 +83,8 @@ def cases(shape: str, dtype: torch.dtype, vocab: int = VOCAB) -> Case:
 
 
 def main():
-    ap = parser("8192x1024,8192x4096,32768x2048", "gemm3,bastile,bastile_bf16_wgrad,eager,compile,liger",
-                "NxH, comma-separated")
+    ap = with_rounds(parser("8192x1024,8192x4096,32768x2048", "gemm3,bastile,bastile_bf16_wgrad,eager,compile,liger",
+                            "NxH, comma-separated"), default=2)
     ap.add_argument("--vocab", type=int, default=VOCAB)
     args = parse(ap)
     dtype = getattr(torch, args.dtype)
@@ -91,8 +92,9 @@ def main():
     rows = []
     for shape in args.shapes.split(","):
         case = cases(shape, dtype, args.vocab)
-        for name in chosen(case.impls, args):
-            ms, peak = measure(case, name, ("fwdbwd",))["fwdbwd"]
+        results = measure_rounds(case, list(chosen(case.impls, args)), ("fwdbwd",), args.rounds)
+        for name, r in results.items():
+            ms, peak = r["fwdbwd"]
             rows.append({"shape": case.shape, "dtype": args.dtype, "impl": name, "fwdbwd_ms": fmt(ms, 3),
                          "TFLOPs": fmt(throughput(ms, case.work["fwdbwd"]), 1), "peak_extra_GiB": fmt(peak, 3)})
             print(rows[-1], flush=True)

@@ -59,9 +59,10 @@ def cases(shape: str, dtype: torch.dtype, per_batch_tables: bool = False) -> Cas
     size = qs.element_size()
     fwd_bytes = 2 * (qs.numel() + ks.numel()) * size + 2 * cos.numel() * size
     ref = HF_APPLY(qs.transpose(1, 2), ks.transpose(1, 2), cos, sin)
-    q, k = qs.transpose(1, 2), ks.transpose(1, 2)
 
     def impl(f):
+        q, k = qs.clone().transpose(1, 2), ks.clone().transpose(1, 2)  # its own: Liger rotates them in place
+
         def check():  # on copies: Liger rotates its inputs in place
             out = f(qs.clone().transpose(1, 2), ks.clone().transpose(1, 2), cos, sin)
             for a, r in zip(out, ref):
