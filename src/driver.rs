@@ -1,7 +1,9 @@
 //! The CUDA driver, loaded at run time through cudarc so that the library loads (and its CPU ops
 //! work) on machines with no GPU. Kernels run in torch's primary context on torch's current stream;
 //! modules and functions are loaded once per device and cached.
-use cudarc::driver::sys::{self, CUcontext, CUdevice_attribute, CUfunction, CUmodule, CUresult, CUstream};
+use cudarc::driver::sys::{
+    self, CUcontext, CUdevice_attribute, CUfunction, CUfunction_attribute, CUmodule, CUresult, CUstream,
+};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Mutex, OnceLock};
@@ -53,6 +55,7 @@ pub fn available() -> Result<()> {
 pub struct Device {
     ctx: CUcontext,
     sm_count: u32,
+    shared: SharedMemory,
     modules: Mutex<HashMap<usize, CUmodule>>,
     functions: Mutex<HashMap<(usize, u64), Kernel>>,
 }
@@ -61,11 +64,31 @@ pub struct Device {
 unsafe impl Send for Device {}
 unsafe impl Sync for Device {}
 
-/// A loaded kernel and how many of its blocks (of the size it was looked up with) fit on one SM.
+/// A loaded kernel, how many of its blocks (of the size it was looked up with) fit on one SM, and the
+/// dynamic shared memory each block may take (0 unless looked up with `kernel_sharing`).
 #[derive(Clone, Copy)]
 pub struct Kernel {
     pub function: CUfunction,
     pub blocks_per_sm: u32,
+    pub shared: u32,
+}
+
+/// An SM's shared memory as the driver reports it, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedMemory {
+    pub per_sm: u32,
+    /// The most one block may opt in to.
+    pub per_block: u32,
+    /// Taken by the system from every resident block.
+    pub reserved: u32,
+}
+
+impl SharedMemory {
+    /// Dynamic shared memory a block may take so that `blocks` of them share an SM, given the static
+    /// shared memory of its kernel.
+    pub fn room(&self, blocks: u32, static_bytes: u32) -> u32 {
+        (self.per_sm / blocks.max(1)).saturating_sub(self.reserved).min(self.per_block).saturating_sub(static_bytes)
+    }
 }
 
 /// Which way a kernel runs: the `fwd`/`bwd` part of its name.
@@ -113,22 +136,31 @@ impl Device {
     fn open(ordinal: i32) -> Result<Self> {
         let mut dev = 0;
         let mut ctx = std::ptr::null_mut();
-        let mut sms = 0;
         // SAFETY: plain driver calls with out-pointers to locals. Retaining the primary context
         // (torch's) keeps it alive for the life of the process.
         unsafe {
             check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
             check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-            check(
-                sys::cuDeviceGetAttribute(
-                    &mut sms,
-                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                    dev,
-                ),
-                "cuDeviceGetAttribute",
-            )?;
         }
-        Ok(Device { ctx, sm_count: sms as u32, modules: Mutex::default(), functions: Mutex::default() })
+        let attribute = |a: CUdevice_attribute| -> Result<u32> {
+            let mut v = 0;
+            // SAFETY: plain driver call with an out-pointer to a local.
+            check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) }, "cuDeviceGetAttribute")?;
+            Ok(v.max(0) as u32)
+        };
+        use CUdevice_attribute::*;
+        let shared = SharedMemory {
+            per_sm: attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+            per_block: attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+            reserved: attribute(CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?,
+        };
+        Ok(Device {
+            ctx,
+            sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            shared,
+            modules: Mutex::default(),
+            functions: Mutex::default(),
+        })
     }
 
     pub fn sm_count(&self) -> u32 {
@@ -151,6 +183,19 @@ impl Device {
     /// Kernel `name()` of `fatbin` for blocks of `block` threads, cached under (`fatbin`, `key`):
     /// the caller's key must identify the name and the block size.
     pub fn kernel(&self, fatbin: &'static Fatbin, key: u64, block: u32, name: impl FnOnce() -> String) -> Result<Kernel> {
+        self.kernel_sharing(fatbin, key, block, 0, name)
+    }
+
+    /// As `kernel`, for a kernel that takes dynamic shared memory: `sharing` (> 0) of its blocks are to
+    /// share an SM, and each may take the room that leaves (`Kernel::shared`).
+    pub fn kernel_sharing(
+        &self,
+        fatbin: &'static Fatbin,
+        key: u64,
+        block: u32,
+        sharing: u32,
+        name: impl FnOnce() -> String,
+    ) -> Result<Kernel> {
         self.make_current()?;
         let id = (fatbin as *const Fatbin as *const u8 as usize, key);
         if let Some(k) = self.functions.lock().unwrap().get(&id) {
@@ -161,15 +206,36 @@ impl Device {
         let cname = CString::new(name.clone()).unwrap();
         let mut function = std::ptr::null_mut();
         let mut blocks = 0;
+        let mut shared = 0;
         // SAFETY: module is loaded in this context; out-pointers are locals.
         unsafe {
             check(sys::cuModuleGetFunction(&mut function, module, cname.as_ptr()), &format!("loading kernel {name}"))?;
+            if sharing > 0 {
+                let mut static_bytes = 0;
+                check(
+                    sys::cuFuncGetAttribute(
+                        &mut static_bytes,
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                        function,
+                    ),
+                    "cuFuncGetAttribute",
+                )?;
+                shared = self.shared.room(sharing, static_bytes.max(0) as u32);
+                check(
+                    sys::cuFuncSetAttribute(
+                        function,
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        shared as i32,
+                    ),
+                    "cuFuncSetAttribute",
+                )?;
+            }
             check(
-                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, 0),
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, shared as usize),
                 "cuOccupancyMaxActiveBlocksPerMultiprocessor",
             )?;
         }
-        let k = Kernel { function, blocks_per_sm: blocks.max(1) as u32 };
+        let k = Kernel { function, blocks_per_sm: blocks.max(1) as u32, shared };
         self.functions.lock().unwrap().insert(id, k);
         Ok(k)
     }
@@ -257,6 +323,16 @@ mod tests {
                 assert!(d.sm_count() > 0);
             }
         }
+    }
+
+    /// H100 figures: 228 KiB an SM, 227 KiB a block at most, 1 KiB reserved per block.
+    #[test]
+    fn shared_memory_room() {
+        let h100 = SharedMemory { per_sm: 233_472, per_block: 232_448, reserved: 1024 };
+        assert_eq!(h100.room(2, 256), 233_472 / 2 - 1024 - 256);
+        assert_eq!(h100.room(1, 256), 232_448 - 256);
+        assert_eq!(h100.room(0, 0), 232_448);
+        assert_eq!(SharedMemory { per_sm: 1024, per_block: 1024, reserved: 1024 }.room(2, 256), 0);
     }
 
     #[test]
