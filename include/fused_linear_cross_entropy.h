@@ -19,7 +19,16 @@ typedef struct CrossEntropyChunk {
   int32_t dtype;         /* of the logits */
   int32_t grad;          /* nonzero: write the gradient over the logits */
   int32_t vec;           /* elements per vector access; chosen by Rust */
+  int32_t shared_vecs;   /* vectors per thread parked in dynamic shared memory between the kernel's two
+                            passes (shared_vecs * blockDim.x vectors); chosen by Rust */
 } CrossEntropyChunk;
+
+/* The rows kernel: at most FLCE_BLOCK threads a block, FLCE_BLOCKS_PER_SM blocks sharing an SM (and
+ * its shared memory), FLCE_CACHED vectors per thread in registers (FLCE_CACHED_SOFTCAP with softcap). */
+#define FLCE_BLOCK 512
+#define FLCE_BLOCKS_PER_SM 2
+#define FLCE_CACHED 4
+#define FLCE_CACHED_SOFTCAP 2
 
 /* Threads per block and vectors per thread per grid-stride step of the gradient scaling. */
 #define FLCE_SCALE_BLOCK 256

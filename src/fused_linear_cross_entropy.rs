@@ -10,7 +10,10 @@ use crate::driver::{self, fatbins, Launch, Result};
 use crate::elementwise::{vector_width, Family};
 use crate::ffi::guard;
 use crate::geometry;
-use crate::params::{BastileDType, CrossEntropyChunk, GradScale, FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL};
+use crate::params::{
+    BastileDType, CrossEntropyChunk, GradScale, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
+    FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
+};
 use rayon::prelude::*;
 
 crate::params::bridged!(CrossEntropyChunk, GradScale);
@@ -47,13 +50,16 @@ fn ffi_scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()> {
     guard(|| scale_cuda(p, device, stream))
 }
 
-/// Vectors each CUDA thread keeps in registers (`kCached` in the kernel, for the plain variant);
-/// the block is sized so that short rows do not leave most threads idle.
-const CACHED: i64 = 4;
-const MAX_BLOCK: i64 = 512;
-
+/// Threads of a block: sized so that short rows do not leave most threads idle.
 fn block_size(vectors: i64) -> i64 {
-    (geometry::ceil_div(geometry::ceil_div(vectors, CACHED), 32) * 32).clamp(32, MAX_BLOCK)
+    (geometry::ceil_div(geometry::ceil_div(vectors, FLCE_CACHED as i64), 32) * 32).clamp(32, FLCE_BLOCK as i64)
+}
+
+/// Vectors per thread to park in shared memory: what the registers do not hold of a row, up to the
+/// `room` bytes a block may take.
+fn shared_vecs(vectors: i64, block: i64, cached: i64, vector_bytes: i64, room: u32) -> i64 {
+    let rest = geometry::ceil_div((vectors - cached * block).max(0), block);
+    rest.min(room as i64 / (block * vector_bytes))
 }
 
 fn name(dtype: BastileDType, vec: bool, softcap: bool) -> String {
@@ -72,12 +78,19 @@ pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Resu
     let vectorized = geometry::aligned(p.logits, 16) && p.vocab % vec == 0 && p.ld % vec == 0;
     p.vec = if vectorized { vec as i32 } else { 1 };
     let softcap = p.softcap > 0.0;
-    let block = block_size(p.vocab / p.vec as i64);
+    let vectors = p.vocab / p.vec as i64;
+    let block = block_size(vectors);
     let key = dtype as u64 | (vectorized as u64) << 4 | (softcap as u64) << 5 | (block as u64) << 8;
     let dev = driver::device(device)?;
-    let kernel = dev.kernel(fatbins::FUSED_LINEAR_CROSS_ENTROPY, key, block as u32, || name(dtype, vectorized, softcap))?;
+    let kernel = dev.kernel_sharing(fatbins::FUSED_LINEAR_CROSS_ENTROPY, key, block as u32, FLCE_BLOCKS_PER_SM, || {
+        name(dtype, vectorized, softcap)
+    })?;
+    let cached = if softcap { FLCE_CACHED_SOFTCAP } else { FLCE_CACHED } as i64;
+    let vector_bytes = p.vec as i64 * dtype.size() as i64;
+    p.shared_vecs = shared_vecs(vectors, block, cached, vector_bytes, kernel.shared) as i32;
     let rows = u32::try_from(p.rows).map_err(|_| "bastile.fused_linear_cross_entropy: too many rows in one chunk")?;
-    let cfg = Launch { grid: (rows, 1), block: (block as u32, 1), shared: 0 };
+    let shared = (p.shared_vecs as i64 * block * vector_bytes) as u32;
+    let cfg = Launch { grid: (rows, 1), block: (block as u32, 1), shared };
     // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
     unsafe { driver::launch(kernel, cfg, stream, p) }
 }
@@ -224,6 +237,7 @@ mod tests {
             dtype: dtype as i32,
             grad: grad as i32,
             vec: 1,
+            ..Default::default()
         };
         chunk_cpu(&p).unwrap();
         (inputs, loss.iter().map(|v| v.to_f64()).collect(), logits.iter().map(|v| v.to_f64()).collect())
@@ -328,5 +342,17 @@ mod tests {
         assert_eq!(block_size(151936 / 8), 512);
         assert_eq!(block_size(1), 32);
         assert_eq!(block_size(4 * 100), 128);
+    }
+
+    /// What pass 1 parks in shared memory: the rest of the row past the registers, up to the room.
+    #[test]
+    fn shared_cache_takes_the_rest_of_the_row_up_to_the_room() {
+        let h100_room = 233_472 / 2 - 1024 - 256;
+        // Qwen3's vocabulary in bf16: 18992 vectors, 2048 in registers, 14 x 512 in shared memory.
+        assert_eq!(shared_vecs(18992, 512, 4, 16, h100_room), 14);
+        // A 32000-entry vocabulary: the 1952 vectors past the registers, 4 per thread.
+        assert_eq!(shared_vecs(4000, 512, 4, 16, h100_room), 4);
+        assert_eq!(shared_vecs(400, 128, 4, 16, h100_room), 0);
+        assert_eq!(shared_vecs(18992, 512, 2, 16, 0), 0);
     }
 }
