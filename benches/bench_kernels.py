@@ -12,7 +12,8 @@ The cases (inputs, implementations, bytes or FLOPs) are each op's `cases()` in b
 geglu, GPT-OSS's expert activation, has no Qwen3 shape: benches/bench_geglu.py times it at GPT-OSS's.
 
 Per pass: median ms (CUDA events, L2 flushed before each repetition, warm-up and compilation excluded:
-common.time_ms), effective TB/s (bytes an ideal kernel moves) or, for the cross-entropy, TFLOP/s (2NHV
+common.time_ms), the fastest of --rounds rounds (3) that each start with the next implementation
+(common.measure_rounds), effective TB/s (bytes an ideal kernel moves) or, for the cross-entropy, TFLOP/s (2NHV
 forward, 6NHV forward+backward; none for its backward, which the fused implementations do not run as GEMMs),
 and the peak memory allocated during one call beyond what was allocated before it. "fwd" runs on inputs that
 need no gradient; "bwd" is the backward alone, repeated over one retained graph; "fwd+bwd" the forward on
@@ -20,7 +21,7 @@ inputs that need gradients and the backward. Every implementation's output is ch
 (a mismatch is flagged in the "check" column, not fatal).
 
 Writes kernels.csv and kernels_<op>.png (time, throughput, peak memory per pass; bars per size and
-implementation) under $OUT or bench-results/. 81 s on the H100 for everything (mostly torch.compile);
+implementation) under $OUT or bench-results/. 91 s on the H100 for everything in one round (mostly torch.compile);
 `--budget-s` stops starting new cases past that many seconds, so that a time-limited run still writes what
 it measured.
 """
@@ -28,8 +29,8 @@ import argparse
 import time
 
 import torch
-from common import (PASS_NAMES, PASSES, QWEN3, fmt, free, grouped_bars, markdown, measure, out_dir, pyplot, qwen3,
-                    read_csv, start, throughput, use_device, write_csv)
+from common import (PASS_NAMES, PASSES, QWEN3, fmt, free, grouped_bars, markdown, measure_rounds, out_dir, pyplot,
+                    qwen3, read_csv, start, throughput, use_device, with_rounds, write_csv)
 
 import bench_fused_linear_cross_entropy
 import bench_qk_norm_rope
@@ -72,11 +73,11 @@ def run(args) -> list:
             shape, extra = shape_of(qwen3(model), args.batch, args.seq)
             t_case = time.perf_counter()
             case = module.cases(shape, dtype, **extra)
-            for name in case.impls:
+            names = [name for name in case.impls if ALIASES.get(name, name) in wanted]
+            results = measure_rounds(case, names, passes, args.rounds, strict=False, reps=args.reps,
+                                     warmup=args.warmup)
+            for name, r in results.items():
                 impl = ALIASES.get(name, name)
-                if impl not in wanted:
-                    continue
-                r = measure(case, name, passes, strict=False, reps=args.reps, warmup=args.warmup)
                 row = {"op": op, "model": model, "shape": case.shape, "dtype": args.dtype, "impl": impl,
                        "unit": case.unit, "check": r["check"]}
                 for p in passes:
@@ -161,6 +162,7 @@ def main():
     ap.add_argument("--reps", type=int, help="timed repetitions (default: 50, cross-entropy 20)")
     ap.add_argument("--warmup", type=int, help="untimed calls first (default: 10, cross-entropy 3)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no case past this many seconds (0: no limit)")
+    with_rounds(ap)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny model, batch 2 x seq 32, 3 repetitions, on the CPU")
     ap.add_argument("--merge", nargs="+", metavar="CSV", help="combine kernels.csv files of several runs and chart them")
@@ -170,7 +172,7 @@ def main():
         write_csv(out_dir() / "kernels.csv", rows)
     else:
         if args.smoke:
-            args.models, args.batch, args.seq, args.reps, args.warmup = "tiny", 2, 32, 3, 1
+            args.models, args.batch, args.seq, args.reps, args.warmup, args.rounds = "tiny", 2, 32, 3, 1, 1
             args.device = "cpu"
         use_device(args.device)
         rows = run(args)

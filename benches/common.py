@@ -292,19 +292,20 @@ def throughput(ms, work):
     return work / ms / 1e9
 
 
-def measure_rounds(case: Case, names: list, passes, rounds: int) -> dict:
+def measure_rounds(case: Case, names: list, passes, rounds: int, **options) -> dict:
     """measure() of every implementation in `rounds` rounds, each round starting with the next one (the
     implementation timed first after a shape's inputs were made measured up to 11% slower than in a later
-    round, H100): {name: {pass: (ms, peak extra GiB)}} of the fastest round per pass, an "OOM"/"ERROR"
-    only where no round has a time."""
+    round, H100; passes bound by the host varied up to 2x between runs of one build): {name: {"check": the
+    first round's failure or "ok", pass: (ms, peak extra GiB)}} of the fastest round per pass, an
+    "OOM"/"ERROR" only where no round has a time. options go to measure()."""
     runs = {name: [] for name in names}
     for r in range(max(rounds, 1)):
         first = r % len(names)
         for name in names[first:] + names[:first]:
-            runs[name].append(measure(case, name, passes))
+            runs[name].append(measure(case, name, passes, **options))
     best = {}
     for name in names:
-        best[name] = {}
+        best[name] = {"check": next((run["check"] for run in runs[name] if run["check"] != "ok"), "ok")}
         for p in passes:
             results = [run[p] for run in runs[name]]
             timed = [x for x in results if isinstance(x[0], float)]
