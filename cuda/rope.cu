@@ -86,6 +86,12 @@ __device__ __forceinline__ void split_token(int64_t tok, int64_t seq, int64_t &b
 // Heads a thread loads before it stores any: bytes in flight, and one table load serves them all.
 constexpr int kHeadsAtOnce = 4;
 
+// Head h of a token in the q-then-k index space, given the token's first q and k elements.
+template <class T>
+__device__ __forceinline__ T *head(int h, int q_heads, T *q, int64_t q_stride, T *k, int64_t k_stride) {
+  return h < q_heads ? q + h * q_stride : k + (h - q_heads) * k_stride;
+}
+
 template <class I, class C, class O, bool kBackward, int V>
 __device__ __forceinline__ void rotate(const Rope &p) {
   const int per_token = p.pair_threads * p.head_lanes, tokens_per_block = blockDim.x / per_token;
@@ -112,7 +118,7 @@ __device__ __forceinline__ void rotate(const Rope &p) {
         for (int u = 0; u < kHeadsAtOnce; ++u) {
           const int h = h0 + u * lanes;
           if (h >= heads) break;
-          const I *x = (h < q_heads ? qx + h * p.q.head_stride : kx + (h - q_heads) * p.k.head_stride) + i;
+          const I *x = head(h, q_heads, qx, p.q.head_stride, kx, p.k.head_stride) + i;
           x1[u] = load<V>(x);
           x2[u] = load<V>(x + half);
         }
@@ -120,7 +126,7 @@ __device__ __forceinline__ void rotate(const Rope &p) {
         for (int u = 0; u < kHeadsAtOnce; ++u) {
           const int h = h0 + u * lanes;
           if (h >= heads) break;
-          O *y = (h < q_heads ? qy + h * p.q_out.head_stride : ky + (h - q_heads) * p.k_out.head_stride) + i;
+          O *y = head(h, q_heads, qy, p.q_out.head_stride, ky, p.k_out.head_stride) + i;
           Pack<O, V> o1, o2;
           rotate_pair<I, C, O, kBackward, V>(x1[u], x2[u], tab, o1, o2);
           store_pack(y, o1);
