@@ -394,6 +394,7 @@ def test_cuda_backward_scales_in_f32_rounding_once(dtype):
         want = (u.cpu().float() * s.cpu()).to(dtype)
         torch.testing.assert_close(a.cpu(), want, rtol=0, atol=0)
         torch.testing.assert_close(c.cpu(), want, rtol=0, atol=0)
+        assert c._version > 0, "scaled in place: its version counter moves, as mul_'s would"
 
 
 @needs_cuda

@@ -246,6 +246,7 @@ at::Tensor scale(const at::Tensor& grad, const at::Tensor& grad_loss, bool in_pl
     p.n = grad.numel();
     p.dtype = dtype_code(grad, kOp, "gradient");
     call_rust([&] { rs::fused_linear_cross_entropy::scale_cuda(p, grad.device().index(), current_stream(grad)); });
+    if (in_place) grad.unsafeGetTensorImpl()->bump_version();  // as mul_ would: the tensor was written
     return out;
   }
   return in_place ? grad.mul_(grad_loss) : at::mul(grad, grad_loss);
