@@ -187,7 +187,8 @@ impl Device {
     }
 
     /// As `kernel`, for a kernel that takes dynamic shared memory: `sharing` (> 0) of its blocks are to
-    /// share an SM, and each may take the room that leaves (`Kernel::shared`).
+    /// share an SM, and each may take the room that leaves (`Kernel::shared`). The key must identify
+    /// `sharing` too.
     pub fn kernel_sharing(
         &self,
         fatbin: &'static Fatbin,
