@@ -102,17 +102,19 @@ fn scale_name(dtype: BastileDType, vec: i64) -> String {
 /// The backward's scaling of a gradient by the loss's upstream gradient (a device f32 scalar). ATen's
 /// `grad * grad_loss` with a 0-dim CUDA factor takes its generic, unvectorised loop (H100: ~1 TB/s).
 pub fn scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()> {
-    let dtype = BastileDType::from_raw(p.dtype)?;
-    if dtype == BastileDType::BASTILE_F64 {
-        return Err("bastile.fused_linear_cross_entropy: float64 is supported on CPU only".into());
-    }
+    let family = Family {
+        op: "fused_linear_cross_entropy",
+        fatbin: fatbins::FUSED_LINEAR_CROSS_ENTROPY,
+        block: FLCE_SCALE_BLOCK,
+        unroll: FLCE_SCALE_UNROLL,
+    };
+    let dtype = family.cuda_dtype(p.dtype)?;
     let vec = vector_width(dtype, &[p.src, p.dst]);
-    let family = Family { fatbin: fatbins::FUSED_LINEAR_CROSS_ENTROPY, block: FLCE_SCALE_BLOCK, unroll: FLCE_SCALE_UNROLL };
     // Bit 40 set: clear of chunk_cuda's keys, which stay below 2^18.
     let key = 1 << 40 | dtype as u64 | ((vec > 1) as u64) << 4;
     // SAFETY: the C++ layer checked that src and dst hold n contiguous elements of `dtype` and that
     // factor is one f32 on the same device.
-    unsafe { family.launch(key, || scale_name(dtype, vec), p.n / vec, p, device, stream) }
+    unsafe { family.launch_kernel(key, || scale_name(dtype, vec), p.n / vec, p, device, stream) }
 }
 
 pub fn chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {

@@ -6,7 +6,7 @@
 //! `-L <= up <= L`, else 0 (torch's clamp backward). Every result is computed in f64 (f32 on the GPU)
 //! and rounded once to T, where HF rounds after each op.
 use crate::cpu::{self, Element};
-use crate::driver::{fatbins, Result};
+use crate::driver::{fatbins, Dir, Result};
 use crate::elementwise::{vector_width, Family};
 use crate::ffi::guard;
 use crate::params::{BastileDType, GegluBackward, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
@@ -49,41 +49,21 @@ fn ffi_backward_cpu(p: &GegluBackward) -> Result<()> {
     guard(|| backward_cpu(p))
 }
 
-fn cuda_dtype(raw: i32) -> Result<BastileDType> {
-    let dt = BastileDType::from_raw(raw)?;
-    if dt == BastileDType::BASTILE_F64 {
-        return Err("bastile.geglu: float64 is supported on CPU only".into());
-    }
-    Ok(dt)
-}
-
-fn name(dir: &str, dt: BastileDType, vec: i64) -> String {
-    format!("geglu_{dir}_{}_{}", dt.tag(), if vec > 1 { "vec" } else { "scalar" })
-}
-
-/// Launches the `dir` kernel over `n` pairs with `p` as its parameter block.
-///
-/// # Safety
-/// `p` must be the block the kernel takes, with every pointer valid for `n` pairs of `dt`.
-unsafe fn launch<P>(dir: &str, dt: BastileDType, vec: i64, n: i64, p: &P, device: i32, stream: usize) -> Result<()> {
-    let key = (dir == "bwd") as u64 | (dt as u64) << 4 | (vec as u64) << 8;
-    let family = Family { fatbin: fatbins::GEGLU, block: GEGLU_BLOCK, unroll: GEGLU_UNROLL };
-    family.launch(key, || name(dir, dt, vec), n / vec, p, device, stream)
-}
+static FAMILY: Family = Family { op: "geglu", fatbin: fatbins::GEGLU, block: GEGLU_BLOCK, unroll: GEGLU_UNROLL };
 
 pub fn forward_cuda(p: &GegluForward, device: i32, stream: usize) -> Result<()> {
-    let dt = cuda_dtype(p.dtype)?;
+    let dt = FAMILY.cuda_dtype(p.dtype)?;
     // A vector of y covers two of gate_up: both start 16-byte aligned when their pointers are.
     let vec = vector_width(dt, &[p.gate_up, p.y]);
     // SAFETY: the C++ layer checked that gate_up holds 2n and y n contiguous elements of `dt`.
-    unsafe { launch("fwd", dt, vec, p.n, p, device, stream) }
+    unsafe { FAMILY.launch(Dir::Fwd, dt, vec, p.n, p, device, stream) }
 }
 
 pub fn backward_cuda(p: &GegluBackward, device: i32, stream: usize) -> Result<()> {
-    let dt = cuda_dtype(p.dtype)?;
+    let dt = FAMILY.cuda_dtype(p.dtype)?;
     let vec = vector_width(dt, &[p.grad_y, p.gate_up, p.grad_gate_up]);
     // SAFETY: as in forward_cuda, grad_y holding n and grad_gate_up 2n elements.
-    unsafe { launch("bwd", dt, vec, p.n, p, device, stream) }
+    unsafe { FAMILY.launch(Dir::Bwd, dt, vec, p.n, p, device, stream) }
 }
 
 /// Pairs each rayon task takes.
@@ -318,9 +298,9 @@ mod tests {
     #[test]
     fn kernel_names_match_cuda_symbols() {
         let aligned = 4096 as *const c_void;
-        assert_eq!(name("fwd", BASTILE_BF16, vector_width(BASTILE_BF16, &[aligned, aligned])), "geglu_fwd_bf16_vec");
+        assert_eq!(FAMILY.name(Dir::Fwd, BASTILE_BF16, vector_width(BASTILE_BF16, &[aligned, aligned])), "geglu_fwd_bf16_vec");
         let odd = 4098 as *const c_void;
-        assert_eq!(name("bwd", BASTILE_F16, vector_width(BASTILE_F16, &[aligned, odd])), "geglu_bwd_f16_scalar");
-        assert_eq!(name("fwd", BASTILE_F32, 4), "geglu_fwd_f32_vec");
+        assert_eq!(FAMILY.name(Dir::Bwd, BASTILE_F16, vector_width(BASTILE_F16, &[aligned, odd])), "geglu_bwd_f16_scalar");
+        assert_eq!(FAMILY.name(Dir::Fwd, BASTILE_F32, 4), "geglu_fwd_f32_vec");
     }
 }

@@ -3,7 +3,7 @@
 //! `y = T(T(silu(g)) * u)`; the backward is autograd of that expression with its roundings:
 //! `grad_up = T(dy * T(silu(g)))`, `grad_gate = T(T(dy * u) * sig(g) * (1 + g * (1 - sig(g))))`.
 use crate::cpu::{self, Element};
-use crate::driver::{fatbins, Result};
+use crate::driver::{fatbins, Dir, Result};
 use crate::elementwise::{vector_width, Family};
 use crate::ffi::guard;
 use crate::params::{BastileDType, SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_UNROLL};
@@ -46,40 +46,20 @@ fn ffi_backward_cpu(p: &SwigluBackward) -> Result<()> {
     guard(|| backward_cpu(p))
 }
 
-fn cuda_dtype(raw: i32) -> Result<BastileDType> {
-    let dt = BastileDType::from_raw(raw)?;
-    if dt == BastileDType::BASTILE_F64 {
-        return Err("bastile.swiglu: float64 is supported on CPU only".into());
-    }
-    Ok(dt)
-}
-
-fn name(dir: &str, dt: BastileDType, vec: i64) -> String {
-    format!("swiglu_{dir}_{}_{}", dt.tag(), if vec > 1 { "vec" } else { "scalar" })
-}
-
-/// Launches the `dir` kernel over `n` elements with `p` as its parameter block.
-///
-/// # Safety
-/// `p` must be the block the kernel takes, with every pointer valid for `n` elements of `dt`.
-unsafe fn launch<P>(dir: &str, dt: BastileDType, vec: i64, n: i64, p: &P, device: i32, stream: usize) -> Result<()> {
-    let key = (dir == "bwd") as u64 | (dt as u64) << 4 | (vec as u64) << 8;
-    let family = Family { fatbin: fatbins::SWIGLU, block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL };
-    family.launch(key, || name(dir, dt, vec), n / vec, p, device, stream)
-}
+static FAMILY: Family = Family { op: "swiglu", fatbin: fatbins::SWIGLU, block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL };
 
 pub fn forward_cuda(p: &SwigluForward, device: i32, stream: usize) -> Result<()> {
-    let dt = cuda_dtype(p.dtype)?;
+    let dt = FAMILY.cuda_dtype(p.dtype)?;
     let vec = vector_width(dt, &[p.gate, p.up, p.y]);
     // SAFETY: the C++ layer checked that every pointer in `p` holds `n` contiguous elements of `dt`.
-    unsafe { launch("fwd", dt, vec, p.n, p, device, stream) }
+    unsafe { FAMILY.launch(Dir::Fwd, dt, vec, p.n, p, device, stream) }
 }
 
 pub fn backward_cuda(p: &SwigluBackward, device: i32, stream: usize) -> Result<()> {
-    let dt = cuda_dtype(p.dtype)?;
+    let dt = FAMILY.cuda_dtype(p.dtype)?;
     let vec = vector_width(dt, &[p.grad_y, p.gate, p.up, p.grad_gate, p.grad_up]);
     // SAFETY: as in forward_cuda.
-    unsafe { launch("bwd", dt, vec, p.n, p, device, stream) }
+    unsafe { FAMILY.launch(Dir::Bwd, dt, vec, p.n, p, device, stream) }
 }
 
 /// Elements each rayon task takes.
@@ -224,9 +204,9 @@ mod tests {
     #[test]
     fn kernel_names_match_cuda_symbols() {
         let aligned = 4096 as *const c_void;
-        assert_eq!(name("fwd", BASTILE_BF16, vector_width(BASTILE_BF16, &[aligned, aligned])), "swiglu_fwd_bf16_vec");
+        assert_eq!(FAMILY.name(Dir::Fwd, BASTILE_BF16, vector_width(BASTILE_BF16, &[aligned, aligned])), "swiglu_fwd_bf16_vec");
         let odd = 4098 as *const c_void;
-        assert_eq!(name("bwd", BASTILE_F16, vector_width(BASTILE_F16, &[aligned, odd])), "swiglu_bwd_f16_scalar");
+        assert_eq!(FAMILY.name(Dir::Bwd, BASTILE_F16, vector_width(BASTILE_F16, &[aligned, odd])), "swiglu_bwd_f16_scalar");
         assert_eq!(vector_width(BASTILE_F32, &[aligned]), 4);
     }
 }
