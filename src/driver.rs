@@ -99,6 +99,15 @@ pub enum Dir {
 }
 
 impl Dir {
+    /// The direction of a call that says whether it is the backward (a bool across the FFI).
+    pub fn of(backward: bool) -> Dir {
+        if backward {
+            Dir::Bwd
+        } else {
+            Dir::Fwd
+        }
+    }
+
     pub fn tag(self) -> &'static str {
         match self {
             Dir::Fwd => "fwd",

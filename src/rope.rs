@@ -2,7 +2,7 @@
 //! the GPU is tested against). Semantics of HF `apply_rotary_pos_emb` and of its autograd; see
 //! `cuda/rope.cu` for the formulas and the rounding.
 use crate::cpu::{promote, Element};
-use crate::driver::{self, fatbins, Launch, Result};
+use crate::driver::{self, fatbins, Dir, Launch, Result};
 use crate::ffi::guard;
 use crate::geometry;
 use crate::params::{BastileDType, Rope, RopeTensor};
@@ -28,10 +28,10 @@ mod bridge {
 }
 
 fn ffi_run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Result<()> {
-    guard(|| run_cuda(p, backward, device, stream))
+    guard(|| run_cuda(p, Dir::of(backward), device, stream))
 }
 fn ffi_run_cpu(p: &Rope, backward: bool) -> Result<()> {
-    guard(|| run_cpu(p, backward))
+    guard(|| run_cpu(p, Dir::of(backward)))
 }
 
 /// Most threads of a block (the kernels' `__launch_bounds__`), and of one token's group.
@@ -46,13 +46,16 @@ const HEADS_AT_ONCE: i64 = 4;
 
 /// Dtypes of the input, of cos/sin and of the output, checked against the direction: the forward
 /// writes promote(input, cos), the backward the input's dtype.
-fn dtypes(p: &Rope, backward: bool) -> Result<(BastileDType, BastileDType, BastileDType)> {
+fn dtypes(p: &Rope, dir: Dir) -> Result<(BastileDType, BastileDType, BastileDType)> {
     let (i, c, o) = (
         BastileDType::from_raw(p.in_dtype)?,
         BastileDType::from_raw(p.cs_dtype)?,
         BastileDType::from_raw(p.out_dtype)?,
     );
-    let want = if backward { i } else { promote(i, c) };
+    let want = match dir {
+        Dir::Fwd => promote(i, c),
+        Dir::Bwd => i,
+    };
     if o != want {
         return Err(format!("bastile.rope: output dtype {o:?} does not match the inputs (expected {want:?})"));
     }
@@ -92,12 +95,12 @@ fn plan(p: &mut Rope, vec: i64) {
     p.block = (per_token * (TARGET_BLOCK / per_token).max(1)) as i32;
 }
 
-fn name(backward: bool, i: BastileDType, c: BastileDType, vec: i32) -> String {
-    format!("rope_{}_{}_{}_v{vec}", if backward { "bwd" } else { "fwd" }, i.tag(), c.tag())
+fn name(dir: Dir, i: BastileDType, c: BastileDType, vec: i32) -> String {
+    format!("rope_{}_{}_{}_v{vec}", dir.tag(), i.tag(), c.tag())
 }
 
-pub fn run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Result<()> {
-    let (i, c, o) = dtypes(p, backward)?;
+pub fn run_cuda(p: &mut Rope, dir: Dir, device: i32, stream: usize) -> Result<()> {
+    let (i, c, o) = dtypes(p, dir)?;
     if [i, c].contains(&BastileDType::BASTILE_F64) {
         return Err("bastile.rope: float64 is supported on CPU only".into());
     }
@@ -106,8 +109,8 @@ pub fn run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Res
     }
     plan(p, vector(p, i, c, o));
     let dev = driver::device(device)?;
-    let key = backward as u64 | (i as u64) << 4 | (c as u64) << 8 | (p.vec as u64) << 12 | (p.block as u64) << 20;
-    let kernel = dev.kernel(fatbins::ROPE, key, p.block as u32, || name(backward, i, c, p.vec))?;
+    let key = (dir == Dir::Bwd) as u64 | (i as u64) << 4 | (c as u64) << 8 | (p.vec as u64) << 12 | (p.block as u64) << 20;
+    let kernel = dev.kernel(fatbins::ROPE, key, p.block as u32, || name(dir, i, c, p.vec))?;
     let tokens_per_block = (p.block / (p.pair_threads * p.head_lanes)) as i64;
     let blocks = geometry::ceil_div(p.batch * p.seq, tokens_per_block).max(1);
     let grid = geometry::grid(blocks, dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
@@ -116,14 +119,13 @@ pub fn run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Res
     unsafe { driver::launch(kernel, cfg, stream, p) }
 }
 
-pub fn run_cpu(p: &Rope, backward: bool) -> Result<()> {
-    let (i, c, _) = dtypes(p, backward)?;
+pub fn run_cpu(p: &Rope, dir: Dir) -> Result<()> {
+    let (i, c, _) = dtypes(p, dir)?;
     // SAFETY: the C++ layer checked shapes, strides and dtypes of every pointer in `p`.
     crate::with_dtypes!(i, c, |I, C, M| unsafe {
-        if backward {
-            rotate_cpu::<I, C, M, I>(p, true)
-        } else {
-            rotate_cpu::<I, C, M, M>(p, false)
+        match dir {
+            Dir::Fwd => rotate_cpu::<I, C, M, M>(p, dir),
+            Dir::Bwd => rotate_cpu::<I, C, M, I>(p, dir),
         }
     });
     Ok(())
@@ -149,7 +151,7 @@ impl Shared<'_> {
 /// # Safety
 /// Every pointer of `p` must address its tensor with the given strides, in the dtypes `I`, `C`, `O`;
 /// distinct (token, head, element) of an output must be distinct elements, overlapping no input.
-unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, backward: bool) {
+unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, dir: Dir) {
     let shared = Shared(p);
     let term = |a: f64, b: f64| O::round(M::round(a * b));
     (0..p.batch * p.seq).into_par_iter().for_each(|tok| {
@@ -164,10 +166,9 @@ unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, b
                 let (s1, s2) = (table(&p.sin, e), table(&p.sin, e + half));
                 let x1 = (*x.add(at(src, b, s, h, e))).to_f64();
                 let x2 = (*x.add(at(src, b, s, h, e + half))).to_f64();
-                let (o1, o2) = if backward {
-                    (term(x1, c1) + term(x2, s2), term(x2, c2) - term(x1, s1))
-                } else {
-                    (term(x1, c1) - term(x2, s1), term(x2, c2) + term(x1, s2))
+                let (o1, o2) = match dir {
+                    Dir::Fwd => (term(x1, c1) - term(x2, s1), term(x2, c2) + term(x1, s2)),
+                    Dir::Bwd => (term(x1, c1) + term(x2, s2), term(x2, c2) - term(x1, s1)),
                 };
                 *y.add(at(dst, b, s, h, e)) = O::from_f64(o1);
                 *y.add(at(dst, b, s, h, e + half)) = O::from_f64(o2);
@@ -266,7 +267,7 @@ mod tests {
                 out_dtype: od as i32,
                 ..Default::default()
             };
-            run_cpu(&p, backward).unwrap();
+            run_cpu(&p, Dir::of(backward)).unwrap();
             // Each result is a sum of two products, each rounded at most three times, then rounded:
             // a few units of the output dtype relative to the terms' size.
             let tol = 8.0 * unit(od).max(unit(promote(id, cd)));
@@ -345,7 +346,7 @@ mod tests {
             out_dtype: BASTILE_BF16 as i32,
             ..Default::default()
         };
-        run_cpu(&p, false).unwrap();
+        run_cpu(&p, Dir::Fwd).unwrap();
         let r = |v: f32| bf16::from_f32(v).to_f32();
         let want0 = r(r(1.0 * (1.0 + 1.0 / 128.0)) - r(1.0 / 256.0 * 0.75));
         let want1 = r(r(1.0 / 256.0 * (1.0 + 1.0 / 128.0)) + r(0.75));
@@ -417,19 +418,19 @@ mod tests {
     #[test]
     fn bad_dtypes_and_f64_on_cuda_are_errors() {
         let mut p = Rope { in_dtype: 9, ..Default::default() };
-        assert!(run_cpu(&p, false).unwrap_err().contains("unknown dtype"));
+        assert!(run_cpu(&p, Dir::Fwd).unwrap_err().contains("unknown dtype"));
         p.in_dtype = BASTILE_BF16 as i32;
         p.cs_dtype = BASTILE_F32 as i32;
         p.out_dtype = BASTILE_BF16 as i32;
-        assert!(run_cpu(&p, false).unwrap_err().contains("does not match"));
+        assert!(run_cpu(&p, Dir::Fwd).unwrap_err().contains("does not match"));
         p.in_dtype = BASTILE_F64 as i32;
         p.out_dtype = BASTILE_F64 as i32;
-        assert!(run_cuda(&mut p, false, 0, 0).unwrap_err().contains("CPU only"));
+        assert!(run_cuda(&mut p, Dir::Fwd, 0, 0).unwrap_err().contains("CPU only"));
     }
 
     #[test]
     fn kernel_names_match_cuda_symbols() {
-        assert_eq!(name(false, BASTILE_BF16, BASTILE_BF16, 8), "rope_fwd_bf16_bf16_v8");
-        assert_eq!(name(true, BASTILE_F16, BASTILE_F32, 1), "rope_bwd_f16_f32_v1");
+        assert_eq!(name(Dir::Fwd, BASTILE_BF16, BASTILE_BF16, 8), "rope_fwd_bf16_bf16_v8");
+        assert_eq!(name(Dir::Bwd, BASTILE_F16, BASTILE_F32, 1), "rope_bwd_f16_f32_v1");
     }
 }
