@@ -4,9 +4,13 @@
 #include "bastile.h"
 
 /* Threads per block, and vectors (16 bytes, or single elements when a pointer is not 16-byte
- * aligned) each thread loads per grid-stride step: Rust sizes the grid from these. */
+ * aligned) each thread loads per grid-stride step: Rust sizes the grid from these. One vector a
+ * thread: the finer grid ends a little more evenly (H100, bf16, benches/bench_swiglu.py, this and the
+ * two-vector build alternately: forward 0.2032 ms against 0.2042-0.2043 at 16384x6144, 0.4005 against
+ * 0.4016 at 16384x12288, level at 8192x3072; forward+backward 0.1420 / 0.5376 / 1.0663 ms against
+ * 0.1422-0.1425 / 0.5388-0.5390 / 1.0676-1.0678). */
 #define SWIGLU_BLOCK 256
-#define SWIGLU_UNROLL 2
+#define SWIGLU_UNROLL 1
 
 typedef struct SwigluForward {
   const void *gate; /* [n] */
