@@ -27,9 +27,7 @@ impl Family {
     /// The dtype code of a CUDA call, which has no float64 kernels.
     pub fn cuda_dtype(&self, raw: i32) -> Result<BastileDType> {
         let dt = BastileDType::from_raw(raw)?;
-        if dt == BastileDType::BASTILE_F64 {
-            return Err(format!("bastile.{}: float64 is supported on CPU only", self.op));
-        }
+        BastileDType::check_cuda(self.op, &[dt])?;
         Ok(dt)
     }
 

@@ -68,9 +68,7 @@ fn name(dtype: BastileDType, vec: bool, softcap: bool) -> String {
 
 pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()> {
     let dtype = BastileDType::from_raw(p.dtype)?;
-    if dtype == BastileDType::BASTILE_F64 {
-        return Err("bastile.fused_linear_cross_entropy: float64 is supported on CPU only".into());
-    }
+    BastileDType::check_cuda("fused_linear_cross_entropy", &[dtype])?;
     if p.rows == 0 {
         return Ok(());
     }
@@ -95,6 +93,14 @@ pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Resu
     unsafe { driver::launch(kernel, cfg, stream, p) }
 }
 
+/// The gradient-scaling kernels, flat elementwise ones named `flce_scale_<dtype>_<vec|scalar>`.
+static SCALE: Family = Family {
+    op: "fused_linear_cross_entropy",
+    fatbin: fatbins::FUSED_LINEAR_CROSS_ENTROPY,
+    block: FLCE_SCALE_BLOCK,
+    unroll: FLCE_SCALE_UNROLL,
+};
+
 fn scale_name(dtype: BastileDType, vec: i64) -> String {
     format!("flce_scale_{}_{}", dtype.tag(), if vec > 1 { "vec" } else { "scalar" })
 }
@@ -102,19 +108,13 @@ fn scale_name(dtype: BastileDType, vec: i64) -> String {
 /// The backward's scaling of a gradient by the loss's upstream gradient (a device f32 scalar). ATen's
 /// `grad * grad_loss` with a 0-dim CUDA factor takes its generic, unvectorised loop (H100: ~1 TB/s).
 pub fn scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()> {
-    let family = Family {
-        op: "fused_linear_cross_entropy",
-        fatbin: fatbins::FUSED_LINEAR_CROSS_ENTROPY,
-        block: FLCE_SCALE_BLOCK,
-        unroll: FLCE_SCALE_UNROLL,
-    };
-    let dtype = family.cuda_dtype(p.dtype)?;
+    let dtype = SCALE.cuda_dtype(p.dtype)?;
     let vec = vector_width(dtype, &[p.src, p.dst]);
     // Bit 40 set: clear of chunk_cuda's keys, which stay below 2^18.
     let key = 1 << 40 | dtype as u64 | ((vec > 1) as u64) << 4;
     // SAFETY: the C++ layer checked that src and dst hold n contiguous elements of `dtype` and that
     // factor is one f32 on the same device.
-    unsafe { family.launch_kernel(key, || scale_name(dtype, vec), p.n / vec, p, device, stream) }
+    unsafe { SCALE.launch_kernel(key, || scale_name(dtype, vec), p.n / vec, p, device, stream) }
 }
 
 pub fn chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {

@@ -25,6 +25,14 @@ impl BastileDType {
         })
     }
 
+    /// Ok when every dtype has CUDA kernels: float64 runs on the CPU only (it is there for gradcheck).
+    pub fn check_cuda(op: &str, dtypes: &[Self]) -> Result<(), String> {
+        if dtypes.contains(&Self::BASTILE_F64) {
+            return Err(format!("bastile.{op}: float64 is supported on CPU only"));
+        }
+        Ok(())
+    }
+
     pub fn size(self) -> usize {
         match self {
             Self::BASTILE_F16 | Self::BASTILE_BF16 => 2,

@@ -64,9 +64,7 @@ fn dtypes(x: i32, w: i32, c: i32) -> Result<DTypes> {
 
 fn cuda_dtypes(x: i32, w: i32, c: i32) -> Result<DTypes> {
     let d = dtypes(x, w, c)?;
-    if [d.0, d.1, d.2].contains(&BastileDType::BASTILE_F64) {
-        return Err("bastile.qk_norm_rope: float64 is supported on CPU only".into());
-    }
+    BastileDType::check_cuda("qk_norm_rope", &[d.0, d.1, d.2])?;
     Ok(d)
 }
 

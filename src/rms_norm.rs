@@ -58,9 +58,7 @@ fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
 
 fn cuda_dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
     let (x, w) = dtypes(x, w)?;
-    if x == BastileDType::BASTILE_F64 || w == BastileDType::BASTILE_F64 {
-        return Err("bastile.rms_norm: float64 is supported on CPU only".into());
-    }
+    BastileDType::check_cuda("rms_norm", &[x, w])?;
     Ok((x, w))
 }
 

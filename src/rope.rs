@@ -101,9 +101,7 @@ fn name(dir: Dir, i: BastileDType, c: BastileDType, vec: i32) -> String {
 
 pub fn run_cuda(p: &mut Rope, dir: Dir, device: i32, stream: usize) -> Result<()> {
     let (i, c, o) = dtypes(p, dir)?;
-    if [i, c].contains(&BastileDType::BASTILE_F64) {
-        return Err("bastile.rope: float64 is supported on CPU only".into());
-    }
+    BastileDType::check_cuda("rope", &[i, c])?;
     if p.q_heads.max(p.k_heads) > i32::MAX as i64 {
         return Err("bastile.rope: more than 2^31 - 1 heads".into());
     }
