@@ -11,8 +11,8 @@
 //
 // A token (b, s) is handled by pair_threads x head_lanes threads: a thread loads the cos/sin vectors
 // of its pair (i, i+h) once and rotates that pair in every head_lanes-th head of q and k (one index
-// space), loading up to kHeadsAtOnce heads before it stores any. Strides are int64 and arbitrary (HF's
-// q and k are transposed views); Rust picks vec so that every access is aligned.
+// space), loading up to ROPE_HEADS_AT_ONCE heads before it stores any. Strides are int64 and arbitrary
+// (HF's q and k are transposed views); Rust picks vec so that every access is aligned.
 #include "common.cuh"
 #include "rope.h"
 
@@ -83,9 +83,6 @@ __device__ __forceinline__ void split_token(int64_t tok, int64_t seq, int64_t &b
   }
 }
 
-// Heads a thread loads before it stores any: bytes in flight, and one table load serves them all.
-constexpr int kHeadsAtOnce = 4;
-
 // Head h of a token in the q-then-k index space, given the token's first q and k elements.
 template <class T>
 __device__ __forceinline__ T *head(int h, int q_heads, T *q, int64_t q_stride, T *k, int64_t k_stride) {
@@ -112,10 +109,10 @@ __device__ __forceinline__ void rotate(const Rope &p) {
     for (int64_t j = first_pair; j < pairs; j += p.pair_threads) {
       const int64_t i = j * V;
       const Tables<C, V> tab{load<V>(ct + i), load<V>(ct + half + i), load<V>(st + i), load<V>(st + half + i)};
-      for (int h0 = lane; h0 < heads; h0 += lanes * kHeadsAtOnce) {
-        Pack<I, V> x1[kHeadsAtOnce], x2[kHeadsAtOnce];
+      for (int h0 = lane; h0 < heads; h0 += lanes * ROPE_HEADS_AT_ONCE) {
+        Pack<I, V> x1[ROPE_HEADS_AT_ONCE], x2[ROPE_HEADS_AT_ONCE];
 #pragma unroll
-        for (int u = 0; u < kHeadsAtOnce; ++u) {
+        for (int u = 0; u < ROPE_HEADS_AT_ONCE; ++u) {
           const int h = h0 + u * lanes;
           if (h >= heads) break;
           const I *x = head(h, q_heads, qx, p.q.head_stride, kx, p.k.head_stride) + i;
@@ -123,7 +120,7 @@ __device__ __forceinline__ void rotate(const Rope &p) {
           x2[u] = load<V>(x + half);
         }
 #pragma unroll
-        for (int u = 0; u < kHeadsAtOnce; ++u) {
+        for (int u = 0; u < ROPE_HEADS_AT_ONCE; ++u) {
           const int h = h0 + u * lanes;
           if (h >= heads) break;
           O *y = head(h, q_heads, qy, p.q_out.head_stride, ky, p.k_out.head_stride) + i;
@@ -141,11 +138,11 @@ __device__ __forceinline__ void rotate(const Rope &p) {
 
 // rope_{fwd,bwd}_<in>_<cos>_v<V>. The forward writes promote(in, cos); the backward writes in's dtype.
 #define ROPE_KERNELS(in, I, cs, C, V)                                                                  \
-  extern "C" __global__ void __launch_bounds__(256) rope_fwd_##in##_##cs##_v##V(const Rope p) {        \
-    rotate<I, C, typename Promote<I, C>::type, false, V>(p);                                          \
+  extern "C" __global__ void __launch_bounds__(ROPE_BLOCK) rope_fwd_##in##_##cs##_v##V(const Rope p) { \
+    rotate<I, C, typename Promote<I, C>::type, false, V>(p);                                           \
   }                                                                                                    \
-  extern "C" __global__ void __launch_bounds__(256) rope_bwd_##in##_##cs##_v##V(const Rope p) {        \
-    rotate<I, C, I, true, V>(p);                                                                      \
+  extern "C" __global__ void __launch_bounds__(ROPE_BLOCK) rope_bwd_##in##_##cs##_v##V(const Rope p) { \
+    rotate<I, C, I, true, V>(p);                                                                       \
   }
 
 // 16-byte accesses at most: 8 elements when every dtype involved is 16-bit, 4 otherwise.

@@ -37,3 +37,8 @@ typedef struct Rope {
   int32_t head_lanes;
   int32_t block;
 } Rope;
+
+/* Most threads of a block (the kernels' __launch_bounds__), and heads a thread loads before it stores
+ * any: bytes in flight, and one load of the cos/sin vectors serves them all. */
+#define ROPE_BLOCK 256
+#define ROPE_HEADS_AT_ONCE 4

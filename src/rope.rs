@@ -5,7 +5,7 @@ use crate::cpu::{promote, Element};
 use crate::driver::{self, fatbins, Dir, Launch, Result};
 use crate::ffi::guard;
 use crate::geometry;
-use crate::params::{BastileDType, Rope, RopeTensor};
+use crate::params::{BastileDType, Rope, RopeTensor, ROPE_BLOCK, ROPE_HEADS_AT_ONCE};
 use rayon::prelude::*;
 
 crate::params::bridged!(Rope);
@@ -35,14 +35,14 @@ fn ffi_run_cpu(p: &Rope, backward: bool) -> Result<()> {
 }
 
 /// Most threads of a block (the kernels' `__launch_bounds__`), and of one token's group.
-const BLOCK: i64 = 256;
+const BLOCK: i64 = ROPE_BLOCK as i64;
 /// Threads a block aims for: several tokens' groups when one is small (H100, bf16, 2x4096 tokens x 24
 /// heads x 128: 96-thread blocks of two tokens measured among the best in a same-process sweep).
 const TARGET_BLOCK: i64 = 128;
 /// Most threads along the vector pairs of one head; longer heads loop.
 const MAX_PAIR_THREADS: i64 = 128;
-/// Heads a thread loads before it stores any (`kHeadsAtOnce` in cuda/rope.cu).
-const HEADS_AT_ONCE: i64 = 4;
+/// Heads a thread loads before it stores any.
+const HEADS_AT_ONCE: i64 = ROPE_HEADS_AT_ONCE as i64;
 
 /// Dtypes of the input, of cos/sin and of the output, checked against the direction: the forward
 /// writes promote(input, cos), the backward the input's dtype.
