@@ -1,11 +1,12 @@
 //! Builds the three layers of libbastile.so:
 //! - every `cuda/*.cu` into one fatbin (SASS for sm_90a, sm_100f, sm_120f and compute_80 PTX),
-//!   embedded through `$OUT_DIR/fatbins.rs`;
+//!   embedded through `$OUT_DIR/fatbins.rs`; nvcc runs again only for a file whose inputs changed;
 //! - every `include/*.h` (parameter blocks) into Rust structs with bindgen;
 //! - the C++ torch registration layer (`src/torch/*.cpp`) and the cxx bridges of `src/*.rs`,
 //!   against the torch that `python3` (or `$BASTILE_PYTHON`) imports.
 use std::env;
 use std::fmt::Write as _;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -126,23 +127,45 @@ fn sources(dir: &str, ext: &str) -> Vec<PathBuf> {
     files
 }
 
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| fail(&format!("reading {}: {e}", path.display())))
+}
+
 fn compile_kernels(nvcc: &Path, out: &Path) {
+    let mut args: Vec<String> = ["-fatbin", "-O3", "-std=c++17", "-Iinclude", "-Icuda", "-Xptxas=-warn-spills"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(GENCODE.iter().map(|g| format!("-gencode={g}")));
+    if let Ok(extra) = env::var("BASTILE_NVCC_FLAGS") {
+        args.extend(extra.split_whitespace().map(String::from));
+    }
+    // What every kernel file may include; a change to any of them recompiles them all.
+    let mut shared = DefaultHasher::new();
+    (nvcc, &args).hash(&mut shared);
+    for h in sources("cuda", "cuh").iter().chain(&sources("include", "h")) {
+        read(h).hash(&mut shared);
+    }
     let mut rust = String::new();
     for src in &sources("cuda", "cu") {
         let stem = src.file_stem().unwrap().to_str().unwrap();
         let fatbin = out.join(format!("{stem}.fatbin"));
-        let mut cmd = Command::new(nvcc);
-        cmd.args(["-fatbin", "-O3", "-std=c++17", "-Iinclude", "-Icuda", "-Xptxas=-warn-spills"]);
-        for g in GENCODE {
-            cmd.arg(format!("-gencode={g}"));
-        }
-        if let Ok(extra) = env::var("BASTILE_NVCC_FLAGS") {
-            cmd.args(extra.split_whitespace());
-        }
-        cmd.arg(src).arg("-o").arg(&fatbin);
-        let status = cmd.status().unwrap_or_else(|e| fail(&format!("could not run {}: {e}", nvcc.display())));
-        if !status.success() {
-            fail(&format!("nvcc failed on {}", src.display()));
+        let stamp = out.join(format!("{stem}.fatbin.inputs"));
+        let mut hasher = shared.clone();
+        read(src).hash(&mut hasher);
+        let inputs = format!("{:016x}", hasher.finish());
+        if !(fatbin.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == inputs)) {
+            let status = Command::new(nvcc)
+                .args(&args)
+                .arg(src)
+                .arg("-o")
+                .arg(&fatbin)
+                .status()
+                .unwrap_or_else(|e| fail(&format!("could not run {}: {e}", nvcc.display())));
+            if !status.success() {
+                fail(&format!("nvcc failed on {}", src.display()));
+            }
+            std::fs::write(&stamp, inputs).unwrap();
         }
         writeln!(
             rust,
