@@ -9,8 +9,8 @@ ranked by CUDA time and grouped into categories.
 The step is bench_e2e.py's (same model, data and optimizer; --mode is any of its modes). Wall time per step:
 CUDA events around --warmup further steps. Kernel time: the duration of every kernel (and memcpy/memset)
 the profiler records in one step, summed per name; "% of GPU time" is of the sum over all kernels of the
-step, "% of step wall" of the unprofiled wall time per step. Categories: bastile (our kernels: rms_norm_*,
-swiglu_*, rope_*, qk_norm_rope_*, flce_rows_*), attention, GEMM (cuBLAS/CUTLASS; the fused cross-entropy's
+step, "% of step wall" of the unprofiled wall time per step. Categories: bastile (our kernels, named
+<op>_<tags> after their family: rms_norm_*, swiglu_*, rope_*, ...), attention, GEMM (cuBLAS/CUTLASS; the fused cross-entropy's
 GEMMs are cuBLAS calls through ATen and count here), optimizer, elementwise/other. Writes profile-<mode>.csv (kernels) and profile-<mode>-categories.csv under
 $OUT or bench-results/ (--trace adds the Chrome trace, large).
 """
@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 # First match wins: attention before GEMM (cuDNN/flash attention kernels carry GEMM-like names).
 CATEGORIES = [
-    ("bastile", r"^(rms_norm_(fwd|bwd)|swiglu_(fwd|bwd)|rope_(fwd|bwd)|qk_norm_rope_(fwd|bwd)|flce_rows)_|^bastile::"),
+    ("bastile", r"^(rms_norm|swiglu|geglu|rope|qk_norm_rope|fused_linear_cross_entropy)_(fwd|bwd|rows|scale)_|^bastile::"),
     ("attention", r"flash|fmha|attention|sdpa|_attn|mha"),
     ("optimizer", r"adam|multi_tensor_apply|foreach"),
     ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm\d+_.*(tn|nt|nn|tt)|^aten::(mm|addmm|bmm|matmul|linear)$"),

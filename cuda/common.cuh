@@ -148,3 +148,14 @@ __device__ __forceinline__ void column_sum(const float *partial, int64_t partial
 }
 
 }  // namespace bastile
+
+// Template arguments of the dtype and access tags of the kernel lists (include/bastile.h).
+#define BASTILE_TYPE_f32 float
+#define BASTILE_TYPE_f16 bastile::f16
+#define BASTILE_TYPE_bf16 bastile::bf16
+#define BASTILE_WIDTH_vec(T) 16 / sizeof(T)
+#define BASTILE_WIDTH_scalar(T) 1
+
+// Pastes a and b after expanding them: a kernel name whose last tag may be empty.
+#define BASTILE_CAT_(a, b) a##b
+#define BASTILE_CAT(a, b) BASTILE_CAT_(a, b)

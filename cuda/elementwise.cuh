@@ -57,19 +57,9 @@ template <int V> __device__ __forceinline__ int64_t tail_index(int64_t n) {
 
 }  // namespace bastile
 
-// A family's kernels, <op>_{fwd,bwd}_<f32|f16|bf16>_<vec|scalar> (the names its Rust launcher builds):
-// the including file's forward<T, V>(Fwd) and backward<T, V>(Bwd) with 16-byte vectors or single elements.
-#define ELEMENTWISE_KERNEL_PAIR(op, Fwd, Bwd, BLOCK, tn, T, tag, V)                                   \
-  extern "C" __global__ void __launch_bounds__(BLOCK) op##_fwd_##tn##_##tag(const Fwd p) {             \
-    forward<T, V>(p);                                                                                  \
-  }                                                                                                    \
-  extern "C" __global__ void __launch_bounds__(BLOCK) op##_bwd_##tn##_##tag(const Bwd p) {             \
-    backward<T, V>(p);                                                                                 \
+// The kernel of an elementwise list's K(dir, dtype, access) (include/bastile.h), named op_dir_dtype_access:
+// the including file's fn<T, V>(p) for a parameter block Params, at most BLOCK threads a block.
+#define ELEMENTWISE_KERNEL(op, BLOCK, Params, fn, dir, dt, access)                                  \
+  extern "C" __global__ void __launch_bounds__(BLOCK) op##_##dir##_##dt##_##access(const Params p) { \
+    fn<BASTILE_TYPE_##dt, BASTILE_WIDTH_##access(BASTILE_TYPE_##dt)>(p);                           \
   }
-#define ELEMENTWISE_DTYPE(op, Fwd, Bwd, BLOCK, tn, T)                   \
-  ELEMENTWISE_KERNEL_PAIR(op, Fwd, Bwd, BLOCK, tn, T, vec, 16 / sizeof(T)) \
-  ELEMENTWISE_KERNEL_PAIR(op, Fwd, Bwd, BLOCK, tn, T, scalar, 1)
-#define ELEMENTWISE_KERNELS(op, Fwd, Bwd, BLOCK)               \
-  ELEMENTWISE_DTYPE(op, Fwd, Bwd, BLOCK, f32, float)           \
-  ELEMENTWISE_DTYPE(op, Fwd, Bwd, BLOCK, f16, f16)             \
-  ELEMENTWISE_DTYPE(op, Fwd, Bwd, BLOCK, bf16, bf16)

@@ -208,29 +208,15 @@ template <class T, int V> __device__ __forceinline__ void scale(const GradScale 
 
 // Up to FLCE_BLOCK threads, FLCE_BLOCKS_PER_SM blocks per SM: 64 registers a thread hold the cached
 // vectors and the vectors in flight without spilling.
-#define FLCE_KERNEL(tn, T, vn, V, cn, CAP)                                                      \
-  extern "C" __global__ void __launch_bounds__(FLCE_BLOCK, FLCE_BLOCKS_PER_SM)                 \
-      flce_rows_##tn##_##vn##cn(const CrossEntropyChunk p) {                                   \
-    rows<T, V, CAP>(p);                                                                         \
+#define FLCE_SOFTCAP_ false
+#define FLCE_SOFTCAP_softcap true
+#define FLCE_SUFFIX_
+#define FLCE_SUFFIX_softcap _softcap
+#define ROWS(dir, dt, access, cap)                                                                \
+  extern "C" __global__ void __launch_bounds__(FLCE_BLOCK, FLCE_BLOCKS_PER_SM)                      \
+      BASTILE_CAT(fused_linear_cross_entropy_##dir##_##dt##_##access, FLCE_SUFFIX_##cap)(const CrossEntropyChunk p) { \
+    rows<BASTILE_TYPE_##dt, BASTILE_WIDTH_##access(BASTILE_TYPE_##dt), FLCE_SOFTCAP_##cap>(p);    \
   }
-
-// Kernel names: flce_rows_<dtype>_<vec|scalar>[_softcap]; src/fused_linear_cross_entropy.rs builds the same.
-#define FLCE_VARIANTS(tn, T)                                 \
-  FLCE_KERNEL(tn, T, vec, 16 / sizeof(T), , false)           \
-  FLCE_KERNEL(tn, T, vec, 16 / sizeof(T), _softcap, true)    \
-  FLCE_KERNEL(tn, T, scalar, 1, , false)                     \
-  FLCE_KERNEL(tn, T, scalar, 1, _softcap, true)
-
-FLCE_VARIANTS(f32, float)
-FLCE_VARIANTS(f16, f16)
-FLCE_VARIANTS(bf16, bf16)
-
-// flce_scale_<dtype>_<vec|scalar>.
-#define FLCE_SCALE(tn, T, vn, V)                                                                         \
-  extern "C" __global__ void __launch_bounds__(FLCE_SCALE_BLOCK) flce_scale_##tn##_##vn(const GradScale p) { \
-    scale<T, V>(p);                                                                                      \
-  }
-#define FLCE_SCALES(tn, T) FLCE_SCALE(tn, T, vec, 16 / sizeof(T)) FLCE_SCALE(tn, T, scalar, 1)
-FLCE_SCALES(f32, float)
-FLCE_SCALES(f16, f16)
-FLCE_SCALES(bf16, bf16)
+#define SCALE(...) ELEMENTWISE_KERNEL(fused_linear_cross_entropy, FLCE_SCALE_BLOCK, GradScale, scale, __VA_ARGS__)
+CROSS_ENTROPY_CHUNK_KERNELS(ROWS)
+GRAD_SCALE_KERNELS(SCALE)

@@ -112,5 +112,7 @@ template <class T, int V> __device__ __forceinline__ void backward(const GegluBa
 
 }  // namespace
 
-// Kernel names: geglu_{fwd,bwd}_<dtype>_<vec|scalar>; src/geglu.rs builds the same.
-ELEMENTWISE_KERNELS(geglu, GegluForward, GegluBackward, GEGLU_BLOCK)
+#define FORWARD(...) ELEMENTWISE_KERNEL(geglu, GEGLU_BLOCK, GegluForward, forward, __VA_ARGS__)
+#define BACKWARD(...) ELEMENTWISE_KERNEL(geglu, GEGLU_BLOCK, GegluBackward, backward, __VA_ARGS__)
+GEGLU_FORWARD_KERNELS(FORWARD)
+GEGLU_BACKWARD_KERNELS(BACKWARD)

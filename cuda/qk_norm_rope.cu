@@ -350,45 +350,23 @@ template <class X, class W, class C> __device__ __forceinline__ void backward_sc
 
 }  // namespace
 
-#define QK_NORM_ROPE_KERNELS(xn, X, wn, W, cn, C)                                                            \
-  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_fwd_##xn##_##wn##_##cn##_vec(               \
-      const QkNormRopeForward p) {                                                                           \
-    forward_vec<X, W, C, 16 / sizeof(X)>(p);                                                                 \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_fwd_##xn##_##wn##_##cn##_scalar(            \
-      const QkNormRopeForward p) {                                                                           \
-    forward_scalar<X, W, C>(p);                                                                              \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_bwd_##xn##_##wn##_##cn##_vec(               \
-      const QkNormRopeBackward p) {                                                                          \
-    backward_vec<X, W, C, 16 / sizeof(X)>(p);                                                                \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_bwd_##xn##_##wn##_##cn##_scalar(            \
-      const QkNormRopeBackward p) {                                                                          \
-    backward_scalar<X, W, C>(p);                                                                             \
+#define PARAMS_fwd QkNormRopeForward
+#define PARAMS_bwd QkNormRopeBackward
+#define RUN_fwd_vec(X, W, C) forward_vec<X, W, C, 16 / sizeof(X)>(p)
+#define RUN_fwd_scalar(X, W, C) forward_scalar<X, W, C>(p)
+#define RUN_bwd_vec(X, W, C) backward_vec<X, W, C, 16 / sizeof(X)>(p)
+#define RUN_bwd_scalar(X, W, C) backward_scalar<X, W, C>(p)
+#define KERNEL(dir, x, w, c, access)                                                                   \
+  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_##dir##_##x##_##w##_##c##_##access(    \
+      const PARAMS_##dir p) {                                                                          \
+    RUN_##dir##_##access(BASTILE_TYPE_##x, BASTILE_TYPE_##w, BASTILE_TYPE_##c);                        \
   }
-
-// Kernel names: qk_norm_rope_{fwd,bwd}_<x>_<w>_<cos>_<vec|scalar>; src/qk_norm_rope.rs builds the same.
-#define QK_NORM_ROPE_FOR_COS(xn, X, wn, W) \
-  QK_NORM_ROPE_KERNELS(xn, X, wn, W, f32, float) \
-  QK_NORM_ROPE_KERNELS(xn, X, wn, W, f16, f16)   \
-  QK_NORM_ROPE_KERNELS(xn, X, wn, W, bf16, bf16)
-
-#define QK_NORM_ROPE_FOR_WEIGHTS(xn, X)                                                  \
-  QK_NORM_ROPE_FOR_COS(xn, X, f32, float) QK_NORM_ROPE_FOR_COS(xn, X, f16, f16) \
-  QK_NORM_ROPE_FOR_COS(xn, X, bf16, bf16)
-
-QK_NORM_ROPE_FOR_WEIGHTS(f32, float)
-QK_NORM_ROPE_FOR_WEIGHTS(f16, f16)
-QK_NORM_ROPE_FOR_WEIGHTS(bf16, bf16)
-
 // Block (32, 8), grid (ceil(D / 32), 2): blockIdx.y picks q's weight or k's.
-#define QK_NORM_ROPE_REDUCE(wn, W)                                                                          \
-  extern "C" __global__ void qk_norm_rope_bwd_reduce_##wn(const QkNormRopeBackward p) {                   \
+#define REDUCE(dir, reduce, w)                                                                            \
+  extern "C" __global__ void qk_norm_rope_##dir##_##reduce##_##w(const QkNormRopeBackward p) {            \
     const bool k = blockIdx.y == 1;                                                                        \
-    column_sum<W>(p.partial + (k ? p.partials * p.shape.head_dim : 0), p.partials, p.shape.head_dim,       \
-                  static_cast<W *>(k ? p.grad_k_weight : p.grad_q_weight));                                \
+    column_sum<BASTILE_TYPE_##w>(p.partial + (k ? p.partials * p.shape.head_dim : 0), p.partials,          \
+                                 p.shape.head_dim, static_cast<BASTILE_TYPE_##w *>(k ? p.grad_k_weight : p.grad_q_weight)); \
   }
-QK_NORM_ROPE_REDUCE(f32, float)
-QK_NORM_ROPE_REDUCE(f16, f16)
-QK_NORM_ROPE_REDUCE(bf16, bf16)
+QK_NORM_ROPE_FORWARD_KERNELS(KERNEL)
+QK_NORM_ROPE_BACKWARD_KERNELS(KERNEL, REDUCE)

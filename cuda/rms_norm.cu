@@ -314,57 +314,47 @@ __device__ __forceinline__ void forward(const RmsNormForward &p) {
   if constexpr (K > 0) forward_cached<X, W, V, K, R, CW>(p); else forward_stream<X, W, V, CW>(p);
 }
 
-template <class X, class W, int V, int K, bool CW>
+// R: the backward takes one row a step.
+template <class X, class W, int V, int K, int R, bool CW>
 __device__ __forceinline__ void backward(const RmsNormBackward &p) {
+  static_assert(R == 1);
   if constexpr (K > 0) backward_cached<X, W, V, K, CW>(p); else backward_stream<X, W, V, CW>(p);
 }
 
 }  // namespace
 
+// Template arguments of each variant (src/geometry.rs): elements per access, vectors a thread keeps in
+// registers (0: the row is streamed twice) and rows a step.
+#define VARIANT_k1(X) 16 / sizeof(X), 1, 1
+#define VARIANT_k2(X) 16 / sizeof(X), 2, 1
+#define VARIANT_k4(X) 16 / sizeof(X), 4, 1
+#define VARIANT_k8(X) 16 / sizeof(X), 8, 1
+#define VARIANT_vstream(X) 16 / sizeof(X), 0, 1
+#define VARIANT_sstream(X) 1, 0, 1
+#define VARIANT_k1r2(X) 16 / sizeof(X), 1, 2
+#define VARIANT_k2r2(X) 16 / sizeof(X), 2, 2
+#define VARIANT_k4r2(X) 16 / sizeof(X), 4, 2
+#define CAST_AFTER_WEIGHT_ false
+#define CAST_AFTER_WEIGHT_cast_after_weight true
+#define SUFFIX_
+#define SUFFIX_cast_after_weight _cast_after_weight
+#define PARAMS_fwd RmsNormForward
+#define PARAMS_bwd RmsNormBackward
+#define RUN_fwd forward
+#define RUN_bwd backward
+
 // Register-cached variants run at most 256 threads a block (src/geometry.rs), which leaves the
 // compiler room to keep a whole row share in registers; streaming variants take up to 1024.
-#define RMS_NORM_FWD(xn, X, wn, W, tag, V, K, R, mode, CW)                                   \
-  extern "C" __global__ void __launch_bounds__(K > 0 ? 256 : 1024)                           \
-      rms_norm_fwd_##xn##_##wn##_##tag##mode(const RmsNormForward p) {                        \
-    forward<X, W, V, K, R, CW>(p);                                                             \
+template <int V, int K, int R> constexpr int kMaxThreads = K > 0 ? 256 : 1024;
+
+#define KERNEL(dir, x, w, v, mode)                                                                       \
+  extern "C" __global__ void __launch_bounds__((kMaxThreads<VARIANT_##v(BASTILE_TYPE_##x)>))            \
+      BASTILE_CAT(rms_norm_##dir##_##x##_##w##_##v, SUFFIX_##mode)(const PARAMS_##dir p) {                \
+    RUN_##dir<BASTILE_TYPE_##x, BASTILE_TYPE_##w, VARIANT_##v(BASTILE_TYPE_##x), CAST_AFTER_WEIGHT_##mode>(p); \
   }
-#define RMS_NORM_BWD(xn, X, wn, W, tag, V, K, mode, CW)                                      \
-  extern "C" __global__ void __launch_bounds__(K > 0 ? 256 : 1024)                           \
-      rms_norm_bwd_##xn##_##wn##_##tag##mode(const RmsNormBackward p) {                       \
-    backward<X, W, V, K, CW>(p);                                                               \
+#define REDUCE(dir, reduce, w)                                                                   \
+  extern "C" __global__ void rms_norm_##dir##_##reduce##_##w(const RmsNormBackward p) {         \
+    column_sum<BASTILE_TYPE_##w>(p.partial, p.partials, p.cols, static_cast<BASTILE_TYPE_##w *>(p.grad_w)); \
   }
-#define RMS_NORM_KERNELS(xn, X, wn, W, tag, V, K, mode, CW) \
-  RMS_NORM_FWD(xn, X, wn, W, tag, V, K, 1, mode, CW) RMS_NORM_BWD(xn, X, wn, W, tag, V, K, mode, CW)
-
-// Kernel names: rms_norm_{fwd,bwd}_<x>_<w>_<k1|k2|k4|k8|vstream|sstream>[_cast_after_weight], and the
-// forward's two-rows-a-step variants rms_norm_fwd_<x>_<w>_<k1|k2|k4>r2[...] for short rows; src/rms_norm.rs
-// builds the same.
-#define RMS_NORM_VARIANTS(xn, X, wn, W, mode, CW)                            \
-  RMS_NORM_KERNELS(xn, X, wn, W, k1, 16 / sizeof(X), 1, mode, CW)            \
-  RMS_NORM_KERNELS(xn, X, wn, W, k2, 16 / sizeof(X), 2, mode, CW)            \
-  RMS_NORM_KERNELS(xn, X, wn, W, k4, 16 / sizeof(X), 4, mode, CW)            \
-  RMS_NORM_KERNELS(xn, X, wn, W, k8, 16 / sizeof(X), 8, mode, CW)            \
-  RMS_NORM_KERNELS(xn, X, wn, W, vstream, 16 / sizeof(X), 0, mode, CW)       \
-  RMS_NORM_KERNELS(xn, X, wn, W, sstream, 1, 0, mode, CW)                    \
-  RMS_NORM_FWD(xn, X, wn, W, k1r2, 16 / sizeof(X), 1, 2, mode, CW)           \
-  RMS_NORM_FWD(xn, X, wn, W, k2r2, 16 / sizeof(X), 2, 2, mode, CW)           \
-  RMS_NORM_FWD(xn, X, wn, W, k4r2, 16 / sizeof(X), 4, 2, mode, CW)
-
-#define RMS_NORM_FOR_WEIGHTS(xn, X, mode, CW)                                                    \
-  RMS_NORM_VARIANTS(xn, X, f32, float, mode, CW) RMS_NORM_VARIANTS(xn, X, f16, f16, mode, CW) \
-  RMS_NORM_VARIANTS(xn, X, bf16, bf16, mode, CW)
-
-#define RMS_NORM_FOR_MODES(xn, X) \
-  RMS_NORM_FOR_WEIGHTS(xn, X, , false) RMS_NORM_FOR_WEIGHTS(xn, X, _cast_after_weight, true)
-
-RMS_NORM_FOR_MODES(f32, float)
-RMS_NORM_FOR_MODES(f16, f16)
-RMS_NORM_FOR_MODES(bf16, bf16)
-
-#define RMS_NORM_REDUCE(wn, W) \
-  extern "C" __global__ void rms_norm_bwd_reduce_##wn(const RmsNormBackward p) { \
-    column_sum<W>(p.partial, p.partials, p.cols, static_cast<W *>(p.grad_w));   \
-  }
-RMS_NORM_REDUCE(f32, float)
-RMS_NORM_REDUCE(f16, f16)
-RMS_NORM_REDUCE(bf16, bf16)
+RMS_NORM_FORWARD_KERNELS(KERNEL)
+RMS_NORM_BACKWARD_KERNELS(KERNEL, REDUCE)

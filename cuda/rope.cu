@@ -136,30 +136,15 @@ __device__ __forceinline__ void rotate(const Rope &p) {
 
 }  // namespace
 
-// rope_{fwd,bwd}_<in>_<cos>_v<V>. The forward writes promote(in, cos); the backward writes in's dtype.
-#define ROPE_KERNELS(in, I, cs, C, V)                                                                  \
-  extern "C" __global__ void __launch_bounds__(ROPE_BLOCK) rope_fwd_##in##_##cs##_v##V(const Rope p) { \
-    rotate<I, C, typename Promote<I, C>::type, false, V>(p);                                           \
-  }                                                                                                    \
-  extern "C" __global__ void __launch_bounds__(ROPE_BLOCK) rope_bwd_##in##_##cs##_v##V(const Rope p) { \
-    rotate<I, C, I, true, V>(p);                                                                       \
+// The forward writes promote(in, cos); the backward writes in's dtype.
+#define ROPE_fwd(I, C, V) rotate<I, C, typename Promote<I, C>::type, false, V>(p)
+#define ROPE_bwd(I, C, V) rotate<I, C, I, true, V>(p)
+#define ROPE_WIDTH_v1 1
+#define ROPE_WIDTH_v2 2
+#define ROPE_WIDTH_v4 4
+#define ROPE_WIDTH_v8 8
+#define KERNEL(dir, in, cs, v)                                                                          \
+  extern "C" __global__ void __launch_bounds__(ROPE_BLOCK) rope_##dir##_##in##_##cs##_##v(const Rope p) { \
+    ROPE_##dir(BASTILE_TYPE_##in, BASTILE_TYPE_##cs, ROPE_WIDTH_##v);                                    \
   }
-
-// 16-byte accesses at most: 8 elements when every dtype involved is 16-bit, 4 otherwise.
-#define ROPE_NARROW(in, I, cs, C) \
-  ROPE_KERNELS(in, I, cs, C, 1)   \
-  ROPE_KERNELS(in, I, cs, C, 2)   \
-  ROPE_KERNELS(in, I, cs, C, 4)
-#define ROPE_WIDE(in, I, cs, C) \
-  ROPE_NARROW(in, I, cs, C)     \
-  ROPE_KERNELS(in, I, cs, C, 8)
-
-ROPE_WIDE(bf16, bf16, bf16, bf16)
-ROPE_WIDE(f16, f16, f16, f16)
-ROPE_NARROW(f32, float, f32, float)
-ROPE_NARROW(f32, float, f16, f16)
-ROPE_NARROW(f32, float, bf16, bf16)
-ROPE_NARROW(f16, f16, f32, float)
-ROPE_NARROW(f16, f16, bf16, bf16)
-ROPE_NARROW(bf16, bf16, f32, float)
-ROPE_NARROW(bf16, bf16, f16, f16)
+ROPE_KERNELS(KERNEL)

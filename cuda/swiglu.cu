@@ -96,5 +96,7 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
 
 }  // namespace
 
-// Kernel names: swiglu_{fwd,bwd}_<dtype>_<vec|scalar>; src/swiglu.rs builds the same.
-ELEMENTWISE_KERNELS(swiglu, SwigluForward, SwigluBackward, SWIGLU_BLOCK)
+#define FORWARD(...) ELEMENTWISE_KERNEL(swiglu, SWIGLU_BLOCK, SwigluForward, forward, __VA_ARGS__)
+#define BACKWARD(...) ELEMENTWISE_KERNEL(swiglu, SWIGLU_BLOCK, SwigluBackward, backward, __VA_ARGS__)
+SWIGLU_FORWARD_KERNELS(FORWARD)
+SWIGLU_BACKWARD_KERNELS(BACKWARD)

@@ -19,3 +19,14 @@ typedef struct RowGeometry {
   int32_t group; /* threads that share one row */
   int32_t block; /* threads per block = group * rows per block */
 } RowGeometry;
+
+/* Kernel lists. include/<op>.h declares the kernels of cuda/<op>.cu by the parameter block they take:
+ * `#define <BLOCK>_KERNELS(K)` (BLOCK: the struct's name in capitals and underscores, SwigluForward ->
+ * SWIGLU_FORWARD) expands to one K(tags...) per kernel, named <op>_<tag>_<tag>...; a tag left empty is no
+ * part of the name. The .cu instantiates exactly its lists (cuda/common.cuh maps dtype and access tags to
+ * template arguments), and build.rs turns them into the Rust tables that launchers look kernels up in by
+ * tags (src/kernels.rs). A list may take several K (a block whose kernels differ in shape of tags). */
+
+/* A flat elementwise op's kernels of `dir`: each dtype, with 16-byte vectors or single elements. */
+#define BASTILE_ELEMENTWISE_KERNELS(K, dir) \
+  K(dir, f32, vec) K(dir, f32, scalar) K(dir, f16, vec) K(dir, f16, scalar) K(dir, bf16, vec) K(dir, bf16, scalar)

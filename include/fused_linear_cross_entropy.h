@@ -34,6 +34,11 @@ typedef struct CrossEntropyChunk {
 #define FLCE_SCALE_BLOCK 256
 #define FLCE_SCALE_UNROLL 4
 
+/* fused_linear_cross_entropy_rows_<dtype>_<vec|scalar>[_softcap] and ..._scale_<dtype>_<vec|scalar>. */
+#define CROSS_ENTROPY_CHUNK_KERNELS(K) FLCE_ROWS(K, f32) FLCE_ROWS(K, f16) FLCE_ROWS(K, bf16)
+#define FLCE_ROWS(K, dt) K(rows, dt, vec, ) K(rows, dt, vec, softcap) K(rows, dt, scalar, ) K(rows, dt, scalar, softcap)
+#define GRAD_SCALE_KERNELS(K) BASTILE_ELEMENTWISE_KERNELS(K, scale)
+
 /* The backward: dst = src * factor[0] over n contiguous elements of `dtype`, in f32 and rounded once
  * (torch's grad * grad_loss for an f32 grad_loss), with the factor read on the device: no host sync.
  * dst may be src. */

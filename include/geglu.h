@@ -9,6 +9,10 @@
 #define GEGLU_BLOCK 256
 #define GEGLU_UNROLL 2
 
+/* geglu_<fwd|bwd>_<dtype>_<vec|scalar>. */
+#define GEGLU_FORWARD_KERNELS(K) BASTILE_ELEMENTWISE_KERNELS(K, fwd)
+#define GEGLU_BACKWARD_KERNELS(K) BASTILE_ELEMENTWISE_KERNELS(K, bwd)
+
 typedef struct GegluForward {
   const void *gate_up; /* [2n] */
   void *y;             /* [n] */

@@ -62,3 +62,15 @@ typedef struct QkNormRopeBackward {
   int32_t c_dtype;
   RowGeometry geo;
 } QkNormRopeBackward;
+
+/* qk_norm_rope_<fwd|bwd>_<x>_<w>_<cos>_<vec|scalar>; the backward's qk_norm_rope_bwd_reduce_<w> folds the
+ * weight gradients' partials. */
+#define QK_NORM_ROPE_FORWARD_KERNELS(K) QK_NORM_ROPE_X(K, fwd, f32) QK_NORM_ROPE_X(K, fwd, f16) QK_NORM_ROPE_X(K, fwd, bf16)
+#define QK_NORM_ROPE_BACKWARD_KERNELS(K, REDUCE)                                                   \
+  QK_NORM_ROPE_X(K, bwd, f32) QK_NORM_ROPE_X(K, bwd, f16) QK_NORM_ROPE_X(K, bwd, bf16)             \
+  REDUCE(bwd, reduce, f32) REDUCE(bwd, reduce, f16) REDUCE(bwd, reduce, bf16)
+#define QK_NORM_ROPE_X(K, dir, x) \
+  QK_NORM_ROPE_W(K, dir, x, f32) QK_NORM_ROPE_W(K, dir, x, f16) QK_NORM_ROPE_W(K, dir, x, bf16)
+#define QK_NORM_ROPE_W(K, dir, x, w) \
+  QK_NORM_ROPE_C(K, dir, x, w, f32) QK_NORM_ROPE_C(K, dir, x, w, f16) QK_NORM_ROPE_C(K, dir, x, w, bf16)
+#define QK_NORM_ROPE_C(K, dir, x, w, c) K(dir, x, w, c, vec) K(dir, x, w, c, scalar)

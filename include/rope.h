@@ -42,3 +42,13 @@ typedef struct Rope {
  * any: bytes in flight, and one load of the cos/sin vectors serves them all. */
 #define ROPE_BLOCK 256
 #define ROPE_HEADS_AT_ONCE 4
+
+/* rope_<fwd|bwd>_<in>_<cos>_v<elements per access>: 16-byte accesses at most, so v8 only where every
+ * dtype is one 16-bit type. */
+#define ROPE_KERNELS(K) ROPE_DIRECTION(K, fwd) ROPE_DIRECTION(K, bwd)
+#define ROPE_DIRECTION(K, dir)                                                                            \
+  ROPE_NARROW(K, dir, f32, f32) ROPE_NARROW(K, dir, f32, f16) ROPE_NARROW(K, dir, f32, bf16)             \
+  ROPE_NARROW(K, dir, f16, f32) ROPE_NARROW(K, dir, f16, f16) ROPE_NARROW(K, dir, f16, bf16)             \
+  ROPE_NARROW(K, dir, bf16, f32) ROPE_NARROW(K, dir, bf16, f16) ROPE_NARROW(K, dir, bf16, bf16)          \
+  K(dir, f16, f16, v8) K(dir, bf16, bf16, v8)
+#define ROPE_NARROW(K, dir, in, cs) K(dir, in, cs, v1) K(dir, in, cs, v2) K(dir, in, cs, v4)

@@ -12,6 +12,10 @@
 #define SWIGLU_BLOCK 256
 #define SWIGLU_UNROLL 1
 
+/* swiglu_<fwd|bwd>_<dtype>_<vec|scalar>. */
+#define SWIGLU_FORWARD_KERNELS(K) BASTILE_ELEMENTWISE_KERNELS(K, fwd)
+#define SWIGLU_BACKWARD_KERNELS(K) BASTILE_ELEMENTWISE_KERNELS(K, bwd)
+
 typedef struct SwigluForward {
   const void *gate; /* [n] */
   const void *up;   /* [n] */

@@ -63,7 +63,7 @@ fn shared_vecs(vectors: i64, block: i64, cached: i64, vector_bytes: i64, room: u
 }
 
 fn name(dtype: BastileDType, vec: bool, softcap: bool) -> String {
-    format!("flce_rows_{}_{}{}", dtype.tag(), if vec { "vec" } else { "scalar" }, if softcap { "_softcap" } else { "" })
+    format!("fused_linear_cross_entropy_rows_{}_{}{}", dtype.tag(), if vec { "vec" } else { "scalar" }, if softcap { "_softcap" } else { "" })
 }
 
 pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()> {
@@ -93,7 +93,7 @@ pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Resu
     unsafe { driver::launch(kernel, cfg, stream, p) }
 }
 
-/// The gradient-scaling kernels, flat elementwise ones named `flce_scale_<dtype>_<vec|scalar>`.
+/// The gradient-scaling kernels, flat elementwise ones named `fused_linear_cross_entropy_scale_<dtype>_<vec|scalar>`.
 static SCALE: Family = Family {
     op: "fused_linear_cross_entropy",
     fatbin: fatbins::FUSED_LINEAR_CROSS_ENTROPY,
@@ -102,7 +102,7 @@ static SCALE: Family = Family {
 };
 
 fn scale_name(dtype: BastileDType, vec: i64) -> String {
-    format!("flce_scale_{}_{}", dtype.tag(), if vec > 1 { "vec" } else { "scalar" })
+    format!("fused_linear_cross_entropy_scale_{}_{}", dtype.tag(), if vec > 1 { "vec" } else { "scalar" })
 }
 
 /// The backward's scaling of a gradient by the loss's upstream gradient (a device f32 scalar). ATen's
@@ -331,12 +331,12 @@ mod tests {
     fn f64_is_cpu_only_and_names_match_cuda_symbols() {
         let mut p = CrossEntropyChunk { dtype: BASTILE_F64 as i32, rows: 1, ..Default::default() };
         assert!(chunk_cuda(&mut p, 0, 0).unwrap_err().contains("CPU only"));
-        assert_eq!(name(BASTILE_BF16, true, false), "flce_rows_bf16_vec");
-        assert_eq!(name(BASTILE_F32, false, true), "flce_rows_f32_scalar_softcap");
+        assert_eq!(name(BASTILE_BF16, true, false), "fused_linear_cross_entropy_rows_bf16_vec");
+        assert_eq!(name(BASTILE_F32, false, true), "fused_linear_cross_entropy_rows_f32_scalar_softcap");
         let q = GradScale { dtype: BASTILE_F64 as i32, n: 1, ..Default::default() };
         assert!(scale_cuda(&q, 0, 0).unwrap_err().contains("CPU only"));
-        assert_eq!(scale_name(BASTILE_BF16, 8), "flce_scale_bf16_vec");
-        assert_eq!(scale_name(BASTILE_F16, 1), "flce_scale_f16_scalar");
+        assert_eq!(scale_name(BASTILE_BF16, 8), "fused_linear_cross_entropy_scale_bf16_vec");
+        assert_eq!(scale_name(BASTILE_F16, 1), "fused_linear_cross_entropy_scale_f16_scalar");
     }
 
     #[test]
