@@ -46,6 +46,9 @@ test: cargo-test pytest
 train: build
 	$(PY) benches/train_qwen3.py
 
+# The kernel families: one cuda/<op>.cu each, with tests/test_<op>.py and benches/bench_<op>.py.
+OPS := $(sort $(basename $(notdir $(wildcard cuda/*.cu))))
+
 # GPU machine: the whole suite (CUDA tests included), then the ops' CUDA tests under compute-sanitizer
 # (not the > 2^31-element ones nor the 32768x151936 peak-memory one, too slow there, nor torch.compile's,
 # whose kernels are not ours).
@@ -53,11 +56,10 @@ SANITIZE ?= cuda and not int32 and not compile and not peak_memory
 gpu-test: build
 	$(PY) -m pytest tests -q -p no:cacheprovider
 	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -p no:cacheprovider \
-		tests/test_rms_norm.py tests/test_swiglu.py tests/test_rope.py tests/test_qk_norm_rope.py \
-		tests/test_fused_linear_cross_entropy.py tests/test_geglu.py -k "$(SANITIZE)"
+		$(OPS:%=tests/test_%.py) -k "$(SANITIZE)"
 
 # Every kernel family against its peers (one script each).
-OP_BENCHES := $(addprefix benches/bench_,$(addsuffix .py,rms_norm swiglu rope qk_norm_rope fused_linear_cross_entropy geglu))
+OP_BENCHES := $(wildcard $(OPS:%=benches/bench_%.py))
 bench: build
 	set -e; for b in $(OP_BENCHES); do $(PY) $$b; done
 

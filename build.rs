@@ -1,9 +1,15 @@
 //! Builds the three layers of libbastile.so:
 //! - every `cuda/*.cu` into one fatbin (SASS for sm_90a, sm_100f, sm_120f and compute_80 PTX),
-//!   embedded through `$OUT_DIR/fatbins.rs`; nvcc runs again only for a file whose inputs changed;
-//! - every `include/*.h` (parameter blocks) into Rust structs with bindgen;
-//! - the C++ torch registration layer (`src/torch/*.cpp`) and the cxx bridges of `src/*.rs`,
-//!   against the torch that `python3` (or `$BASTILE_PYTHON`) imports.
+//!   embedded; nvcc runs again only for a file whose inputs changed;
+//! - every `include/*.h` (parameter blocks) into Rust structs with bindgen, and their kernel lists
+//!   (`<BLOCK>_KERNELS(K)`) into Rust tables of kernel names and ids (`kernels.rs`) and C++ block ids
+//!   (`blocks.h`);
+//! - the C++ torch registration layer (`src/torch/*.cpp`) and the cxx bridge (`src/ffi.rs`), against
+//!   the torch that `python3` (or `$BASTILE_PYTHON`) imports.
+//!
+//! A kernel family is found by its files: `cuda/<op>.cu`, `include/<op>.h`, `src/<op>.rs` (a module
+//! of the crate, declared in the generated `ops.rs`) and `src/torch/<op>.cpp`. There is no list to extend.
+use std::collections::BTreeSet;
 use std::env;
 use std::fmt::Write as _;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -45,9 +51,12 @@ fn main() {
     });
     let cuda_include = nvcc.parent().unwrap().parent().unwrap().join("include");
 
-    compile_kernels(&nvcc, &out);
+    let families = stems("cuda", "cu");
+    compile_kernels(&nvcc, &out, &families);
     generate_params(&out);
-    compile_torch_layer(&torch, &cuda_include);
+    generate_kernel_tables(&out, &families);
+    generate_op_modules(&out, &families);
+    compile_torch_layer(&torch, &cuda_include, &out);
 
     println!("cargo:rustc-env=BASTILE_TORCH_VERSION={}", torch.version);
     println!("cargo:rustc-link-search=native={}", torch.lib_dir.display());
@@ -127,11 +136,15 @@ fn sources(dir: &str, ext: &str) -> Vec<PathBuf> {
     files
 }
 
+fn stems(dir: &str, ext: &str) -> Vec<String> {
+    sources(dir, ext).iter().map(|p| p.file_stem().unwrap().to_str().unwrap().to_string()).collect()
+}
+
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| fail(&format!("reading {}: {e}", path.display())))
 }
 
-fn compile_kernels(nvcc: &Path, out: &Path) {
+fn compile_kernels(nvcc: &Path, out: &Path, families: &[String]) {
     let mut args: Vec<String> = ["-fatbin", "-O3", "-std=c++17", "-Iinclude", "-Icuda", "-Xptxas=-warn-spills"]
         .iter()
         .map(|s| s.to_string())
@@ -147,17 +160,17 @@ fn compile_kernels(nvcc: &Path, out: &Path) {
         read(h).hash(&mut shared);
     }
     let mut rust = String::new();
-    for src in &sources("cuda", "cu") {
-        let stem = src.file_stem().unwrap().to_str().unwrap();
+    for stem in families {
+        let src = PathBuf::from(format!("cuda/{stem}.cu"));
         let fatbin = out.join(format!("{stem}.fatbin"));
         let stamp = out.join(format!("{stem}.fatbin.inputs"));
         let mut hasher = shared.clone();
-        read(src).hash(&mut hasher);
+        read(&src).hash(&mut hasher);
         let inputs = format!("{:016x}", hasher.finish());
         if !(fatbin.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == inputs)) {
             let status = Command::new(nvcc)
                 .args(&args)
-                .arg(src)
+                .arg(&src)
                 .arg("-o")
                 .arg(&fatbin)
                 .status()
@@ -175,7 +188,7 @@ fn compile_kernels(nvcc: &Path, out: &Path) {
         )
         .unwrap();
     }
-    let all: Vec<String> = sources("cuda", "cu").iter().map(|s| s.file_stem().unwrap().to_str().unwrap().to_uppercase()).collect();
+    let all: Vec<String> = families.iter().map(|s| s.to_uppercase()).collect();
     writeln!(rust, "pub static ALL: &[&crate::driver::Fatbin] = &[{}];", all.join(", ")).unwrap();
     std::fs::write(out.join("fatbins.rs"), rust).unwrap();
 }
@@ -196,22 +209,162 @@ fn generate_params(out: &Path) {
         .unwrap();
 }
 
-fn compile_torch_layer(torch: &Torch, cuda_include: &Path) {
-    // Each kernel family declares its C++-callable entries in its own module's bridge.
-    let bridges = sources("src", "rs")
-        .into_iter()
-        .filter(|f| std::fs::read_to_string(f).unwrap().contains("#[cxx::bridge"));
-    let mut build = cxx_build::bridges(bridges);
+/// A parameter block that kernels take, with the kernels its header lists.
+struct Block {
+    /// The C struct, `SwigluForward`.
+    name: String,
+    /// The family (header and `.cu` file) it belongs to, `swiglu`.
+    op: String,
+    /// Each kernel's tags; its name is `<op>_<tag>_<tag>...`.
+    kernels: BTreeSet<Vec<String>>,
+}
+
+/// `SWIGLU_FORWARD` -> `SwigluForward`.
+fn camel(upper: &str) -> String {
+    upper
+        .split('_')
+        .map(|w| w.chars().next().into_iter().chain(w.chars().skip(1).flat_map(char::to_lowercase)).collect::<String>())
+        .collect()
+}
+
+/// `Bf16`, `CastAfterWeight`: a tag as a Rust enum variant.
+fn variant(tag: &str) -> String {
+    camel(&tag.to_uppercase())
+}
+
+/// Reads every `#define <BLOCK>_KERNELS(K, ...)` of `include/<op>.h`: each parameter's expansion is
+/// collected through the C preprocessor, one `K(tags...)` per kernel.
+fn kernel_lists(families: &[String]) -> Vec<Block> {
+    let mut blocks = Vec::new();
+    for op in families {
+        let header = PathBuf::from(format!("include/{op}.h"));
+        let mut probe = format!("#include \"{op}.h\"\n#define BASTILE_KERNEL(...) bastile_kernel(__VA_ARGS__);\n");
+        let mut lists = 0;
+        for line in read(&header).lines() {
+            let Some(rest) = line.trim_start().strip_prefix("#define ") else { continue };
+            let Some((macro_name, params)) = rest.split_once('(') else { continue };
+            let Some(block) = macro_name.strip_suffix("_KERNELS") else { continue };
+            let arity = params.split(')').next().unwrap().split(',').count();
+            let collectors = vec!["BASTILE_KERNEL"; arity].join(", ");
+            writeln!(probe, "bastile_block(\"{block}\");\n{macro_name}({collectors})").unwrap();
+            lists += 1;
+        }
+        let probe_path = PathBuf::from(env::var("OUT_DIR").unwrap()).join(format!("{op}_kernels.c"));
+        std::fs::write(&probe_path, probe).unwrap();
+        let expanded = cc::Build::new().file(&probe_path).include("include").cargo_warnings(false).expand();
+        let mut found: Vec<Block> = Vec::new();
+        for stmt in String::from_utf8(expanded).unwrap().split(';') {
+            if let Some((_, block)) = stmt.rsplit_once("bastile_block(\"") {
+                let block = block.trim().trim_end_matches("\")");
+                found.push(Block { name: camel(block), op: op.clone(), kernels: BTreeSet::new() });
+            } else if let Some((_, tags)) = stmt.rsplit_once("bastile_kernel(") {
+                // Empty tags (a list's optional part left out) are no part of the name.
+                let tags: Vec<String> =
+                    tags.trim().trim_end_matches(')').split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect();
+                if let Some(bad) = tags.iter().find(|t| !t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')) {
+                    fail(&format!("{}: kernel tag `{bad}` is not an identifier", header.display()));
+                }
+                found.last_mut().unwrap().kernels.insert(tags);
+            }
+        }
+        if lists == 0 || found.len() != lists || found.iter().any(|b| b.kernels.is_empty()) {
+            fail(&format!("{} must declare each parameter block's kernels as `#define <BLOCK>_KERNELS(K)`, \
+                           one K(tags...) per kernel", header.display()));
+        }
+        blocks.extend(found);
+    }
+    blocks.sort_by(|a, b| a.name.cmp(&b.name));
+    blocks
+}
+
+/// `kernels.rs` (Rust): the `Tag` enum of every word kernel names are made of, and for each block its
+/// kernels sorted by tags, with their names; `for_block`, which runs a generic visitor for a block id.
+/// `blocks.h` (C++): the same ids by parameter type.
+fn generate_kernel_tables(out: &Path, families: &[String]) {
+    let blocks = kernel_lists(families);
+    // Every dtype is a tag, float64 included: a CUDA lookup for it names the dtype in its error.
+    let mut tags: BTreeSet<String> = ["f32", "f16", "bf16", "f64"].iter().map(|s| s.to_string()).collect();
+    tags.extend(blocks.iter().flat_map(|b| b.kernels.iter().flatten().cloned()));
+    let mut rs = String::from(
+        "/// A word of a kernel's name (`swiglu_fwd_bf16_vec`: `Fwd`, `Bf16`, `Vec`), from the kernel lists of\n\
+         /// include/*.h. Declared in the order of their spelling, so that tag lists sort as their names.\n\
+         #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]\npub enum Tag {\n",
+    );
+    for t in &tags {
+        writeln!(rs, "    {},", variant(t)).unwrap();
+    }
+    rs.push_str("}\n\nimpl Tag {\n    pub fn name(self) -> &'static str {\n        match self {\n");
+    for t in &tags {
+        writeln!(rs, "            Tag::{} => {t:?},", variant(t)).unwrap();
+    }
+    rs.push_str("        }\n    }\n}\n\n");
+    let mut cpp = String::from(
+        "// Generated by build.rs: the id by which the Rust bridge knows each parameter block with kernels.\n\
+         #pragma once\n#include <cstdint>\n\n",
+    );
+    for op in families {
+        writeln!(cpp, "#include \"{op}.h\"").unwrap();
+    }
+    cpp.push_str("\nnamespace bastile {\n\ntemplate <class P> struct Block;\n");
+    let mut dispatch = String::new();
+    for (id, b) in blocks.iter().enumerate() {
+        writeln!(rs, "impl Kernels for crate::params::{} {{", b.name).unwrap();
+        writeln!(rs, "    const OP: &'static str = {:?};", b.op).unwrap();
+        writeln!(rs, "    const ID: u32 = {id};").unwrap();
+        writeln!(rs, "    const FATBIN: &'static crate::driver::Fatbin = crate::driver::fatbins::{};", b.op.to_uppercase())
+            .unwrap();
+        rs.push_str("    const KERNELS: &'static [(&'static [Tag], &'static str)] = &[\n");
+        for k in &b.kernels {
+            let list: Vec<String> = k.iter().map(|t| format!("Tag::{}", variant(t))).collect();
+            writeln!(rs, "        (&[{}], \"{}_{}\"),", list.join(", "), b.op, k.join("_")).unwrap();
+        }
+        rs.push_str("    ];\n}\n\n");
+        writeln!(dispatch, "        {id} => Ok(visit.visit::<crate::params::{}>()),", b.name).unwrap();
+        writeln!(
+            cpp,
+            "template <> struct Block<::{}> {{\n  static constexpr uint32_t id = {id};\n  static constexpr const char* op = \"{}\";\n}};",
+            b.name, b.op
+        )
+        .unwrap();
+    }
+    write!(
+        rs,
+        "/// Runs `visit` with the parameter block whose id is `id`.\n\
+         pub fn for_block<V: Visit>(id: u32, visit: V) -> std::result::Result<V::Out, String> {{\n    match id {{\n{dispatch}        \
+         _ => Err(format!(\"bastile: no parameter block has id {{id}}\")),\n    }}\n}}\n"
+    )
+    .unwrap();
+    cpp.push_str("\n}  // namespace bastile\n");
+    std::fs::write(out.join("kernels.rs"), rs).unwrap();
+    std::fs::create_dir_all(out.join("include")).unwrap();
+    std::fs::write(out.join("include/blocks.h"), cpp).unwrap();
+}
+
+/// `ops.rs`: the crate module `src/<op>.rs` of each kernel family.
+fn generate_op_modules(out: &Path, families: &[String]) {
+    let dir = env::current_dir().unwrap().join("src");
+    let mods: String = families
+        .iter()
+        .map(|op| format!("#[path = {:?}]\npub mod {op};\n", dir.join(format!("{op}.rs")).display().to_string()))
+        .collect();
+    std::fs::write(out.join("ops.rs"), mods).unwrap();
+}
+
+fn compile_torch_layer(torch: &Torch, cuda_include: &Path, out: &Path) {
+    let mut build = cxx_build::bridge("src/ffi.rs");
     build
         .files(sources("src/torch", "cpp"))
         .include("include")
         .include("src/torch")
+        .include(out.join("include"))
         .includes(&torch.include_dirs)
         .include(cuda_include)
-        .std("c++17")
+        .std("c++20")
         .define("_GLIBCXX_USE_CXX11_ABI", if torch.cxx11_abi { "1" } else { "0" })
         .flag("-fvisibility=hidden")
         .flag_if_supported("-Wno-unused-parameter")
+        // Parameter blocks are filled by designated initializers; the fields left out are Rust's to plan.
+        .flag_if_supported("-Wno-missing-field-initializers")
         // Nothing references the registrations by name; keep every object so their static
         // initialisers (TORCH_LIBRARY) make it into the library.
         .link_lib_modifier("+whole-archive")

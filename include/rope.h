@@ -13,7 +13,8 @@ typedef struct RopeTensor {
 } RopeTensor;
 
 /* Forward: q, k -> q_out, k_out in promote(in_dtype, cs_dtype). Backward: q, k are the gradients of
- * the outputs and q_out, k_out the gradients of the inputs, all in in_dtype. */
+ * the outputs and q_out, k_out the gradients of the inputs, all in in_dtype. The C++ layer fills the
+ * tensors, shapes and dtypes; Rust the launch geometry. */
 typedef struct Rope {
   RopeTensor q;
   RopeTensor k;
@@ -36,6 +37,7 @@ typedef struct Rope {
   int32_t pair_threads;
   int32_t head_lanes;
   int32_t block;
+  int32_t backward; /* nonzero: the backward, rope_bwd_* (the kernels' direction is in their names) */
 } Rope;
 
 /* Most threads of a block (the kernels' __launch_bounds__), and heads a thread loads before it stores

@@ -5,6 +5,7 @@ use crate::params::BastileDType;
 use half::{bf16, f16};
 
 pub trait Element: Copy + Send + Sync + 'static {
+    const DTYPE: BastileDType;
     fn to_f64(self) -> f64;
     fn from_f64(v: f64) -> Self;
     /// `v` stored in this type and read back.
@@ -14,6 +15,7 @@ pub trait Element: Copy + Send + Sync + 'static {
 }
 
 impl Element for f64 {
+    const DTYPE: BastileDType = BastileDType::BASTILE_F64;
     fn to_f64(self) -> f64 {
         self
     }
@@ -22,6 +24,7 @@ impl Element for f64 {
     }
 }
 impl Element for f32 {
+    const DTYPE: BastileDType = BastileDType::BASTILE_F32;
     fn to_f64(self) -> f64 {
         self as f64
     }
@@ -30,6 +33,7 @@ impl Element for f32 {
     }
 }
 impl Element for f16 {
+    const DTYPE: BastileDType = BastileDType::BASTILE_F16;
     fn to_f64(self) -> f64 {
         self.to_f64()
     }
@@ -39,6 +43,7 @@ impl Element for f16 {
     }
 }
 impl Element for bf16 {
+    const DTYPE: BastileDType = BastileDType::BASTILE_BF16;
     fn to_f64(self) -> f64 {
         self.to_f64()
     }

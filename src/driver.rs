@@ -14,7 +14,7 @@ pub type Result<T> = std::result::Result<T, String>;
 #[repr(C, align(64))]
 pub struct Fatbin<T: ?Sized = [u8]>(pub T);
 
-/// Fatbins of every kernel family, named after their `cuda/*.cu` file.
+/// Fatbins of every kernel family, named after their `cuda/*.cu` file, and `ALL` of them.
 pub mod fatbins {
     include!(concat!(env!("OUT_DIR"), "/fatbins.rs"));
 }
@@ -57,8 +57,12 @@ pub struct Device {
     sm_count: u32,
     shared: SharedMemory,
     modules: Mutex<HashMap<usize, CUmodule>>,
-    functions: Mutex<HashMap<(usize, u64), Kernel>>,
+    functions: Mutex<HashMap<KernelKey, Kernel>>,
 }
+
+/// What a loaded kernel is cached under: its parameter block's id and its index in that block's kernel
+/// table (src/kernels.rs), and the threads and `sharing` its occupancy was computed for.
+pub type KernelKey = (u32, u32, u32, u32);
 
 // SAFETY: driver handles may be used from any thread; the maps are behind mutexes.
 unsafe impl Send for Device {}
@@ -88,31 +92,6 @@ impl SharedMemory {
     /// shared memory of its kernel.
     pub fn room(&self, blocks: u32, static_bytes: u32) -> u32 {
         (self.per_sm / blocks.max(1)).saturating_sub(self.reserved).min(self.per_block).saturating_sub(static_bytes)
-    }
-}
-
-/// Which way a kernel runs: the `fwd`/`bwd` part of its name.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Dir {
-    Fwd,
-    Bwd,
-}
-
-impl Dir {
-    /// The direction of a call that says whether it is the backward (a bool across the FFI).
-    pub fn of(backward: bool) -> Dir {
-        if backward {
-            Dir::Bwd
-        } else {
-            Dir::Fwd
-        }
-    }
-
-    pub fn tag(self) -> &'static str {
-        match self {
-            Dir::Fwd => "fwd",
-            Dir::Bwd => "bwd",
-        }
     }
 }
 
@@ -189,31 +168,24 @@ impl Device {
         Ok(())
     }
 
-    /// Kernel `name()` of `fatbin` for blocks of `block` threads, cached under (`fatbin`, `key`):
-    /// the caller's key must identify the name and the block size.
-    pub fn kernel(&self, fatbin: &'static Fatbin, key: u64, block: u32, name: impl FnOnce() -> String) -> Result<Kernel> {
-        self.kernel_sharing(fatbin, key, block, 0, name)
-    }
-
-    /// As `kernel`, for a kernel that takes dynamic shared memory: `sharing` (> 0) of its blocks are to
-    /// share an SM, and each may take the room that leaves (`Kernel::shared`). The key must identify
-    /// `sharing` too.
-    pub fn kernel_sharing(
+    /// Kernel `name` of `fatbin` for blocks of `threads` threads, cached under `key` (src/kernels.rs
+    /// looks kernels up by their tags). With `sharing` > 0 the kernel takes dynamic shared memory:
+    /// `sharing` of its blocks are to share an SM, and each may take the room that leaves
+    /// (`Kernel::shared`).
+    pub fn kernel(
         &self,
         fatbin: &'static Fatbin,
-        key: u64,
-        block: u32,
+        key: KernelKey,
+        name: &str,
+        threads: u32,
         sharing: u32,
-        name: impl FnOnce() -> String,
     ) -> Result<Kernel> {
         self.make_current()?;
-        let id = (fatbin as *const Fatbin as *const u8 as usize, key);
-        if let Some(k) = self.functions.lock().unwrap().get(&id) {
+        if let Some(k) = self.functions.lock().unwrap().get(&key) {
             return Ok(*k);
         }
         let module = self.module(fatbin)?;
-        let name = name();
-        let cname = CString::new(name.clone()).unwrap();
+        let cname = CString::new(name).unwrap();
         let mut function = std::ptr::null_mut();
         let mut blocks = 0;
         let mut shared = 0;
@@ -241,12 +213,12 @@ impl Device {
                 )?;
             }
             check(
-                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, shared as usize),
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, threads as i32, shared as usize),
                 "cuOccupancyMaxActiveBlocksPerMultiprocessor",
             )?;
         }
         let k = Kernel { function, blocks_per_sm: blocks.max(1) as u32, shared };
-        self.functions.lock().unwrap().insert(id, k);
+        self.functions.lock().unwrap().insert(key, k);
         Ok(k)
     }
 
@@ -285,7 +257,7 @@ pub fn clear_kernel_cache() {
 
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Launch {
+pub struct LaunchConfig {
     pub grid: (u32, u32),
     pub block: (u32, u32),
     pub shared: u32,
@@ -296,7 +268,7 @@ pub struct Launch {
 /// # Safety
 /// `params` must be the parameter type the kernel was compiled for, and every pointer in it must
 /// be valid for the accesses the kernel makes.
-pub unsafe fn launch<P>(kernel: Kernel, cfg: Launch, stream: usize, params: &P) -> Result<()> {
+pub unsafe fn launch<P>(kernel: Kernel, cfg: LaunchConfig, stream: usize, params: &P) -> Result<()> {
     let mut args = [params as *const P as *mut c_void];
     check(
         sys::cuLaunchKernel(

@@ -1,7 +1,9 @@
-//! Launches of the flat elementwise kernels of `cuda/elementwise.cuh` (swiglu, geglu): a grid-stride
-//! loop over 16-byte vectors, or single elements where a pointer is not 16-byte aligned.
-use crate::driver::{self, Dir, Fatbin, Result};
+//! Launches of the flat elementwise kernels of `cuda/elementwise.cuh` (swiglu, geglu, the fused
+//! cross-entropy's gradient scaling): a grid-stride loop over 16-byte vectors, or single elements
+//! where a pointer is not 16-byte aligned. Their lists are `BASTILE_ELEMENTWISE_KERNELS`.
+use crate::driver::{self, Device, Result};
 use crate::geometry;
+use crate::kernels::{self, Kernels, Plan, Tag};
 use crate::params::BastileDType;
 use std::ffi::c_void;
 
@@ -14,50 +16,74 @@ pub fn vector_width(dt: BastileDType, ptrs: &[*const c_void]) -> i64 {
     }
 }
 
-/// A family's kernels, `<op>_<fwd|bwd>_<dtype>_<vec|scalar>`: `block` threads per block, each taking
-/// `unroll` accesses per grid-stride step.
-pub struct Family {
-    pub op: &'static str,
-    pub fatbin: &'static Fatbin,
+/// A family's launch shape: `block` threads a block, each taking `unroll` accesses per grid-stride step.
+pub struct Elementwise {
     pub block: u32,
     pub unroll: u32,
 }
 
-impl Family {
-    /// The dtype code of a CUDA call, which has no float64 kernels.
-    pub fn cuda_dtype(&self, raw: i32) -> Result<BastileDType> {
-        let dt = BastileDType::from_raw(raw)?;
-        BastileDType::check_cuda(self.op, &[dt])?;
-        Ok(dt)
-    }
-
-    /// The kernel of `dir` for `dt` with accesses of `vec` elements (see [`vector_width`]).
-    pub fn name(&self, dir: Dir, dt: BastileDType, vec: i64) -> String {
-        format!("{}_{}_{}_{}", self.op, dir.tag(), dt.tag(), if vec > 1 { "vec" } else { "scalar" })
-    }
-
-    /// Launches the kernel of `dir` over `n` output elements (vectors of `vec`), `p` its parameter block.
-    ///
-    /// # Safety
-    /// `p` must be the block that kernel takes, with every pointer valid for the accesses it makes.
-    pub unsafe fn launch<P>(&self, dir: Dir, dt: BastileDType, vec: i64, n: i64, p: &P, device: i32, stream: usize) -> Result<()> {
-        let key = (dir == Dir::Bwd) as u64 | (dt as u64) << 4 | (vec as u64) << 8;
-        self.launch_kernel(key, || self.name(dir, dt, vec), n / vec, p, device, stream)
-    }
-
-    /// Launches kernel `name()` of the family's fatbin (cached under `key`, which must identify it) over
-    /// `units` accesses, with `p` as its parameter block.
-    ///
-    /// # Safety
-    /// As [`Family::launch`].
-    pub unsafe fn launch_kernel<P>(&self, key: u64, name: impl FnOnce() -> String, units: i64, p: &P, device: i32, stream: usize) -> Result<()> {
-        let dev = driver::device(device)?;
-        let kernel = dev.kernel(self.fatbin, key, self.block, name)?;
+impl Elementwise {
+    /// The launch of `params`' kernel `<op>_<dir>_<dtype>_<vec|scalar>` over `n` elements of `dt`
+    /// (output elements: pairs for geglu), 16-byte vectors when every pointer in `ptrs` allows them.
+    pub fn plan<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, ptrs: &[*const c_void], n: i64) -> Result<Plan> {
+        let vec = vector_width(dt, ptrs);
+        let access = if vec > 1 { Tag::Vec } else { Tag::Scalar };
+        let kernel = kernels::kernel::<P>(dev, &[dir, dt.tag(), access], self.block)?;
         // Each block covers block * unroll accesses per grid-stride step; the elements past the last
         // vector go to the first threads of block 0, which always exists.
-        let blocks = geometry::ceil_div(units, (self.block * self.unroll) as i64).max(1);
+        let blocks = geometry::ceil_div(n / vec, (self.block * self.unroll) as i64).max(1);
         let grid = geometry::grid(blocks, dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
-        let cfg = driver::Launch { grid: (grid, 1), block: (self.block, 1), shared: 0 };
-        driver::launch(kernel, cfg, stream, p)
+        Ok(Plan::single(kernel, driver::LaunchConfig { grid: (grid, 1), block: (self.block, 1), shared: 0 }, params))
+    }
+}
+
+/// [`Launch`](crate::kernels::Launch) for the parameter blocks of an elementwise family: each
+/// `Block: dir(pointers...) => cpu_kernel;` launches `<op>_<dir>_<dtype>_<access>` over the block's `n`
+/// with the `Elementwise` shape given first, 16-byte vectors when all the pointers allow them.
+#[macro_export]
+macro_rules! elementwise_launch {
+    ($shape:expr, $($block:ident: $dir:ident($($ptr:ident),+) => $cpu:path;)+) => {$(
+        impl $crate::kernels::Launch for $block {
+            fn plan(&self, dev: &'static $crate::driver::Device) -> $crate::driver::Result<$crate::kernels::Plan> {
+                let dt = $crate::params::BastileDType::from_raw(self.dtype)?;
+                $shape.plan(dev, *self, $crate::kernels::Tag::$dir, dt, &[$(self.$ptr),+], self.n)
+            }
+
+            fn cpu(&self) -> $crate::driver::Result<()> {
+                $cpu(self)
+            }
+        }
+    )+};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::{GegluBackward, GegluForward, GradScale, SwigluBackward, SwigluForward};
+    use BastileDType::*;
+
+    #[test]
+    fn vector_width_follows_alignment() {
+        let (aligned, odd) = (4096 as *const c_void, 4098 as *const c_void);
+        assert_eq!(vector_width(BASTILE_BF16, &[aligned, aligned]), 8);
+        assert_eq!(vector_width(BASTILE_F32, &[aligned]), 4);
+        assert_eq!(vector_width(BASTILE_F16, &[aligned, odd]), 1);
+    }
+
+    /// Every kernel a plan can ask for is listed: each direction, CUDA dtype and access.
+    #[test]
+    fn every_launch_has_a_kernel() {
+        fn all<P: Kernels>(dir: Tag) {
+            for dt in [BASTILE_F32, BASTILE_F16, BASTILE_BF16] {
+                for access in [Tag::Vec, Tag::Scalar] {
+                    P::find(&[dir, dt.tag(), access]).unwrap();
+                }
+            }
+        }
+        all::<SwigluForward>(Tag::Fwd);
+        all::<SwigluBackward>(Tag::Bwd);
+        all::<GegluForward>(Tag::Fwd);
+        all::<GegluBackward>(Tag::Bwd);
+        all::<GradScale>(Tag::Scale);
     }
 }

@@ -1,11 +1,26 @@
-//! What all cxx bridges share. Each kernel family declares its C++-callable entries in a bridge in
-//! its own module (namespace `bastile::rs::<op>`); every entry runs under [`guard`], so a Rust
-//! panic becomes an error, which cxx throws as a C++ exception and torch raises as RuntimeError.
+//! The one bridge between the C++ torch layer and Rust. A parameter block crosses it as the id build.rs
+//! gave its type (`Block<P>::id` in C++) and a pointer to it; `for_block` turns the id back into the
+//! type, whose [`Launch`] impl plans or runs it. Every entry runs under [`guard`], so a Rust panic
+//! becomes an error, which cxx throws as a C++ exception and torch raises as RuntimeError.
+use crate::kernels::{for_block, Launch, Plan, Visit};
+use std::ffi::c_void;
 
 #[cxx::bridge(namespace = "bastile::rs")]
 mod bridge {
     extern "Rust" {
+        type Plan;
+        /// The CUDA plan of the parameter block at `params`, whose type has id `block`, on `device`.
+        unsafe fn plan(block: u32, params: *const u8, device: i32) -> Result<Box<Plan>>;
+        /// Bytes of device scratch the plan's launches need.
+        fn scratch(self: &Plan) -> i64;
+        /// Runs the plan on `stream` (torch's `cudaStream_t`); `scratch` holds `plan.scratch()` bytes.
+        unsafe fn launch(plan: Box<Plan>, scratch: *mut u8, stream: usize) -> Result<()>;
+        /// The CPU kernel of the parameter block at `params`.
+        unsafe fn run_cpu(block: u32, params: *const u8) -> Result<()>;
+        /// Rows of each chunk of the fused cross-entropy (src/fused_linear_cross_entropy.rs).
+        fn cross_entropy_chunk_rows(rows: i64, vocab: i64, elem_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64;
         fn torch_version() -> &'static str;
+        /// Loads every kernel module on a CUDA device ahead of the first launch.
         fn warmup(device: i32) -> Result<()>;
         fn clear_kernel_cache();
     }
@@ -24,6 +39,55 @@ pub fn guard<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
             Err(format!("bastile: internal error: {msg}"))
         }
     }
+}
+
+/// The block of type `P` at `params`.
+///
+/// # Safety
+/// `params` must point to a `P` (the C++ layer passes `Block<P>::id` with it).
+unsafe fn block<P: Copy>(params: *const u8) -> P {
+    std::ptr::read_unaligned(params.cast())
+}
+
+struct PlanOn(*const u8, i32);
+impl Visit for PlanOn {
+    type Out = Result<Plan, String>;
+    fn visit<P: Launch>(self) -> Self::Out {
+        // SAFETY: the id came with a block of this type.
+        let p: P = unsafe { block(self.0) };
+        p.plan(crate::driver::device(self.1)?)
+    }
+}
+
+struct Cpu(*const u8);
+impl Visit for Cpu {
+    type Out = Result<(), String>;
+    fn visit<P: Launch>(self) -> Self::Out {
+        // SAFETY: as in PlanOn.
+        unsafe { block::<P>(self.0) }.cpu()
+    }
+}
+
+unsafe fn plan(block: u32, params: *const u8, device: i32) -> Result<Box<Plan>, String> {
+    guard(|| for_block(block, PlanOn(params, device))?.map(Box::new))
+}
+
+impl Plan {
+    fn scratch(&self) -> i64 {
+        self.scratch
+    }
+}
+
+unsafe fn launch(plan: Box<Plan>, scratch: *mut u8, stream: usize) -> Result<(), String> {
+    guard(|| plan.run(scratch.cast::<c_void>(), stream))
+}
+
+unsafe fn run_cpu(block: u32, params: *const u8) -> Result<(), String> {
+    guard(|| for_block(block, Cpu(params))?)
+}
+
+fn cross_entropy_chunk_rows(rows: i64, vocab: i64, elem_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
+    crate::fused_linear_cross_entropy::chunk_rows(rows, vocab, elem_bytes, f32_sum, cast_bytes, budget)
 }
 
 fn torch_version() -> &'static str {

@@ -4,50 +4,42 @@
 //! logit), and, in place of the logits, `d(loss)/d(logit) = scale * ((1 + 2 z_loss lse) softmax(s) -
 //! onehot(target)) * ds/dlogit`, `scale = 1 / count` for reduction "mean", 1 for "sum". Ignored rows
 //! (target == ignore_index) get loss 0 and gradient 0. The GEMMs around the pass are ATen's
-//! (`src/torch/fused_linear_cross_entropy.cpp`).
+//! (`src/torch/fused_linear_cross_entropy.cpp`), over chunks of rows sized here ([`chunk_rows`]).
 use crate::cpu::{self, Element};
-use crate::driver::{self, fatbins, Launch, Result};
-use crate::elementwise::{vector_width, Family};
-use crate::ffi::guard;
+use crate::driver::{Device, LaunchConfig, Result};
+use crate::elementwise::Elementwise;
 use crate::geometry;
+use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, CrossEntropyChunk, GradScale, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
     FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
 };
 use rayon::prelude::*;
 
-crate::params::bridged!(CrossEntropyChunk, GradScale);
+/// Logits of one chunk stay within this many bytes. 256 MiB is 768 rows of Qwen3's vocabulary in
+/// bf16. Every chunk's weight-gradient GEMM reads and writes the whole [vocab, hidden] sum, so its
+/// arithmetic intensity is proportional to the chunk's rows divided by the sum's element size: an f32
+/// sum gets twice the bytes (1664 bf16 rows of Qwen3's vocabulary), which keeps that GEMM
+/// compute-bound on an H100. The chunk comes on top of a model's activations at the end of its
+/// forward, so it sets the peak of a training step: 768 MiB gave Qwen3-0.6B (seq 4096, batch 2) a
+/// peak 1 GiB above Liger Kernel's. An f32 sum cast to the weight's dtype at the end needs the sum and
+/// the cast copy at once, so chunks up to the copy's size raise no peak the cast does not reach: the
+/// budget grows to it (BENCHMARKS.md: chunk sizes).
+const CHUNK_BYTES: i64 = 256 << 20;
+const CHUNK_BYTES_F32_SUM: i64 = 512 << 20;
+/// Chunks of this many rows or more are a multiple of it (whole GEMM tiles).
+const CHUNK_ALIGN: i64 = 128;
 
-/// Entries of `src/torch/fused_linear_cross_entropy.cpp` (`bastile::rs::fused_linear_cross_entropy::*`).
-#[cxx::bridge(namespace = "bastile::rs::fused_linear_cross_entropy")]
-mod bridge {
-    #[namespace = ""]
-    unsafe extern "C++" {
-        include!("fused_linear_cross_entropy.h");
-        type CrossEntropyChunk = crate::params::CrossEntropyChunk;
-        type GradScale = crate::params::GradScale;
+/// Rows of each chunk of `rows` rows of logits (`elem_bytes` each, `vocab` a row): within `budget` bytes
+/// when it is positive (the op's `chunk_bytes`), else the default budget. `f32_sum`: the weight
+/// gradient is summed in f32; `cast_bytes`: the size of that sum's final cast copy (0 when none).
+pub fn chunk_rows(rows: i64, vocab: i64, elem_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
+    let budget = if budget > 0 { budget } else { (if f32_sum { CHUNK_BYTES_F32_SUM } else { CHUNK_BYTES }).max(cast_bytes) };
+    let mut n = (budget / (vocab * elem_bytes)).max(1);
+    if n >= CHUNK_ALIGN {
+        n = n / CHUNK_ALIGN * CHUNK_ALIGN;
     }
-
-    extern "Rust" {
-        #[cxx_name = "chunk_cuda"]
-        fn ffi_chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()>;
-        #[cxx_name = "chunk_cpu"]
-        fn ffi_chunk_cpu(p: &CrossEntropyChunk) -> Result<()>;
-        #[cxx_name = "scale_cuda"]
-        fn ffi_scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()>;
-    }
-}
-
-fn ffi_chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()> {
-    guard(|| chunk_cuda(p, device, stream))
-}
-
-fn ffi_chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {
-    guard(|| chunk_cpu(p))
-}
-
-fn ffi_scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()> {
-    guard(|| scale_cuda(p, device, stream))
+    n.min(rows.max(1))
 }
 
 /// Threads of a block: sized so that short rows do not leave most threads idle.
@@ -62,59 +54,50 @@ fn shared_vecs(vectors: i64, block: i64, cached: i64, vector_bytes: i64, room: u
     rest.min(room as i64 / (block * vector_bytes))
 }
 
-fn name(dtype: BastileDType, vec: bool, softcap: bool) -> String {
-    format!("fused_linear_cross_entropy_rows_{}_{}{}", dtype.tag(), if vec { "vec" } else { "scalar" }, if softcap { "_softcap" } else { "" })
+fn tags(dtype: BastileDType, vectorized: bool, softcap: bool) -> Vec<Tag> {
+    let mut tags = vec![Tag::Rows, dtype.tag(), if vectorized { Tag::Vec } else { Tag::Scalar }];
+    tags.extend(softcap.then_some(Tag::Softcap));
+    tags
 }
 
-pub fn chunk_cuda(p: &mut CrossEntropyChunk, device: i32, stream: usize) -> Result<()> {
-    let dtype = BastileDType::from_raw(p.dtype)?;
-    BastileDType::check_cuda("fused_linear_cross_entropy", &[dtype])?;
-    if p.rows == 0 {
-        return Ok(());
+impl Launch for CrossEntropyChunk {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let dtype = BastileDType::from_raw(self.dtype)?;
+        let mut p = *self;
+        let vec = 16 / dtype.size() as i64;
+        let vectorized = geometry::aligned(p.logits, 16) && p.vocab % vec == 0 && p.ld % vec == 0;
+        p.vec = if vectorized { vec as i32 } else { 1 };
+        let softcap = p.softcap > 0.0;
+        let vectors = p.vocab / p.vec as i64;
+        let block = block_size(vectors);
+        let kernel = kernels::kernel_sharing::<Self>(dev, &tags(dtype, vectorized, softcap), block as u32, FLCE_BLOCKS_PER_SM)?;
+        let cached = if softcap { FLCE_CACHED_SOFTCAP } else { FLCE_CACHED } as i64;
+        let vector_bytes = p.vec as i64 * dtype.size() as i64;
+        p.shared_vecs = shared_vecs(vectors, block, cached, vector_bytes, kernel.shared) as i32;
+        let rows = u32::try_from(p.rows).map_err(|_| "bastile.fused_linear_cross_entropy: too many rows in one chunk")?;
+        let shared = (p.shared_vecs as i64 * block * vector_bytes) as u32;
+        Ok(Plan::single(kernel, LaunchConfig { grid: (rows, 1), block: (block as u32, 1), shared }, p))
     }
-    let vec = 16 / dtype.size() as i64;
-    let vectorized = geometry::aligned(p.logits, 16) && p.vocab % vec == 0 && p.ld % vec == 0;
-    p.vec = if vectorized { vec as i32 } else { 1 };
-    let softcap = p.softcap > 0.0;
-    let vectors = p.vocab / p.vec as i64;
-    let block = block_size(vectors);
-    let key = dtype as u64 | (vectorized as u64) << 4 | (softcap as u64) << 5 | (block as u64) << 8;
-    let dev = driver::device(device)?;
-    let kernel = dev.kernel_sharing(fatbins::FUSED_LINEAR_CROSS_ENTROPY, key, block as u32, FLCE_BLOCKS_PER_SM, || {
-        name(dtype, vectorized, softcap)
-    })?;
-    let cached = if softcap { FLCE_CACHED_SOFTCAP } else { FLCE_CACHED } as i64;
-    let vector_bytes = p.vec as i64 * dtype.size() as i64;
-    p.shared_vecs = shared_vecs(vectors, block, cached, vector_bytes, kernel.shared) as i32;
-    let rows = u32::try_from(p.rows).map_err(|_| "bastile.fused_linear_cross_entropy: too many rows in one chunk")?;
-    let shared = (p.shared_vecs as i64 * block * vector_bytes) as u32;
-    let cfg = Launch { grid: (rows, 1), block: (block as u32, 1), shared };
-    // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
-    unsafe { driver::launch(kernel, cfg, stream, p) }
-}
 
-/// The gradient-scaling kernels, flat elementwise ones named `fused_linear_cross_entropy_scale_<dtype>_<vec|scalar>`.
-static SCALE: Family = Family {
-    op: "fused_linear_cross_entropy",
-    fatbin: fatbins::FUSED_LINEAR_CROSS_ENTROPY,
-    block: FLCE_SCALE_BLOCK,
-    unroll: FLCE_SCALE_UNROLL,
-};
-
-fn scale_name(dtype: BastileDType, vec: i64) -> String {
-    format!("fused_linear_cross_entropy_scale_{}_{}", dtype.tag(), if vec > 1 { "vec" } else { "scalar" })
+    fn cpu(&self) -> Result<()> {
+        chunk_cpu(self)
+    }
 }
 
 /// The backward's scaling of a gradient by the loss's upstream gradient (a device f32 scalar). ATen's
 /// `grad * grad_loss` with a 0-dim CUDA factor takes its generic, unvectorised loop (H100: ~1 TB/s).
-pub fn scale_cuda(p: &GradScale, device: i32, stream: usize) -> Result<()> {
-    let dtype = SCALE.cuda_dtype(p.dtype)?;
-    let vec = vector_width(dtype, &[p.src, p.dst]);
-    // Bit 40 set: clear of chunk_cuda's keys, which stay below 2^18.
-    let key = 1 << 40 | dtype as u64 | ((vec > 1) as u64) << 4;
-    // SAFETY: the C++ layer checked that src and dst hold n contiguous elements of `dtype` and that
-    // factor is one f32 on the same device.
-    unsafe { SCALE.launch_kernel(key, || scale_name(dtype, vec), p.n / vec, p, device, stream) }
+const SCALE: Elementwise = Elementwise { block: FLCE_SCALE_BLOCK, unroll: FLCE_SCALE_UNROLL };
+
+impl Launch for GradScale {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let dtype = BastileDType::from_raw(self.dtype)?;
+        SCALE.plan(dev, *self, Tag::Scale, dtype, &[self.src, self.dst], self.n)
+    }
+
+    /// The C++ layer scales CPU tensors with ATen.
+    fn cpu(&self) -> Result<()> {
+        Err("bastile.fused_linear_cross_entropy: the gradient scaling kernel runs on CUDA only".into())
+    }
 }
 
 pub fn chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {
@@ -186,7 +169,8 @@ unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{noise};
+    use crate::kernels::Kernels;
+    use crate::testing::noise;
     use half::bf16;
     use BastileDType::*;
 
@@ -328,15 +312,30 @@ mod tests {
     }
 
     #[test]
-    fn f64_is_cpu_only_and_names_match_cuda_symbols() {
-        let mut p = CrossEntropyChunk { dtype: BASTILE_F64 as i32, rows: 1, ..Default::default() };
-        assert!(chunk_cuda(&mut p, 0, 0).unwrap_err().contains("CPU only"));
-        assert_eq!(name(BASTILE_BF16, true, false), "fused_linear_cross_entropy_rows_bf16_vec");
-        assert_eq!(name(BASTILE_F32, false, true), "fused_linear_cross_entropy_rows_f32_scalar_softcap");
-        let q = GradScale { dtype: BASTILE_F64 as i32, n: 1, ..Default::default() };
-        assert!(scale_cuda(&q, 0, 0).unwrap_err().contains("CPU only"));
-        assert_eq!(scale_name(BASTILE_BF16, 8), "fused_linear_cross_entropy_scale_bf16_vec");
-        assert_eq!(scale_name(BASTILE_F16, 1), "fused_linear_cross_entropy_scale_f16_scalar");
+    fn every_launch_has_a_kernel() {
+        for dtype in [BASTILE_F32, BASTILE_F16, BASTILE_BF16] {
+            for (vectorized, softcap) in [(true, false), (true, true), (false, false), (false, true)] {
+                CrossEntropyChunk::find(&tags(dtype, vectorized, softcap)).unwrap();
+            }
+        }
+        let i = CrossEntropyChunk::find(&tags(BASTILE_F32, false, true)).unwrap();
+        assert_eq!(CrossEntropyChunk::KERNELS[i].1, "fused_linear_cross_entropy_rows_f32_scalar_softcap");
+    }
+
+    /// Qwen3's vocabulary in bf16 (303,872 bytes a row): 256 MiB for a bf16 weight-gradient sum, 512 MiB
+    /// for an f32 one, or the f32 sum's cast copy where larger (hidden 4096: 1.16 GiB, 4096 rows).
+    #[test]
+    fn chunk_rows_follow_the_budget() {
+        let vocab = 151936;
+        assert_eq!(chunk_rows(8192, vocab, 2, false, 0, 0), 768);
+        assert_eq!(chunk_rows(8192, vocab, 2, true, vocab * 1024 * 2, 0), 1664);
+        assert_eq!(chunk_rows(8192, vocab, 2, true, vocab * 4096 * 2, 0), 4096);
+        assert_eq!(chunk_rows(100, vocab, 2, true, 0, 0), 100);
+        assert_eq!(chunk_rows(0, vocab, 2, true, 0, 0), 1);
+        // An explicit budget: rows below the alignment stay as they are, at least one.
+        assert_eq!(chunk_rows(50, 300, 4, true, 0, 16 * 300 * 4), 16);
+        assert_eq!(chunk_rows(50, 300, 4, true, 0, 1), 1);
+        assert_eq!(chunk_rows(100_000, 1000, 2, false, 0, 1000 * 2 * 300), 256);
     }
 
     #[test]

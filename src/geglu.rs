@@ -1,69 +1,16 @@
-//! GEGLU of GPT-OSS (HF `GptOssExperts._apply_gate`): CUDA launchers for `cuda/geglu.cu` and the CPU
-//! kernels (the reference the GPU is tested against). On `n` (gate, up) pairs interleaved in gate_up,
-//! with `L` = limit rounded to T as torch's clamp rounds it, `g = min(gate, L)`, `u = clamp(up, -L, L)`
-//! and `s = sigmoid(alpha * g)`: `y = (u + 1) * g * s`; the gradient of gate is
-//! `dy * (u + 1) * s * (1 + alpha * g * (1 - s))` where `gate <= L`, of up `dy * g * s` where
-//! `-L <= up <= L`, else 0 (torch's clamp backward). Every result is computed in f64 (f32 on the GPU)
-//! and rounded once to T, where HF rounds after each op.
+//! GEGLU of GPT-OSS (HF `GptOssExperts._apply_gate`; the formulas are in `cuda/geglu.cu`): the launches
+//! of its kernels and the CPU kernels, the reference the GPU is tested against. Every result is computed
+//! in f64 (f32 on the GPU) and rounded once to T, where HF rounds after each op.
 use crate::cpu::{self, Element};
-use crate::driver::{fatbins, Dir, Result};
-use crate::elementwise::{vector_width, Family};
-use crate::ffi::guard;
+use crate::driver::Result;
+use crate::elementwise::Elementwise;
 use crate::params::{BastileDType, GegluBackward, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
 use rayon::prelude::*;
 
-crate::params::bridged!(GegluForward, GegluBackward);
-
-/// Entries of `src/torch/geglu.cpp` (`bastile::rs::geglu::*`).
-#[cxx::bridge(namespace = "bastile::rs::geglu")]
-mod bridge {
-    #[namespace = ""]
-    unsafe extern "C++" {
-        include!("geglu.h");
-        type GegluForward = crate::params::GegluForward;
-        type GegluBackward = crate::params::GegluBackward;
-    }
-
-    extern "Rust" {
-        #[cxx_name = "forward_cuda"]
-        fn ffi_forward_cuda(p: &GegluForward, device: i32, stream: usize) -> Result<()>;
-        #[cxx_name = "backward_cuda"]
-        fn ffi_backward_cuda(p: &GegluBackward, device: i32, stream: usize) -> Result<()>;
-        #[cxx_name = "forward_cpu"]
-        fn ffi_forward_cpu(p: &GegluForward) -> Result<()>;
-        #[cxx_name = "backward_cpu"]
-        fn ffi_backward_cpu(p: &GegluBackward) -> Result<()>;
-    }
-}
-
-fn ffi_forward_cuda(p: &GegluForward, device: i32, stream: usize) -> Result<()> {
-    guard(|| forward_cuda(p, device, stream))
-}
-fn ffi_backward_cuda(p: &GegluBackward, device: i32, stream: usize) -> Result<()> {
-    guard(|| backward_cuda(p, device, stream))
-}
-fn ffi_forward_cpu(p: &GegluForward) -> Result<()> {
-    guard(|| forward_cpu(p))
-}
-fn ffi_backward_cpu(p: &GegluBackward) -> Result<()> {
-    guard(|| backward_cpu(p))
-}
-
-static FAMILY: Family = Family { op: "geglu", fatbin: fatbins::GEGLU, block: GEGLU_BLOCK, unroll: GEGLU_UNROLL };
-
-pub fn forward_cuda(p: &GegluForward, device: i32, stream: usize) -> Result<()> {
-    let dt = FAMILY.cuda_dtype(p.dtype)?;
-    // A vector of y covers two of gate_up: both start 16-byte aligned when their pointers are.
-    let vec = vector_width(dt, &[p.gate_up, p.y]);
-    // SAFETY: the C++ layer checked that gate_up holds 2n and y n contiguous elements of `dt`.
-    unsafe { FAMILY.launch(Dir::Fwd, dt, vec, p.n, p, device, stream) }
-}
-
-pub fn backward_cuda(p: &GegluBackward, device: i32, stream: usize) -> Result<()> {
-    let dt = FAMILY.cuda_dtype(p.dtype)?;
-    let vec = vector_width(dt, &[p.grad_y, p.gate_up, p.grad_gate_up]);
-    // SAFETY: as in forward_cuda, grad_y holding n and grad_gate_up 2n elements.
-    unsafe { FAMILY.launch(Dir::Bwd, dt, vec, p.n, p, device, stream) }
+// A vector of y covers two of gate_up: both start 16-byte aligned when their pointers are.
+crate::elementwise_launch! { Elementwise { block: GEGLU_BLOCK, unroll: GEGLU_UNROLL },
+    GegluForward: Fwd(gate_up, y) => forward_cpu;
+    GegluBackward: Bwd(grad_y, gate_up, grad_gate_up) => backward_cpu;
 }
 
 /// Pairs each rayon task takes.
@@ -154,7 +101,6 @@ mod tests {
     use super::*;
     use crate::testing::{cast, noise};
     use half::{bf16, f16};
-    use std::ffi::c_void;
     use BastileDType::*;
 
     const ALPHA: f64 = 1.702;
@@ -288,19 +234,8 @@ mod tests {
     }
 
     #[test]
-    fn bad_dtype_codes_and_f64_on_cuda_are_errors() {
+    fn bad_dtype_code_is_an_error() {
         let p = GegluForward { dtype: 9, n: 1, ..Default::default() };
         assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
-        let p = GegluForward { dtype: BASTILE_F64 as i32, ..p };
-        assert!(forward_cuda(&p, 0, 0).unwrap_err().contains("CPU only"));
-    }
-
-    #[test]
-    fn kernel_names_match_cuda_symbols() {
-        let aligned = 4096 as *const c_void;
-        assert_eq!(FAMILY.name(Dir::Fwd, BASTILE_BF16, vector_width(BASTILE_BF16, &[aligned, aligned])), "geglu_fwd_bf16_vec");
-        let odd = 4098 as *const c_void;
-        assert_eq!(FAMILY.name(Dir::Bwd, BASTILE_F16, vector_width(BASTILE_F16, &[aligned, odd])), "geglu_bwd_f16_scalar");
-        assert_eq!(FAMILY.name(Dir::Fwd, BASTILE_F32, 4), "geglu_fwd_f32_vec");
     }
 }

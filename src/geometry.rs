@@ -66,19 +66,6 @@ impl RowGeometry {
     pub fn blocks_for(&self, rows: i64) -> i64 {
         ceil_div(rows, self.rows_per_block()).max(1)
     }
-
-    /// Kernel-name suffix of the variant this geometry needs.
-    pub fn variant(&self) -> &'static str {
-        match (self.vec, self.per_thread) {
-            (1, _) => "sstream",
-            (_, 0) => "vstream",
-            (_, 1) => "k1",
-            (_, 2) => "k2",
-            (_, 4) => "k4",
-            (_, 8) => "k8",
-            _ => unreachable!("no kernel variant for {self:?}"),
-        }
-    }
 }
 
 pub fn ceil_div(a: i64, b: i64) -> i64 {
@@ -144,9 +131,8 @@ mod tests {
             covers(&g, cols);
             assert_eq!(g.per_thread, 0, "{cols}: {g:?}");
         }
-        assert_eq!(rows(3, 2, true).variant(), "sstream");
-        assert_eq!(rows(1000, 2, false).variant(), "sstream");
-        assert_eq!(rows(1 << 20, 2, true).variant(), "vstream");
+        assert_eq!((rows(3, 2, true).vec, rows(1000, 2, false).vec), (1, 1));
+        assert_eq!((rows(1 << 20, 2, true).vec, rows(1 << 20, 2, true).per_thread), (8, 0));
         // A 3-wide row: 4 threads per row, 32 rows per block.
         let g = rows(3, 2, true);
         assert_eq!((g.group, g.rows_per_block()), (4, 32));
@@ -168,7 +154,7 @@ mod tests {
             covers(&rows_warp_first(cols, 2, true), cols);
             covers(&rows_warp_first(cols, 4, true), cols);
         }
-        assert_eq!(rows_warp_first(3, 2, true).variant(), "sstream");
+        assert_eq!(rows_warp_first(3, 2, true).vec, 1);
     }
 
     #[test]

@@ -1,22 +1,21 @@
 //! Bastile: fused CUDA kernels for LLM fine-tuning, registered as `torch.ops.bastile.*`.
 //!
-//! Layers, one file each per kernel family (`rms_norm`, ...):
-//! `cuda/<op>.cu` (kernels) → `src/<op>.rs` (launch geometry, CUDA launch, CPU kernel) →
-//! `src/torch/<op>.cpp` (schemas, dispatch keys, checks, autograd) → `python_shim/bastile`.
+//! A kernel family `<op>` is `cuda/<op>.cu` (kernels), `include/<op>.h` (parameter blocks and kernel
+//! lists), `src/<op>.rs` (launch plans and CPU kernels, a module of this crate declared by build.rs) and
+//! `src/torch/<op>.cpp` (its ops' specs, registered by `src/torch/op.h`). The shared runtime: `kernels`
+//! (kernel tables, the `Launch` interface), `ffi` (the one bridge to C++), `driver` (CUDA through
+//! cudarc), `geometry` and `elementwise` (launch geometry), `cpu` (the CPU kernels' element types).
 pub mod cpu;
 pub mod driver;
 pub mod elementwise;
 mod ffi;
-pub mod fused_linear_cross_entropy;
-pub mod geglu;
 pub mod geometry;
+pub mod kernels;
 pub mod params;
-pub mod qk_norm_rope;
-pub mod rms_norm;
-pub mod rope;
-pub mod swiglu;
 #[cfg(test)]
 mod testing;
+
+include!(concat!(env!("OUT_DIR"), "/ops.rs"));
 
 /// Version of torch this library was built against; the Python shim refuses another one.
 pub const TORCH_VERSION: &str = env!("BASTILE_TORCH_VERSION");

@@ -2,18 +2,6 @@
 #![allow(non_camel_case_types, non_snake_case, non_upper_case_globals, dead_code)]
 include!(concat!(env!("OUT_DIR"), "/params.rs"));
 
-/// Lets the C++ layer hand these parameter blocks to Rust by reference through a cxx bridge;
-/// each kernel family invokes it for its own blocks.
-macro_rules! bridged {
-    ($($t:ident),*) => {$(
-        unsafe impl cxx::ExternType for $crate::params::$t {
-            type Id = cxx::type_id!($t);
-            type Kind = cxx::kind::Trivial;
-        }
-    )*};
-}
-pub(crate) use bridged;
-
 impl BastileDType {
     pub fn from_raw(raw: i32) -> Result<Self, String> {
         Ok(match raw {
@@ -25,14 +13,6 @@ impl BastileDType {
         })
     }
 
-    /// Ok when every dtype has CUDA kernels: float64 runs on the CPU only (it is there for gradcheck).
-    pub fn check_cuda(op: &str, dtypes: &[Self]) -> Result<(), String> {
-        if dtypes.contains(&Self::BASTILE_F64) {
-            return Err(format!("bastile.{op}: float64 is supported on CPU only"));
-        }
-        Ok(())
-    }
-
     pub fn size(self) -> usize {
         match self {
             Self::BASTILE_F16 | Self::BASTILE_BF16 => 2,
@@ -41,13 +21,12 @@ impl BastileDType {
         }
     }
 
-    /// Short name used in kernel symbols (`rms_norm_fwd_bf16_f32_k2`).
-    pub fn tag(self) -> &'static str {
-        match self {
-            Self::BASTILE_F32 => "f32",
-            Self::BASTILE_F16 => "f16",
-            Self::BASTILE_BF16 => "bf16",
-            Self::BASTILE_F64 => "f64",
+    /// The dtype per-row statistics (and losses) are kept in: f64 for f64 input, else f32.
+    pub fn stats(self) -> Self {
+        if self == Self::BASTILE_F64 {
+            self
+        } else {
+            Self::BASTILE_F32
         }
     }
 }

@@ -2,64 +2,18 @@
 //! tested against). With `n = x * rsqrt(mean(x^2) + eps)`, statistics in f32 (f64 for f64 input):
 //! HF `LlamaRMSNorm`/`Qwen3RMSNorm` compute `y = w * to_x_dtype(n)` in `promote(x, w)`, and with
 //! `cast_after_weight` HF `GptOssRMSNorm` computes `y = to_x_dtype(w * n)`, the product in f32.
-use crate::cpu::{self, promote, Element};
-use crate::driver::{self, fatbins, Dir, Kernel, Launch, Result};
-use crate::ffi::guard;
+use crate::cpu::{self, Element};
+use crate::driver::{self, Device, LaunchConfig, Result};
 use crate::geometry;
+use crate::kernels::{self, Launch, Plan, Tag};
+#[cfg(test)]
+use crate::kernels::Kernels;
 use crate::params::{BastileDType, RmsNormBackward, RmsNormForward, RowGeometry};
 use rayon::prelude::*;
 use std::ffi::c_void;
 
-crate::params::bridged!(RmsNormForward, RmsNormBackward);
-
-/// Entries of `src/torch/rms_norm.cpp` (`bastile::rs::rms_norm::*`).
-#[cxx::bridge(namespace = "bastile::rs::rms_norm")]
-mod bridge {
-    #[namespace = ""]
-    unsafe extern "C++" {
-        include!("rms_norm.h");
-        type RmsNormForward = crate::params::RmsNormForward;
-        type RmsNormBackward = crate::params::RmsNormBackward;
-    }
-
-    extern "Rust" {
-        #[cxx_name = "forward_cuda"]
-        fn ffi_forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()>;
-        #[cxx_name = "backward_plan"]
-        fn ffi_backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64>;
-        #[cxx_name = "backward_cuda"]
-        fn ffi_backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<()>;
-        #[cxx_name = "forward_cpu"]
-        fn ffi_forward_cpu(p: &RmsNormForward) -> Result<()>;
-        #[cxx_name = "backward_cpu"]
-        fn ffi_backward_cpu(p: &RmsNormBackward) -> Result<()>;
-    }
-}
-
-fn ffi_forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()> {
-    guard(|| forward_cuda(p, device, stream))
-}
-fn ffi_backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64> {
-    guard(|| backward_plan(p, device))
-}
-fn ffi_backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<()> {
-    guard(|| backward_cuda(p, device, stream))
-}
-fn ffi_forward_cpu(p: &RmsNormForward) -> Result<()> {
-    guard(|| forward_cpu(p))
-}
-fn ffi_backward_cpu(p: &RmsNormBackward) -> Result<()> {
-    guard(|| backward_cpu(p))
-}
-
 fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
     Ok((BastileDType::from_raw(x)?, BastileDType::from_raw(w)?))
-}
-
-fn cuda_dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
-    let (x, w) = dtypes(x, w)?;
-    BastileDType::check_cuda("rms_norm", &[x, w])?;
-    Ok((x, w))
 }
 
 fn cast_after_weight(flag: i32) -> Result<bool> {
@@ -67,15 +21,6 @@ fn cast_after_weight(flag: i32) -> Result<bool> {
         0 => Ok(false),
         1 => Ok(true),
         _ => Err(format!("bastile.rms_norm: cast_after_weight must be 0 or 1, got {flag}")),
-    }
-}
-
-/// Dtype of y and grad_y.
-fn out_dtype(x: BastileDType, w: BastileDType, cast_after_weight: bool) -> BastileDType {
-    if cast_after_weight {
-        x
-    } else {
-        promote(x, w)
     }
 }
 
@@ -94,61 +39,50 @@ fn cuda_geometry(
 
 /// Rows each forward group takes at a time: two for rows of a warp or less, so that both rows' loads
 /// are in flight together (the `r2` variants; the backward takes one).
-fn rows_at_once(dir: Dir, geo: &RowGeometry) -> i64 {
-    if dir == Dir::Fwd && (1..=4).contains(&geo.per_thread) && geo.group <= 32 {
+fn rows_at_once(dir: Tag, geo: &RowGeometry) -> i64 {
+    if dir == Tag::Fwd && (1..=4).contains(&geo.per_thread) && geo.group <= 32 {
         2
     } else {
         1
     }
 }
 
-fn name(dir: Dir, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> String {
-    let mode = if cw { "_cast_after_weight" } else { "" };
-    let rows = if rows_at_once(dir, geo) == 2 { "r2" } else { "" };
-    format!("rms_norm_{}_{}_{}_{}{rows}{mode}", dir.tag(), x.tag(), w.tag(), geo.variant())
+/// The tags of the kernel of a direction, rounding mode and dtypes for rows laid out as `geo`.
+fn tags(dir: Tag, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> Vec<Tag> {
+    let variant = match (geo.vec, geo.per_thread, rows_at_once(dir, geo)) {
+        (1, _, _) => Tag::Sstream,
+        (_, 0, _) => Tag::Vstream,
+        (_, 1, 1) => Tag::K1,
+        (_, 2, 1) => Tag::K2,
+        (_, 4, 1) => Tag::K4,
+        (_, 8, 1) => Tag::K8,
+        (_, 1, 2) => Tag::K1r2,
+        (_, 2, 2) => Tag::K2r2,
+        (_, 4, 2) => Tag::K4r2,
+        _ => unreachable!("no kernel variant for {geo:?}"),
+    };
+    let mut tags = vec![dir, x.tag(), w.tag(), variant];
+    tags.extend(cw.then_some(Tag::CastAfterWeight));
+    tags
 }
 
-/// The kernel of a direction, rounding mode, dtypes and geometry, loaded once per
-/// device; its cache key holds everything its name depends on, and the block size.
-fn kernel(dev: &driver::Device, dir: Dir, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> Result<Kernel> {
-    let key = (dir == Dir::Bwd) as u64
-        | (cw as u64) << 3
-        | (x as u64) << 4
-        | (w as u64) << 8
-        | (geo.per_thread as u64) << 12
-        | (geo.vec as u64) << 20
-        | (rows_at_once(dir, geo) as u64) << 28
-        | (geo.block as u64) << 32;
-    dev.kernel(fatbins::RMS_NORM, key, geo.block as u32, || name(dir, cw, x, w, geo))
-}
+impl Launch for RmsNormForward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
+        let cw = cast_after_weight(self.cast_after_weight)?;
+        let y = BastileDType::from_raw(self.y_dtype)?;
+        let mut p = *self;
+        p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
+        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Fwd, cw, x, w, &p.geo), p.geo.block as u32)?;
+        // Every row group its block (an experimental kernel of this layout, H100, bf16, 8192x2048: 24.9 us
+        // against 25.7 us as one resident wave); the kernel loops past 2^31 - 1 blocks.
+        let grid = p.geo.blocks_for(geometry::ceil_div(p.rows, rows_at_once(Tag::Fwd, &p.geo))).min(i32::MAX as i64);
+        Ok(Plan::single(kernel, LaunchConfig { grid: (grid as u32, 1), block: (p.geo.block as u32, 1), shared: 0 }, p))
+    }
 
-pub fn forward_cuda(p: &mut RmsNormForward, device: i32, stream: usize) -> Result<()> {
-    let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
-    let cw = cast_after_weight(p.cast_after_weight)?;
-    let y = out_dtype(x, w, cw);
-    p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
-    let dev = driver::device(device)?;
-    let kernel = kernel(dev, Dir::Fwd, cw, x, w, &p.geo)?;
-    // Every row group its block (an experimental kernel of this layout, H100, bf16, 8192x2048: 24.9 us
-    // against 25.7 us as one resident wave); the kernel loops past 2^31 - 1 blocks.
-    let grid = p.geo.blocks_for(geometry::ceil_div(p.rows, rows_at_once(Dir::Fwd, &p.geo))).min(i32::MAX as i64) as u32;
-    let cfg = Launch { grid: (grid, 1), block: (p.geo.block as u32, 1), shared: 0 };
-    // SAFETY: the C++ layer checked shapes, dtypes and devices of every pointer in `p`.
-    unsafe { driver::launch(kernel, cfg, stream, p) }
-}
-
-/// Chooses the backward's geometry and returns how many f32 partial rows of the weight gradient
-/// the caller must allocate in `p.partial`.
-pub fn backward_plan(p: &mut RmsNormBackward, device: i32) -> Result<i64> {
-    let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
-    let cw = cast_after_weight(p.cast_after_weight)?;
-    let y = out_dtype(x, w, cw);
-    p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
-    let dev = driver::device(device)?;
-    let kernel = kernel(dev, Dir::Bwd, cw, x, w, &p.geo)?;
-    // One resident wave: each block folds all its rows into one partial.
-    let grid = p.geo.blocks_for(p.rows).min(dev.sm_count() as i64 * kernel.blocks_per_sm as i64);
-    Ok(grid * partials_per_block(&p.geo))
+    fn cpu(&self) -> Result<()> {
+        forward_cpu(self)
+    }
 }
 
 /// Register-cached blocks fold their rows' shares in shared memory; streaming groups own a row each.
@@ -160,33 +94,36 @@ fn partials_per_block(geo: &RowGeometry) -> i64 {
     }
 }
 
-pub fn backward_cuda(p: &RmsNormBackward, device: i32, stream: usize) -> Result<()> {
-    let (x, w) = cuda_dtypes(p.x_dtype, p.w_dtype)?;
-    let cw = cast_after_weight(p.cast_after_weight)?;
-    if p.geo.block == 0 || p.partials <= 0 {
-        return Err("bastile.rms_norm_backward: launched without a plan".into());
+impl Launch for RmsNormBackward {
+    /// The rows kernel writes f32 partial sums of the weight gradient into the scratch ([partials, cols]),
+    /// which the reduce kernel folds.
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
+        let cw = cast_after_weight(self.cast_after_weight)?;
+        let y = BastileDType::from_raw(self.y_dtype)?;
+        let mut p = *self;
+        p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
+        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, cw, x, w, &p.geo), p.geo.block as u32)?;
+        let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], 256)?;
+        // One resident wave: each block folds all its rows into one partial.
+        let grid = p.geo.blocks_for(p.rows).min(dev.sm_count() as i64 * kernel.blocks_per_sm as i64);
+        p.partials = grid * partials_per_block(&p.geo);
+        let shared = if p.geo.per_thread > 0 && p.geo.rows_per_block() > 1 { p.geo.rows_per_block() * p.cols * 4 } else { 0 };
+        let cfg = LaunchConfig { grid: (grid as u32, 1), block: (p.geo.block as u32, 1), shared: shared as u32 };
+        let reduce_cfg = LaunchConfig { grid: (geometry::ceil_div(p.cols, 32) as u32, 1), block: (32, 8), shared: 0 };
+        Ok(Plan::new(p.partials * p.cols * 4, move |scratch, stream| {
+            p.partial = scratch.cast();
+            // SAFETY: the C++ layer checked every pointer in `p`; the scratch holds the partials.
+            unsafe {
+                driver::launch(kernel, cfg, stream, &p)?;
+                driver::launch(reduce, reduce_cfg, stream, &p)
+            }
+        }))
     }
-    let dev = driver::device(device)?;
-    let kernel = kernel(dev, Dir::Bwd, cw, x, w, &p.geo)?;
-    let grid = (p.partials / partials_per_block(&p.geo)) as u32;
-    let shared = if p.geo.per_thread > 0 && p.geo.rows_per_block() > 1 {
-        (p.geo.rows_per_block() * p.cols * 4) as u32
-    } else {
-        0
-    };
-    let cfg = Launch { grid: (grid, 1), block: (p.geo.block as u32, 1), shared };
-    let reduce = dev.kernel(fatbins::RMS_NORM, 2 | (w as u64) << 8, 256, || format!("rms_norm_bwd_reduce_{}", w.tag()))?;
-    let reduce_cfg = Launch { grid: (geometry::ceil_div(p.cols, 32) as u32, 1), block: (32, 8), shared: 0 };
-    // SAFETY: the C++ layer checked every pointer in `p` and sized `partial` from the plan.
-    unsafe {
-        driver::launch(kernel, cfg, stream, p)?;
-        driver::launch(reduce, reduce_cfg, stream, p)
-    }
-}
 
-/// Per-row statistics are stored in f64 for f64 input, f32 otherwise (as the GPU does).
-fn rstd_is_f64(p_x_dtype: i32) -> bool {
-    p_x_dtype == BastileDType::BASTILE_F64 as i32
+    fn cpu(&self) -> Result<()> {
+        backward_cpu(self)
+    }
 }
 
 /// `x * r` as the weight multiplies it: rounded to x's dtype, or (cast after weight) kept at the
@@ -218,7 +155,7 @@ unsafe fn forward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormForwa
     let x = cpu::slice::<X>(p.x, rows * cols);
     let w = cpu::slice::<W>(p.weight, cols);
     let y = cpu::slice_mut::<Y>(p.y, rows * cols);
-    let f64_stats = rstd_is_f64(p.x_dtype);
+    let f64_stats = X::DTYPE.stats() == BastileDType::BASTILE_F64;
     let eps = p.eps;
     let mut rstd = vec![0f64; rows];
     y.par_chunks_mut(cols).zip(x.par_chunks(cols)).zip(rstd.par_iter_mut()).for_each(|((yr, xr), rs)| {
@@ -261,7 +198,7 @@ unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBack
     let gy = cpu::slice::<Y>(p.grad_y, rows * cols);
     let w = cpu::slice::<W>(p.weight, cols);
     let gx = cpu::slice_mut::<X>(p.grad_x, rows * cols);
-    let f64_stats = rstd_is_f64(p.x_dtype);
+    let f64_stats = X::DTYPE.stats() == BastileDType::BASTILE_F64;
     let rstd: Vec<f64> = if f64_stats {
         cpu::slice::<f64>(p.rstd, rows).to_vec()
     } else {
@@ -298,9 +235,19 @@ unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBack
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::promote;
     use crate::testing::{cast, noise, rel_err, rel_err_floor, widen};
     use half::{bf16, f16};
     use BastileDType::*;
+
+    /// Dtype of y and grad_y: promote(x, w), or x's when the cast comes after the weight.
+    fn out_dtype(x: BastileDType, w: BastileDType, cast_after_weight: bool) -> BastileDType {
+        if cast_after_weight {
+            x
+        } else {
+            promote(x, w)
+        }
+    }
 
     /// Reference forward in f64 with no intermediate rounding.
     fn reference_forward(x: &[f64], w: &[f64], cols: usize, eps: f64) -> Vec<f64> {
@@ -477,25 +424,50 @@ mod tests {
     }
 
     #[test]
-    fn bad_dtype_codes_and_f64_on_cuda_are_errors() {
-        let mut p = RmsNormForward { x_dtype: 9, ..Default::default() };
+    fn bad_dtype_codes_are_errors() {
+        let p = RmsNormForward { x_dtype: 9, ..Default::default() };
         assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
-        p.x_dtype = BASTILE_F64 as i32;
-        assert!(forward_cuda(&mut p, 0, 0).unwrap_err().contains("CPU only"));
     }
 
+    fn kernel_name(dir: Tag, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> &'static str {
+        let tags = tags(dir, cw, x, w, geo);
+        let index = if dir == Tag::Fwd { RmsNormForward::find(&tags) } else { RmsNormBackward::find(&tags) };
+        let table = if dir == Tag::Fwd { RmsNormForward::KERNELS } else { RmsNormBackward::KERNELS };
+        table[index.unwrap()].1
+    }
+
+    /// Every geometry the policies give, for every CUDA dtype pair and mode, has its kernel.
     #[test]
-    fn kernel_names_match_cuda_symbols() {
+    fn every_geometry_has_a_kernel() {
+        let cols = (1..=1100).chain([2048, 2560, 2880, 4096, 5120, 8192, 16384, 20000, 1 << 20]);
+        for c in cols {
+            for x in [BASTILE_F32, BASTILE_F16, BASTILE_BF16] {
+                for vectorizable in [true, false] {
+                    let fwd = geometry::rows_warp_first(c, x.size(), vectorizable);
+                    let bwd = geometry::rows(c, x.size(), vectorizable);
+                    for w in [BASTILE_F32, BASTILE_F16, BASTILE_BF16] {
+                        for cw in [false, true] {
+                            kernel_name(Tag::Fwd, cw, x, w, &fwd);
+                            kernel_name(Tag::Bwd, cw, x, w, &bwd);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The kernel each direction takes for a few shapes: short rows two at a time in the forward only.
+    #[test]
+    fn kernels_follow_the_geometry() {
         let g = geometry::rows(4096, 2, true);
-        assert_eq!(name(Dir::Fwd, false, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4");
-        assert_eq!(name(Dir::Fwd, true, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4_cast_after_weight");
+        assert_eq!(kernel_name(Tag::Fwd, false, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4");
+        assert_eq!(kernel_name(Tag::Fwd, true, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4_cast_after_weight");
         let g = geometry::rows(1001, 2, true);
-        assert_eq!(name(Dir::Bwd, false, BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_sstream");
-        // Short rows: the forward takes two rows a step, the backward one.
+        assert_eq!(kernel_name(Tag::Bwd, false, BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_sstream");
         let g = geometry::rows_warp_first(1024, 2, true);
-        assert_eq!(name(Dir::Fwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_fwd_bf16_bf16_k4r2");
-        assert_eq!(name(Dir::Bwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_bwd_bf16_bf16_k4");
-        let g = geometry::rows_warp_first(4096, 2, true);
-        assert_eq!(name(Dir::Fwd, true, BASTILE_F16, BASTILE_F32, &g), "rms_norm_fwd_f16_f32_k4_cast_after_weight");
+        assert_eq!(kernel_name(Tag::Fwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_fwd_bf16_bf16_k4r2");
+        assert_eq!(kernel_name(Tag::Bwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_bwd_bf16_bf16_k4");
+        let g = geometry::rows(1 << 20, 2, true);
+        assert_eq!(kernel_name(Tag::Bwd, true, BASTILE_F16, BASTILE_F32, &g), "rms_norm_bwd_f16_f32_vstream_cast_after_weight");
     }
 }

@@ -1,38 +1,12 @@
 //! Rotary position embedding: CUDA launchers for `cuda/rope.cu` and the CPU kernels (the reference
 //! the GPU is tested against). Semantics of HF `apply_rotary_pos_emb` and of its autograd; see
 //! `cuda/rope.cu` for the formulas and the rounding.
-use crate::cpu::{promote, Element};
-use crate::driver::{self, fatbins, Dir, Launch, Result};
-use crate::ffi::guard;
+use crate::cpu::Element;
+use crate::driver::{Device, LaunchConfig, Result};
 use crate::geometry;
+use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{BastileDType, Rope, RopeTensor, ROPE_BLOCK, ROPE_HEADS_AT_ONCE};
 use rayon::prelude::*;
-
-crate::params::bridged!(Rope);
-
-/// Entries of `src/torch/rope.cpp` (`bastile::rs::rope::*`).
-#[cxx::bridge(namespace = "bastile::rs::rope")]
-mod bridge {
-    #[namespace = ""]
-    unsafe extern "C++" {
-        include!("rope.h");
-        type Rope = crate::params::Rope;
-    }
-
-    extern "Rust" {
-        #[cxx_name = "run_cuda"]
-        fn ffi_run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Result<()>;
-        #[cxx_name = "run_cpu"]
-        fn ffi_run_cpu(p: &Rope, backward: bool) -> Result<()>;
-    }
-}
-
-fn ffi_run_cuda(p: &mut Rope, backward: bool, device: i32, stream: usize) -> Result<()> {
-    guard(|| run_cuda(p, Dir::of(backward), device, stream))
-}
-fn ffi_run_cpu(p: &Rope, backward: bool) -> Result<()> {
-    guard(|| run_cpu(p, Dir::of(backward)))
-}
 
 /// Most threads of a block (the kernels' `__launch_bounds__`), and of one token's group.
 const BLOCK: i64 = ROPE_BLOCK as i64;
@@ -44,22 +18,10 @@ const MAX_PAIR_THREADS: i64 = 128;
 /// Heads a thread loads before it stores any.
 const HEADS_AT_ONCE: i64 = ROPE_HEADS_AT_ONCE as i64;
 
-/// Dtypes of the input, of cos/sin and of the output, checked against the direction: the forward
-/// writes promote(input, cos), the backward the input's dtype.
-fn dtypes(p: &Rope, dir: Dir) -> Result<(BastileDType, BastileDType, BastileDType)> {
-    let (i, c, o) = (
-        BastileDType::from_raw(p.in_dtype)?,
-        BastileDType::from_raw(p.cs_dtype)?,
-        BastileDType::from_raw(p.out_dtype)?,
-    );
-    let want = match dir {
-        Dir::Fwd => promote(i, c),
-        Dir::Bwd => i,
-    };
-    if o != want {
-        return Err(format!("bastile.rope: output dtype {o:?} does not match the inputs (expected {want:?})"));
-    }
-    Ok((i, c, o))
+/// Dtypes of the input, of cos/sin and of the output (the forward's promote(input, cos), the
+/// backward's the input's).
+fn dtypes(p: &Rope) -> Result<(BastileDType, BastileDType, BastileDType)> {
+    Ok((BastileDType::from_raw(p.in_dtype)?, BastileDType::from_raw(p.cs_dtype)?, BastileDType::from_raw(p.out_dtype)?))
 }
 
 /// Elements per access: 16 bytes of the widest dtype involved (8 only for 16-bit pairs of one dtype,
@@ -80,10 +42,10 @@ fn vector(p: &Rope, i: BastileDType, c: BastileDType, o: BastileDType) -> i64 {
     vec
 }
 
-/// Fills `vec`, `pair_threads`, `head_lanes` and `block`: a token's threads cover its vector pairs
-/// once, and each lane takes up to [`HEADS_AT_ONCE`] heads a round (one load of the cos/sin vectors
+/// `p` with `vec`, `pair_threads`, `head_lanes` and `block` filled in: a token's threads cover its vector
+/// pairs once, and each lane takes up to [`HEADS_AT_ONCE`] heads a round (one load of the cos/sin vectors
 /// serves them all).
-fn plan(p: &mut Rope, vec: i64) {
+fn with_geometry(mut p: Rope, vec: i64) -> Rope {
     let pairs = (p.head_dim / 2 / vec).max(1);
     let heads = (p.q_heads + p.k_heads).max(1);
     let pair_threads = pairs.min(MAX_PAIR_THREADS);
@@ -93,40 +55,54 @@ fn plan(p: &mut Rope, vec: i64) {
     p.pair_threads = pair_threads as i32;
     p.head_lanes = head_lanes as i32;
     p.block = (per_token * (TARGET_BLOCK / per_token).max(1)) as i32;
+    p
 }
 
-fn name(dir: Dir, i: BastileDType, c: BastileDType, vec: i32) -> String {
-    format!("rope_{}_{}_{}_v{vec}", dir.tag(), i.tag(), c.tag())
-}
-
-pub fn run_cuda(p: &mut Rope, dir: Dir, device: i32, stream: usize) -> Result<()> {
-    let (i, c, o) = dtypes(p, dir)?;
-    BastileDType::check_cuda("rope", &[i, c])?;
-    if p.q_heads.max(p.k_heads) > i32::MAX as i64 {
-        return Err("bastile.rope: more than 2^31 - 1 heads".into());
+fn direction(p: &Rope) -> Tag {
+    if p.backward != 0 {
+        Tag::Bwd
+    } else {
+        Tag::Fwd
     }
-    plan(p, vector(p, i, c, o));
-    let dev = driver::device(device)?;
-    let key = (dir == Dir::Bwd) as u64 | (i as u64) << 4 | (c as u64) << 8 | (p.vec as u64) << 12 | (p.block as u64) << 20;
-    let kernel = dev.kernel(fatbins::ROPE, key, p.block as u32, || name(dir, i, c, p.vec))?;
-    let tokens_per_block = (p.block / (p.pair_threads * p.head_lanes)) as i64;
-    let blocks = geometry::ceil_div(p.batch * p.seq, tokens_per_block).max(1);
-    let grid = geometry::grid(blocks, dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
-    let cfg = Launch { grid: (grid, 1), block: (p.block as u32, 1), shared: 0 };
-    // SAFETY: the C++ layer checked shapes, strides, dtypes and devices of every pointer in `p`.
-    unsafe { driver::launch(kernel, cfg, stream, p) }
 }
 
-pub fn run_cpu(p: &Rope, dir: Dir) -> Result<()> {
-    let (i, c, _) = dtypes(p, dir)?;
-    // SAFETY: the C++ layer checked shapes, strides and dtypes of every pointer in `p`.
-    crate::with_dtypes!(i, c, |I, C, M| unsafe {
-        match dir {
-            Dir::Fwd => rotate_cpu::<I, C, M, M>(p, dir),
-            Dir::Bwd => rotate_cpu::<I, C, M, I>(p, dir),
+fn tags(p: &Rope, i: BastileDType, c: BastileDType) -> [Tag; 4] {
+    let width = match p.vec {
+        1 => Tag::V1,
+        2 => Tag::V2,
+        4 => Tag::V4,
+        _ => Tag::V8,
+    };
+    [direction(p), i.tag(), c.tag(), width]
+}
+
+impl Launch for Rope {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let (i, c, o) = dtypes(self)?;
+        if self.q_heads.max(self.k_heads) > i32::MAX as i64 {
+            return Err("bastile.rope: more than 2^31 - 1 heads".into());
         }
-    });
-    Ok(())
+        let p = with_geometry(*self, vector(self, i, c, o));
+        let kernel = kernels::kernel::<Self>(dev, &tags(&p, i, c), p.block as u32)?;
+        let tokens_per_block = (p.block / (p.pair_threads * p.head_lanes)) as i64;
+        let blocks = geometry::ceil_div(p.batch * p.seq, tokens_per_block).max(1);
+        let grid = geometry::grid(blocks, dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
+        Ok(Plan::single(kernel, LaunchConfig { grid: (grid, 1), block: (p.block as u32, 1), shared: 0 }, p))
+    }
+
+    fn cpu(&self) -> Result<()> {
+        let (i, c, _) = dtypes(self)?;
+        let backward = self.backward != 0;
+        // SAFETY: the C++ layer checked shapes, strides and dtypes of every pointer in `p`.
+        crate::with_dtypes!(i, c, |I, C, M| unsafe {
+            if backward {
+                rotate_cpu::<I, C, M, I>(self, backward)
+            } else {
+                rotate_cpu::<I, C, M, M>(self, backward)
+            }
+        });
+        Ok(())
+    }
 }
 
 /// Address of element `e` of head `h` of token (b, s).
@@ -149,7 +125,7 @@ impl Shared<'_> {
 /// # Safety
 /// Every pointer of `p` must address its tensor with the given strides, in the dtypes `I`, `C`, `O`;
 /// distinct (token, head, element) of an output must be distinct elements, overlapping no input.
-unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, dir: Dir) {
+unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, backward: bool) {
     let shared = Shared(p);
     let term = |a: f64, b: f64| O::round(M::round(a * b));
     (0..p.batch * p.seq).into_par_iter().for_each(|tok| {
@@ -164,9 +140,10 @@ unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, d
                 let (s1, s2) = (table(&p.sin, e), table(&p.sin, e + half));
                 let x1 = (*x.add(at(src, b, s, h, e))).to_f64();
                 let x2 = (*x.add(at(src, b, s, h, e + half))).to_f64();
-                let (o1, o2) = match dir {
-                    Dir::Fwd => (term(x1, c1) - term(x2, s1), term(x2, c2) + term(x1, s2)),
-                    Dir::Bwd => (term(x1, c1) + term(x2, s2), term(x2, c2) - term(x1, s1)),
+                let (o1, o2) = if backward {
+                    (term(x1, c1) + term(x2, s2), term(x2, c2) - term(x1, s1))
+                } else {
+                    (term(x1, c1) - term(x2, s1), term(x2, c2) + term(x1, s2))
                 };
                 *y.add(at(dst, b, s, h, e)) = O::from_f64(o1);
                 *y.add(at(dst, b, s, h, e + half)) = O::from_f64(o2);
@@ -178,6 +155,8 @@ unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, d
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::promote;
+    use crate::kernels::Kernels;
     use crate::testing::{cast, noise, widen};
     use half::{bf16, f16};
     use BastileDType::*;
@@ -263,9 +242,10 @@ mod tests {
                 in_dtype: id as i32,
                 cs_dtype: cd as i32,
                 out_dtype: od as i32,
+                backward: backward as i32,
                 ..Default::default()
             };
-            run_cpu(&p, Dir::of(backward)).unwrap();
+            p.cpu().unwrap();
             // Each result is a sum of two products, each rounded at most three times, then rounded:
             // a few units of the output dtype relative to the terms' size.
             let tol = 8.0 * unit(od).max(unit(promote(id, cd)));
@@ -344,7 +324,7 @@ mod tests {
             out_dtype: BASTILE_BF16 as i32,
             ..Default::default()
         };
-        run_cpu(&p, Dir::Fwd).unwrap();
+        p.cpu().unwrap();
         let r = |v: f32| bf16::from_f32(v).to_f32();
         let want0 = r(r(1.0 * (1.0 + 1.0 / 128.0)) - r(1.0 / 256.0 * 0.75));
         let want1 = r(r(1.0 / 256.0 * (1.0 + 1.0 / 128.0)) + r(0.75));
@@ -386,8 +366,8 @@ mod tests {
         for (dim, q_heads, k_heads, vec) in
             [(128, 16, 8, 8), (128, 32, 8, 8), (64, 1, 1, 8), (256, 16, 8, 4), (6, 3, 0, 1), (4096, 2, 2, 1)]
         {
-            let mut p = Rope { head_dim: dim, q_heads, k_heads, ..Default::default() };
-            plan(&mut p, vec);
+            let p = Rope { head_dim: dim, q_heads, k_heads, ..Default::default() };
+            let p = with_geometry(p, vec);
             let (pt, lanes, block) = (p.pair_threads as i64, p.head_lanes as i64, p.block as i64);
             assert!(
                 pt >= 1 && lanes >= 1 && block <= BLOCK && block % (pt * lanes) == 0,
@@ -396,39 +376,40 @@ mod tests {
             assert!(pt <= (dim / 2 / vec).max(1) && lanes <= (q_heads + k_heads).max(1));
         }
         // Qwen3-style GQA at head_dim 128: 6 lanes of 4 heads, two tokens per 96-thread block.
-        let mut p = Rope { head_dim: 128, q_heads: 16, k_heads: 8, ..Default::default() };
-        plan(&mut p, 8);
+        let p = with_geometry(Rope { head_dim: 128, q_heads: 16, k_heads: 8, ..Default::default() }, 8);
         assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 6, 96));
         // 40 heads: 10 lanes, one token per block.
-        p.q_heads = 32;
-        plan(&mut p, 8);
+        let p = with_geometry(Rope { q_heads: 32, ..p }, 8);
         assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 10, 80));
         // Two heads: one lane, 16 tokens per block.
-        let mut p = Rope { head_dim: 128, q_heads: 1, k_heads: 1, ..Default::default() };
-        plan(&mut p, 8);
+        let p = with_geometry(Rope { head_dim: 128, q_heads: 1, k_heads: 1, ..Default::default() }, 8);
         assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 1, 128));
         // Many heads of a long head dim: lanes capped by the block, the rest in rounds.
-        let mut p = Rope { head_dim: 4096, q_heads: 64, k_heads: 64, ..Default::default() };
-        plan(&mut p, 8);
+        let p = with_geometry(Rope { head_dim: 4096, q_heads: 64, k_heads: 64, ..Default::default() }, 8);
         assert_eq!((p.pair_threads, p.head_lanes, p.block), (128, 2, 256));
     }
 
     #[test]
-    fn bad_dtypes_and_f64_on_cuda_are_errors() {
-        let mut p = Rope { in_dtype: 9, ..Default::default() };
-        assert!(run_cpu(&p, Dir::Fwd).unwrap_err().contains("unknown dtype"));
-        p.in_dtype = BASTILE_BF16 as i32;
-        p.cs_dtype = BASTILE_F32 as i32;
-        p.out_dtype = BASTILE_BF16 as i32;
-        assert!(run_cpu(&p, Dir::Fwd).unwrap_err().contains("does not match"));
-        p.in_dtype = BASTILE_F64 as i32;
-        p.out_dtype = BASTILE_F64 as i32;
-        assert!(run_cuda(&mut p, Dir::Fwd, 0, 0).unwrap_err().contains("CPU only"));
+    fn bad_dtype_code_is_an_error() {
+        let p = Rope { in_dtype: 9, ..Default::default() };
+        assert!(p.cpu().unwrap_err().contains("unknown dtype"));
     }
 
+    /// Every width `vector` can choose has its kernel, for every CUDA dtype pair and direction.
     #[test]
-    fn kernel_names_match_cuda_symbols() {
-        assert_eq!(name(Dir::Fwd, BASTILE_BF16, BASTILE_BF16, 8), "rope_fwd_bf16_bf16_v8");
-        assert_eq!(name(Dir::Bwd, BASTILE_F16, BASTILE_F32, 1), "rope_bwd_f16_f32_v1");
+    fn every_launch_has_a_kernel() {
+        let dts = [BASTILE_F32, BASTILE_F16, BASTILE_BF16];
+        for (i, c) in dts.iter().flat_map(|&i| dts.iter().map(move |&c| (i, c))) {
+            let p = Rope { q: RopeTensor { data: 4096 as *mut _, ..Default::default() }, head_dim: 128, ..Default::default() };
+            let widest = vector(&Rope { q_out: p.q, k_out: p.q, k: p.q, cos: p.q, sin: p.q, ..p }, i, c, promote(i, c));
+            for backward in [0, 1] {
+                for vec in (0..4).map(|k| 1 << k).filter(|&v| v <= widest) {
+                    let p = with_geometry(Rope { backward, ..p }, vec);
+                    Rope::find(&tags(&p, i, c)).unwrap();
+                }
+            }
+        }
+        let p = with_geometry(Rope { head_dim: 128, backward: 1, ..Default::default() }, 1);
+        assert_eq!(Rope::KERNELS[Rope::find(&tags(&p, BASTILE_F16, BASTILE_F32)).unwrap()].1, "rope_bwd_f16_f32_v1");
     }
 }

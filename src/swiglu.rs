@@ -1,65 +1,15 @@
-//! SwiGLU: CUDA launchers for `cuda/swiglu.cu` and the CPU kernels (the reference the GPU is tested
-//! against). Semantics of HF `Qwen3MLP`'s `act_fn(gate_proj(x)) * up_proj(x)` in the inputs' dtype T:
-//! `y = T(T(silu(g)) * u)`; the backward is autograd of that expression with its roundings:
-//! `grad_up = T(dy * T(silu(g)))`, `grad_gate = T(T(dy * u) * sig(g) * (1 + g * (1 - sig(g))))`.
+//! SwiGLU (HF `Qwen3MLP`'s `act_fn(gate_proj(x)) * up_proj(x)`; the formulas and their roundings are in
+//! `cuda/swiglu.cu`): the launches of its kernels and the CPU kernels, the reference the GPU is tested
+//! against.
 use crate::cpu::{self, Element};
-use crate::driver::{fatbins, Dir, Result};
-use crate::elementwise::{vector_width, Family};
-use crate::ffi::guard;
+use crate::driver::Result;
+use crate::elementwise::Elementwise;
 use crate::params::{BastileDType, SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_UNROLL};
 use rayon::prelude::*;
 
-crate::params::bridged!(SwigluForward, SwigluBackward);
-
-/// Entries of `src/torch/swiglu.cpp` (`bastile::rs::swiglu::*`).
-#[cxx::bridge(namespace = "bastile::rs::swiglu")]
-mod bridge {
-    #[namespace = ""]
-    unsafe extern "C++" {
-        include!("swiglu.h");
-        type SwigluForward = crate::params::SwigluForward;
-        type SwigluBackward = crate::params::SwigluBackward;
-    }
-
-    extern "Rust" {
-        #[cxx_name = "forward_cuda"]
-        fn ffi_forward_cuda(p: &SwigluForward, device: i32, stream: usize) -> Result<()>;
-        #[cxx_name = "backward_cuda"]
-        fn ffi_backward_cuda(p: &SwigluBackward, device: i32, stream: usize) -> Result<()>;
-        #[cxx_name = "forward_cpu"]
-        fn ffi_forward_cpu(p: &SwigluForward) -> Result<()>;
-        #[cxx_name = "backward_cpu"]
-        fn ffi_backward_cpu(p: &SwigluBackward) -> Result<()>;
-    }
-}
-
-fn ffi_forward_cuda(p: &SwigluForward, device: i32, stream: usize) -> Result<()> {
-    guard(|| forward_cuda(p, device, stream))
-}
-fn ffi_backward_cuda(p: &SwigluBackward, device: i32, stream: usize) -> Result<()> {
-    guard(|| backward_cuda(p, device, stream))
-}
-fn ffi_forward_cpu(p: &SwigluForward) -> Result<()> {
-    guard(|| forward_cpu(p))
-}
-fn ffi_backward_cpu(p: &SwigluBackward) -> Result<()> {
-    guard(|| backward_cpu(p))
-}
-
-static FAMILY: Family = Family { op: "swiglu", fatbin: fatbins::SWIGLU, block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL };
-
-pub fn forward_cuda(p: &SwigluForward, device: i32, stream: usize) -> Result<()> {
-    let dt = FAMILY.cuda_dtype(p.dtype)?;
-    let vec = vector_width(dt, &[p.gate, p.up, p.y]);
-    // SAFETY: the C++ layer checked that every pointer in `p` holds `n` contiguous elements of `dt`.
-    unsafe { FAMILY.launch(Dir::Fwd, dt, vec, p.n, p, device, stream) }
-}
-
-pub fn backward_cuda(p: &SwigluBackward, device: i32, stream: usize) -> Result<()> {
-    let dt = FAMILY.cuda_dtype(p.dtype)?;
-    let vec = vector_width(dt, &[p.grad_y, p.gate, p.up, p.grad_gate, p.grad_up]);
-    // SAFETY: as in forward_cuda.
-    unsafe { FAMILY.launch(Dir::Bwd, dt, vec, p.n, p, device, stream) }
+crate::elementwise_launch! { Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL },
+    SwigluForward: Fwd(gate, up, y) => forward_cpu;
+    SwigluBackward: Bwd(grad_y, gate, up, grad_gate, grad_up) => backward_cpu;
 }
 
 /// Elements each rayon task takes.
@@ -115,7 +65,6 @@ mod tests {
     use super::*;
     use crate::testing::{cast, noise};
     use half::{bf16, f16};
-    use std::ffi::c_void;
     use BastileDType::*;
 
     /// Exact values in f64 with no intermediate rounding, from another formula than the kernels':
@@ -194,19 +143,8 @@ mod tests {
     }
 
     #[test]
-    fn bad_dtype_codes_and_f64_on_cuda_are_errors() {
+    fn bad_dtype_code_is_an_error() {
         let p = SwigluForward { dtype: 9, n: 1, ..Default::default() };
         assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
-        let p = SwigluForward { dtype: BASTILE_F64 as i32, ..p };
-        assert!(forward_cuda(&p, 0, 0).unwrap_err().contains("CPU only"));
-    }
-
-    #[test]
-    fn kernel_names_match_cuda_symbols() {
-        let aligned = 4096 as *const c_void;
-        assert_eq!(FAMILY.name(Dir::Fwd, BASTILE_BF16, vector_width(BASTILE_BF16, &[aligned, aligned])), "swiglu_fwd_bf16_vec");
-        let odd = 4098 as *const c_void;
-        assert_eq!(FAMILY.name(Dir::Bwd, BASTILE_F16, vector_width(BASTILE_F16, &[aligned, odd])), "swiglu_bwd_f16_scalar");
-        assert_eq!(vector_width(BASTILE_F32, &[aligned]), 4);
     }
 }

@@ -11,7 +11,6 @@ op = torch.ops.bastile.fused_linear_cross_entropy
 fwd_op = torch.ops.bastile.fused_linear_cross_entropy_forward
 bwd_op = torch.ops.bastile.fused_linear_cross_entropy_backward
 flce = bastile.ops.fused_linear_cross_entropy
-CHUNK_ENV = "BASTILE_FLCE_CHUNK_BYTES"
 
 
 def eager(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0):
@@ -48,13 +47,10 @@ def detached64(*xs):
     return [None if x is None else x.detach().double().requires_grad_() for x in xs]
 
 
-@pytest.fixture
-def chunks(monkeypatch):
-    """Forces chunks of `rows` rows (for a given vocab and element size) so that small inputs run several,
-    the last one ragged."""
-    def set_rows(rows, vocab, elem_bytes):
-        monkeypatch.setenv(CHUNK_ENV, str(rows * vocab * elem_bytes))
-    return set_rows
+def chunks(rows, vocab, elem_bytes):
+    """The op's chunk_bytes for chunks of `rows` rows (of a given vocab and element size), so that small
+    inputs run several, the last one ragged."""
+    return rows * vocab * elem_bytes
 
 
 # ---------------------------------------------------------------- CPU and any device
@@ -74,12 +70,13 @@ def test_opcheck(device, with_bias):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_gradcheck_fp64(reduction, chunks):
+def test_gradcheck_fp64(reduction):
     h, w, b, t = make(7, 5, 11, dtype=torch.float64, ignored=0.3)
-    chunks(3, 11, 8)  # chunks of 3, 3, 1 rows
+    chunk_bytes = chunks(3, 11, 8)  # chunks of 3, 3, 1 rows
     for softcap, z_loss in [(0.0, 0.0), (2.0, 0.1)]:
         assert torch.autograd.gradcheck(
-            lambda h, w, b: op(h, w, t, b, reduction=reduction, softcap=softcap, z_loss=z_loss), (h, w, b))
+            lambda h, w, b: op(h, w, t, b, reduction=reduction, softcap=softcap, z_loss=z_loss,
+                               chunk_bytes=chunk_bytes), (h, w, b))
 
 
 # Norm-relative error against the fp64 reference allowed per dtype; ours must also be within 1.25x of
@@ -91,12 +88,11 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3, torch.float16: 8e-4}
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("softcap,z_loss", [(0.0, 0.0), (3.0, 1e-3)])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, reduction, chunks):
+def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, reduction):
     n, hdim, vocab = 50, 64, 300
-    chunks(16, vocab, torch.finfo(dtype).bits // 8)  # 16, 16, 16, 2 rows
     h, w, b, t = make(n, hdim, vocab, dtype, device)
     kw = dict(reduction=reduction, softcap=softcap, z_loss=z_loss)
-    loss = op(h, w, t, b, **kw)
+    loss = op(h, w, t, b, **kw, chunk_bytes=chunks(16, vocab, torch.finfo(dtype).bits // 8))  # 16, 16, 16, 2 rows
     assert loss.dtype == torch.float32 and loss.shape == ()
     ours = (loss, *grads(loss, (h, w, b)))
     hf_loss = eager(h, w, t, b, **kw)
@@ -208,30 +204,30 @@ def count_gemms(fn):
     return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
 
 
-def test_no_grad_computes_the_loss_only(chunks):
+def test_no_grad_computes_the_loss_only():
     h, w, b, t = make(10, 8, 20)
-    chunks(4, 20, 4)  # 3 chunks
-    with_grad = op(h, w, t, b)
+    kw = dict(chunk_bytes=chunks(4, 20, 4))  # 3 chunks
+    with_grad = op(h, w, t, b, **kw)
     with torch.no_grad():
-        assert count_gemms(lambda: op(h, w, t, b)) == 3  # the logits alone
-        no_grad = op(h, w, t, b)
+        assert count_gemms(lambda: op(h, w, t, b, **kw)) == 3  # the logits alone
+        no_grad = op(h, w, t, b, **kw)
     assert no_grad.grad_fn is None
     torch.testing.assert_close(no_grad, with_grad.detach(), rtol=0, atol=0)
-    assert count_gemms(lambda: op(h, w, t, b)) == 9  # logits, grad_hidden, grad_weight
+    assert count_gemms(lambda: op(h, w, t, b, **kw)) == 9  # logits, grad_hidden, grad_weight
     # A frozen head (LoRA): no weight gradient GEMM.
-    assert count_gemms(lambda: op(h, w.detach(), t, b.detach())) == 6
+    assert count_gemms(lambda: op(h, w.detach(), t, b.detach(), **kw)) == 6
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp32_weight_grad_is_more_accurate(device, chunks):
+def test_fp32_weight_grad_is_more_accurate(device):
     n, hdim, vocab = 512, 32, 64
-    chunks(8, vocab, 2)  # 64 chunks summed into the weight gradient
     h, w, _, t = make(n, hdim, vocab, torch.bfloat16, device, bias=False, ignored=0.0)
     (h64, w64) = detached64(h, w)
     (ref,) = grads(eager(h64, w64, t, reduction="sum"), (w64,))
     errs = {}
     for fp32 in (True, False):
-        (g,) = grads(op(h, w, t, reduction="sum", fp32_weight_grad=fp32), (w,))
+        # 64 chunks summed into the weight gradient
+        (g,) = grads(op(h, w, t, reduction="sum", fp32_weight_grad=fp32, chunk_bytes=chunks(8, vocab, 2)), (w,))
         assert g.dtype == torch.bfloat16
         errs[fp32] = rel_err(g, ref)
     msg = f"weight grad error vs fp64: f32 accumulation {errs[True]:.3g}, bf16 accumulation {errs[False]:.3g}"
@@ -326,7 +322,7 @@ def test_out_of_range_target_raises_on_cpu():
     (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.randn(9)),
      "bias must have shape"),
     (lambda: op(torch.randn(4, 8), torch.randn(10, 8, device="meta"), torch.zeros(4, dtype=torch.long)),
-     "must be on hidden's device"),
+     "hidden is on cpu but weight is on meta"),
     (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), reduction="none"),
      "reduction must be"),
     (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), softcap=-1.0),

@@ -50,7 +50,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                                softcap: float | None = None, z_loss: float = 0.0, num_items_in_batch=None,
-                               fp32_weight_grad: bool = True) -> torch.Tensor:
+                               fp32_weight_grad: bool = True, chunk_bytes: int = 0) -> torch.Tensor:
     """HF's causal-LM loss, F.cross_entropy((hidden @ weight.T + bias).float(), target, ignore_index=...,
     reduction=...), without materialising the [tokens, vocab] logits.
 
@@ -60,16 +60,19 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     ignore_index are ignored; "mean" divides by the number of counted targets (loss 0 when there are
     none). With num_items_in_batch (a number or a tensor, as HF passes it) the loss is the sum divided by
     it, whatever `reduction` says. fp32_weight_grad sums the weight gradient over chunks in float32 (else
-    in the weight's dtype). On CUDA, a target outside [0, vocab) that is not ignore_index is treated as
-    ignored (checking it would need a host sync); on the CPU it raises. Returns a 0-dim float32 loss
-    (float64 for float64 hidden).
+    in the weight's dtype). Rows go in chunks whose logits take at most chunk_bytes (0: 256 MiB, or
+    with fp32_weight_grad 512 MiB or the size of the weight gradient's final cast, whichever is larger);
+    a smaller budget lowers the peak memory at some speed. On CUDA, a target outside [0, vocab) that is
+    not ignore_index is treated as ignored (checking it would need a host sync); on the CPU it raises.
+    Returns a 0-dim float32 loss (float64 for float64 hidden).
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
     if num_items_in_batch is not None:
         reduction = "sum"
     loss = torch.ops.bastile.fused_linear_cross_entropy(h, weight, t, bias, ignore_index, reduction,
-                                                        float(softcap or 0.0), float(z_loss), fp32_weight_grad)
+                                                        float(softcap or 0.0), float(z_loss), fp32_weight_grad,
+                                                        chunk_bytes)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -1,0 +1,221 @@
+// The one registration of Bastile's ops. An op is a spec, a struct with
+//   schema   its dispatcher schema, "name(Tensor x, ...) -> ...", registered as bastile::name
+//   kernel   its CPU, CUDA and Meta kernel: it checks its inputs and allocates its outputs (with symbolic
+//            sizes), returns them as they are for Meta tensors, else fills its parameter block and
+//            `launch`es it
+// and, when it is differentiable:
+//   forward(ctx, args...), backward(ctx, grads)   its autograd node (forward gets the kernel's arguments
+//                                                 and calls the ops below autograd through `call`)
+//   needs_grad(args...)       optional: whether to record a node (default: a tensor argument requires grad)
+//   autocast<device>(args...) optional: its Autocast kernel (default: the op keeps its inputs' dtypes)
+// BASTILE_OPS(Spec, ...) registers their schemas, CPU/CUDA/Meta kernels, Autograd (the node, or for an op
+// without one an error on backward) and the Autocast kernels of the differentiable ones. `call<Spec>`
+// dispatches with the C++ signature of Spec::kernel, which the dispatcher checks against the schema when
+// the library loads: the two cannot drift.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "bastile/src/ffi.rs.h"
+#include "rust/cxx.h"
+#include "blocks.h"
+
+namespace bastile {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ------------------------------------------------------------------------------------------ checks
+
+// A tensor argument and its name, for checks that say what is wrong.
+struct Named {
+  const char* name;
+  const at::Tensor& t;
+};
+
+// The dtype code of a floating-point tensor; any other dtype is an error naming op and argument.
+BastileDType dtype_code(const char* op, Named arg);
+
+// Each argument is floating-point (dtype_code).
+void check_float(const char* op, std::initializer_list<Named> args);
+
+// Every argument is on `first`'s device.
+void check_device(const char* op, Named first, std::initializer_list<Named> rest);
+
+// b has a's dtype; b has a's shape.
+void check_same_dtype(const char* op, Named a, Named b);
+void check_same_shape(const char* op, Named a, Named b);
+
+// The rotary tables cos and sin: one dtype and shape, [seq, dim], [1, seq, dim] or [batch, seq, dim].
+void check_tables(const char* op, const at::Tensor& cos, const at::Tensor& sin, const c10::SymInt& batch,
+                  const c10::SymInt& seq, const c10::SymInt& dim);
+
+// The dtype of per-row statistics and losses: float32, float64 for float64 input.
+at::ScalarType stats_dtype(const at::Tensor& x);
+
+// The rotary ops do not differentiate cos and sin (HF computes them under no_grad): an error when, in grad
+// mode, they require grad.
+void refuse_table_grad(const char* op, const at::Tensor& cos, const at::Tensor& sin);
+
+// ------------------------------------------------------------------------------------------ launches
+
+// Calls into Rust; a Rust error (already worded for the user) becomes a c10::Error, which Python sees as
+// RuntimeError.
+template <class F>
+auto rust(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const ::rust::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+// torch's current stream on t's device, as a driver-API handle.
+size_t current_stream(const at::Tensor& t);
+
+// Runs parameter block p on `on`'s device: its CPU kernel, or its CUDA plan on torch's current stream
+// with the scratch memory the plan asks for, from torch's allocator.
+template <class P>
+void launch(const at::Tensor& on, const P& p) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(&p);
+  if (on.is_cpu()) return rust([&] { rs::run_cpu(Block<P>::id, bytes); });
+  TORCH_CHECK(on.is_cuda(), "bastile.", Block<P>::op, ": unsupported device ", on.device());
+  const c10::DeviceGuard guard(on.device());
+  auto plan = rust([&] { return rs::plan(Block<P>::id, bytes, on.device().index()); });
+  at::Tensor scratch;
+  if (plan->scratch() > 0) scratch = at::empty({plan->scratch()}, on.options().dtype(at::kByte));
+  auto* memory = scratch.defined() ? static_cast<uint8_t*>(scratch.data_ptr()) : nullptr;
+  rust([&] { rs::launch(std::move(plan), memory, current_stream(on)); });
+}
+
+// ------------------------------------------------------------------------------------------ registration
+
+template <class Spec>
+const char* op_name() {
+  static const std::string name = [] {
+    const std::string schema = Spec::schema;
+    return schema.substr(0, schema.find('('));
+  }();
+  return name.c_str();
+}
+
+// The op through the dispatcher.
+template <class Spec, class... A>
+decltype(auto) call(A&&... a) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow((std::string("bastile::") + op_name<Spec>()).c_str(), "")
+                             .template typed<decltype(Spec::kernel)>();
+  return op.call(std::forward<A>(a)...);
+}
+
+inline bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+inline bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && requires_grad(*t); }
+template <class T>
+bool requires_grad(const T&) {
+  return false;
+}
+
+template <class Spec, class... A>
+bool needs_grad(const A&... a) {
+  if constexpr (requires { Spec::needs_grad(a...); })
+    return Spec::needs_grad(a...);
+  else
+    return (requires_grad(a) || ...);
+}
+
+template <class Spec>
+struct Node : torch::autograd::Function<Node<Spec>> {
+  template <class... A>
+  static auto forward(AutogradContext* ctx, A&&... a) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return Spec::forward(ctx, std::forward<A>(a)...);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return Spec::backward(ctx, std::move(grads));
+  }
+};
+
+// A node's outputs as the kernel returns them: one tensor, or a tuple from the node's list.
+template <class R>
+struct Outputs {
+  static R from(at::Tensor t) { return t; }
+};
+template <class... T>
+struct Outputs<std::tuple<T...>> {
+  static std::tuple<T...> from(const variable_list& v) {
+    return [&]<size_t... I>(std::index_sequence<I...>) { return std::tuple<T...>(v[I]...); }(
+               std::index_sequence_for<T...>{});
+  }
+};
+
+template <class Spec, class Signature = decltype(Spec::kernel)>
+struct Kernels;
+template <class Spec, class R, class... A>
+struct Kernels<Spec, R(A...)> {
+  static R autograd(A... a) {
+    if (at::GradMode::is_enabled() && needs_grad<Spec>(a...)) return Outputs<R>::from(Node<Spec>::apply(a...));
+    // Nothing to differentiate: nothing saved.
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call<Spec>(a...);
+  }
+
+  template <c10::DeviceType device>
+  static R autocast(A... a) {
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    if constexpr (requires { Spec::template autocast<device>(a...); })
+      return Spec::template autocast<device>(a...);
+    else
+      return call<Spec>(a...);
+  }
+};
+
+template <class Spec>
+constexpr bool differentiable = requires { &Spec::backward; };
+
+template <class... Specs>
+struct Ops {
+  static void define(torch::Library& m) { (m.def(Specs::schema, {at::Tag::pt2_compliant_tag}), ...); }
+  static void kernels(torch::Library& m) { (m.impl(op_name<Specs>(), &Specs::kernel), ...); }
+  static void autograd(torch::Library& m) { (autograd_of<Specs>(m), ...); }
+  template <c10::DeviceType device>
+  static void autocast(torch::Library& m) {
+    (autocast_of<Specs, device>(m), ...);
+  }
+
+ private:
+  // Autocast applies to the ops users call; their pieces run as those ops call them.
+  template <class Spec, c10::DeviceType device>
+  static void autocast_of(torch::Library& m) {
+    if constexpr (differentiable<Spec>) m.impl(op_name<Spec>(), &Kernels<Spec>::template autocast<device>);
+  }
+
+  template <class Spec>
+  static void autograd_of(torch::Library& m) {
+    if constexpr (differentiable<Spec>)
+      m.impl(op_name<Spec>(), &Kernels<Spec>::autograd);
+    else  // a piece of a differentiable op: a clear error on backward instead of a silent missing grad_fn
+      m.impl(op_name<Spec>(), torch::autograd::autogradNotImplementedFallback());
+  }
+};
+
+}  // namespace bastile
+
+#define BASTILE_OPS(...)                                                                                 \
+  TORCH_LIBRARY_FRAGMENT(bastile, m) { bastile::Ops<__VA_ARGS__>::define(m); }                        \
+  TORCH_LIBRARY_IMPL(bastile, CPU, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                      \
+  TORCH_LIBRARY_IMPL(bastile, CUDA, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                     \
+  TORCH_LIBRARY_IMPL(bastile, Meta, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                     \
+  TORCH_LIBRARY_IMPL(bastile, Autograd, m) { bastile::Ops<__VA_ARGS__>::autograd(m); }                \
+  TORCH_LIBRARY_IMPL(bastile, AutocastCPU, m) {                                                       \
+    bastile::Ops<__VA_ARGS__>::autocast<c10::DeviceType::CPU>(m);                                    \
+  }                                                                                                    \
+  TORCH_LIBRARY_IMPL(bastile, AutocastCUDA, m) { bastile::Ops<__VA_ARGS__>::autocast<c10::DeviceType::CUDA>(m); }
