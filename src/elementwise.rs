@@ -37,12 +37,14 @@ impl Elementwise {
     }
 }
 
-/// [`Launch`](crate::kernels::Launch) for the parameter blocks of an elementwise family: each
-/// `Block: dir(pointers...) => cpu_kernel;` launches `<op>_<dir>_<dtype>_<access>` over the block's `n`
-/// with the `Elementwise` shape given first, 16-byte vectors when all the pointers allow them.
+/// [`Launch`](crate::kernels::Launch) for the parameter blocks of an elementwise family, one dtype for
+/// all their tensors: each `Block: dir(pointers...) => cpu_kernel;` launches `<op>_<dir>_<dtype>_<access>`
+/// over the block's `n` with the `Elementwise` shape given first (16-byte vectors when every pointer
+/// allows them), and on the CPU runs `cpu_kernel::<T>`, an `unsafe fn(&Block)` generic over the element
+/// type.
 #[macro_export]
 macro_rules! elementwise_launch {
-    ($shape:expr, $($block:ident: $dir:ident($($ptr:ident),+) => $cpu:path;)+) => {$(
+    ($shape:expr, $($block:ident: $dir:ident($($ptr:ident),+) => $cpu:ident;)+) => {$(
         impl $crate::kernels::Launch for $block {
             fn plan(&self, dev: &'static $crate::driver::Device) -> $crate::driver::Result<$crate::kernels::Plan> {
                 let dt = $crate::params::BastileDType::from_raw(self.dtype)?;
@@ -50,7 +52,10 @@ macro_rules! elementwise_launch {
             }
 
             fn cpu(&self) -> $crate::driver::Result<()> {
-                $cpu(self)
+                let dt = $crate::params::BastileDType::from_raw(self.dtype)?;
+                // SAFETY: the C++ layer checked that every pointer holds the block's elements of `dt`.
+                $crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { $cpu::<T>(self) });
+                Ok(())
             }
         }
     )+};

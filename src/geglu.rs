@@ -2,9 +2,8 @@
 //! of its kernels and the CPU kernels, the reference the GPU is tested against. Every result is computed
 //! in f64 (f32 on the GPU) and rounded once to T, where HF rounds after each op.
 use crate::cpu::{self, Element};
-use crate::driver::Result;
 use crate::elementwise::Elementwise;
-use crate::params::{BastileDType, GegluBackward, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
+use crate::params::{GegluBackward, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
 use rayon::prelude::*;
 
 // A vector of y covers two of gate_up: both start 16-byte aligned when their pointers are.
@@ -57,14 +56,7 @@ impl Gate {
     }
 }
 
-pub fn forward_cpu(p: &GegluForward) -> Result<()> {
-    let dt = BastileDType::from_raw(p.dtype)?;
-    // SAFETY: the C++ layer checked that gate_up holds 2n and y n contiguous elements of the dtype.
-    crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu_typed::<T>(p) });
-    Ok(())
-}
-
-unsafe fn forward_cpu_typed<T: Element>(p: &GegluForward) {
+unsafe fn forward_cpu<T: Element>(p: &GegluForward) {
     let n = p.n as usize;
     let (x, y) = (cpu::slice::<T>(p.gate_up, 2 * n), cpu::slice_mut::<T>(p.y, n));
     let f = Gate::new::<T>(p.alpha, p.limit);
@@ -75,14 +67,7 @@ unsafe fn forward_cpu_typed<T: Element>(p: &GegluForward) {
     });
 }
 
-pub fn backward_cpu(p: &GegluBackward) -> Result<()> {
-    let dt = BastileDType::from_raw(p.dtype)?;
-    // SAFETY: as in forward_cpu, grad_y holding n and grad_gate_up 2n elements.
-    crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { backward_cpu_typed::<T>(p) });
-    Ok(())
-}
-
-unsafe fn backward_cpu_typed<T: Element>(p: &GegluBackward) {
+unsafe fn backward_cpu<T: Element>(p: &GegluBackward) {
     let n = p.n as usize;
     let (dy, x) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate_up, 2 * n));
     let dx = cpu::slice_mut::<T>(p.grad_gate_up, 2 * n);
@@ -99,6 +84,8 @@ unsafe fn backward_cpu_typed<T: Element>(p: &GegluBackward) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::Launch;
+    use crate::params::BastileDType;
     use crate::testing::{cast, noise};
     use half::{bf16, f16};
     use BastileDType::*;
@@ -125,7 +112,8 @@ mod tests {
         let n = dy.len();
         let (mut y, mut dx) = (vec![T::from_f64(f64::NAN); n], vec![T::from_f64(f64::NAN); 2 * n]);
         let (n, dtype) = (n as i64, dt as i32);
-        forward_cpu(&GegluForward { gate_up: gu.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, alpha, limit, dtype })
+        GegluForward { gate_up: gu.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, alpha, limit, dtype }
+            .cpu()
             .unwrap();
         let b = GegluBackward {
             grad_y: dy.as_ptr().cast(),
@@ -136,7 +124,7 @@ mod tests {
             limit,
             dtype,
         };
-        backward_cpu(&b).unwrap();
+        b.cpu().unwrap();
         (y, dx)
     }
 
@@ -236,6 +224,6 @@ mod tests {
     #[test]
     fn bad_dtype_code_is_an_error() {
         let p = GegluForward { dtype: 9, n: 1, ..Default::default() };
-        assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
+        assert!(p.cpu().unwrap_err().contains("unknown dtype"));
     }
 }

@@ -2,9 +2,8 @@
 //! `cuda/swiglu.cu`): the launches of its kernels and the CPU kernels, the reference the GPU is tested
 //! against.
 use crate::cpu::{self, Element};
-use crate::driver::Result;
 use crate::elementwise::Elementwise;
-use crate::params::{BastileDType, SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_UNROLL};
+use crate::params::{SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_UNROLL};
 use rayon::prelude::*;
 
 crate::elementwise_launch! { Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL },
@@ -19,14 +18,7 @@ fn sigmoid(g: f64) -> f64 {
     1.0 / (1.0 + (-g).exp())
 }
 
-pub fn forward_cpu(p: &SwigluForward) -> Result<()> {
-    let dt = BastileDType::from_raw(p.dtype)?;
-    // SAFETY: the C++ layer checked that every pointer in `p` holds `n` contiguous elements of the dtype.
-    crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu_typed::<T>(p) });
-    Ok(())
-}
-
-unsafe fn forward_cpu_typed<T: Element>(p: &SwigluForward) {
+unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
     let n = p.n as usize;
     let (g, u, y) = (cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n), cpu::slice_mut::<T>(p.y, n));
     y.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(u.par_chunks(CHUNK)).for_each(|((y, g), u)| {
@@ -37,14 +29,7 @@ unsafe fn forward_cpu_typed<T: Element>(p: &SwigluForward) {
     });
 }
 
-pub fn backward_cpu(p: &SwigluBackward) -> Result<()> {
-    let dt = BastileDType::from_raw(p.dtype)?;
-    // SAFETY: as in forward_cpu.
-    crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { backward_cpu_typed::<T>(p) });
-    Ok(())
-}
-
-unsafe fn backward_cpu_typed<T: Element>(p: &SwigluBackward) {
+unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
     let n = p.n as usize;
     let (dy, g, u) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
     let (dg, du) = (cpu::slice_mut::<T>(p.grad_gate, n), cpu::slice_mut::<T>(p.grad_up, n));
@@ -63,6 +48,8 @@ unsafe fn backward_cpu_typed<T: Element>(p: &SwigluBackward) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::Launch;
+    use crate::params::BastileDType;
     use crate::testing::{cast, noise};
     use half::{bf16, f16};
     use BastileDType::*;
@@ -75,6 +62,18 @@ mod tests {
         (silu * u, dy * u * (sig(g) + silu * sig(-g)), dy * silu)
     }
 
+    /// Runs both CPU kernels on (g, u, dy) of T and returns (y, grad_gate, grad_up).
+    fn run<T: Element>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let (n, dtype) = (g.len() as i64, T::DTYPE as i32);
+        let nan = || vec![T::from_f64(f64::NAN); g.len()];
+        let (mut y, mut dg, mut du) = (nan(), nan(), nan());
+        SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, dtype }.cpu().unwrap();
+        let (gate, up, grad_y) = (g.as_ptr().cast(), u.as_ptr().cast(), dy.as_ptr().cast());
+        let (grad_gate, grad_up) = (dg.as_mut_ptr().cast(), du.as_mut_ptr().cast());
+        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, n, dtype }.cpu().unwrap();
+        (y, dg, du)
+    }
+
     /// Runs both CPU kernels on `n` elements of T and checks every element against [`reference`] on
     /// the same (rounded) inputs. Each result is rounded at most twice: `unit` is T's unit roundoff,
     /// `tiny` the absolute error of results near T's underflow.
@@ -82,20 +81,7 @@ mod tests {
         let g: Vec<T> = cast(&noise(n, 1, 12.0));
         let u: Vec<T> = cast(&noise(n, 2, 3.0));
         let dy: Vec<T> = cast(&noise(n, 3, 3.0));
-        let nan = || vec![T::from_f64(f64::NAN); n];
-        let (mut y, mut dg, mut du) = (nan(), nan(), nan());
-        let f = SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n: n as i64, dtype: dt as i32 };
-        forward_cpu(&f).unwrap();
-        let b = SwigluBackward {
-            grad_y: dy.as_ptr().cast(),
-            gate: f.gate,
-            up: f.up,
-            grad_gate: dg.as_mut_ptr().cast(),
-            grad_up: du.as_mut_ptr().cast(),
-            n: n as i64,
-            dtype: dt as i32,
-        };
-        backward_cpu(&b).unwrap();
+        let (y, dg, du) = run(&g, &u, &dy);
         let tol = |r: f64| 2.5 * unit * r.abs() + tiny;
         for i in 0..n {
             let (ry, rdg, rdu) = reference(dy[i].to_f64(), g[i].to_f64(), u[i].to_f64());
@@ -124,27 +110,13 @@ mod tests {
         // Inputs where every output of torch's bf16 autograd of F.silu(g) * u (the values asserted)
         // differs from the exact result rounded once (y -0.54296875, grad_gate 0.75390625,
         // grad_up -0.4296875).
-        let (g, u, dy) = ([bf16::from_f32(0.75)], [bf16::from_f32(-1.0625)], [bf16::from_f32(-0.84375)]);
-        let (mut y, mut dg, mut du) = ([bf16::ZERO], [bf16::ZERO], [bf16::ZERO]);
-        let dtype = BASTILE_BF16 as i32;
-        let f = SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n: 1, dtype };
-        forward_cpu(&f).unwrap();
-        let b = SwigluBackward {
-            grad_y: dy.as_ptr().cast(),
-            gate: f.gate,
-            up: f.up,
-            grad_gate: dg.as_mut_ptr().cast(),
-            grad_up: du.as_mut_ptr().cast(),
-            n: 1,
-            dtype,
-        };
-        backward_cpu(&b).unwrap();
+        let (y, dg, du) = run(&[bf16::from_f32(0.75)], &[bf16::from_f32(-1.0625)], &[bf16::from_f32(-0.84375)]);
         assert_eq!((y[0].to_f32(), dg[0].to_f32(), du[0].to_f32()), (-0.5390625, 0.7578125, -0.427734375));
     }
 
     #[test]
     fn bad_dtype_code_is_an_error() {
         let p = SwigluForward { dtype: 9, n: 1, ..Default::default() };
-        assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
+        assert!(p.cpu().unwrap_err().contains("unknown dtype"));
     }
 }
