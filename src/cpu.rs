@@ -32,25 +32,21 @@ impl Element for f32 {
         v as f32
     }
 }
-impl Element for f16 {
-    const DTYPE: BastileDType = BastileDType::BASTILE_F16;
-    fn to_f64(self) -> f64 {
-        self.to_f64()
-    }
-    fn from_f64(v: f64) -> Self {
-        // Through f32, as torch rounds an f32 intermediate.
-        f16::from_f32(v as f32)
-    }
+/// The 16-bit types round through f32, as torch rounds an f32 intermediate.
+macro_rules! half_element {
+    ($($t:ident: $dtype:ident),*) => {$(
+        impl Element for $t {
+            const DTYPE: BastileDType = BastileDType::$dtype;
+            fn to_f64(self) -> f64 {
+                self.to_f64()
+            }
+            fn from_f64(v: f64) -> Self {
+                $t::from_f32(v as f32)
+            }
+        }
+    )*};
 }
-impl Element for bf16 {
-    const DTYPE: BastileDType = BastileDType::BASTILE_BF16;
-    fn to_f64(self) -> f64 {
-        self.to_f64()
-    }
-    fn from_f64(v: f64) -> Self {
-        bf16::from_f32(v as f32)
-    }
-}
+half_element!(f16: BASTILE_F16, bf16: BASTILE_BF16);
 
 /// Runs `$body` with type aliases `$x`, `$w`, `$y` bound to the Rust types of an input dtype,
 /// a weight dtype and their torch promotion (equal types stay; f64 wins; any other pair is f32).

@@ -67,6 +67,26 @@ impl Plan {
         Plan::new(0, move |_, stream| unsafe { driver::launch(kernel, cfg, stream, &params) })
     }
 
+    /// A rows kernel that writes f32 partial sums into the scratch (`scratch` bytes), then the kernel that
+    /// folds them, both with `params`, whose partial-sum pointer `partial` gives.
+    pub fn with_fold<P: Copy + 'static>(
+        scratch: i64,
+        mut params: P,
+        partial: fn(&mut P) -> &mut *mut f32,
+        rows: (Kernel, driver::LaunchConfig),
+        fold: (Kernel, driver::LaunchConfig),
+    ) -> Plan {
+        Plan::new(scratch, move |memory, stream| {
+            *partial(&mut params) = memory.cast();
+            // SAFETY: `params` is the block both kernels were compiled for, checked by the C++ layer; the
+            // scratch holds the partial sums.
+            unsafe {
+                driver::launch(rows.0, rows.1, stream, &params)?;
+                driver::launch(fold.0, fold.1, stream, &params)
+            }
+        })
+    }
+
     /// Runs the launches on `stream` (torch's `cudaStream_t`) with `scratch` (`self.scratch` bytes).
     pub fn run(self, scratch: *mut c_void, stream: usize) -> Result<()> {
         (self.run)(scratch, stream)

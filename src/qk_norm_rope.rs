@@ -5,7 +5,7 @@
 //! (f64 for f64 input), then `out = to_R(to_R(n * cos) + to_R(rotate_half(n) * sin))` with
 //! R = promote(N, cos), `rotate_half(v) = cat(-v[D/2:], v[:D/2])`.
 use crate::cpu::{promote, Element};
-use crate::driver::{self, Device, LaunchConfig, Result};
+use crate::driver::{Device, LaunchConfig, Result};
 use crate::geometry;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{BastileDType, QkNormRopeBackward, QkNormRopeForward, QkNormRopeShape, RowGeometry};
@@ -45,6 +45,20 @@ fn cuda_geometry(head_dim: i64, x: BastileDType, tensors: &[(*const c_void, Bast
     }
 }
 
+/// The geometry for q, k, their weights and the tables (`inputs`, in that order) and `outputs`.
+fn geometry_of(
+    s: &QkNormRopeShape,
+    (x, w, c): DTypes,
+    inputs: [*const c_void; 6],
+    outputs: &[(*const c_void, BastileDType, &[i64])],
+) -> RowGeometry {
+    let [q, k, qw, kw, cos, sin] = inputs;
+    let mut tensors: Vec<(*const c_void, BastileDType, &[i64])> =
+        vec![(q, x, &s.q_stride), (k, x, &s.k_stride), (qw, w, &[]), (kw, w, &[]), (cos, c, &s.cos_stride), (sin, c, &s.sin_stride)];
+    tensors.extend_from_slice(outputs);
+    cuda_geometry(s.head_dim, x, &tensors)
+}
+
 fn tags(dir: Tag, (x, w, c): DTypes, geo: &RowGeometry) -> [Tag; 5] {
     [dir, x.tag(), w.tag(), c.tag(), if geo.vec > 1 { Tag::Vec } else { Tag::Scalar }]
 }
@@ -68,22 +82,9 @@ impl Launch for QkNormRopeForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let d = dtypes(self.x_dtype, self.w_dtype, self.c_dtype)?;
         check_rows(&self.shape)?;
-        let (mut p, s, (x, w, c)) = (*self, &self.shape, d);
-        let o = out_dtype(d);
-        p.geo = cuda_geometry(
-            s.head_dim,
-            x,
-            &[
-                (p.q, x, &s.q_stride),
-                (p.k, x, &s.k_stride),
-                (p.q_weight, w, &[]),
-                (p.k_weight, w, &[]),
-                (p.cos, c, &s.cos_stride),
-                (p.sin, c, &s.sin_stride),
-                (p.q_out, o, &[s.head_dim]),
-                (p.k_out, o, &[s.head_dim]),
-            ],
-        );
+        let (mut p, s, o) = (*self, &self.shape, out_dtype(d));
+        let inputs = [p.q, p.k, p.q_weight, p.k_weight, p.cos, p.sin];
+        p.geo = geometry_of(s, d, inputs, &[(p.q_out, o, &[s.head_dim]), (p.k_out, o, &[s.head_dim])]);
         let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Fwd, d, &p.geo), p.geo.block as u32)?;
         let rows = tokens(s) * (s.q_heads + s.k_heads);
         let grid = geometry::grid(p.geo.blocks_for(rows), dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
@@ -109,24 +110,15 @@ impl Launch for QkNormRopeBackward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let d = dtypes(self.x_dtype, self.w_dtype, self.c_dtype)?;
         check_rows(&self.shape)?;
-        let (mut p, s, (x, w, c)) = (*self, &self.shape, d);
-        let o = out_dtype(d);
-        p.geo = cuda_geometry(
-            s.head_dim,
-            x,
-            &[
-                (p.q, x, &s.q_stride),
-                (p.k, x, &s.k_stride),
-                (p.q_weight, w, &[]),
-                (p.k_weight, w, &[]),
-                (p.cos, c, &s.cos_stride),
-                (p.sin, c, &s.sin_stride),
-                (p.grad_q, o, &p.grad_q_stride),
-                (p.grad_k, o, &p.grad_k_stride),
-                (p.grad_q_in, x, &[s.head_dim]),
-                (p.grad_k_in, x, &[s.head_dim]),
-            ],
-        );
+        let (mut p, s, o, (x, w, _)) = (*self, &self.shape, out_dtype(d), d);
+        let inputs = [p.q, p.k, p.q_weight, p.k_weight, p.cos, p.sin];
+        let gradients = [
+            (p.grad_q, o, &p.grad_q_stride[..]),
+            (p.grad_k, o, &p.grad_k_stride[..]),
+            (p.grad_q_in as *const c_void, x, &[s.head_dim][..]),
+            (p.grad_k_in as *const c_void, x, &[s.head_dim][..]),
+        ];
+        p.geo = geometry_of(s, d, inputs, &gradients);
         let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, d, &p.geo), p.geo.block as u32)?;
         let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], 256)?;
         // One resident wave: each block folds all its rows of one weight into one partial (per group
@@ -138,14 +130,7 @@ impl Launch for QkNormRopeBackward {
         let shared = if p.geo.vec > 1 { p.geo.rows_per_block() * s.head_dim * 4 } else { 0 };
         let cfg = LaunchConfig { grid: (grid as u32, 1), block: (p.geo.block as u32, 1), shared: shared as u32 };
         let reduce_cfg = LaunchConfig { grid: (geometry::ceil_div(s.head_dim, 32) as u32, 2), block: (32, 8), shared: 0 };
-        Ok(Plan::new(2 * p.partials * s.head_dim * 4, move |scratch, stream| {
-            p.partial = scratch.cast();
-            // SAFETY: the C++ layer checked every pointer in `p`; the scratch holds the partials.
-            unsafe {
-                driver::launch(kernel, cfg, stream, &p)?;
-                driver::launch(reduce, reduce_cfg, stream, &p)
-            }
-        }))
+        Ok(Plan::with_fold(2 * p.partials * s.head_dim * 4, p, |p| &mut p.partial, (kernel, cfg), (reduce, reduce_cfg)))
     }
 
     fn cpu(&self) -> Result<()> {
@@ -333,7 +318,7 @@ pub fn backward_cpu(p: &QkNormRopeBackward) -> Result<()> {
 mod tests {
     use super::*;
     use crate::kernels::Kernels;
-    use crate::testing::{noise, rel_err_floor};
+    use crate::testing::{noise, rel_err_floor, unit};
     use BastileDType::*;
 
     /// A buffer of `dt` elements (stored as raw bytes, 8 per element to fit any dtype).
@@ -401,15 +386,6 @@ mod tests {
 
     fn transpose(m: &[Vec<f64>]) -> Vec<Vec<f64>> {
         (0..m[0].len()).map(|j| m.iter().map(|row| row[j]).collect()).collect()
-    }
-
-    fn unit(d: BastileDType) -> f64 {
-        match d {
-            BASTILE_F64 => 2f64.powi(-50),
-            BASTILE_F32 => 2f64.powi(-24),
-            BASTILE_F16 => 2f64.powi(-11),
-            BASTILE_BF16 => 2f64.powi(-8),
-        }
     }
 
     /// Runs the CPU kernels on q and k living inside one fused [batch, seq, hq + 2 hk, d] buffer

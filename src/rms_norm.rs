@@ -3,7 +3,7 @@
 //! HF `LlamaRMSNorm`/`Qwen3RMSNorm` compute `y = w * to_x_dtype(n)` in `promote(x, w)`, and with
 //! `cast_after_weight` HF `GptOssRMSNorm` computes `y = to_x_dtype(w * n)`, the product in f32.
 use crate::cpu::{self, Element};
-use crate::driver::{self, Device, LaunchConfig, Result};
+use crate::driver::{Device, LaunchConfig, Result};
 use crate::geometry;
 use crate::kernels::{self, Launch, Plan, Tag};
 #[cfg(test)]
@@ -14,6 +14,23 @@ use std::ffi::c_void;
 
 fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
     Ok((BastileDType::from_raw(x)?, BastileDType::from_raw(w)?))
+}
+
+/// Runs `$kernel::<X, W, Y>(p, cast_after_weight)` on the block's dtypes, Y that of y and grad_y.
+macro_rules! on_dtypes {
+    ($p:expr, $kernel:ident) => {{
+        let (xd, wd) = dtypes($p.x_dtype, $p.w_dtype)?;
+        let cw = cast_after_weight($p.cast_after_weight)?;
+        // SAFETY: the C++ layer checked shapes and dtypes of every pointer in the block.
+        crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
+            if cw {
+                $kernel::<X, W, X>($p, cw)
+            } else {
+                $kernel::<X, W, Y>($p, cw)
+            }
+        });
+        Ok(())
+    }};
 }
 
 fn cast_after_weight(flag: i32) -> Result<bool> {
@@ -81,7 +98,7 @@ impl Launch for RmsNormForward {
     }
 
     fn cpu(&self) -> Result<()> {
-        forward_cpu(self)
+        on_dtypes!(self, forward_cpu)
     }
 }
 
@@ -111,18 +128,11 @@ impl Launch for RmsNormBackward {
         let shared = if p.geo.per_thread > 0 && p.geo.rows_per_block() > 1 { p.geo.rows_per_block() * p.cols * 4 } else { 0 };
         let cfg = LaunchConfig { grid: (grid as u32, 1), block: (p.geo.block as u32, 1), shared: shared as u32 };
         let reduce_cfg = LaunchConfig { grid: (geometry::ceil_div(p.cols, 32) as u32, 1), block: (32, 8), shared: 0 };
-        Ok(Plan::new(p.partials * p.cols * 4, move |scratch, stream| {
-            p.partial = scratch.cast();
-            // SAFETY: the C++ layer checked every pointer in `p`; the scratch holds the partials.
-            unsafe {
-                driver::launch(kernel, cfg, stream, &p)?;
-                driver::launch(reduce, reduce_cfg, stream, &p)
-            }
-        }))
+        Ok(Plan::with_fold(p.partials * p.cols * 4, p, |p| &mut p.partial, (kernel, cfg), (reduce, reduce_cfg)))
     }
 
     fn cpu(&self) -> Result<()> {
-        backward_cpu(self)
+        on_dtypes!(self, backward_cpu)
     }
 }
 
@@ -136,21 +146,7 @@ fn normed<X: Element>(x: f64, r: f64, cw: bool, f64_stats: bool) -> f64 {
     }
 }
 
-pub fn forward_cpu(p: &RmsNormForward) -> Result<()> {
-    let (xd, wd) = dtypes(p.x_dtype, p.w_dtype)?;
-    let cw = cast_after_weight(p.cast_after_weight)?;
-    // SAFETY: the C++ layer checked shapes and dtypes of every pointer in `p`.
-    crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
-        if cw {
-            forward_cpu_typed::<X, W, X>(p, cw)
-        } else {
-            forward_cpu_typed::<X, W, Y>(p, cw)
-        }
-    });
-    Ok(())
-}
-
-unsafe fn forward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormForward, cw: bool) {
+unsafe fn forward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormForward, cw: bool) {
     let (rows, cols) = (p.rows as usize, p.cols as usize);
     let x = cpu::slice::<X>(p.x, rows * cols);
     let w = cpu::slice::<W>(p.weight, cols);
@@ -178,21 +174,7 @@ unsafe fn forward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormForwa
     }
 }
 
-pub fn backward_cpu(p: &RmsNormBackward) -> Result<()> {
-    let (xd, wd) = dtypes(p.x_dtype, p.w_dtype)?;
-    let cw = cast_after_weight(p.cast_after_weight)?;
-    // SAFETY: the C++ layer checked shapes and dtypes of every pointer in `p`.
-    crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
-        if cw {
-            backward_cpu_typed::<X, W, X>(p, cw)
-        } else {
-            backward_cpu_typed::<X, W, Y>(p, cw)
-        }
-    });
-    Ok(())
-}
-
-unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, cw: bool) {
+unsafe fn backward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, cw: bool) {
     let (rows, cols) = (p.rows as usize, p.cols as usize);
     let x = cpu::slice::<X>(p.x, rows * cols);
     let gy = cpu::slice::<Y>(p.grad_y, rows * cols);
@@ -236,7 +218,7 @@ unsafe fn backward_cpu_typed<X: Element, W: Element, Y: Element>(p: &RmsNormBack
 mod tests {
     use super::*;
     use crate::cpu::promote;
-    use crate::testing::{cast, noise, rel_err, rel_err_floor, widen};
+    use crate::testing::{cast, noise, rel_err, rel_err_floor, unit, widen};
     use half::{bf16, f16};
     use BastileDType::*;
 
@@ -281,18 +263,28 @@ mod tests {
         (gx, gw)
     }
 
+    /// The forward's block for x [rows, cols] and w, writing y (of dtype `yd`) and rstd unless it is null.
+    fn forward_block<X: Element, W: Element>(
+        x: &[X],
+        w: &[W],
+        y: *mut std::ffi::c_void,
+        rstd: *mut std::ffi::c_void,
+        eps: f64,
+        yd: BastileDType,
+        cw: bool,
+    ) -> RmsNormForward {
+        let (x_dtype, w_dtype, y_dtype) = (X::DTYPE as i32, W::DTYPE as i32, yd as i32);
+        let (rows, cols) = ((x.len() / w.len()) as i64, w.len() as i64);
+        let (x, weight, cast_after_weight) = (x.as_ptr().cast(), w.as_ptr().cast(), cw as i32);
+        RmsNormForward { x, weight, y, rstd, rows, cols, eps, x_dtype, w_dtype, y_dtype, cast_after_weight, ..Default::default() }
+    }
+
     /// Runs forward and backward of the CPU kernels for one dtype pair and checks them against the
     /// f64 references on the same (rounded) inputs.
     /// `Y` is the output type: promote(X, W), or X with `cw` (cast after weight).
     fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize, cw: bool) {
         let eps = 1e-6;
         // Four unit roundoffs of the coarsest dtype involved: each result is rounded at most twice.
-        let unit = |d: BastileDType| match d {
-            BASTILE_F64 => 2f64.powi(-50),
-            BASTILE_F32 => 2f64.powi(-24),
-            BASTILE_F16 => 2f64.powi(-11),
-            BASTILE_BF16 => 2f64.powi(-8),
-        };
         let yd = out_dtype(xd, wd, cw);
         let tol = 4.0 * unit(xd).max(unit(wd)).max(unit(yd));
         let x: Vec<X> = cast(&noise(rows * cols, 1, 2.0));
@@ -301,21 +293,8 @@ mod tests {
         let (xf, wf, gf) = (widen(&x), widen(&w), widen(&gy));
         let mut y = vec![Y::from_f64(f64::NAN); rows * cols];
         let mut rstd = vec![0f64; rows]; // large enough for f32 or f64 statistics
-        let mut p = RmsNormForward {
-            x: x.as_ptr().cast(),
-            weight: w.as_ptr().cast(),
-            y: y.as_mut_ptr().cast(),
-            rstd: rstd.as_mut_ptr().cast(),
-            rows: rows as i64,
-            cols: cols as i64,
-            eps,
-            x_dtype: xd as i32,
-            w_dtype: wd as i32,
-            y_dtype: yd as i32,
-            cast_after_weight: cw as i32,
-            ..Default::default()
-        };
-        forward_cpu(&p).unwrap();
+        let mut p = forward_block(&x, &w, y.as_mut_ptr().cast(), rstd.as_mut_ptr().cast(), eps, yd, cw);
+        p.cpu().unwrap();
         let err = rel_err(&widen(&y), &reference_forward(&xf, &wf, cols, eps));
         assert!(err < tol, "{xd:?}/{wd:?}/{cw} {rows}x{cols}: forward error {err}");
 
@@ -336,7 +315,7 @@ mod tests {
             cast_after_weight: p.cast_after_weight,
             ..Default::default()
         };
-        backward_cpu(&b).unwrap();
+        b.cpu().unwrap();
         let (rgx, rgw) = reference_backward(&xf, &wf, &gf, cols, eps);
         // grad_x = r*g*w - (cancelling term): measure against the size of r*g*w.
         let scale: f64 = (0..rows * cols)
@@ -353,7 +332,7 @@ mod tests {
         let tol_w = if cw { tol.min(16.0 * unit(wd).max(unit(xd).min(unit(BASTILE_F32)))) } else { tol };
         assert!(ex < tol && ew < tol_w, "{xd:?}/{wd:?}/{cw} {rows}x{cols}: grad_x error {ex}, grad_w error {ew}");
         p.rstd = std::ptr::null_mut();
-        forward_cpu(&p).unwrap(); // inference path: no statistics written
+        p.cpu().unwrap(); // inference path: no statistics written
     }
 
     #[test]
@@ -385,20 +364,8 @@ mod tests {
         for cw in [false, true] {
             let yd = out_dtype(BASTILE_BF16, BASTILE_F32, cw);
             let mut y = vec![0f32; rows * cols]; // f32 output, or bf16 in its first half
-            let p = RmsNormForward {
-                x: x.as_ptr().cast(),
-                weight: w.as_ptr().cast(),
-                y: y.as_mut_ptr().cast(),
-                rows: rows as i64,
-                cols: cols as i64,
-                eps,
-                x_dtype: BASTILE_BF16 as i32,
-                w_dtype: BASTILE_F32 as i32,
-                y_dtype: yd as i32,
-                cast_after_weight: cw as i32,
-                ..Default::default()
-            };
-            forward_cpu(&p).unwrap();
+            let p = forward_block(&x, &w, y.as_mut_ptr().cast(), std::ptr::null_mut(), eps, yd, cw);
+            p.cpu().unwrap();
             let got: Vec<f32> = if cw {
                 unsafe { cpu::slice::<bf16>(p.y, rows * cols) }.iter().map(|v| v.to_f32()).collect()
             } else {
@@ -426,7 +393,7 @@ mod tests {
     #[test]
     fn bad_dtype_codes_are_errors() {
         let p = RmsNormForward { x_dtype: 9, ..Default::default() };
-        assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
+        assert!(p.cpu().unwrap_err().contains("unknown dtype"));
     }
 
     fn kernel_name(dir: Tag, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> &'static str {

@@ -157,18 +157,9 @@ mod tests {
     use super::*;
     use crate::cpu::promote;
     use crate::kernels::Kernels;
-    use crate::testing::{cast, noise, widen};
+    use crate::testing::{cast, noise, unit_roundoff as unit, widen};
     use half::{bf16, f16};
     use BastileDType::*;
-
-    fn unit(d: BastileDType) -> f64 {
-        match d {
-            BASTILE_F64 => 2f64.powi(-53),
-            BASTILE_F32 => 2f64.powi(-24),
-            BASTILE_F16 => 2f64.powi(-11),
-            BASTILE_BF16 => 2f64.powi(-8),
-        }
-    }
 
     struct Shape {
         batch: usize,

@@ -1,5 +1,6 @@
 //! Helpers the kernel families' unit tests share: inputs and error measures.
 use crate::cpu::Element;
+use crate::params::BastileDType;
 
 /// Deterministic pseudo-random values in [-half_width, half_width).
 pub fn noise(n: usize, seed: u64, half_width: f64) -> Vec<f64> {
@@ -30,4 +31,20 @@ pub fn rel_err_floor(a: &[f64], b: &[f64], floor: f64) -> f64 {
 
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     rel_err_floor(a, b, 0.0)
+}
+
+/// The unit roundoff of a dtype, 2^-53 to 2^-8.
+pub fn unit_roundoff(d: BastileDType) -> f64 {
+    2f64.powi(-match d {
+        BastileDType::BASTILE_F64 => 53,
+        BastileDType::BASTILE_F32 => 24,
+        BastileDType::BASTILE_F16 => 11,
+        BastileDType::BASTILE_BF16 => 8,
+    })
+}
+
+/// The unit roundoff with f64's raised to 2^-50: f64 results are compared with f64 references that
+/// round as often as they do, so a few f64 units apart.
+pub fn unit(d: BastileDType) -> f64 {
+    unit_roundoff(d).max(2f64.powi(-50))
 }
