@@ -268,7 +268,7 @@ def test_no_grad_and_inference_mode_match_autograd_path():
 def test_cos_requiring_grad_is_refused_in_grad_mode():
     q, k, qw, kw, cos, sin = inputs()
     cos.requires_grad_()
-    with pytest.raises(RuntimeError, match="qk_norm_rope does not differentiate them"):
+    with pytest.raises(RuntimeError, match="cos requires grad, but qk_norm_rope does not differentiate it"):
         op(*leaves(q, k), qw, kw, cos, sin, EPS)
     with torch.no_grad():
         op(q, k, qw, kw, cos, sin, EPS)

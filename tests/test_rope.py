@@ -323,8 +323,8 @@ def _t(*shape, dtype=torch.float32, device="cpu"):
     (lambda: op(torch.ones(1, 2, 3, 8, dtype=torch.int32), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8)), "q must be float32"),
     (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8, device="meta"), _t(3, 8)), "q is on cpu but cos is on meta"),
     (lambda: op(_t(1, 2, 3, 8).requires_grad_(), _t(1, 1, 3, 8), _t(3, 8).requires_grad_(), _t(3, 8)),
-     "rope does not differentiate them"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8).requires_grad_()), "cos and sin require grad"),
+     "cos requires grad, but rope does not differentiate it; pass cos.detach"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8).requires_grad_()), "sin requires grad"),
     (lambda: op_backward(_t(1, 2, 3, 7), _t(1, 1, 3, 7), _t(3, 7), _t(3, 7), 1), "rope_backward: head_dim"),
     (lambda: op_backward(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(2, 8), _t(2, 8), 1), "rope_backward: cos and sin"),
 ])

@@ -125,18 +125,11 @@ Four run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::Ten
     const int64_t n = std::min(step, rows - start);
     const auto h = hidden.narrow(0, start, n);
     const auto logits = with_bias ? at::addmm(bias, h, weight.t()) : at::mm(h, weight.t());
-    launch(logits, CrossEntropyChunk{.logits = logits.data_ptr(),
-                                     .target = target.data_ptr<int64_t>() + start,
+    launch(logits, CrossEntropyChunk{.logits = logits.data_ptr(), .target = target.data_ptr<int64_t>() + start,
                                      .loss = static_cast<char*>(row_loss.data_ptr()) + start * row_loss.element_size(),
-                                     .count = o.mean ? count.data_ptr<int64_t>() : nullptr,
-                                     .rows = n,
-                                     .vocab = vocab,
-                                     .ld = logits.stride(0),
-                                     .ignore_index = o.ignore_index,
-                                     .softcap = o.softcap,
-                                     .z_loss = o.z_loss,
-                                     .dtype = dtype_code(kOp, {"logits", logits}),
-                                     .grad = grad});
+                                     .count = o.mean ? count.data_ptr<int64_t>() : nullptr, .rows = n, .vocab = vocab,
+                                     .ld = logits.stride(0), .ignore_index = o.ignore_index, .softcap = o.softcap,
+                                     .z_loss = o.z_loss, .dtype = dtype_code(kOp, {"logits", logits}), .grad = grad});
     if (!grad) continue;
     // `logits` now holds d(loss)/d(logits) of the chunk's rows.
     const bool first = start == 0;
@@ -177,11 +170,8 @@ at::Tensor scale(const at::Tensor& grad, const at::Tensor& grad_loss, bool in_pl
   if (grad.is_cuda() && grad.is_contiguous() && grad.scalar_type() != at::kDouble &&
       grad_loss.scalar_type() == at::kFloat && grad_loss.device() == grad.device()) {
     auto out = in_place ? grad : at::empty_like(grad);
-    launch(grad, GradScale{.src = grad.data_ptr(),
-                           .dst = out.data_ptr(),
-                           .factor = grad_loss.data_ptr<float>(),
-                           .n = grad.numel(),
-                           .dtype = dtype_code(kOp, {"gradient", grad})});
+    launch(grad, GradScale{.src = grad.data_ptr(), .dst = out.data_ptr(), .factor = grad_loss.data_ptr<float>(),
+                           .n = grad.numel(), .dtype = dtype_code(kOp, {"gradient", grad})});
     if (in_place) grad.unsafeGetTensorImpl()->bump_version();  // as mul_ would: the tensor was written
     return out;
   }
@@ -236,12 +226,9 @@ struct FlceOp {
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& target, const std::optional<at::Tensor>& bias, int64_t ignore_index,
-                            c10::string_view reduction, double softcap, double z_loss, bool fp32_weight_grad,
-                            int64_t chunk_bytes) {
+                            const at::Tensor& target, const std::optional<at::Tensor>& bias, const auto&... options) {
     const Mask mask{hidden.requires_grad(), weight.requires_grad(), has(bias) && bias->requires_grad()};
-    auto [loss, gh, gw, gb] = call<FlceForwardOp>(hidden, weight, target, bias, ignore_index, reduction, softcap,
-                                                  z_loss, fp32_weight_grad, chunk_bytes, mask);
+    auto [loss, gh, gw, gb] = call<FlceForwardOp>(hidden, weight, target, bias, options..., mask);
     ctx->save_for_backward({gh, gw, gb});
     ctx->saved_data["mask"] = int64_t(mask[0]) | int64_t(mask[1]) << 1 | int64_t(mask[2]) << 2;
     return loss;
@@ -249,7 +236,7 @@ struct FlceOp {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const int64_t mask = ctx->saved_data["mask"].toInt();
-    variable_list out(10);
+    variable_list out(4);  // hidden, weight, target, bias
     auto saved = ctx->get_saved_variables();
     std::tuple<at::Tensor, at::Tensor, at::Tensor> g;
     const bool retained = torch::autograd::get_current_graph_task_keep_graph();
@@ -274,11 +261,8 @@ struct FlceOp {
   // weight and bias keep their dtypes: the op casts them for the GEMMs itself, so their gradients are
   // summed in (at least) their own dtype and returned in it.
   template <c10::DeviceType device>
-  static at::Tensor autocast(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                             const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
-                             double softcap, double z_loss, bool fp32_weight_grad, int64_t chunk_bytes) {
-    const auto h = at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), hidden, device);
-    return call<FlceOp>(h, weight, target, bias, ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes);
+  static at::Tensor autocast(const at::Tensor& hidden, const auto&... rest) {
+    return call<FlceOp>(at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), hidden, device), rest...);
   }
 };
 

@@ -21,36 +21,8 @@ void check(const char* op, const at::Tensor& x) {
               ": the last dim of gate_up interleaves gate and up, so it must be even, got shape ", x.sym_sizes());
 }
 
-struct GegluOp {
-  static constexpr const char* schema = "geglu(Tensor gate_up, float alpha, float limit) -> Tensor";
-
-  static at::Tensor kernel(const at::Tensor& gate_up, double alpha, double limit) {
-    check("geglu", gate_up);
-    auto y = at::empty_symint(y_sizes(gate_up), gate_up.options());
-    if (gate_up.is_meta() || y.numel() == 0) return y;
-    const auto x = gate_up.contiguous();
-    launch(x, GegluForward{.gate_up = x.data_ptr(),
-                           .y = y.data_ptr(),
-                           .n = y.numel(),
-                           .alpha = alpha,
-                           .limit = limit,
-                           .dtype = dtype_code("geglu", {"gate_up", x})});
-    return y;
-  }
-
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up, double alpha, double limit) {
-    ctx->save_for_backward({gate_up});
-    ctx->saved_data["alpha"] = alpha;
-    ctx->saved_data["limit"] = limit;
-    return call<GegluOp>(gate_up, alpha, limit);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads);
-};
-
 struct GegluBackwardOp {
-  static constexpr const char* schema =
-      "geglu_backward(Tensor grad_y, Tensor gate_up, float alpha, float limit) -> Tensor";
+  static constexpr const char* schema = "geglu_backward(Tensor grad_y, Tensor gate_up, float alpha, float limit) -> Tensor";
 
   static at::Tensor kernel(const at::Tensor& grad_y, const at::Tensor& gate_up, double alpha, double limit) {
     constexpr const char* op = "geglu_backward";
@@ -64,21 +36,38 @@ struct GegluBackwardOp {
     auto grad_gate_up = at::empty_symint(gate_up.sym_sizes(), gate_up.options());
     if (gate_up.is_meta() || grad_y.numel() == 0) return grad_gate_up;
     const auto dy = grad_y.contiguous(), x = gate_up.contiguous();
-    launch(x, GegluBackward{.grad_y = dy.data_ptr(),
-                            .gate_up = x.data_ptr(),
-                            .grad_gate_up = grad_gate_up.data_ptr(),
-                            .n = dy.numel(),
-                            .alpha = alpha,
-                            .limit = limit,
+    launch(x, GegluBackward{.grad_y = dy.data_ptr(), .gate_up = x.data_ptr(), .grad_gate_up = grad_gate_up.data_ptr(),
+                            .n = dy.numel(), .alpha = alpha, .limit = limit,
                             .dtype = dtype_code(op, {"gate_up", x})});
     return grad_gate_up;
   }
 };
 
-variable_list GegluOp::backward(AutogradContext* ctx, variable_list grads) {
-  const auto alpha = ctx->saved_data["alpha"].toDouble(), limit = ctx->saved_data["limit"].toDouble();
-  return {call<GegluBackwardOp>(grads[0], ctx->get_saved_variables()[0], alpha, limit), at::Tensor(), at::Tensor()};
-}
+struct GegluOp {
+  static constexpr const char* schema = "geglu(Tensor gate_up, float alpha, float limit) -> Tensor";
+
+  static at::Tensor kernel(const at::Tensor& gate_up, double alpha, double limit) {
+    check("geglu", gate_up);
+    auto y = at::empty_symint(y_sizes(gate_up), gate_up.options());
+    if (gate_up.is_meta() || y.numel() == 0) return y;
+    const auto x = gate_up.contiguous();
+    launch(x, GegluForward{.gate_up = x.data_ptr(), .y = y.data_ptr(), .n = y.numel(), .alpha = alpha, .limit = limit,
+                           .dtype = dtype_code("geglu", {"gate_up", x})});
+    return y;
+  }
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up, double alpha, double limit) {
+    ctx->save_for_backward({gate_up});
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    return call<GegluOp>(gate_up, alpha, limit);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto alpha = ctx->saved_data["alpha"].toDouble(), limit = ctx->saved_data["limit"].toDouble();
+    return {call<GegluBackwardOp>(grads[0], ctx->get_saved_variables()[0], alpha, limit)};
+  }
+};
 
 }  // namespace
 }  // namespace bastile

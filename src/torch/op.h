@@ -5,8 +5,11 @@
 //            `launch`es it
 // and, when it is differentiable:
 //   forward(ctx, args...), backward(ctx, grads)   its autograd node (forward gets the kernel's arguments
-//                                                 and calls the ops below autograd through `call`)
-//   needs_grad(args...)       optional: whether to record a node (default: a tensor argument requires grad)
+//                         and calls the ops below autograd through `call`; backward returns the gradients
+//                         of the leading arguments, the rest get none); a node is recorded in grad mode
+//                         when a tensor argument requires grad
+//   no_grad               optional: indices of tensor arguments it does not differentiate: an error when
+//                         they require grad
 //   autocast<device>(args...) optional: its Autocast kernel (default: the op keeps its inputs' dtypes)
 // BASTILE_OPS(Spec, ...) registers their schemas, CPU/CUDA/Meta kernels, Autograd (the node, or for an op
 // without one an error on backward) and the Autocast kernels of the differentiable ones. `call<Spec>`
@@ -16,10 +19,12 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <initializer_list>
 #include <string>
 #include <tuple>
@@ -43,28 +48,58 @@ struct Named {
 };
 
 // The dtype code of a floating-point tensor; any other dtype is an error naming op and argument.
-BastileDType dtype_code(const char* op, Named arg);
+inline BastileDType dtype_code(const char* op, Named arg) {
+  switch (arg.t.scalar_type()) {
+    case at::kFloat: return BASTILE_F32;
+    case at::kHalf: return BASTILE_F16;
+    case at::kBFloat16: return BASTILE_BF16;
+    case at::kDouble: return BASTILE_F64;
+    default:
+      TORCH_CHECK(false, "bastile.", op, ": ", arg.name,
+                  " must be float32, float16, bfloat16 (or float64 on CPU), got ", arg.t.scalar_type());
+  }
+}
 
-// Each argument is floating-point (dtype_code).
-void check_float(const char* op, std::initializer_list<Named> args);
+inline void check_float(const char* op, std::initializer_list<Named> args) {
+  for (const auto& a : args) dtype_code(op, a);
+}
 
 // Every argument is on `first`'s device.
-void check_device(const char* op, Named first, std::initializer_list<Named> rest);
+inline void check_device(const char* op, Named first, std::initializer_list<Named> rest) {
+  for (const auto& r : rest)
+    TORCH_CHECK(r.t.device() == first.t.device(), "bastile.", op, ": ", first.name, " is on ", first.t.device(),
+                " but ", r.name, " is on ", r.t.device());
+}
 
-// b has a's dtype; b has a's shape.
-void check_same_dtype(const char* op, Named a, Named b);
-void check_same_shape(const char* op, Named a, Named b);
+inline void check_same_dtype(const char* op, Named a, Named b) {
+  TORCH_CHECK(a.t.scalar_type() == b.t.scalar_type(), "bastile.", op, ": ", a.name, " and ", b.name,
+              " must have the same dtype, got ", a.t.scalar_type(), " and ", b.t.scalar_type());
+}
+
+inline void check_same_shape(const char* op, Named a, Named b) {
+  TORCH_CHECK(a.t.sym_sizes() == b.t.sym_sizes(), "bastile.", op, ": ", a.name, " and ", b.name,
+              " must have the same shape, got ", a.t.sym_sizes(), " and ", b.t.sym_sizes());
+}
 
 // The rotary tables cos and sin: one dtype and shape, [seq, dim], [1, seq, dim] or [batch, seq, dim].
-void check_tables(const char* op, const at::Tensor& cos, const at::Tensor& sin, const c10::SymInt& batch,
-                  const c10::SymInt& seq, const c10::SymInt& dim);
+inline void check_tables(const char* op, const at::Tensor& cos, const at::Tensor& sin, const c10::SymInt& batch,
+                         const c10::SymInt& seq, const c10::SymInt& dim) {
+  check_same_dtype(op, {"cos", cos}, {"sin", sin});
+  check_same_shape(op, {"cos", cos}, {"sin", sin});
+  TORCH_CHECK((cos.dim() == 2 || cos.dim() == 3) && cos.sym_size(-1) == dim && cos.sym_size(-2) == seq &&
+                  (cos.dim() == 2 || cos.sym_size(0) == 1 || cos.sym_size(0) == batch),
+              "bastile.", op, ": cos and sin must have shape [seq, head_dim], [1, seq, head_dim] or [batch, seq, ",
+              "head_dim] with batch, seq, head_dim = ", batch, ", ", seq, ", ", dim, ", got ", cos.sym_sizes());
+}
+
+// t, or a contiguous copy where its last stride is not 1: the kernels read rows with unit stride and take
+// any other strides as they are.
+inline at::Tensor unit_last(const at::Tensor& t) { return t.sym_stride(-1) == 1 ? t : t.contiguous(); }
 
 // The dtype of per-row statistics and losses: float32, float64 for float64 input.
-at::ScalarType stats_dtype(const at::Tensor& x);
-
-// The rotary ops do not differentiate cos and sin (HF computes them under no_grad): an error when, in grad
-// mode, they require grad.
-void refuse_table_grad(const char* op, const at::Tensor& cos, const at::Tensor& sin);
+inline at::ScalarType stats_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 // ------------------------------------------------------------------------------------------ launches
 
@@ -80,7 +115,9 @@ auto rust(F&& f) -> decltype(f()) {
 }
 
 // torch's current stream on t's device, as a driver-API handle.
-size_t current_stream(const at::Tensor& t);
+inline size_t current_stream(const at::Tensor& t) {
+  return reinterpret_cast<size_t>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+}
 
 // Runs parameter block p on `on`'s device: its CPU kernel, or its CUDA plan on torch's current stream
 // with the scratch memory the plan asks for, from torch's allocator.
@@ -108,28 +145,39 @@ const char* op_name() {
   return name.c_str();
 }
 
-// The op through the dispatcher.
-template <class Spec, class... A>
-decltype(auto) call(A&&... a) {
+template <class Spec>
+const auto& handle() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow((std::string("bastile::") + op_name<Spec>()).c_str(), "")
                              .template typed<decltype(Spec::kernel)>();
-  return op.call(std::forward<A>(a)...);
+  return op;
+}
+
+// The op through the dispatcher.
+template <class Spec, class... A>
+decltype(auto) call(A&&... a) {
+  return handle<Spec>().call(std::forward<A>(a)...);
 }
 
 inline bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 inline bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && requires_grad(*t); }
 template <class T>
-bool requires_grad(const T&) {
-  return false;
-}
+bool requires_grad(const T&) { return false; }
 
 template <class Spec, class... A>
 bool needs_grad(const A&... a) {
-  if constexpr (requires { Spec::needs_grad(a...); })
-    return Spec::needs_grad(a...);
-  else
-    return (requires_grad(a) || ...);
+  size_t i = 0;
+  const auto check = [&](bool grad) {
+    if constexpr (requires { Spec::no_grad; })
+      if (grad && std::ranges::find(Spec::no_grad, i) != std::end(Spec::no_grad)) {
+        const auto& name = handle<Spec>().schema().arguments()[i].name();
+        TORCH_CHECK(false, "bastile.", op_name<Spec>(), ": ", name, " requires grad, but ", op_name<Spec>(),
+                    " does not differentiate it; pass ", name, ".detach()");
+      }
+    ++i;
+    return grad;
+  };
+  return (check(requires_grad(a)) | ...);  // `|`: every argument is checked
 }
 
 template <class Spec>
@@ -140,20 +188,9 @@ struct Node : torch::autograd::Function<Node<Spec>> {
     return Spec::forward(ctx, std::forward<A>(a)...);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return Spec::backward(ctx, std::move(grads));
-  }
-};
-
-// A node's outputs as the kernel returns them: one tensor, or a tuple from the node's list.
-template <class R>
-struct Outputs {
-  static R from(at::Tensor t) { return t; }
-};
-template <class... T>
-struct Outputs<std::tuple<T...>> {
-  static std::tuple<T...> from(const variable_list& v) {
-    return [&]<size_t... I>(std::index_sequence<I...>) { return std::tuple<T...>(v[I]...); }(
-               std::index_sequence_for<T...>{});
+    auto g = Spec::backward(ctx, std::move(grads));
+    g.resize(handle<Spec>().schema().arguments().size());  // none for the arguments after the last given
+    return g;
   }
 };
 
@@ -162,7 +199,14 @@ struct Kernels;
 template <class Spec, class R, class... A>
 struct Kernels<Spec, R(A...)> {
   static R autograd(A... a) {
-    if (at::GradMode::is_enabled() && needs_grad<Spec>(a...)) return Outputs<R>::from(Node<Spec>::apply(a...));
+    if (at::GradMode::is_enabled() && needs_grad<Spec>(a...)) {
+      const auto out = Node<Spec>::apply(a...);  // one tensor, or a list for a tuple
+      if constexpr (std::is_same_v<R, at::Tensor>)
+        return out;
+      else
+        return [&]<size_t... I>(std::index_sequence<I...>) { return R(out[I]...); }(
+                   std::make_index_sequence<std::tuple_size_v<R>>{});
+    }
     // Nothing to differentiate: nothing saved.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return call<Spec>(a...);
@@ -187,9 +231,7 @@ struct Ops {
   static void kernels(torch::Library& m) { (m.impl(op_name<Specs>(), &Specs::kernel), ...); }
   static void autograd(torch::Library& m) { (autograd_of<Specs>(m), ...); }
   template <c10::DeviceType device>
-  static void autocast(torch::Library& m) {
-    (autocast_of<Specs, device>(m), ...);
-  }
+  static void autocast(torch::Library& m) { (autocast_of<Specs, device>(m), ...); }
 
  private:
   // Autocast applies to the ops users call; their pieces run as those ops call them.
@@ -209,13 +251,11 @@ struct Ops {
 
 }  // namespace bastile
 
-#define BASTILE_OPS(...)                                                                                 \
-  TORCH_LIBRARY_FRAGMENT(bastile, m) { bastile::Ops<__VA_ARGS__>::define(m); }                        \
-  TORCH_LIBRARY_IMPL(bastile, CPU, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                      \
-  TORCH_LIBRARY_IMPL(bastile, CUDA, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                     \
-  TORCH_LIBRARY_IMPL(bastile, Meta, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                     \
-  TORCH_LIBRARY_IMPL(bastile, Autograd, m) { bastile::Ops<__VA_ARGS__>::autograd(m); }                \
-  TORCH_LIBRARY_IMPL(bastile, AutocastCPU, m) {                                                       \
-    bastile::Ops<__VA_ARGS__>::autocast<c10::DeviceType::CPU>(m);                                    \
-  }                                                                                                    \
-  TORCH_LIBRARY_IMPL(bastile, AutocastCUDA, m) { bastile::Ops<__VA_ARGS__>::autocast<c10::DeviceType::CUDA>(m); }
+#define BASTILE_OPS(...)                                                                                   \
+  TORCH_LIBRARY_FRAGMENT(bastile, m) { bastile::Ops<__VA_ARGS__>::define(m); }                          \
+  TORCH_LIBRARY_IMPL(bastile, CPU, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                        \
+  TORCH_LIBRARY_IMPL(bastile, CUDA, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                       \
+  TORCH_LIBRARY_IMPL(bastile, Meta, m) { bastile::Ops<__VA_ARGS__>::kernels(m); }                       \
+  TORCH_LIBRARY_IMPL(bastile, Autograd, m) { bastile::Ops<__VA_ARGS__>::autograd(m); }                  \
+  TORCH_LIBRARY_IMPL(bastile, AutocastCPU, m) { bastile::Ops<__VA_ARGS__>::autocast<c10::kCPU>(m); }    \
+  TORCH_LIBRARY_IMPL(bastile, AutocastCUDA, m) { bastile::Ops<__VA_ARGS__>::autocast<c10::kCUDA>(m); }

@@ -37,28 +37,14 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qw, const
   check_device(kOp, {"q", q}, {{"k", k}, {"q_weight", qw}, {"k_weight", kw}, {"cos", cos}, {"sin", sin}});
 }
 
-// The kernels read rows with unit stride; any other strides are taken as they are.
-at::Tensor unit_last(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
-
 // cos/sin as [batch or 1, seq, head_dim] with unit last stride.
 at::Tensor table(const at::Tensor& t) { return unit_last(t.dim() == 2 ? t.unsqueeze(0) : t); }
 
-void fill_strides(int64_t (&dst)[3], const at::Tensor& t) {
-  for (int i = 0; i < 3; ++i) dst[i] = t.stride(i);
-}
-
-void fill_table_strides(int64_t (&dst)[2], const at::Tensor& t) {
-  dst[0] = t.size(0) == 1 ? 0 : t.stride(0);  // one table for every batch row
-  dst[1] = t.stride(1);
-}
-
 QkNormRopeShape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
-  QkNormRopeShape s{.batch = q.size(0), .seq = q.size(1), .q_heads = q.size(2), .k_heads = k.size(2), .head_dim = q.size(3)};
-  fill_strides(s.q_stride, q);
-  fill_strides(s.k_stride, k);
-  fill_table_strides(s.cos_stride, cos);
-  fill_table_strides(s.sin_stride, sin);
-  return s;
+  const auto batch = [](const at::Tensor& t) { return t.size(0) == 1 ? 0 : t.stride(0); };  // one table, every row
+  return {.batch = q.size(0), .seq = q.size(1), .q_heads = q.size(2), .k_heads = k.size(2), .head_dim = q.size(3),
+          .q_stride = {q.stride(0), q.stride(1), q.stride(2)}, .k_stride = {k.stride(0), k.stride(1), k.stride(2)},
+          .cos_stride = {batch(cos), cos.stride(1)}, .sin_stride = {batch(sin), sin.stride(1)}};
 }
 
 c10::SymIntArrayRef stats_shape(const at::Tensor& x) { return x.sym_sizes().slice(0, 3); }
@@ -71,27 +57,19 @@ Four run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tenso
   check(q_in, k_in, qw_in, kw_in, cos_in, sin_in);
   const auto out = q_in.options().dtype(out_dtype(q_in, qw_in, cos_in));
   auto q_out = at::empty_symint(q_in.sym_sizes(), out), k_out = at::empty_symint(k_in.sym_sizes(), out);
-  at::Tensor q_rstd, k_rstd;
-  if (with_rstd) {
-    q_rstd = at::empty_symint(stats_shape(q_in), q_in.options().dtype(stats_dtype(q_in)));
-    k_rstd = at::empty_symint(stats_shape(k_in), q_in.options().dtype(stats_dtype(q_in)));
-  }
+  const auto stats = [&](const at::Tensor& x) {
+    return with_rstd ? at::empty_symint(stats_shape(x), q_in.options().dtype(stats_dtype(q_in))) : at::Tensor();
+  };
+  auto q_rstd = stats(q_in), k_rstd = stats(k_in);
   if (q_in.is_meta() || (q_in.numel() == 0 && k_in.numel() == 0)) return {q_out, k_out, q_rstd, k_rstd};
   const auto q = unit_last(q_in), k = unit_last(k_in), qw = qw_in.contiguous(), kw = kw_in.contiguous();
   const auto cos = table(cos_in), sin = table(sin_in);
-  launch(q, QkNormRopeForward{.q = q.data_ptr(),
-                              .k = k.data_ptr(),
-                              .q_weight = qw.data_ptr(),
-                              .k_weight = kw.data_ptr(),
-                              .cos = cos.data_ptr(),
-                              .sin = sin.data_ptr(),
-                              .q_out = q_out.data_ptr(),
-                              .k_out = k_out.data_ptr(),
+  launch(q, QkNormRopeForward{.q = q.data_ptr(), .k = k.data_ptr(), .q_weight = qw.data_ptr(),
+                              .k_weight = kw.data_ptr(), .cos = cos.data_ptr(), .sin = sin.data_ptr(),
+                              .q_out = q_out.data_ptr(), .k_out = k_out.data_ptr(),
                               .q_rstd = with_rstd ? q_rstd.data_ptr() : nullptr,
-                              .k_rstd = with_rstd ? k_rstd.data_ptr() : nullptr,
-                              .shape = shape_of(q, k, cos, sin),
-                              .eps = eps,
-                              .x_dtype = dtype_code(kOp, {"q", q}),
+                              .k_rstd = with_rstd ? k_rstd.data_ptr() : nullptr, .shape = shape_of(q, k, cos, sin),
+                              .eps = eps, .x_dtype = dtype_code(kOp, {"q", q}),
                               .w_dtype = dtype_code(kOp, {"q_weight", qw}),
                               .c_dtype = dtype_code(kOp, {"cos", cos})});
   return {q_out, k_out, q_rstd, k_rstd};
@@ -138,27 +116,16 @@ struct QkNormRopeBackwardOp {
     const auto q = unit_last(q_in), k = unit_last(k_in), grad_q = unit_last(grad_q_in), grad_k = unit_last(grad_k_in);
     const auto qw = qw_in.contiguous(), kw = kw_in.contiguous(), cos = table(cos_in), sin = table(sin_in);
     const auto q_rstd = q_rstd_in.contiguous(), k_rstd = k_rstd_in.contiguous();
-    QkNormRopeBackward p{.grad_q = grad_q.data_ptr(),
-                         .grad_k = grad_k.data_ptr(),
-                         .q = q.data_ptr(),
-                         .k = k.data_ptr(),
-                         .q_weight = qw.data_ptr(),
-                         .k_weight = kw.data_ptr(),
-                         .cos = cos.data_ptr(),
-                         .sin = sin.data_ptr(),
-                         .q_rstd = q_rstd.data_ptr(),
-                         .k_rstd = k_rstd.data_ptr(),
-                         .grad_q_in = grad_q_x.data_ptr(),
-                         .grad_k_in = grad_k_x.data_ptr(),
-                         .grad_q_weight = grad_qw.data_ptr(),
-                         .grad_k_weight = grad_kw.data_ptr(),
-                         .shape = shape_of(q, k, cos, sin),
-                         .x_dtype = dtype_code(kOp, {"q", q}),
-                         .w_dtype = dtype_code(kOp, {"q_weight", qw}),
-                         .c_dtype = dtype_code(kOp, {"cos", cos})};
-    fill_strides(p.grad_q_stride, grad_q);
-    fill_strides(p.grad_k_stride, grad_k);
-    launch(q, p);
+    launch(q, QkNormRopeBackward{.grad_q = grad_q.data_ptr(), .grad_k = grad_k.data_ptr(), .q = q.data_ptr(),
+                                 .k = k.data_ptr(), .q_weight = qw.data_ptr(), .k_weight = kw.data_ptr(),
+                                 .cos = cos.data_ptr(), .sin = sin.data_ptr(), .q_rstd = q_rstd.data_ptr(),
+                                 .k_rstd = k_rstd.data_ptr(), .grad_q_in = grad_q_x.data_ptr(),
+                                 .grad_k_in = grad_k_x.data_ptr(), .grad_q_weight = grad_qw.data_ptr(),
+                                 .grad_k_weight = grad_kw.data_ptr(),
+                                 .grad_q_stride = {grad_q.stride(0), grad_q.stride(1), grad_q.stride(2)},
+                                 .grad_k_stride = {grad_k.stride(0), grad_k.stride(1), grad_k.stride(2)},
+                                 .shape = shape_of(q, k, cos, sin), .x_dtype = dtype_code(kOp, {"q", q}),
+                                 .w_dtype = dtype_code(kOp, {"q_weight", qw}), .c_dtype = dtype_code(kOp, {"cos", cos})});
     return {grad_q_x, grad_k_x, grad_qw, grad_kw};
   }
 };
@@ -175,11 +142,8 @@ struct QkNormRopeOp {
     return {q_out, k_out};
   }
 
-  static bool needs_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qw, const at::Tensor& kw,
-                         const at::Tensor& cos, const at::Tensor& sin, double) {
-    refuse_table_grad(kOp, cos, sin);
-    return q.requires_grad() || k.requires_grad() || qw.requires_grad() || kw.requires_grad();
-  }
+  // cos and sin (HF computes them under no_grad).
+  static constexpr size_t no_grad[] = {4, 5};
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& qw,
                                const at::Tensor& kw, const at::Tensor& cos, const at::Tensor& sin, double eps) {
@@ -192,8 +156,7 @@ struct QkNormRopeOp {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     auto [gq, gk, gqw, gkw] = call<QkNormRopeBackwardOp>(grads[0], grads[1], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]);
-    const at::Tensor none;
-    return {gq, gk, gqw, gkw, none, none, none};
+    return {gq, gk, gqw, gkw};
   }
 };
 

@@ -31,21 +31,12 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& x_in, const at:
   at::Tensor rstd;
   if (with_rstd) rstd = at::empty_symint(row_shape(x_in), x_in.options().dtype(stats_dtype(x_in)));
   if (x_in.is_meta()) return {y, rstd};
-  if (x_in.numel() == 0) {
-    if (with_rstd) rstd.zero_();
-    return {y, rstd};
-  }
+  if (x_in.numel() == 0) return {y, with_rstd ? rstd.zero_() : rstd};
   const auto x = x_in.contiguous(), w = w_in.contiguous();
-  launch(x, RmsNormForward{.x = x.data_ptr(),
-                           .weight = w.data_ptr(),
-                           .y = y.data_ptr(),
-                           .rstd = with_rstd ? rstd.data_ptr() : nullptr,
-                           .rows = x.numel() / x.size(-1),
-                           .cols = x.size(-1),
-                           .eps = eps,
-                           .x_dtype = dtype_code(kOp, {"x", x}),
-                           .w_dtype = dtype_code(kOp, {"weight", w}),
-                           .y_dtype = dtype_code(kOp, {"y", y}),
+  launch(x, RmsNormForward{.x = x.data_ptr(), .weight = w.data_ptr(), .y = y.data_ptr(),
+                           .rstd = with_rstd ? rstd.data_ptr() : nullptr, .rows = x.numel() / x.size(-1),
+                           .cols = x.size(-1), .eps = eps, .x_dtype = dtype_code(kOp, {"x", x}),
+                           .w_dtype = dtype_code(kOp, {"weight", w}), .y_dtype = dtype_code(kOp, {"y", y}),
                            .cast_after_weight = cast_after_weight});
   return {y, rstd};
 }
@@ -82,16 +73,10 @@ struct RmsNormBackwardOp {
     if (x_in.is_meta()) return {grad_x, grad_w};
     if (x_in.numel() == 0) return {grad_x, grad_w.zero_()};
     const auto x = x_in.contiguous(), w = w_in.contiguous(), grad_y = grad_y_in.contiguous(), rstd = rstd_in.contiguous();
-    launch(x, RmsNormBackward{.grad_y = grad_y.data_ptr(),
-                              .x = x.data_ptr(),
-                              .weight = w.data_ptr(),
-                              .rstd = rstd.data_ptr(),
-                              .grad_x = grad_x.data_ptr(),
-                              .grad_w = grad_w.data_ptr(),
-                              .rows = x.numel() / x.size(-1),
-                              .cols = x.size(-1),
-                              .x_dtype = dtype_code(kOp, {"x", x}),
-                              .w_dtype = dtype_code(kOp, {"weight", w}),
+    launch(x, RmsNormBackward{.grad_y = grad_y.data_ptr(), .x = x.data_ptr(), .weight = w.data_ptr(),
+                              .rstd = rstd.data_ptr(), .grad_x = grad_x.data_ptr(), .grad_w = grad_w.data_ptr(),
+                              .rows = x.numel() / x.size(-1), .cols = x.size(-1),
+                              .x_dtype = dtype_code(kOp, {"x", x}), .w_dtype = dtype_code(kOp, {"weight", w}),
                               .y_dtype = dtype_code(kOp, {"grad_y", grad_y}),
                               .cast_after_weight = cast_after_weight});
     return {grad_x, grad_w};
@@ -117,7 +102,7 @@ struct RmsNormOp {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     auto [grad_x, grad_w] = call<RmsNormBackwardOp>(grads[0], s[0], s[1], s[2], ctx->saved_data["cast_after_weight"].toBool());
-    return {grad_x, grad_w, at::Tensor(), at::Tensor()};
+    return {grad_x, grad_w};
   }
 };
 

@@ -43,9 +43,6 @@ void check(const Names& n, const at::Tensor& q, const at::Tensor& k, const at::T
   check_tables(n.op, cos, sin, q.sym_size(0), q.sym_size(s), dim);
 }
 
-// The kernels read rows in place; only a strided last dimension is copied.
-at::Tensor unit_stride(const at::Tensor& t) { return t.sym_stride(-1) == 1 ? t : t.contiguous(); }
-
 // An output like t: HF's elementwise result keeps a dense layout (the transposed view's), anything
 // else comes out contiguous.
 at::Tensor like(const at::Tensor& t, at::ScalarType dtype) {
@@ -68,24 +65,16 @@ RopeTensor table(const at::Tensor& t) {
 std::tuple<at::Tensor, at::Tensor> run(const Names& n, bool backward, const at::Tensor& q_in, const at::Tensor& k_in,
                                        const at::Tensor& cos_in, const at::Tensor& sin_in, int64_t unsqueeze_dim) {
   check(n, q_in, k_in, cos_in, sin_in, unsqueeze_dim);
-  const auto q = unit_stride(q_in), k = unit_stride(k_in), cos = unit_stride(cos_in), sin = unit_stride(sin_in);
+  const auto q = unit_last(q_in), k = unit_last(k_in), cos = unit_last(cos_in), sin = unit_last(sin_in);
   const auto dtype = backward ? q.scalar_type() : at::promote_types(q.scalar_type(), cos.scalar_type());
   auto q_out = like(q, dtype), k_out = like(k, dtype);
   if (q.is_meta() || (q.numel() == 0 && k.numel() == 0)) return {q_out, k_out};
-  launch(q, Rope{.q = operand(q, unsqueeze_dim),
-                 .k = operand(k, unsqueeze_dim),
-                 .q_out = operand(q_out, unsqueeze_dim),
-                 .k_out = operand(k_out, unsqueeze_dim),
-                 .cos = table(cos),
-                 .sin = table(sin),
-                 .batch = q.size(0),
-                 .seq = q.size(seq_dim(unsqueeze_dim)),
-                 .q_heads = q.size(heads_dim(unsqueeze_dim)),
-                 .k_heads = k.size(heads_dim(unsqueeze_dim)),
-                 .head_dim = q.size(3),
-                 .in_dtype = dtype_code(n.op, {n.q, q}),
-                 .cs_dtype = dtype_code(n.op, {"cos", cos}),
-                 .out_dtype = dtype_code(n.op, {"output", q_out}),
+  launch(q, Rope{.q = operand(q, unsqueeze_dim), .k = operand(k, unsqueeze_dim),
+                 .q_out = operand(q_out, unsqueeze_dim), .k_out = operand(k_out, unsqueeze_dim), .cos = table(cos),
+                 .sin = table(sin), .batch = q.size(0), .seq = q.size(seq_dim(unsqueeze_dim)),
+                 .q_heads = q.size(heads_dim(unsqueeze_dim)), .k_heads = k.size(heads_dim(unsqueeze_dim)),
+                 .head_dim = q.size(3), .in_dtype = dtype_code(n.op, {n.q, q}),
+                 .cs_dtype = dtype_code(n.op, {"cos", cos}), .out_dtype = dtype_code(n.op, {"output", q_out}),
                  .backward = backward});
   return {q_out, k_out};
 }
@@ -109,11 +98,8 @@ struct RopeOp {
     return run(kForward, false, q, k, cos, sin, unsqueeze_dim);
   }
 
-  static bool needs_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
-                         int64_t) {
-    refuse_table_grad("rope", cos, sin);
-    return q.requires_grad() || k.requires_grad();
-  }
+  // cos and sin (HF computes them under no_grad).
+  static constexpr size_t no_grad[] = {2, 3};
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                const at::Tensor& sin, int64_t unsqueeze_dim) {
@@ -134,7 +120,7 @@ struct RopeOp {
     auto [grad_q, grad_k] = call<RopeBackwardOp>(grads[0], grads[1], saved[0], saved[1],
                                                   ctx->saved_data["unsqueeze_dim"].toInt());
     // Where cos is wider than q, q's gradient is rounded to q's dtype once, after the sum.
-    return {grad_q.to(dtype), grad_k.to(dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_q.to(dtype), grad_k.to(dtype)};
   }
 };
 

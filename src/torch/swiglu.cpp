@@ -17,30 +17,6 @@ void check(const char* op, const at::Tensor& gate, std::initializer_list<Named> 
   check_device(op, {"gate", gate}, others);
 }
 
-struct SwigluOp {
-  static constexpr const char* schema = "swiglu(Tensor gate, Tensor up) -> Tensor";
-
-  static at::Tensor kernel(const at::Tensor& gate, const at::Tensor& up) {
-    check("swiglu", gate, {{"up", up}});
-    auto y = at::empty_symint(gate.sym_sizes(), gate.options());
-    if (gate.is_meta() || gate.numel() == 0) return y;
-    const auto g = gate.contiguous(), u = up.contiguous();
-    launch(g, SwigluForward{.gate = g.data_ptr(),
-                            .up = u.data_ptr(),
-                            .y = y.data_ptr(),
-                            .n = y.numel(),
-                            .dtype = dtype_code("swiglu", {"gate", g})});
-    return y;
-  }
-
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    ctx->save_for_backward({gate, up});
-    return call<SwigluOp>(gate, up);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads);
-};
-
 struct SwigluBackwardOp {
   static constexpr const char* schema = "swiglu_backward(Tensor grad_y, Tensor gate, Tensor up) -> (Tensor, Tensor)";
 
@@ -51,22 +27,37 @@ struct SwigluBackwardOp {
     auto grad_up = at::empty_symint(gate.sym_sizes(), gate.options());
     if (gate.is_meta() || gate.numel() == 0) return {grad_gate, grad_up};
     const auto dy = grad_y.contiguous(), g = gate.contiguous(), u = up.contiguous();
-    launch(g, SwigluBackward{.grad_y = dy.data_ptr(),
-                             .gate = g.data_ptr(),
-                             .up = u.data_ptr(),
-                             .grad_gate = grad_gate.data_ptr(),
-                             .grad_up = grad_up.data_ptr(),
-                             .n = g.numel(),
+    launch(g, SwigluBackward{.grad_y = dy.data_ptr(), .gate = g.data_ptr(), .up = u.data_ptr(),
+                             .grad_gate = grad_gate.data_ptr(), .grad_up = grad_up.data_ptr(), .n = g.numel(),
                              .dtype = dtype_code("swiglu_backward", {"gate", g})});
     return {grad_gate, grad_up};
   }
 };
 
-variable_list SwigluOp::backward(AutogradContext* ctx, variable_list grads) {
-  const auto saved = ctx->get_saved_variables();
-  auto [grad_gate, grad_up] = call<SwigluBackwardOp>(grads[0], saved[0], saved[1]);
-  return {grad_gate, grad_up};
-}
+struct SwigluOp {
+  static constexpr const char* schema = "swiglu(Tensor gate, Tensor up) -> Tensor";
+
+  static at::Tensor kernel(const at::Tensor& gate, const at::Tensor& up) {
+    check("swiglu", gate, {{"up", up}});
+    auto y = at::empty_symint(gate.sym_sizes(), gate.options());
+    if (gate.is_meta() || gate.numel() == 0) return y;
+    const auto g = gate.contiguous(), u = up.contiguous();
+    launch(g, SwigluForward{.gate = g.data_ptr(), .up = u.data_ptr(), .y = y.data_ptr(), .n = y.numel(),
+                            .dtype = dtype_code("swiglu", {"gate", g})});
+    return y;
+  }
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return call<SwigluOp>(gate, up);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_gate, grad_up] = call<SwigluBackwardOp>(grads[0], saved[0], saved[1]);
+    return {grad_gate, grad_up};
+  }
+};
 
 }  // namespace
 }  // namespace bastile
