@@ -23,12 +23,11 @@ import csv
 import gc
 import os
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from common import environment, markdown, out_dir, write_csv
+from common import environment, markdown, out_dir, train_steps, write_csv
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -102,21 +101,7 @@ def run(mode, args, device):
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)
     total = args.warmup + args.steps
     data = torch.randint(0, model.config.vocab_size, (total, args.batch, args.seq), generator=gen).to(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    losses = []
-    for step in range(total):
-        if step == args.warmup:
-            sync(device)
-            t0 = time.perf_counter()
-        loss = model(input_ids=data[step], labels=data[step]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    sync(device)
-    elapsed = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else float("nan")
+    losses, elapsed, peak = train_steps(model, opt, data, args.warmup, device, sync)
     stats = torch.tensor([elapsed, peak], dtype=torch.float64, device=device)
     dist.all_reduce(stats, dist.ReduceOp.MAX)  # the slowest rank's time, the largest peak
     mean_losses = torch.stack(losses).double()

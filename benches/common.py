@@ -409,3 +409,25 @@ def read_csv(paths) -> list:
         with open(path, newline="") as f:
             rows += list(csv.DictReader(f))
     return rows
+
+
+def train_steps(model, opt, batches, warmup: int, device, sync):
+    """Trains a causal LM on each batch of token ids (inputs and labels), timing the steps after `warmup`
+    between two calls of sync(). Returns the losses (0-dim tensors), the seconds of the timed steps and the
+    peak GiB allocated on CUDA (nan elsewhere)."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    losses = []
+    for step, batch in enumerate(batches):
+        if step == warmup:
+            sync(device)
+            t0 = time.perf_counter()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    return losses, elapsed, torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")

@@ -4,10 +4,9 @@ on whatever device is present. Prints per-mode loss and tokens/s and how far the
     python benches/train_qwen3.py [--steps 20]
 """
 import argparse
-import time
 
 import torch
-from common import markdown
+from common import markdown, train_steps
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bastile
@@ -32,22 +31,9 @@ def train(mode, device, steps, seed=0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     gen = torch.Generator().manual_seed(seed + 1)
     data = torch.randint(0, cfg["vocab_size"], (steps, batch, seq), generator=gen).to(device)
-    losses, t0, warm = [], None, 2
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for step in range(steps):
-        if step == warm:
-            sync(device)
-            t0 = time.perf_counter()
-        loss = model(input_ids=data[step], labels=data[step]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    sync(device)
-    elapsed = time.perf_counter() - t0
+    warm = 2
+    losses, elapsed, peak = train_steps(model, opt, data, warm, device, sync)
     losses = [l.item() for l in losses]
-    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else float("nan")
     bastile.reset()
     return losses, batch * seq * (steps - warm) / elapsed, peak
 
