@@ -1,13 +1,13 @@
 //! Builds the three layers of libbastile.so:
 //! - every `cuda/*.cu` into one fatbin (SASS for sm_90a, sm_100f, sm_120f and compute_80 PTX),
-//!   embedded; nvcc runs again only for a file whose inputs changed;
+//!   embedded; nvcc runs again only for a file whose own inputs (it and what it includes) changed;
 //! - every `include/*.h` (parameter blocks) into Rust structs with bindgen, and their kernel lists
 //!   (`<BLOCK>_KERNELS(K)`) into Rust tables of kernel names and ids (`kernels.rs`) and C++ block ids
 //!   (`blocks.h`);
 //! - the C++ torch registration layer (`src/torch/*.cpp`) and the cxx bridge (`src/ffi.rs`), against
 //!   the torch that `python3` (or `$BASTILE_PYTHON`) imports.
 //!
-//! A kernel family is found by its files: `cuda/<op>.cu`, `include/<op>.h`, `src/<op>.rs` (a module
+//! An op is found by its files: `cuda/<op>.cu`, `include/<op>.h`, `src/<op>.rs` (a module
 //! of the crate, declared in the generated `ops.rs`) and `src/torch/<op>.cpp`. There is no list to extend.
 use std::collections::BTreeSet;
 use std::env;
@@ -51,11 +51,11 @@ fn main() {
     });
     let cuda_include = nvcc.parent().unwrap().parent().unwrap().join("include");
 
-    let families = stems("cuda", "cu");
-    compile_kernels(&nvcc, &out, &families);
+    let ops = stems("cuda", "cu");
+    compile_kernels(&nvcc, &out, &ops);
     generate_params(&out);
-    generate_kernel_tables(&out, &families);
-    generate_op_modules(&out, &families);
+    generate_kernel_tables(&out, &ops);
+    generate_op_modules(&out, &ops);
     compile_torch_layer(&torch, &cuda_include, &out);
 
     println!("cargo:rustc-env=BASTILE_TORCH_VERSION={}", torch.version);
@@ -144,7 +144,21 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| fail(&format!("reading {}: {e}", path.display())))
 }
 
-fn compile_kernels(nvcc: &Path, out: &Path, families: &[String]) {
+/// `file` and every file it includes in quotes from cuda/ or include/, recursively: what a kernel file is
+/// compiled from, besides nvcc and its flags.
+fn included(file: &Path, files: &mut BTreeSet<PathBuf>) {
+    if !files.insert(file.to_path_buf()) {
+        return;
+    }
+    for line in read(file).lines() {
+        let Some(name) = line.trim_start().strip_prefix("#include \"").and_then(|l| l.split('"').next()) else { continue };
+        if let Some(path) = ["cuda", "include"].iter().map(|d| Path::new(d).join(name)).find(|p| p.is_file()) {
+            included(&path, files);
+        }
+    }
+}
+
+fn compile_kernels(nvcc: &Path, out: &Path, ops: &[String]) {
     let mut args: Vec<String> = ["-fatbin", "-O3", "-std=c++17", "-Iinclude", "-Icuda", "-Xptxas=-warn-spills"]
         .iter()
         .map(|s| s.to_string())
@@ -153,19 +167,18 @@ fn compile_kernels(nvcc: &Path, out: &Path, families: &[String]) {
     if let Ok(extra) = env::var("BASTILE_NVCC_FLAGS") {
         args.extend(extra.split_whitespace().map(String::from));
     }
-    // What every kernel file may include; a change to any of them recompiles them all.
-    let mut shared = DefaultHasher::new();
-    (nvcc, &args).hash(&mut shared);
-    for h in sources("cuda", "cuh").iter().chain(&sources("include", "h")) {
-        read(h).hash(&mut shared);
-    }
     let mut rust = String::new();
-    for stem in families {
+    for stem in ops {
         let src = PathBuf::from(format!("cuda/{stem}.cu"));
         let fatbin = out.join(format!("{stem}.fatbin"));
         let stamp = out.join(format!("{stem}.fatbin.inputs"));
-        let mut hasher = shared.clone();
-        read(&src).hash(&mut hasher);
+        let mut hasher = DefaultHasher::new();
+        (nvcc, &args).hash(&mut hasher);
+        let mut files = BTreeSet::new();
+        included(&src, &mut files);
+        for f in &files {
+            (f, read(f)).hash(&mut hasher);
+        }
         let inputs = format!("{:016x}", hasher.finish());
         if !(fatbin.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == inputs)) {
             let status = Command::new(nvcc)
@@ -188,7 +201,7 @@ fn compile_kernels(nvcc: &Path, out: &Path, families: &[String]) {
         )
         .unwrap();
     }
-    let all: Vec<String> = families.iter().map(|s| s.to_uppercase()).collect();
+    let all: Vec<String> = ops.iter().map(|s| s.to_uppercase()).collect();
     writeln!(rust, "pub static ALL: &[&crate::driver::Fatbin] = &[{}];", all.join(", ")).unwrap();
     std::fs::write(out.join("fatbins.rs"), rust).unwrap();
 }
@@ -213,7 +226,7 @@ fn generate_params(out: &Path) {
 struct Block {
     /// The C struct, `SwigluForward`.
     name: String,
-    /// The family (header and `.cu` file) it belongs to, `swiglu`.
+    /// The op (header and `.cu` file) it belongs to, `swiglu`.
     op: String,
     /// Each kernel's tags; its name is `<op>_<tag>_<tag>...`.
     kernels: BTreeSet<Vec<String>>,
@@ -234,9 +247,9 @@ fn variant(tag: &str) -> String {
 
 /// Reads every `#define <BLOCK>_KERNELS(K, ...)` of `include/<op>.h`: each parameter's expansion is
 /// collected through the C preprocessor, one `K(tags...)` per kernel.
-fn kernel_lists(families: &[String]) -> Vec<Block> {
+fn kernel_lists(ops: &[String]) -> Vec<Block> {
     let mut blocks = Vec::new();
-    for op in families {
+    for op in ops {
         let header = PathBuf::from(format!("include/{op}.h"));
         let mut probe = format!("#include \"{op}.h\"\n#define BASTILE_KERNEL(...) bastile_kernel(__VA_ARGS__);\n");
         let mut lists = 0;
@@ -280,8 +293,8 @@ fn kernel_lists(families: &[String]) -> Vec<Block> {
 /// `kernels.rs` (Rust): the `Tag` enum of every word kernel names are made of, and for each block its
 /// kernels sorted by tags, with their names; `for_block`, which runs a generic visitor for a block id.
 /// `blocks.h` (C++): the same ids by parameter type.
-fn generate_kernel_tables(out: &Path, families: &[String]) {
-    let blocks = kernel_lists(families);
+fn generate_kernel_tables(out: &Path, ops: &[String]) {
+    let blocks = kernel_lists(ops);
     // Every dtype is a tag, float64 included: a CUDA lookup for it names the dtype in its error.
     let mut tags: BTreeSet<String> = ["f32", "f16", "bf16", "f64"].iter().map(|s| s.to_string()).collect();
     tags.extend(blocks.iter().flat_map(|b| b.kernels.iter().flatten().cloned()));
@@ -302,7 +315,7 @@ fn generate_kernel_tables(out: &Path, families: &[String]) {
         "// Generated by build.rs: the id by which the Rust bridge knows each parameter block with kernels.\n\
          #pragma once\n#include <cstdint>\n\n",
     );
-    for op in families {
+    for op in ops {
         writeln!(cpp, "#include \"{op}.h\"").unwrap();
     }
     cpp.push_str("\nnamespace bastile {\n\ntemplate <class P> struct Block;\n");
@@ -340,10 +353,10 @@ fn generate_kernel_tables(out: &Path, families: &[String]) {
     std::fs::write(out.join("include/blocks.h"), cpp).unwrap();
 }
 
-/// `ops.rs`: the crate module `src/<op>.rs` of each kernel family.
-fn generate_op_modules(out: &Path, families: &[String]) {
+/// `ops.rs`: the crate module `src/<op>.rs` of each op.
+fn generate_op_modules(out: &Path, ops: &[String]) {
     let dir = env::current_dir().unwrap().join("src");
-    let mods: String = families
+    let mods: String = ops
         .iter()
         .map(|op| format!("#[path = {:?}]\npub mod {op};\n", dir.join(format!("{op}.rs")).display().to_string()))
         .collect();
