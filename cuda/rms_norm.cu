@@ -323,34 +323,35 @@ __device__ __forceinline__ void backward(const RmsNormBackward &p) {
 
 }  // namespace
 
-// Template arguments of each variant (src/geometry.rs): elements per access, vectors a thread keeps in
-// registers (0: the row is streamed twice) and rows a step.
-#define VARIANT_k1(X) 16 / sizeof(X), 1, 1
-#define VARIANT_k2(X) 16 / sizeof(X), 2, 1
-#define VARIANT_k4(X) 16 / sizeof(X), 4, 1
-#define VARIANT_k8(X) 16 / sizeof(X), 8, 1
-#define VARIANT_vstream(X) 16 / sizeof(X), 0, 1
-#define VARIANT_sstream(X) 1, 0, 1
-#define VARIANT_k1r2(X) 16 / sizeof(X), 1, 2
-#define VARIANT_k2r2(X) 16 / sizeof(X), 2, 2
-#define VARIANT_k4r2(X) 16 / sizeof(X), 4, 2
+// Template arguments of the list's tags (src/geometry.rs): elements per access, vectors a thread keeps in
+// registers (0: the row is streamed twice), rows a step, the rounding mode.
+#define ACCESS_vec(X) 16 / sizeof(X)
+#define ACCESS_scalar(X) 1
+#define CACHED_cached1 1
+#define CACHED_cached2 2
+#define CACHED_cached4 4
+#define CACHED_cached8 8
+#define CACHED_streamed 0
+#define ROWS_ 1
+#define ROWS_two_rows 2
 #define CAST_AFTER_WEIGHT_ false
 #define CAST_AFTER_WEIGHT_cast_after_weight true
 #define SUFFIX_
+#define SUFFIX_two_rows _two_rows
 #define SUFFIX_cast_after_weight _cast_after_weight
 #define PARAMS_fwd RmsNormForward
 #define PARAMS_bwd RmsNormBackward
 #define RUN_fwd forward
 #define RUN_bwd backward
 
-// Register-cached variants run at most 256 threads a block (src/geometry.rs), which leaves the
-// compiler room to keep a whole row share in registers; streaming variants take up to 1024.
-template <int V, int K, int R> constexpr int kMaxThreads = K > 0 ? 256 : 1024;
-
-#define KERNEL(dir, x, w, v, mode)                                                                       \
-  extern "C" __global__ void __launch_bounds__((kMaxThreads<VARIANT_##v(BASTILE_TYPE_##x)>))            \
-      BASTILE_CAT(rms_norm_##dir##_##x##_##w##_##v, SUFFIX_##mode)(const PARAMS_##dir p) {                \
-    RUN_##dir<BASTILE_TYPE_##x, BASTILE_TYPE_##w, VARIANT_##v(BASTILE_TYPE_##x), CAST_AFTER_WEIGHT_##mode>(p); \
+// Register-cached kernels run at most 256 threads a block (src/geometry.rs), which leaves the compiler room
+// to keep a whole row share in registers; streaming ones take up to 1024.
+#define KERNEL(dir, x, w, access, residency, rows, mode)                                                    \
+  extern "C" __global__ void __launch_bounds__(CACHED_##residency > 0 ? 256 : 1024) BASTILE_CAT(            \
+      BASTILE_CAT(rms_norm_##dir##_##x##_##w##_##access##_##residency, SUFFIX_##rows), SUFFIX_##mode)(      \
+      const PARAMS_##dir p) {                                                                               \
+    RUN_##dir<BASTILE_TYPE_##x, BASTILE_TYPE_##w, ACCESS_##access(BASTILE_TYPE_##x), CACHED_##residency,    \
+              ROWS_##rows, CAST_AFTER_WEIGHT_##mode>(p);                                                    \
   }
 #define REDUCE(dir, reduce, w)                                                                   \
   extern "C" __global__ void rms_norm_##dir##_##reduce##_##w(const RmsNormBackward p) {         \

@@ -37,20 +37,21 @@ typedef struct RmsNormBackward {
   RowGeometry geo;
 } RmsNormBackward;
 
-/* rms_norm_<fwd|bwd>_<x>_<w>_<variant>[_cast_after_weight], variant the RowGeometry it runs: k1, k2, k4, k8
- * (that many 16-byte vectors of the row a thread keeps in registers), vstream, sstream (the row streamed
- * twice, in vectors or elements), and the forward's k1r2, k2r2, k4r2 (two rows a step); the backward's
- * rms_norm_bwd_reduce_<w> folds the weight gradient's partials. */
+/* rms_norm_<fwd|bwd>_<x>_<w>_<vec|scalar>_<cached1|cached2|cached4|cached8|streamed>[_two_rows][_cast_after_weight]:
+ * the RowGeometry a kernel runs is in its name: 16-byte vectors or single elements; that many vectors of the
+ * row a thread keeps in registers, or the row streamed twice; the forward's short rows two at a time. The
+ * backward's rms_norm_bwd_reduce_<w> folds the weight gradient's partials. */
 #define RMS_NORM_FORWARD_KERNELS(K) RMS_NORM_X(K, fwd, f32) RMS_NORM_X(K, fwd, f16) RMS_NORM_X(K, fwd, bf16)
 #define RMS_NORM_BACKWARD_KERNELS(K, REDUCE)                                                      \
   RMS_NORM_X(K, bwd, f32) RMS_NORM_X(K, bwd, f16) RMS_NORM_X(K, bwd, bf16) REDUCE(bwd, reduce, f32) \
   REDUCE(bwd, reduce, f16) REDUCE(bwd, reduce, bf16)
 #define RMS_NORM_X(K, dir, x) RMS_NORM_W(K, dir, x, f32) RMS_NORM_W(K, dir, x, f16) RMS_NORM_W(K, dir, x, bf16)
-#define RMS_NORM_W(K, dir, x, w) RMS_NORM_VARIANTS_##dir(K, x, w, ) RMS_NORM_VARIANTS_##dir(K, x, w, cast_after_weight)
-#define RMS_NORM_VARIANTS_bwd(K, x, w, mode)                                                             \
-  K(bwd, x, w, k1, mode) K(bwd, x, w, k2, mode) K(bwd, x, w, k4, mode) K(bwd, x, w, k8, mode)             \
-  K(bwd, x, w, vstream, mode) K(bwd, x, w, sstream, mode)
-#define RMS_NORM_VARIANTS_fwd(K, x, w, mode)                                                             \
-  K(fwd, x, w, k1, mode) K(fwd, x, w, k2, mode) K(fwd, x, w, k4, mode) K(fwd, x, w, k8, mode)             \
-  K(fwd, x, w, vstream, mode) K(fwd, x, w, sstream, mode) K(fwd, x, w, k1r2, mode) K(fwd, x, w, k2r2, mode) \
-  K(fwd, x, w, k4r2, mode)
+#define RMS_NORM_W(K, dir, x, w) RMS_NORM_GEOMETRIES_##dir(K, x, w, ) RMS_NORM_GEOMETRIES_##dir(K, x, w, cast_after_weight)
+#define RMS_NORM_GEOMETRIES_bwd(K, x, w, mode)                                                               \
+  K(bwd, x, w, vec, cached1, , mode) K(bwd, x, w, vec, cached2, , mode) K(bwd, x, w, vec, cached4, , mode)   \
+  K(bwd, x, w, vec, cached8, , mode) K(bwd, x, w, vec, streamed, , mode) K(bwd, x, w, scalar, streamed, , mode)
+#define RMS_NORM_GEOMETRIES_fwd(K, x, w, mode)                                                               \
+  K(fwd, x, w, vec, cached1, , mode) K(fwd, x, w, vec, cached2, , mode) K(fwd, x, w, vec, cached4, , mode)   \
+  K(fwd, x, w, vec, cached8, , mode) K(fwd, x, w, vec, streamed, , mode) K(fwd, x, w, scalar, streamed, , mode) \
+  K(fwd, x, w, vec, cached1, two_rows, mode) K(fwd, x, w, vec, cached2, two_rows, mode)                      \
+  K(fwd, x, w, vec, cached4, two_rows, mode)

@@ -20,20 +20,20 @@ fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
 macro_rules! on_dtypes {
     ($p:expr, $kernel:ident) => {{
         let (xd, wd) = dtypes($p.x_dtype, $p.w_dtype)?;
-        let cw = cast_after_weight($p.cast_after_weight)?;
+        let after_weight = casts_after_weight($p.cast_after_weight)?;
         // SAFETY: the C++ layer checked shapes and dtypes of every pointer in the block.
         crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
-            if cw {
-                $kernel::<X, W, X>($p, cw)
+            if after_weight {
+                $kernel::<X, W, X>($p, after_weight)
             } else {
-                $kernel::<X, W, Y>($p, cw)
+                $kernel::<X, W, Y>($p, after_weight)
             }
         });
         Ok(())
     }};
 }
 
-fn cast_after_weight(flag: i32) -> Result<bool> {
+fn casts_after_weight(flag: i32) -> Result<bool> {
     match flag {
         0 => Ok(false),
         1 => Ok(true),
@@ -65,32 +65,30 @@ fn rows_at_once(dir: Tag, geo: &RowGeometry) -> i64 {
 }
 
 /// The tags of the kernel of a direction, rounding mode and dtypes for rows laid out as `geo`.
-fn tags(dir: Tag, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> Vec<Tag> {
-    let variant = match (geo.vec, geo.per_thread, rows_at_once(dir, geo)) {
-        (1, _, _) => Tag::Sstream,
-        (_, 0, _) => Tag::Vstream,
-        (_, 1, 1) => Tag::K1,
-        (_, 2, 1) => Tag::K2,
-        (_, 4, 1) => Tag::K4,
-        (_, 8, 1) => Tag::K8,
-        (_, 1, 2) => Tag::K1r2,
-        (_, 2, 2) => Tag::K2r2,
-        (_, 4, 2) => Tag::K4r2,
-        _ => unreachable!("no kernel variant for {geo:?}"),
+fn tags(dir: Tag, after_weight: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> Vec<Tag> {
+    let access = if geo.vec > 1 { Tag::Vec } else { Tag::Scalar };
+    let residency = match geo.per_thread {
+        0 => Tag::Streamed,
+        1 => Tag::Cached1,
+        2 => Tag::Cached2,
+        4 => Tag::Cached4,
+        8 => Tag::Cached8,
+        _ => unreachable!("no kernel for {geo:?}"),
     };
-    let mut tags = vec![dir, x.tag(), w.tag(), variant];
-    tags.extend(cw.then_some(Tag::CastAfterWeight));
+    let mut tags = vec![dir, x.tag(), w.tag(), access, residency];
+    tags.extend((rows_at_once(dir, geo) == 2).then_some(Tag::TwoRows));
+    tags.extend(after_weight.then_some(Tag::CastAfterWeight));
     tags
 }
 
 impl Launch for RmsNormForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
-        let cw = cast_after_weight(self.cast_after_weight)?;
+        let after_weight = casts_after_weight(self.cast_after_weight)?;
         let y = BastileDType::from_raw(self.y_dtype)?;
         let mut p = *self;
         p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
-        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Fwd, cw, x, w, &p.geo), p.geo.block as u32)?;
+        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Fwd, after_weight, x, w, &p.geo), p.geo.block as u32)?;
         // Every row group its block (an experimental kernel of this layout, H100, bf16, 8192x2048: 24.9 us
         // against 25.7 us as one resident wave); the kernel loops past 2^31 - 1 blocks.
         let grid = p.geo.blocks_for(geometry::ceil_div(p.rows, rows_at_once(Tag::Fwd, &p.geo))).min(i32::MAX as i64);
@@ -116,11 +114,11 @@ impl Launch for RmsNormBackward {
     /// which the reduce kernel folds.
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
-        let cw = cast_after_weight(self.cast_after_weight)?;
+        let after_weight = casts_after_weight(self.cast_after_weight)?;
         let y = BastileDType::from_raw(self.y_dtype)?;
         let mut p = *self;
         p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
-        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, cw, x, w, &p.geo), p.geo.block as u32)?;
+        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, after_weight, x, w, &p.geo), p.geo.block as u32)?;
         let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], 256)?;
         // One resident wave: each block folds all its rows into one partial.
         let grid = p.geo.blocks_for(p.rows).min(dev.sm_count() as i64 * kernel.blocks_per_sm as i64);
@@ -138,15 +136,15 @@ impl Launch for RmsNormBackward {
 
 /// `x * r` as the weight multiplies it: rounded to x's dtype, or (cast after weight) kept at the
 /// statistics' precision, f32 unless the input is f64.
-fn normed<X: Element>(x: f64, r: f64, cw: bool, f64_stats: bool) -> f64 {
-    match (cw, f64_stats) {
+fn normed<X: Element>(x: f64, r: f64, after_weight: bool, f64_stats: bool) -> f64 {
+    match (after_weight, f64_stats) {
         (false, _) => X::round(x * r),
         (true, false) => <f32 as Element>::round(x * r),
         (true, true) => x * r,
     }
 }
 
-unsafe fn forward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormForward, cw: bool) {
+unsafe fn forward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormForward, after_weight: bool) {
     let (rows, cols) = (p.rows as usize, p.cols as usize);
     let x = cpu::slice::<X>(p.x, rows * cols);
     let w = cpu::slice::<W>(p.weight, cols);
@@ -159,7 +157,7 @@ unsafe fn forward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormForward, cw
         let r = 1.0 / (ss / cols as f64 + eps).sqrt();
         *rs = if f64_stats { r } else { <f32 as Element>::round(r) };
         for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
-            *yv = Y::from_f64(wv.to_f64() * normed::<X>(xv.to_f64(), *rs, cw, f64_stats));
+            *yv = Y::from_f64(wv.to_f64() * normed::<X>(xv.to_f64(), *rs, after_weight, f64_stats));
         }
     });
     if p.rstd.is_null() {
@@ -174,7 +172,7 @@ unsafe fn forward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormForward, cw
     }
 }
 
-unsafe fn backward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, cw: bool) {
+unsafe fn backward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, after_weight: bool) {
     let (rows, cols) = (p.rows as usize, p.cols as usize);
     let x = cpu::slice::<X>(p.x, rows * cols);
     let gy = cpu::slice::<Y>(p.grad_y, rows * cols);
@@ -202,7 +200,7 @@ unsafe fn backward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, 
                 for j in 0..cols {
                     let (xv, g) = (xr[j].to_f64(), gr[j].to_f64());
                     gxr[j] = X::from_f64(r * g * w[j].to_f64() - xv * c3);
-                    dw[j] += g * normed::<X>(xv, r, cw, f64_stats);
+                    dw[j] += g * normed::<X>(xv, r, after_weight, f64_stats);
                 }
             }
             dw
@@ -271,21 +269,21 @@ mod tests {
         rstd: *mut std::ffi::c_void,
         eps: f64,
         yd: BastileDType,
-        cw: bool,
+        after_weight: bool,
     ) -> RmsNormForward {
         let (x_dtype, w_dtype, y_dtype) = (X::DTYPE as i32, W::DTYPE as i32, yd as i32);
         let (rows, cols) = ((x.len() / w.len()) as i64, w.len() as i64);
-        let (x, weight, cast_after_weight) = (x.as_ptr().cast(), w.as_ptr().cast(), cw as i32);
+        let (x, weight, cast_after_weight) = (x.as_ptr().cast(), w.as_ptr().cast(), after_weight as i32);
         RmsNormForward { x, weight, y, rstd, rows, cols, eps, x_dtype, w_dtype, y_dtype, cast_after_weight, ..Default::default() }
     }
 
     /// Runs forward and backward of the CPU kernels for one dtype pair and checks them against the
     /// f64 references on the same (rounded) inputs.
-    /// `Y` is the output type: promote(X, W), or X with `cw` (cast after weight).
-    fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize, cw: bool) {
+    /// `Y` is the output type: promote(X, W), or X when the cast comes after the weight.
+    fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize, after_weight: bool) {
         let eps = 1e-6;
         // Four unit roundoffs of the coarsest dtype involved: each result is rounded at most twice.
-        let yd = out_dtype(xd, wd, cw);
+        let yd = out_dtype(xd, wd, after_weight);
         let tol = 4.0 * unit(xd).max(unit(wd)).max(unit(yd));
         let x: Vec<X> = cast(&noise(rows * cols, 1, 2.0));
         let w: Vec<W> = cast(&noise(cols, 2, 2.0));
@@ -293,10 +291,10 @@ mod tests {
         let (xf, wf, gf) = (widen(&x), widen(&w), widen(&gy));
         let mut y = vec![Y::from_f64(f64::NAN); rows * cols];
         let mut rstd = vec![0f64; rows]; // large enough for f32 or f64 statistics
-        let mut p = forward_block(&x, &w, y.as_mut_ptr().cast(), rstd.as_mut_ptr().cast(), eps, yd, cw);
+        let mut p = forward_block(&x, &w, y.as_mut_ptr().cast(), rstd.as_mut_ptr().cast(), eps, yd, after_weight);
         p.cpu().unwrap();
         let err = rel_err(&widen(&y), &reference_forward(&xf, &wf, cols, eps));
-        assert!(err < tol, "{xd:?}/{wd:?}/{cw} {rows}x{cols}: forward error {err}");
+        assert!(err < tol, "{xd:?}/{wd:?}/{after_weight} {rows}x{cols}: forward error {err}");
 
         let mut gx = vec![X::from_f64(f64::NAN); rows * cols];
         let mut gw = vec![W::from_f64(f64::NAN); cols];
@@ -329,8 +327,8 @@ mod tests {
         let (ex, ew) = (rel_err_floor(&widen(&gx), &rgx, scale), rel_err(&widen(&gw), &rgw));
         // Cast after weight sums dy * n with n at the statistics' precision, not rounded to x's dtype:
         // only w's rounding (and f32's) remains, which tells the modes apart for 16-bit x and f32 w.
-        let tol_w = if cw { tol.min(16.0 * unit(wd).max(unit(xd).min(unit(BASTILE_F32)))) } else { tol };
-        assert!(ex < tol && ew < tol_w, "{xd:?}/{wd:?}/{cw} {rows}x{cols}: grad_x error {ex}, grad_w error {ew}");
+        let tol_w = if after_weight { tol.min(16.0 * unit(wd).max(unit(xd).min(unit(BASTILE_F32)))) } else { tol };
+        assert!(ex < tol && ew < tol_w, "{xd:?}/{wd:?}/{after_weight} {rows}x{cols}: grad_x error {ex}, grad_w error {ew}");
         p.rstd = std::ptr::null_mut();
         p.cpu().unwrap(); // inference path: no statistics written
     }
@@ -361,12 +359,12 @@ mod tests {
         let (rows, cols, eps) = (3, 64, 1e-6f64);
         let x: Vec<bf16> = cast(&noise(rows * cols, 4, 3.0));
         let w: Vec<f32> = noise(cols, 5, 2.0).iter().map(|&v| v as f32).collect();
-        for cw in [false, true] {
-            let yd = out_dtype(BASTILE_BF16, BASTILE_F32, cw);
+        for after_weight in [false, true] {
+            let yd = out_dtype(BASTILE_BF16, BASTILE_F32, after_weight);
             let mut y = vec![0f32; rows * cols]; // f32 output, or bf16 in its first half
-            let p = forward_block(&x, &w, y.as_mut_ptr().cast(), std::ptr::null_mut(), eps, yd, cw);
+            let p = forward_block(&x, &w, y.as_mut_ptr().cast(), std::ptr::null_mut(), eps, yd, after_weight);
             p.cpu().unwrap();
-            let got: Vec<f32> = if cw {
+            let got: Vec<f32> = if after_weight {
                 unsafe { cpu::slice::<bf16>(p.y, rows * cols) }.iter().map(|v| v.to_f32()).collect()
             } else {
                 y.clone()
@@ -377,8 +375,8 @@ mod tests {
                 let r = (1.0 / (ss + eps).sqrt()) as f32;
                 for j in 0..cols {
                     let n = xr[j].to_f32() * r;
-                    let want = if cw { bf16::from_f32(w[j] * n).to_f32() } else { w[j] * bf16::from_f32(n).to_f32() };
-                    assert_eq!(got[row * cols + j], want, "cw={cw} ({row},{j})");
+                    let want = if after_weight { bf16::from_f32(w[j] * n).to_f32() } else { w[j] * bf16::from_f32(n).to_f32() };
+                    assert_eq!(got[row * cols + j], want, "cast after weight {after_weight} ({row},{j})");
                 }
             }
         }
@@ -396,8 +394,8 @@ mod tests {
         assert!(p.cpu().unwrap_err().contains("unknown dtype"));
     }
 
-    fn kernel_name(dir: Tag, cw: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> &'static str {
-        let tags = tags(dir, cw, x, w, geo);
+    fn kernel_name(dir: Tag, after_weight: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> &'static str {
+        let tags = tags(dir, after_weight, x, w, geo);
         let index = if dir == Tag::Fwd { RmsNormForward::find(&tags) } else { RmsNormBackward::find(&tags) };
         let table = if dir == Tag::Fwd { RmsNormForward::KERNELS } else { RmsNormBackward::KERNELS };
         table[index.unwrap()].1
@@ -413,9 +411,9 @@ mod tests {
                     let fwd = geometry::rows_warp_first(c, x.size(), vectorizable);
                     let bwd = geometry::rows(c, x.size(), vectorizable);
                     for w in [BASTILE_F32, BASTILE_F16, BASTILE_BF16] {
-                        for cw in [false, true] {
-                            kernel_name(Tag::Fwd, cw, x, w, &fwd);
-                            kernel_name(Tag::Bwd, cw, x, w, &bwd);
+                        for after_weight in [false, true] {
+                            kernel_name(Tag::Fwd, after_weight, x, w, &fwd);
+                            kernel_name(Tag::Bwd, after_weight, x, w, &bwd);
                         }
                     }
                 }
@@ -427,14 +425,14 @@ mod tests {
     #[test]
     fn kernels_follow_the_geometry() {
         let g = geometry::rows(4096, 2, true);
-        assert_eq!(kernel_name(Tag::Fwd, false, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4");
-        assert_eq!(kernel_name(Tag::Fwd, true, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_k4_cast_after_weight");
+        assert_eq!(kernel_name(Tag::Fwd, false, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_vec_cached4");
+        assert_eq!(kernel_name(Tag::Fwd, true, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_vec_cached4_cast_after_weight");
         let g = geometry::rows(1001, 2, true);
-        assert_eq!(kernel_name(Tag::Bwd, false, BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_sstream");
+        assert_eq!(kernel_name(Tag::Bwd, false, BASTILE_F16, BASTILE_F16, &g), "rms_norm_bwd_f16_f16_scalar_streamed");
         let g = geometry::rows_warp_first(1024, 2, true);
-        assert_eq!(kernel_name(Tag::Fwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_fwd_bf16_bf16_k4r2");
-        assert_eq!(kernel_name(Tag::Bwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_bwd_bf16_bf16_k4");
+        assert_eq!(kernel_name(Tag::Fwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_fwd_bf16_bf16_vec_cached4_two_rows");
+        assert_eq!(kernel_name(Tag::Bwd, false, BASTILE_BF16, BASTILE_BF16, &g), "rms_norm_bwd_bf16_bf16_vec_cached4");
         let g = geometry::rows(1 << 20, 2, true);
-        assert_eq!(kernel_name(Tag::Bwd, true, BASTILE_F16, BASTILE_F32, &g), "rms_norm_bwd_f16_f32_vstream_cast_after_weight");
+        assert_eq!(kernel_name(Tag::Bwd, true, BASTILE_F16, BASTILE_F32, &g), "rms_norm_bwd_f16_f32_vec_streamed_cast_after_weight");
     }
 }
