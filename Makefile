@@ -46,7 +46,7 @@ test: cargo-test pytest
 train: build
 	$(PY) benches/train_qwen3.py
 
-# The kernel families: one cuda/<op>.cu each, with tests/test_<op>.py and benches/bench_<op>.py.
+# The ops: one cuda/<op>.cu each, with tests/test_<op>.py and benches/bench_<op>.py.
 OPS := $(sort $(basename $(notdir $(wildcard cuda/*.cu))))
 
 # GPU machine: the whole suite (CUDA tests included), then the ops' CUDA tests under compute-sanitizer
@@ -58,7 +58,7 @@ gpu-test: build
 	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -p no:cacheprovider \
 		$(OPS:%=tests/test_%.py) -k "$(SANITIZE)"
 
-# Every kernel family against its peers (one script each).
+# Every op against its peers (one script each).
 OP_BENCHES := $(wildcard $(OPS:%=benches/bench_%.py))
 bench: build
 	set -e; for b in $(OP_BENCHES); do $(PY) $$b; done

@@ -1,4 +1,4 @@
-// Helpers every kernel family uses: element conversion, vector access, group reductions.
+// Helpers every op's kernels use: element conversion, vector access, group reductions.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,4 +1,4 @@
-/* What every kernel family's parameter header (include/<op>.h) shares: element types and row
+/* What every op's parameter header (include/<op>.h) shares: element types and row
  * geometry. Parameter blocks are shared by the CUDA kernels, the C++ torch layer and Rust (through
  * bindgen); every kernel takes exactly one by value, so adding a field never changes a launch. */
 #pragma once

@@ -14,7 +14,7 @@ pub type Result<T> = std::result::Result<T, String>;
 #[repr(C, align(64))]
 pub struct Fatbin<T: ?Sized = [u8]>(pub T);
 
-/// Fatbins of every kernel family, named after their `cuda/*.cu` file, and `ALL` of them.
+/// The fatbin of every op, named after its `cuda/*.cu` file, and `ALL` of them.
 pub mod fatbins {
     include!(concat!(env!("OUT_DIR"), "/fatbins.rs"));
 }
@@ -222,7 +222,7 @@ impl Device {
         Ok(k)
     }
 
-    /// Loads every kernel family's module now, so that no first call pays for it.
+    /// Loads every op's module now, so that no first call pays for it.
     pub fn load_all(&self) -> Result<()> {
         self.make_current()?;
         fatbins::ALL.iter().try_for_each(|f| self.module(f).map(|_| ()))

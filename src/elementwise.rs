@@ -16,7 +16,7 @@ pub fn vector_width(dt: BastileDType, ptrs: &[*const c_void]) -> i64 {
     }
 }
 
-/// A family's launch shape: `block` threads a block, each taking `unroll` accesses per grid-stride step.
+/// An op's launch shape: `block` threads a block, each taking `unroll` accesses per grid-stride step.
 pub struct Elementwise {
     pub block: u32,
     pub unroll: u32,
@@ -37,7 +37,7 @@ impl Elementwise {
     }
 }
 
-/// [`Launch`](crate::kernels::Launch) for the parameter blocks of an elementwise family, one dtype for
+/// [`Launch`](crate::kernels::Launch) for the parameter blocks of an elementwise op, one dtype for
 /// all their tensors: each `Block: dir(pointers...) => cpu_kernel;` launches `<op>_<dir>_<dtype>_<access>`
 /// over the block's `n` with the `Elementwise` shape given first (16-byte vectors when every pointer
 /// allows them), and on the CPU runs `cpu_kernel::<T>`, an `unsafe fn(&Block)` generic over the element

@@ -1,6 +1,6 @@
 //! Bastile: fused CUDA kernels for LLM fine-tuning, registered as `torch.ops.bastile.*`.
 //!
-//! A kernel family `<op>` is `cuda/<op>.cu` (kernels), `include/<op>.h` (parameter blocks and kernel
+//! An op `<op>` is `cuda/<op>.cu` (kernels), `include/<op>.h` (parameter blocks and kernel
 //! lists), `src/<op>.rs` (launch plans and CPU kernels, a module of this crate declared by build.rs) and
 //! `src/torch/<op>.cpp` (its ops' specs, registered by `src/torch/op.h`). The shared runtime: `kernels`
 //! (kernel tables, the `Launch` interface), `ffi` (the one bridge to C++), `driver` (CUDA through

@@ -1,4 +1,4 @@
-//! Helpers the kernel families' unit tests share: inputs and error measures.
+//! Helpers the ops' unit tests share: inputs and error measures.
 use crate::cpu::Element;
 use crate::params::BastileDType;
 

@@ -16,7 +16,8 @@ def warmup_all_kernels(device: Optional[torch.device] = None) -> None:
 
 
 def clear_autotune_cache() -> None:
-    """Bastile does not benchmark launch variants: each launch's geometry follows from the shape and
-    the kernel's occupancy on the device, which is cached per device and kernel. This drops that
-    cache; the next launch asks the driver again."""
+    """Drops the kernel handles and the occupancy figures cached on every device (the kernel modules stay
+    loaded): the next launch of each kernel looks it up and asks the driver for its occupancy again.
+    Bastile benchmarks no launch variants (each launch's geometry follows from the shape and that
+    occupancy), so this is the only cache there is; the name is kept for the original API."""
     torch.ops.bastile.clear_kernel_cache()
