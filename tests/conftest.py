@@ -1,6 +1,8 @@
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -11,6 +13,25 @@ import bastile  # noqa: E402
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+Sample = tuple[tuple, dict]  # one call's (args, kwargs)
+
+
+@dataclass
+class Contract:
+    """What test_contract.py's generic tests need of an op; each op's test file defines one as CONTRACT."""
+    op: torch._ops.OpOverloadPacket
+    # A few small float32 calls on a device, their differentiable tensors requiring grad; the first two
+    # differ in sizes only (torch.compile's dynamic shapes).
+    samples: Callable[[str], list[Sample]]
+    # Calls with zero-size dimensions.
+    empty: Callable[[str], list[Sample]]
+    # An independent implementation (HF's, or plain torch) with the op's signature.
+    reference: Callable
+    # (call, pattern): each call raises a RuntimeError matching the pattern.
+    bad: list[tuple[Callable[[], object], str]]
+    # float64 CPU calls for gradcheck, where the samples in float64 would not do.
+    gradcheck_samples: Callable[[], list[Sample]] | None = None
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import bastile
-from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err
 
 op = torch.ops.bastile.fused_linear_cross_entropy
 fwd_op = torch.ops.bastile.fused_linear_cross_entropy_forward
@@ -51,6 +51,67 @@ def chunks(rows, vocab, elem_bytes):
     """The op's chunk_bytes for chunks of `rows` rows (of a given vocab and element size), so that small
     inputs run several, the last one ragged."""
     return rows * vocab * elem_bytes
+
+
+# ---------------------------------------------------------------- the generic tests' contract (test_contract.py)
+
+
+def reference(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0, fp32_weight_grad=True,
+              chunk_bytes=0):
+    """eager with the op's signature. A mean over no counted target is 0, as the op defines it
+    (F.cross_entropy's is NaN): the sum's, gradients included."""
+    if reduction == "mean" and not (t != ignore_index).any():
+        reduction = "sum"
+    return eager(h, w, t, b, ignore_index, reduction, softcap, z_loss)
+
+
+def samples(device):
+    def call(n, hdim, vocab, bias=True, seed=0, frozen="", **kwargs):
+        h, w, b, t = make(n, hdim, vocab, device=device, bias=bias, seed=seed)
+        # Gradients left out (grad_mask): of a frozen head ("wb", as with LoRA), or of hidden ("h").
+        for name, x in zip("hwb", (h, w, b)):
+            if name in frozen:
+                x.requires_grad_(False)
+        return (h, w, t, b), kwargs
+
+    several = chunks(5, 40, 4)  # chunks of 5 rows at vocab 40, of 3 at vocab 56
+    return [call(12, 16, 40, chunk_bytes=several), call(19, 24, 56, seed=1, chunk_bytes=several),
+            call(10, 8, 30, bias=False, seed=2, reduction="sum", softcap=5.0, z_loss=1e-3),
+            call(9, 8, 20, seed=3, frozen="wb", chunk_bytes=chunks(4, 20, 4)),
+            call(9, 8, 20, seed=4, frozen="h", fp32_weight_grad=False, softcap=3.0, z_loss=1e-3)]
+
+
+def gradcheck_samples():
+    """Chunks of 3, 3 and 1 rows, with and without softcap and z-loss."""
+    h, w, b, t = make(7, 5, 11, dtype=torch.float64, ignored=0.3)
+    return [((h, w, t, b), dict(reduction=reduction, softcap=softcap, z_loss=z_loss, chunk_bytes=chunks(3, 11, 8)))
+            for reduction in ("mean", "sum") for softcap, z_loss in [(0.0, 0.0), (2.0, 0.1)]]
+
+
+def empty(device):
+    h, w, b, t = make(0, 8, 10, device=device)
+    return [((h, w, t, b), {}), ((h, w, t), dict(reduction="sum", softcap=2.0, z_loss=0.1))]
+
+
+BAD = [
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long)), "weight must have shape"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long)), "target must have shape"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.int32)), "target must be int64"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.randn(9)),
+     "bias must have shape"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8, device="meta"), torch.zeros(4, dtype=torch.long)),
+     "hidden is on cpu but weight is on meta"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), reduction="none"),
+     "reduction must be"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), softcap=-1.0),
+     "softcap must be"),
+    (lambda: op(torch.randint(0, 3, (4, 8)), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)),
+     "hidden must be float32"),
+    (lambda: bwd_op(torch.ones(2), torch.randn(3), torch.randn(3), torch.randn(0)), "grad_loss must be a 0-dim"),
+]
+
+CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=reference, bad=BAD,
+                    gradcheck_samples=gradcheck_samples)
 
 
 # ---------------------------------------------------------------- CPU and any device
@@ -313,27 +374,6 @@ def test_out_of_range_target_raises_on_cpu():
     t[2] = 12
     with pytest.raises(RuntimeError, match=r"target 12 is outside \[0, 12\)"):
         op(h, w, t, b)
-
-
-@pytest.mark.parametrize("bad,match", [
-    (lambda: op(torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long)), "weight must have shape"),
-    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long)), "target must have shape"),
-    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.int32)), "target must be int64"),
-    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.randn(9)),
-     "bias must have shape"),
-    (lambda: op(torch.randn(4, 8), torch.randn(10, 8, device="meta"), torch.zeros(4, dtype=torch.long)),
-     "hidden is on cpu but weight is on meta"),
-    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), reduction="none"),
-     "reduction must be"),
-    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), softcap=-1.0),
-     "softcap must be"),
-    (lambda: op(torch.randint(0, 3, (4, 8)), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)),
-     "hidden must be float32"),
-    (lambda: bwd_op(torch.ones(2), torch.randn(3), torch.randn(3), torch.randn(0)), "grad_loss must be a 0-dim"),
-])
-def test_bad_input_raises(bad, match):
-    with pytest.raises(RuntimeError, match=match):
-        bad()
 
 
 # ---------------------------------------------------------------- CUDA

@@ -13,7 +13,7 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 import bastile
-from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err, ulps
+from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err, ulps
 
 op = torch.ops.bastile.geglu
 backward_op = torch.ops.bastile.geglu_backward
@@ -132,15 +132,15 @@ def assert_matches_hf_and_exact(x, dy, alpha=ALPHA, limit=LIMIT):
             assert rel_err(got, ex) <= rel_err(ref, ex), what
 
 
-# ---------------------------------------------------------------- CPU and any device
+# ---------------------------------------------------------------- the generic tests' contract (test_contract.py)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 64), (5, 1001), (7, 3), (3,), (1,)])
-def test_opcheck(device, shape):
-    x, dy = inputs(shape, torch.float32, device)
-    torch.library.opcheck(op.default, (x.requires_grad_(), ALPHA, LIMIT))
-    torch.library.opcheck(backward_op.default, (dy, x.detach(), ALPHA, LIMIT))
+def samples(device):
+    def call(shape, alpha=ALPHA, limit=LIMIT, seed=0):
+        x, _ = inputs(shape, torch.float32, device, seed)
+        return (x.requires_grad_(), alpha, limit), {}
+
+    return [call((4, 3, 8)), call((6, 5, 12)), call((5,), 1.0, 3.0, 1), call((1,), seed=2)]
 
 
 def kink_free(shape, gen):
@@ -151,6 +151,53 @@ def kink_free(shape, gen):
     g = torch.where((g - LIMIT).abs() < 0.2, g + 0.5, g)
     u = torch.where((u.abs() - LIMIT).abs() < 0.2, u * 0.9, u)
     return interleave(g, u)
+
+
+def gradcheck_samples():
+    """Kink-free gate_up (a sample's gates and ups may lie within a finite-difference step of a limit),
+    with values on every side of the limits."""
+    calls = []
+    for alpha, limit in [(ALPHA, LIMIT), (1.0, 3.0)]:
+        x = kink_free((3, 5, 40), torch.Generator().manual_seed(0)) * limit / LIMIT
+        assert ((x[..., ::2] > limit).any() and (x[..., 1::2].abs() > limit).any()
+                and (x[..., ::2] < limit).any())  # every branch
+        calls.append(((x.requires_grad_(), alpha, limit), {}))
+    return calls
+
+
+def empty(device):
+    return [((torch.randn(shape, device=device, requires_grad=True), ALPHA, LIMIT), {})
+            for shape in [(0, 64), (4, 0), (0,), (2, 0, 6)]]
+
+
+f32 = lambda *s: torch.randn(*s)
+BAD = [
+    (lambda: op(f32(4, 7), ALPHA, LIMIT), "last dim of gate_up interleaves gate and up, so it must be even"),
+    (lambda: op(f32(5), ALPHA, LIMIT), "must be even"),
+    (lambda: op(torch.tensor(1.0), ALPHA, LIMIT), "gate_up must have at least one dimension"),
+    (lambda: op(torch.randint(0, 5, (4, 8)), ALPHA, LIMIT), "gate_up must be float32"),
+    (lambda: op(torch.ones(4, 8, dtype=torch.int32), ALPHA, LIMIT), "gate_up must be float32"),
+    (lambda: op(torch.ones(4, 8, dtype=torch.bool), ALPHA, LIMIT), "gate_up must be float32"),
+    (lambda: backward_op(f32(4, 8), f32(4, 8), ALPHA, LIMIT), "grad_y must have gate_up's shape with the last dim halved"),
+    (lambda: backward_op(f32(4, 5), f32(4, 8), ALPHA, LIMIT), "grad_y must have gate_up's shape"),
+    (lambda: backward_op(f32(4, 4).half(), f32(4, 8), ALPHA, LIMIT), "gate_up and grad_y must have the same dtype"),
+    (lambda: backward_op(torch.ones(4, 4, dtype=torch.int64), f32(4, 8), ALPHA, LIMIT), "grad_y must be float32"),
+    (lambda: backward_op(f32(4, 4), f32(4, 7), ALPHA, LIMIT), "must be even"),
+    (lambda: backward_op(f32(4, 4), torch.randn(4, 8, device="meta"), ALPHA, LIMIT), "gate_up is on meta but grad_y is on cpu"),
+]
+
+CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD, gradcheck_samples=gradcheck_samples)
+
+
+# ---------------------------------------------------------------- CPU and any device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 64), (5, 1001), (7, 3), (3,), (1,)])
+def test_opcheck(device, shape):
+    x, dy = inputs(shape, torch.float32, device)
+    torch.library.opcheck(op.default, (x.requires_grad_(), ALPHA, LIMIT))
+    torch.library.opcheck(backward_op.default, (dy, x.detach(), ALPHA, LIMIT))
 
 
 @pytest.mark.parametrize("alpha,limit", [(ALPHA, LIMIT), (1.0, 3.0)])
@@ -370,29 +417,6 @@ def test_double_backward_is_refused():
     (dx,) = torch.autograd.grad(op(x, ALPHA, LIMIT).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         dx.sum().backward()
-
-
-f32 = lambda *s: torch.randn(*s)
-BAD = [
-    (lambda: op(f32(4, 7), ALPHA, LIMIT), "last dim of gate_up interleaves gate and up, so it must be even"),
-    (lambda: op(f32(5), ALPHA, LIMIT), "must be even"),
-    (lambda: op(torch.tensor(1.0), ALPHA, LIMIT), "gate_up must have at least one dimension"),
-    (lambda: op(torch.randint(0, 5, (4, 8)), ALPHA, LIMIT), "gate_up must be float32"),
-    (lambda: op(torch.ones(4, 8, dtype=torch.int32), ALPHA, LIMIT), "gate_up must be float32"),
-    (lambda: op(torch.ones(4, 8, dtype=torch.bool), ALPHA, LIMIT), "gate_up must be float32"),
-    (lambda: backward_op(f32(4, 8), f32(4, 8), ALPHA, LIMIT), "grad_y must have gate_up's shape with the last dim halved"),
-    (lambda: backward_op(f32(4, 5), f32(4, 8), ALPHA, LIMIT), "grad_y must have gate_up's shape"),
-    (lambda: backward_op(f32(4, 4).half(), f32(4, 8), ALPHA, LIMIT), "gate_up and grad_y must have the same dtype"),
-    (lambda: backward_op(torch.ones(4, 4, dtype=torch.int64), f32(4, 8), ALPHA, LIMIT), "grad_y must be float32"),
-    (lambda: backward_op(f32(4, 4), f32(4, 7), ALPHA, LIMIT), "must be even"),
-    (lambda: backward_op(f32(4, 4), torch.randn(4, 8, device="meta"), ALPHA, LIMIT), "gate_up is on meta but grad_y is on cpu"),
-]
-
-
-@pytest.mark.parametrize("bad,match", BAD)
-def test_bad_input_raises(bad, match):
-    with pytest.raises(RuntimeError, match=match):
-        bad()
 
 
 # ---------------------------------------------------------------- CUDA against the CPU reference

@@ -7,7 +7,7 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 import bastile
-from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err
 
 op = torch.ops.bastile.qk_norm_rope
 fwd_op = torch.ops.bastile.qk_norm_rope_forward
@@ -69,6 +69,56 @@ def leaves(*ts):
 
 def f64_reference(q, k, qw, kw, cos, sin):
     return hf_qk_norm_rope(q.double(), k.double(), qw.double(), kw.double(), cos.double(), sin.double())
+
+
+# ---------------------------------------------------------------- the generic tests' contract (test_contract.py)
+
+
+def sample(device, batch, seq, hq, hk, dim, packed=False, seq_by_dim=False, eps=EPS, seed=0):
+    q, k, qw, kw, cos, sin = inputs(batch, seq, hq, hk, dim, device, packed=packed, seed=seed)
+    if seq_by_dim:
+        cos, sin = cos[0], sin[0]
+    return (*leaves(q, k, qw, kw), cos, sin, eps), {}
+
+
+def samples(device):
+    # Tables [1, S, D] (shared), [B, S, D] (packed sequences) and [S, D]; head_dim 6 has an odd half.
+    return [sample(device, 2, 3, 4, 2, 8), sample(device, 3, 5, 6, 3, 12),
+            sample(device, 2, 4, 3, 1, 6, packed=True, seed=1),
+            sample(device, 1, 5, 2, 2, 16, seq_by_dim=True, eps=1e-5, seed=2)]
+
+
+def empty(device):
+    return [sample(device, *shape) for shape in [(2, 0, 4, 2, 16), (0, 3, 4, 2, 16)]]
+
+
+def _bad(**kw):
+    args = dict(zip(("q", "k", "qw", "kw", "cos", "sin"), inputs(2, 3, 4, 2, 8)))
+    args.update(kw)
+    return lambda: op(args["q"], args["k"], args["qw"], args["kw"], args["cos"], args["sin"], EPS)
+
+
+BAD = [
+    (_bad(q=torch.randn(2, 3, 32)), "must be \\[batch, seq, heads, head_dim\\]"),
+    (_bad(k=torch.randn(2, 4, 2, 8)), "must agree in batch, seq and head_dim"),
+    (_bad(k=torch.randn(2, 3, 2, 6)), "must agree in batch, seq and head_dim"),
+    (_bad(q=torch.randn(2, 3, 4, 7), k=torch.randn(2, 3, 2, 7), qw=torch.randn(7), kw=torch.randn(7),
+          cos=torch.randn(3, 7), sin=torch.randn(3, 7)), "head_dim must be even"),
+    (_bad(k=torch.randn(2, 3, 2, 8, dtype=torch.float64)), "q and k must have the same dtype"),
+    (_bad(qw=torch.randn(6)), "must have shape \\[8\\]"),
+    (_bad(kw=torch.randn(8, dtype=torch.float64)), "q_weight and k_weight must have the same dtype"),
+    (_bad(q=torch.randint(0, 5, (2, 3, 4, 8))), "q must be float32"),
+    (_bad(cos=torch.randn(1, 4, 8), sin=torch.randn(1, 4, 8)), "cos and sin must have shape \\[seq, head_dim\\]"),
+    (_bad(cos=torch.randn(3, 3, 8), sin=torch.randn(3, 3, 8)), "cos and sin must have shape \\[seq, head_dim\\]"),
+    (_bad(sin=torch.randn(1, 3, 8, dtype=torch.float64)), "cos and sin must have the same dtype"),
+    (_bad(kw=torch.randn(8, device="meta")), "q is on cpu but k_weight is on meta"),
+    (lambda: bwd_op(*(t for t in fwd_op(*inputs(2, 3, 4, 2, 8), EPS)[:2]), *inputs(2, 3, 4, 2, 8),
+                    torch.zeros(2, 3, 4), torch.zeros(2, 3, 3)), "q_rstd and k_rstd must be"),
+    (lambda: bwd_op(torch.zeros(2, 3, 4, 8, dtype=torch.float64), torch.zeros(2, 3, 2, 8), *inputs(2, 3, 4, 2, 8),
+                    torch.zeros(2, 3, 4), torch.zeros(2, 3, 2)), "grad_q and grad_k must be"),
+]
+
+CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf_qk_norm_rope, bad=BAD)
 
 
 # ---------------------------------------------------------------- CPU and any device
@@ -327,36 +377,6 @@ def test_python_function():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(bastile.ops.qk_norm_rope(*args, eps=1e-5), hf_qk_norm_rope(*args, eps=1e-5)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def _bad(**kw):
-    args = dict(zip(("q", "k", "qw", "kw", "cos", "sin"), inputs(2, 3, 4, 2, 8)))
-    args.update(kw)
-    return lambda: op(args["q"], args["k"], args["qw"], args["kw"], args["cos"], args["sin"], EPS)
-
-
-@pytest.mark.parametrize("bad,match", [
-    (_bad(q=torch.randn(2, 3, 32)), "must be \\[batch, seq, heads, head_dim\\]"),
-    (_bad(k=torch.randn(2, 4, 2, 8)), "must agree in batch, seq and head_dim"),
-    (_bad(k=torch.randn(2, 3, 2, 6)), "must agree in batch, seq and head_dim"),
-    (_bad(q=torch.randn(2, 3, 4, 7), k=torch.randn(2, 3, 2, 7), qw=torch.randn(7), kw=torch.randn(7),
-          cos=torch.randn(3, 7), sin=torch.randn(3, 7)), "head_dim must be even"),
-    (_bad(k=torch.randn(2, 3, 2, 8, dtype=torch.float64)), "q and k must have the same dtype"),
-    (_bad(qw=torch.randn(6)), "must have shape \\[8\\]"),
-    (_bad(kw=torch.randn(8, dtype=torch.float64)), "q_weight and k_weight must have the same dtype"),
-    (_bad(q=torch.randint(0, 5, (2, 3, 4, 8))), "q must be float32"),
-    (_bad(cos=torch.randn(1, 4, 8), sin=torch.randn(1, 4, 8)), "cos and sin must have shape \\[seq, head_dim\\]"),
-    (_bad(cos=torch.randn(3, 3, 8), sin=torch.randn(3, 3, 8)), "cos and sin must have shape \\[seq, head_dim\\]"),
-    (_bad(sin=torch.randn(1, 3, 8, dtype=torch.float64)), "cos and sin must have the same dtype"),
-    (_bad(kw=torch.randn(8, device="meta")), "q is on cpu but k_weight is on meta"),
-    (lambda: bwd_op(*(t for t in fwd_op(*inputs(2, 3, 4, 2, 8), EPS)[:2]), *inputs(2, 3, 4, 2, 8),
-                    torch.zeros(2, 3, 4), torch.zeros(2, 3, 3)), "q_rstd and k_rstd must be"),
-    (lambda: bwd_op(torch.zeros(2, 3, 4, 8, dtype=torch.float64), torch.zeros(2, 3, 2, 8), *inputs(2, 3, 4, 2, 8),
-                    torch.zeros(2, 3, 4), torch.zeros(2, 3, 2)), "grad_q and grad_k must be"),
-])
-def test_bad_input_raises(bad, match):
-    with pytest.raises(RuntimeError, match=match):
-        bad()
 
 
 def test_pieces_are_not_differentiable():

@@ -8,7 +8,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import bastile
-from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err
 
 op = torch.ops.bastile.rms_norm
 EPS = 1e-6
@@ -27,6 +27,45 @@ def hf_rms_norm(x, w, eps=EPS, cast_after_weight=False):
 def f64_reference(x, w, eps=EPS):
     x64, w64 = x.double(), w.double()
     return w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# ---------------------------------------------------------------- the generic tests' contract (test_contract.py)
+
+
+def samples(device):
+    def call(shape, eps=EPS, cast_after_weight=False, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(shape, generator=g).to(device).requires_grad_()
+        w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(device).requires_grad_()
+        return (x, w, eps, cast_after_weight), {}
+
+    return [call((4, 3, 16)), call((7, 5, 24)), call((5, 33), 1e-5, True), call((8,), seed=1)]
+
+
+def empty(device):
+    def call(shape, cast_after_weight=False):
+        x = torch.randn(shape, device=device, requires_grad=True)
+        return (x, torch.randn(shape[-1], device=device, requires_grad=True), EPS, cast_after_weight), {}
+
+    return [call((0, 32)), call((3, 0, 16), True), call((4, 0))]
+
+
+f32 = lambda *s: torch.randn(*s)
+BAD = [
+    (lambda: op(f32(4, 8), f32(7), EPS), "weight must have shape"),
+    (lambda: op(f32(4, 8), f32(2, 4), EPS), "weight must have shape"),
+    (lambda: op(torch.randint(0, 5, (4, 8)), f32(8), EPS), "x must be float32"),
+    (lambda: op(f32(4, 8), torch.ones(8, dtype=torch.int32), EPS), "weight must be float32"),
+    (lambda: op(f32(4, 8), torch.randn(8, device="meta"), EPS), "weight is on meta"),
+    (lambda: op(torch.tensor(1.0), f32(1), EPS), "at least one dimension"),
+    (lambda: torch.ops.bastile.rms_norm_backward(f32(4, 8), f32(4, 8), f32(8), f32(3)), "rstd must be"),
+    (lambda: torch.ops.bastile.rms_norm_backward(f32(4, 9), f32(4, 8), f32(8), f32(4)), "grad_y has shape"),
+    # With cast_after_weight, grad_y has x's dtype, not promote(x, weight).
+    (lambda: torch.ops.bastile.rms_norm_backward(f32(4, 8), f32(4, 8).bfloat16(), f32(8), f32(4), True),
+     "grad_y must be BFloat16"),
+]
+
+CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf_rms_norm, bad=BAD)
 
 
 # ---------------------------------------------------------------- CPU and any device
@@ -251,26 +290,6 @@ def test_module_and_functional():
     hf.load_state_dict(m.state_dict())
     torch.testing.assert_close(m(x), hf(x), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bastile.rms_norm(x, m.weight, 1e-5), hf(x), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("bad,match", [
-    (lambda: op(torch.randn(4, 8), torch.randn(7), EPS), "weight must have shape"),
-    (lambda: op(torch.randn(4, 8), torch.randn(2, 4), EPS), "weight must have shape"),
-    (lambda: op(torch.randint(0, 5, (4, 8)), torch.randn(8), EPS), "x must be float32"),
-    (lambda: op(torch.randn(4, 8), torch.ones(8, dtype=torch.int32), EPS), "weight must be float32"),
-    (lambda: op(torch.randn(4, 8), torch.randn(8, device="meta"), EPS), "weight is on meta"),
-    (lambda: op(torch.tensor(1.0), torch.randn(1), EPS), "at least one dimension"),
-    (lambda: torch.ops.bastile.rms_norm_backward(torch.randn(4, 8), torch.randn(4, 8), torch.randn(8),
-                                                 torch.randn(3)), "rstd must be"),
-    (lambda: torch.ops.bastile.rms_norm_backward(torch.randn(4, 9), torch.randn(4, 8), torch.randn(8),
-                                                 torch.randn(4)), "grad_y has shape"),
-    # With cast_after_weight, grad_y has x's dtype, not promote(x, weight).
-    (lambda: torch.ops.bastile.rms_norm_backward(torch.randn(4, 8), torch.randn(4, 8).bfloat16(), torch.randn(8),
-                                                 torch.randn(4), True), "grad_y must be BFloat16"),
-])
-def test_bad_input_raises(bad, match):
-    with pytest.raises(RuntimeError, match=match):
-        bad()
 
 
 def test_double_backward_is_refused():

@@ -6,7 +6,7 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 import bastile
-from conftest import DEVICES, needs_cuda, poison_cuda_allocator, rel_err
+from conftest import DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err
 
 op = torch.ops.bastile.rope
 op_backward = torch.ops.bastile.rope_backward
@@ -61,6 +61,66 @@ def assert_matches_hf(out, ref, dtype):
     assert out.dtype == ref.dtype and out.shape == ref.shape
     torch.testing.assert_close(out, ref, rtol=EPS[dtype], atol=EPS[dtype])
     assert out.numel() == 0 or (out == ref).float().mean().item() > 0.99
+
+
+# ---------------------------------------------------------------- the generic tests' contract (test_contract.py)
+
+
+def hf(q, k, cos, sin, unsqueeze_dim=1):
+    """HF's apply_rotary_pos_emb, the op's [seq, head_dim] tables taken as [1, seq, head_dim]."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    return HF_APPLY(q, k, cos, sin, unsqueeze_dim)
+
+
+def samples(device):
+    def call(batch, seq, q_heads, k_heads, dim, unsqueeze_dim=1, table="BSD"):
+        _, _, q, k, cos, sin = qwen3_inputs(batch, seq, q_heads, k_heads, dim, torch.float32, device, unsqueeze_dim)
+        if table != "BSD":
+            cos, sin = cos[1:2], sin[1:2]
+        if table == "SD":
+            cos, sin = cos[0], sin[0]
+        return (q, k, cos, sin, unsqueeze_dim), {}
+
+    # Both layouts with each table: [B, S, D] (packed sequences' positions), [1, S, D] and [S, D].
+    return [call(2, 5, 4, 2, 16), call(3, 8, 6, 3, 24)] + [
+        call(2, 4, 3, 1, 8, unsqueeze_dim, table)
+        for unsqueeze_dim in (1, 2) for table in ("BSD", "1SD", "SD") if (unsqueeze_dim, table) != (1, "BSD")]
+
+
+def empty(device):
+    return [((*qwen3_inputs(*shape, 16, torch.float32, device)[2:], 1), {})
+            for shape in [(0, 5, 4, 2), (2, 0, 4, 2), (2, 5, 4, 0)]]
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+BAD = [
+    (lambda: op(_t(1, 2, 3, 7), _t(1, 1, 3, 7), _t(3, 7), _t(3, 7)), "head_dim must be even"),
+    (lambda: op(_t(1, 2, 3, 8), _t(2, 1, 3, 8), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 4, 8), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 4), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
+    (lambda: op(_t(2, 3, 8), _t(2, 3, 8), _t(3, 8), _t(3, 8)), "must be 4-D"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(4, 8), _t(4, 8)), "cos and sin must have shape"),
+    (lambda: op(_t(2, 2, 3, 8), _t(2, 1, 3, 8), _t(3, 3, 8), _t(3, 3, 8)), "cos and sin must have shape"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 6), _t(3, 6)), "cos and sin must have shape"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(1, 3, 8)), "cos and sin must have the same shape"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8), 3), "unsqueeze_dim must be 1"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8, dtype=torch.float16), _t(3, 8), _t(3, 8)), "must have the same dtype"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8, dtype=torch.float16)),
+     "cos and sin must have the same dtype"),
+    (lambda: op(torch.ones(1, 2, 3, 8, dtype=torch.int32), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8)), "q must be float32"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8, device="meta"), _t(3, 8)), "q is on cpu but cos is on meta"),
+    (lambda: op(_t(1, 2, 3, 8).requires_grad_(), _t(1, 1, 3, 8), _t(3, 8).requires_grad_(), _t(3, 8)),
+     "cos requires grad, but rope does not differentiate it; pass cos.detach"),
+    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8).requires_grad_()), "sin requires grad"),
+    (lambda: op_backward(_t(1, 2, 3, 7), _t(1, 1, 3, 7), _t(3, 7), _t(3, 7), 1), "rope_backward: head_dim"),
+    (lambda: op_backward(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(2, 8), _t(2, 8), 1), "rope_backward: cos and sin"),
+]
+
+CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD)
 
 
 # ---------------------------------------------------------------- CPU and any device
@@ -300,37 +360,6 @@ def test_functional_mirrors_hf_signature():
     out = bastile.ops.rope(qt, kt, cos, sin, 2, position_ids=torch.arange(5)[None])
     for a, b in zip(out, HF_APPLY(qt, kt, cos, sin, unsqueeze_dim=2)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def _t(*shape, dtype=torch.float32, device="cpu"):
-    return torch.randn(*shape, dtype=dtype, device=device)
-
-
-@pytest.mark.parametrize("bad,match", [
-    (lambda: op(_t(1, 2, 3, 7), _t(1, 1, 3, 7), _t(3, 7), _t(3, 7)), "head_dim must be even"),
-    (lambda: op(_t(1, 2, 3, 8), _t(2, 1, 3, 8), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 4, 8), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 4), _t(3, 8), _t(3, 8)), "must agree in batch, seq and head_dim"),
-    (lambda: op(_t(2, 3, 8), _t(2, 3, 8), _t(3, 8), _t(3, 8)), "must be 4-D"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(4, 8), _t(4, 8)), "cos and sin must have shape"),
-    (lambda: op(_t(2, 2, 3, 8), _t(2, 1, 3, 8), _t(3, 3, 8), _t(3, 3, 8)), "cos and sin must have shape"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 6), _t(3, 6)), "cos and sin must have shape"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(1, 3, 8)), "cos and sin must have the same shape"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8), 3), "unsqueeze_dim must be 1"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8, dtype=torch.float16), _t(3, 8), _t(3, 8)), "must have the same dtype"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8, dtype=torch.float16)),
-     "cos and sin must have the same dtype"),
-    (lambda: op(torch.ones(1, 2, 3, 8, dtype=torch.int32), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8)), "q must be float32"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8, device="meta"), _t(3, 8)), "q is on cpu but cos is on meta"),
-    (lambda: op(_t(1, 2, 3, 8).requires_grad_(), _t(1, 1, 3, 8), _t(3, 8).requires_grad_(), _t(3, 8)),
-     "cos requires grad, but rope does not differentiate it; pass cos.detach"),
-    (lambda: op(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(3, 8), _t(3, 8).requires_grad_()), "sin requires grad"),
-    (lambda: op_backward(_t(1, 2, 3, 7), _t(1, 1, 3, 7), _t(3, 7), _t(3, 7), 1), "rope_backward: head_dim"),
-    (lambda: op_backward(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(2, 8), _t(2, 8), 1), "rope_backward: cos and sin"),
-])
-def test_bad_input_raises(bad, match):
-    with pytest.raises(RuntimeError, match=match):
-        bad()
 
 
 def test_double_backward_is_refused():

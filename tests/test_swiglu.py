@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import bastile
-from conftest import CUDA, DEVICES, needs_cuda, poison_cuda_allocator, rel_err, ulps
+from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err, ulps
 
 op = torch.ops.bastile.swiglu
 backward_op = torch.ops.bastile.swiglu_backward
@@ -57,6 +57,44 @@ def run_both(g, u, dy):
     g, u = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
     y = op(g, u)
     return y, torch.autograd.grad(y, (g, u), dy)
+
+
+# ---------------------------------------------------------------- the generic tests' contract (test_contract.py)
+
+
+def samples(device):
+    def call(shape, seed=0):
+        g, u, _ = inputs(shape, torch.float32, device, seed)
+        return (g.requires_grad_(), u.requires_grad_()), {}
+
+    return [call((4, 3, 8)), call((6, 5, 12)), call((7,), 1), call((), 2)]
+
+
+def empty(device):
+    def call(shape):
+        return (torch.randn(shape, device=device, requires_grad=True),
+                torch.randn(shape, device=device, requires_grad=True)), {}
+
+    return [call((0, 32)), call((4, 0)), call((0,))]
+
+
+f32 = lambda *s: torch.randn(*s)
+BAD = [
+    (lambda: op(f32(4, 8), f32(4, 8).double()), "gate and up must have the same dtype"),
+    (lambda: op(f32(4, 8).half(), f32(4, 8).bfloat16()), "gate and up must have the same dtype"),
+    (lambda: op(f32(4, 8), f32(4, 9)), "gate and up must have the same shape"),
+    (lambda: op(f32(4, 8), f32(8, 4)), "gate and up must have the same shape"),
+    (lambda: op(f32(4, 8), f32(32)), "gate and up must have the same shape"),
+    (lambda: op(f32(4, 8), torch.randn(4, 8, device="meta")), "up is on meta"),
+    (lambda: op(torch.randint(0, 5, (4, 8)), f32(4, 8)), "gate must be float32"),
+    (lambda: op(f32(4, 8), torch.randint(0, 5, (4, 8))), "up must be float32"),
+    (lambda: op(torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32)), "gate must be float32"),
+    (lambda: backward_op(f32(4, 9), f32(4, 8), f32(4, 8)), "gate and grad_y must have the same shape"),
+    (lambda: backward_op(f32(4, 8).half(), f32(4, 8), f32(4, 8)), "gate and grad_y must have the same dtype"),
+    (lambda: backward_op(f32(4, 8), f32(4, 8), f32(4, 7)), "gate and up must have the same shape"),
+]
+
+CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD)
 
 
 # ---------------------------------------------------------------- CPU and any device
@@ -222,29 +260,6 @@ def test_double_backward_is_refused():
     (dg,) = torch.autograd.grad(op(g, u).sum(), g, create_graph=True)
     with pytest.raises(RuntimeError):
         dg.sum().backward()
-
-
-f32 = lambda *s: torch.randn(*s)
-BAD = [
-    (lambda: op(f32(4, 8), f32(4, 8).double()), "gate and up must have the same dtype"),
-    (lambda: op(f32(4, 8).half(), f32(4, 8).bfloat16()), "gate and up must have the same dtype"),
-    (lambda: op(f32(4, 8), f32(4, 9)), "gate and up must have the same shape"),
-    (lambda: op(f32(4, 8), f32(8, 4)), "gate and up must have the same shape"),
-    (lambda: op(f32(4, 8), f32(32)), "gate and up must have the same shape"),
-    (lambda: op(f32(4, 8), torch.randn(4, 8, device="meta")), "up is on meta"),
-    (lambda: op(torch.randint(0, 5, (4, 8)), f32(4, 8)), "gate must be float32"),
-    (lambda: op(f32(4, 8), torch.randint(0, 5, (4, 8))), "up must be float32"),
-    (lambda: op(torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32)), "gate must be float32"),
-    (lambda: backward_op(f32(4, 9), f32(4, 8), f32(4, 8)), "gate and grad_y must have the same shape"),
-    (lambda: backward_op(f32(4, 8).half(), f32(4, 8), f32(4, 8)), "gate and grad_y must have the same dtype"),
-    (lambda: backward_op(f32(4, 8), f32(4, 8), f32(4, 7)), "gate and up must have the same shape"),
-]
-
-
-@pytest.mark.parametrize("bad,match", BAD)
-def test_bad_input_raises(bad, match):
-    with pytest.raises(RuntimeError, match=match):
-        bad()
 
 
 # ---------------------------------------------------------------- CUDA against the CPU reference
