@@ -8,7 +8,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import bastile
-from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err
+from conftest import DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err
 
 op = torch.ops.bastile.rms_norm
 EPS = 1e-6
@@ -72,30 +72,10 @@ CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf_rms_norm, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 128), (5, 1000), (3, 3), (1, 2560)])
-@pytest.mark.parametrize("cw", [False, True])
-def test_opcheck(device, shape, cw):
-    x = torch.randn(shape, device=device, requires_grad=True)
-    w = torch.randn(shape[-1], device=device, requires_grad=True)
-    torch.library.opcheck(op.default, (x, w, EPS, cw))
-    torch.library.opcheck(torch.ops.bastile.rms_norm_forward.default, (x.detach(), w.detach(), EPS, cw))
-    y, rstd = torch.ops.bastile.rms_norm_forward(x.detach(), w.detach(), EPS, cw)
-    torch.library.opcheck(torch.ops.bastile.rms_norm_backward.default,
-                          (torch.randn_like(y), x.detach(), w.detach(), rstd, cw))
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_mixed_dtypes_cast_after_weight(device):
     x = torch.randn(6, 256, device=device).bfloat16().requires_grad_()
     w = torch.randn(256, device=device, requires_grad=True)
     torch.library.opcheck(op.default, (x, w, EPS, True))
-
-
-@pytest.mark.parametrize("cw", [False, True])
-def test_gradcheck_fp64(cw):
-    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: op(a, b, EPS, cw), (x, w))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
@@ -211,76 +191,6 @@ def test_autocast_leaves_dtypes_as_hf(device):
     torch.testing.assert_close(y_cw, ref_cw, rtol=2 ** -7, atol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_non_contiguous_and_broadcast_grad(device):
-    base = torch.randn(8, 64, 6, device=device)
-    x = base.transpose(1, 2)  # [8, 6, 64], last dim strided
-    assert not x.is_contiguous()
-    w = torch.randn(64, device=device, requires_grad=True)
-    xg = x.clone().requires_grad_()
-    y = op(xg, w, EPS)
-    torch.testing.assert_close(y, hf_rms_norm(x, w.detach()), rtol=1e-5, atol=1e-6)
-    # sum() hands backward an expanded (stride-0) gradient.
-    y.sum().backward()
-    x2, w2 = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
-    hf_rms_norm(x2, w2).sum().backward()
-    torch.testing.assert_close(xg.grad, x2.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_empty_input(device):
-    x = torch.randn(0, 32, device=device, requires_grad=True)
-    w = torch.randn(32, device=device, requires_grad=True)
-    y = op(x, w, EPS)
-    assert y.shape == (0, 32)
-    y.sum().backward()
-    assert x.grad.shape == (0, 32)
-    torch.testing.assert_close(w.grad, torch.zeros_like(w))
-
-
-def test_no_grad_and_inference_mode_match_autograd_path():
-    x, w = torch.randn(4, 96), torch.randn(96)
-    y = op(x, w, EPS)
-    with torch.no_grad():
-        y_ng = op(x, w, EPS)
-    with torch.inference_mode():
-        y_inf = op(x, w, EPS)
-    torch.testing.assert_close(y_ng, y, rtol=0, atol=0)
-    torch.testing.assert_close(y_inf, y, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("cw", [False, True])
-def test_torch_compile_matches_eager(device, dynamic, cw):
-    torch._dynamo.reset()
-
-    def f(x, w):
-        return torch.ops.bastile.rms_norm(x * 2, w, EPS, cast_after_weight=cw).sum(-1)
-
-    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
-    for rows in (4, 7):  # a second shape exercises the symbolic sizes
-        x = torch.randn(rows, 3, 64, device=device, requires_grad=True)
-        w = torch.randn(64, device=device, requires_grad=True)
-        out = compiled(x, w)
-        ref = f(x, w)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        g = torch.autograd.grad(out.sum(), (x, w))
-        gr = torch.autograd.grad(ref.sum(), (x, w))
-        for a, b in zip(g, gr):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def test_torchscript():
-    @torch.jit.script
-    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.bastile.rms_norm(x, w, 1e-6)
-
-    x, w = torch.randn(5, 32), torch.randn(32)
-    torch.testing.assert_close(f(x, w), hf_rms_norm(x, w), rtol=1e-5, atol=1e-6)
-
-
 def test_module_and_functional():
     m = bastile.BastileRMSNorm(48, eps=1e-5)
     with torch.no_grad():
@@ -290,14 +200,6 @@ def test_module_and_functional():
     hf.load_state_dict(m.state_dict())
     torch.testing.assert_close(m(x), hf(x), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bastile.rms_norm(x, m.weight, 1e-5), hf(x), rtol=1e-5, atol=1e-6)
-
-
-def test_double_backward_is_refused():
-    x = torch.randn(4, 8, requires_grad=True)
-    w = torch.randn(8, requires_grad=True)
-    (gx,) = torch.autograd.grad(op(x, w, EPS).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gx.sum().backward()
 
 
 # ---------------------------------------------------------------- CUDA against the CPU reference
@@ -393,22 +295,3 @@ def test_cuda_cast_after_weight_matches_hf_gpt_oss(cols):
     rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
     # HF's backward is f32 throughout, as ours: the final roundings and f32 summation order apart.
     assert rel_err(gx, rgx) < 2 ** -7 and rel_err(gw, rgw) < 2 ** -7
-
-
-@needs_cuda
-def test_cuda_on_side_stream_and_under_graph_capture():
-    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    ref = op(x, w, EPS)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        y = op(x, w, EPS)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.testing.assert_close(y, ref, rtol=0, atol=0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        yg = op(x, w, EPS)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(yg, op(x, w, EPS), rtol=0, atol=0)
