@@ -127,25 +127,6 @@ CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
-@pytest.mark.parametrize("per_batch", [True, False])
-def test_opcheck(device, unsqueeze_dim, per_batch):
-    _, _, q, k, cos, sin = qwen3_inputs(2, 5, 4, 2, 16, torch.float32, device, unsqueeze_dim)
-    if not per_batch:
-        cos, sin = cos[:1], sin[:1]
-    torch.library.opcheck(op.default, (q, k, cos, sin, unsqueeze_dim))
-    gq, gk = torch.randn_like(q.detach()), torch.randn_like(k.detach())
-    torch.library.opcheck(op_backward.default, (gq, gk, cos, sin, unsqueeze_dim))
-
-
-@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
-def test_gradcheck_fp64(unsqueeze_dim):
-    _, _, q, k, cos, sin = qwen3_inputs(2, 4, 3, 1, 8, torch.float64, "cpu", unsqueeze_dim)
-    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: op(a, b, cos, sin, unsqueeze_dim), (q, k))
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_matches_hf_forward_and_backward(device, dtype, unsqueeze_dim):
@@ -188,16 +169,6 @@ def test_outputs_keep_the_dense_layout_of_inputs(device):
     rq, rk = HF_APPLY(q, k, cos, sin)
     torch.testing.assert_close(q_embed, rq, rtol=0, atol=0)
     torch.testing.assert_close(k_embed, rk, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_strided_last_dim_and_tables_are_accepted(device):
-    q = torch.randn(2, 3, 5, 16, device=device)[..., ::2]  # last stride 2: copied, not refused
-    k = torch.randn(2, 1, 5, 8, device=device)
-    cos = torch.randn(5, 8, 2, device=device)[..., 0]
-    sin = torch.randn(5, 8, 2, device=device)[..., 1]
-    for a, b in zip(op(q, k, cos, sin), HF_APPLY(q, k, cos[None], sin[None])):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -293,62 +264,12 @@ def test_gradients_of_unused_outputs_and_reductions(device):
     assert qe.requires_grad and not ke.requires_grad
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("batch,seq,k_heads", [(0, 5, 2), (2, 0, 2), (2, 5, 0)])
-def test_empty_input(device, batch, seq, k_heads):
-    qs, ks, q, k, cos, sin = qwen3_inputs(batch, seq, 4, k_heads, 16, torch.float32, device)
-    q_embed, k_embed = op(q, k, cos, sin)
-    assert q_embed.shape == q.shape and k_embed.shape == k.shape
-    (q_embed.sum() + k_embed.sum()).backward()
-    assert qs.grad.shape == qs.shape and ks.grad.shape == ks.shape
-    if qs.numel():  # a non-empty q beside an empty k still gets its gradient
-        qs2 = qs.detach().clone().requires_grad_()
-        HF_APPLY(qs2.transpose(1, 2), k.detach(), cos, sin)[0].sum().backward()
-        torch.testing.assert_close(qs.grad, qs2.grad, rtol=0, atol=0)
-
-
-def test_no_grad_and_inference_mode_match_autograd_path():
-    qs, ks, q, k, cos, sin = qwen3_inputs(2, 5, 4, 2, 16, torch.float32, "cpu")
-    out = op(q, k, cos, sin)
-    with torch.no_grad():
-        out_ng = op(q, k, cos, sin)
-        # Under no_grad a cos that requires grad is fine: nothing is differentiated.
-        op(q, k, cos.clone().requires_grad_(), sin)
-    with torch.inference_mode():
-        out_inf = op(q.detach(), k.detach(), cos, sin)
-    for a, b, c in zip(out, out_ng, out_inf):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
-        torch.testing.assert_close(c, a, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_torch_compile_matches_eager(device, dynamic):
-    torch._dynamo.reset()
-
-    def f(q, k, cos, sin):
-        q_embed, k_embed = torch.ops.bastile.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
-        return (q_embed * 2).sum(-1) + k_embed.sum((1, -1))[:, None]
-
-    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
-    for seq in (5, 8):  # a second shape exercises the symbolic sizes
-        qs, ks, _, _, cos, sin = qwen3_inputs(2, seq, 4, 2, 16, torch.float32, device)
-        out = compiled(qs, ks, cos, sin)
-        ref = f(qs, ks, cos, sin)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        g = torch.autograd.grad(out.sum(), (qs, ks))
-        gr = torch.autograd.grad(ref.sum(), (qs, ks))
-        for a, b in zip(g, gr):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def test_torchscript():
-    @torch.jit.script
-    def f(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return torch.ops.bastile.rope(q, k, cos, sin, 1)
-
+def test_cos_requiring_grad_is_accepted_under_no_grad():
+    # In grad mode it is refused (CONTRACT.bad); under no_grad nothing is differentiated.
     _, _, q, k, cos, sin = qwen3_inputs(2, 5, 4, 2, 16, torch.float32, "cpu")
-    for a, b in zip(f(q, k, cos, sin), HF_APPLY(q, k, cos, sin)):
+    with torch.no_grad():
+        out = op(q, k, cos.clone().requires_grad_(), sin)
+    for a, b in zip(out, op(q.detach(), k.detach(), cos, sin)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -360,14 +281,6 @@ def test_functional_mirrors_hf_signature():
     out = bastile.ops.rope(qt, kt, cos, sin, 2, position_ids=torch.arange(5)[None])
     for a, b in zip(out, HF_APPLY(qt, kt, cos, sin, unsqueeze_dim=2)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_double_backward_is_refused():
-    _, _, q, k, cos, sin = qwen3_inputs(1, 3, 2, 1, 8, torch.float32, "cpu")
-    q_embed, _ = op(q, k, cos, sin)
-    (gq,) = torch.autograd.grad(q_embed.pow(2).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gq.sum().backward()
 
 
 # ---------------------------------------------------------------- CUDA against the CPU reference
@@ -464,29 +377,6 @@ def test_cuda_fwd_bwd_matches_hf_autograd_with_compile():
     torch.autograd.backward(ref, g)
     for a, b in zip((*out, qs.grad, ks.grad), (*ref, qs2.grad, ks2.grad)):
         assert_matches_hf(a, b, torch.bfloat16)
-
-
-@needs_cuda
-def test_cuda_on_side_stream_and_under_graph_capture():
-    _, _, q, k, cos, sin = qwen3_inputs(2, 512, 16, 8, 128, torch.bfloat16, "cuda")
-    q, k = q.detach(), k.detach()
-    ref = op(q, k, cos, sin)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        out = op(q, k, cos, sin)
-        grad = op_backward(out[0], out[1], cos, sin, 1)
-    torch.cuda.current_stream().wait_stream(s)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(grad[0], op_backward(ref[0], ref[1], cos, sin, 1)[0], rtol=0, atol=0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_g = op(q, k, cos, sin)
-    q.copy_(torch.randn_like(q))
-    graph.replay()
-    for a, b in zip(out_g, op(q, k, cos, sin)):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @needs_cuda
