@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import bastile
-from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err
+from conftest import DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err
 
 op = torch.ops.bastile.fused_linear_cross_entropy
 fwd_op = torch.ops.bastile.fused_linear_cross_entropy_forward
@@ -117,29 +117,6 @@ CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=reference, ba
 # ---------------------------------------------------------------- CPU and any device
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_opcheck(device, with_bias):
-    h, w, b, t = make(12, 16, 40, device=device, bias=with_bias)
-    torch.library.opcheck(op.default, (h, w, t, b), {"softcap": 5.0, "z_loss": 1e-3})
-    torch.library.opcheck(op.default, (h, w, t, b), {"reduction": "sum"})
-    hd, wd, bd = h.detach(), w.detach(), None if b is None else b.detach()
-    for mask in ([True, True, True], [True, False, False], [False, True, True]):
-        torch.library.opcheck(fwd_op.default, (hd, wd, t, bd), {"grad_mask": mask})
-    _, gh, gw, gb = fwd_op(hd, wd, t, bd)
-    torch.library.opcheck(bwd_op.default, (torch.tensor(0.5, device=device), gh, gw, gb))
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_gradcheck_fp64(reduction):
-    h, w, b, t = make(7, 5, 11, dtype=torch.float64, ignored=0.3)
-    chunk_bytes = chunks(3, 11, 8)  # chunks of 3, 3, 1 rows
-    for softcap, z_loss in [(0.0, 0.0), (2.0, 0.1)]:
-        assert torch.autograd.gradcheck(
-            lambda h, w, b: op(h, w, t, b, reduction=reduction, softcap=softcap, z_loss=z_loss,
-                               chunk_bytes=chunk_bytes), (h, w, b))
-
-
 # Norm-relative error against the fp64 reference allowed per dtype; ours must also be within 1.25x of
 # HF's own error (the 16-bit logits' rounding dominates both).
 TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3, torch.float16: 8e-4}
@@ -247,18 +224,6 @@ def test_leading_dims_and_non_contiguous_hidden(device):
     torch.testing.assert_close(gh, rh, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_empty_input(device):
-    h = torch.randn(0, 8, device=device, requires_grad=True)
-    w = torch.randn(10, 8, device=device, requires_grad=True)
-    b = torch.randn(10, device=device, requires_grad=True)
-    t = torch.zeros(0, dtype=torch.long, device=device)
-    loss = op(h, w, t, b)
-    assert loss.item() == 0.0
-    gh, gw, gb = grads(loss, (h, w, b))
-    assert gh.shape == (0, 8) and (gw == 0).all() and (gb == 0).all()
-
-
 def count_gemms(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
@@ -322,42 +287,14 @@ def test_mixed_dtypes_without_autocast_run_in_hidden_dtype(device):
     assert gw32.dtype == torch.float32
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_torch_compile_matches_eager(device, dynamic):
-    torch._dynamo.reset()
-
-    def f(h, w, b, t):
-        return torch.ops.bastile.fused_linear_cross_entropy(h * 2, w, t, b, softcap=4.0) * 3
-
-    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
-    for n in (6, 11):  # a second shape exercises the symbolic sizes
-        h, w, b, t = make(n, 16, 40, device=device, seed=n)
-        out, ref = compiled(h, w, b, t), f(h, w, b, t)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-        for a, e in zip(grads(out, (h, w, b)), grads(ref, (h, w, b))):
-            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
-
-
-def test_torchscript():
-    @torch.jit.script
-    def f(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return torch.ops.bastile.fused_linear_cross_entropy(h, w, t, None, -100, "sum")
-
-    h, w, _, t = make(5, 8, 12, bias=False)
-    torch.testing.assert_close(f(h, w, t), eager(h, w, t, reduction="sum"), rtol=1e-5, atol=1e-5)
-
-
-def test_retain_graph_and_double_backward():
+def test_retain_graph():
+    # A retained graph's backward scales copies of the saved gradients, the last one scales them in place.
     h, w, b, t = make(6, 8, 12)
     loss = op(h, w, t, b) * 2
     first = torch.autograd.grad(loss, (h, w, b), retain_graph=True)
     second = torch.autograd.grad(loss, (h, w, b))
     for a, e in zip(first, second):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
-    (gh,) = torch.autograd.grad(op(h, w, t, b), h, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gh.sum().backward()
 
 
 def test_backward_accumulates_into_existing_grads():
