@@ -56,7 +56,7 @@ SANITIZE ?= cuda and not int32 and not compile and not peak_memory
 gpu-test: build
 	$(PY) -m pytest tests -q -p no:cacheprovider
 	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -p no:cacheprovider \
-		$(OPS:%=tests/test_%.py) -k "$(SANITIZE)"
+		tests/test_contract.py $(OPS:%=tests/test_%.py) -k "$(SANITIZE)"
 
 # Every op against its peers (one script each).
 OP_BENCHES := $(wildcard $(OPS:%=benches/bench_%.py))
