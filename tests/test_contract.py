@@ -361,9 +361,12 @@ def renew_(ts):
 def test_cuda_graph_replay_matches_eager(name):
     contract = CONTRACTS[name]
     for args, kwargs in contract.samples("cuda"):
-        args = fresh(args)
-        before = forward_backward(contract.op, args, kwargs)
+        before = forward_backward(contract.op, fresh(args), kwargs)
         grad_outs = cotangents(before[0])
+        # The captured leaves are used on the side stream and in the capture only: a leaf whose gradient
+        # autograd once took on the default stream makes that (legacy) stream wait on the capture, which
+        # invalidates it (seen under compute-sanitizer).
+        args = fresh(args)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # first calls (cuBLAS handles, workspaces) before the capture
@@ -374,6 +377,6 @@ def test_cuda_graph_replay_matches_eager(name):
             captured = forward_backward(contract.op, args, kwargs, grad_outs)
         renew_(tensors(args))
         graph.replay()
-        want = forward_backward(contract.op, args, kwargs, grad_outs)
+        want = forward_backward(contract.op, fresh(args), kwargs, grad_outs)
         assert not torch.equal(want[0][0], before[0][0]), "the new inputs must change the result"
         assert_equal(captured, want)
