@@ -12,7 +12,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple
 
-from . import ops
+from . import lora, ops
 
 
 def rms_norm_forward(self, hidden_states):
@@ -27,40 +27,14 @@ def rms_norm_cast_after_weight_forward(self, hidden_states):
 _SILU = (nn.SiLU, SiLUActivation)
 
 
-class _SwiGLUDown(torch.autograd.Function):
-    """`linear(swiglu(gate, up), weight)` that keeps gate and up only: the activation, which the down
-    projection would save (as large as gate), is recomputed in the backward, an elementwise pass. The
-    gradients are those of the two ops in sequence, bit for bit."""
-
-    @staticmethod
-    def forward(ctx, gate, up, weight):
-        ctx.save_for_backward(gate, up, weight)
-        return nn.functional.linear(ops.swiglu(gate, up), weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        gate, up, weight = ctx.saved_tensors
-        act = ops.swiglu(gate, up)
-        grad_weight = None
-        if ctx.needs_input_grad[2]:
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(act.reshape(-1, act.shape[-1]))
-        grad_gate = grad_up = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            grad_gate, grad_up = torch.ops.bastile.swiglu_backward(grad.matmul(weight), gate, up)
-        return grad_gate, grad_up, grad_weight
-
-
 def swiglu_mlp_forward(self, x):
-    """`down(act(gate(x)) * up(x))` with the activation and product fused when the activation is SiLU.
-    The projections are called as modules, so LoRA/PEFT-wrapped ones keep working; a plain bias-free
-    down projection is fused with the activation so that the activation is not kept for the backward."""
+    """`down(act(gate(x)) * up(x))` with the activation and product fused when the activation is SiLU,
+    and the down projection fused with them so that the activation is not kept for the backward. PEFT
+    LoRA adapters on the projections run in fused nodes (lora.py); anything else is called as a module."""
     if not isinstance(self.act_fn, _SILU):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    down = self.down_proj
-    if type(down) is nn.Linear and down.bias is None and not torch.is_autocast_enabled(x.device.type):
-        return _SwiGLUDown.apply(gate, up, down.weight)
-    return down(ops.swiglu(gate, up))
+    gate, up = lora.project(x, self.gate_proj, self.up_proj)
+    return lora.swiglu_down(gate, up, self.down_proj)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -72,30 +46,37 @@ def _hf(module_of, name):
     return getattr(sys.modules[type(module_of).__module__], name)
 
 
-def qwen3_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
-                            **kwargs):
-    """Qwen3Attention.forward with q_norm, k_norm and the rotation of q and k in one fused op."""
+def attention_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
+                      **kwargs):
+    """The attention forward of Llama, Qwen2, Mistral, Qwen3 and Qwen3-MoE (theirs differ only in the
+    sliding window they pass and Qwen3's q/k norms): q/k/v through one fused node and o through another
+    where PEFT LoRA adapters wrap them (lora.py), and Qwen3's q_norm, k_norm and rotation in one op."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings
-    q, k = self.q_proj(hidden_states).view(hidden_shape), self.k_proj(hidden_states).view(hidden_shape)
-    if self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
+    q, k, v = (t.view(hidden_shape) for t in lora.project(hidden_states, self.q_proj, self.k_proj, self.v_proj))
+    if not hasattr(self, "q_norm"):
+        query_states, key_states = _hf(self, "apply_rotary_pos_emb")(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    elif self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
         q, k = ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
         query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
     else:  # one eps per launch: norms with different eps go separately
         query_states, key_states = ops.rope(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = v.transpose(1, 2)
 
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                 _hf(self, "eager_attention_forward"))
+    # Llama passes none, Mistral its config's, Qwen2/Qwen3 their layer's (None on full-attention layers)
+    sliding_window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
+        scaling=self.scaling, sliding_window=sliding_window, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+    (out,) = lora.project(attn_output, self.o_proj)
+    return out, attn_weights
 
 
 def _fused_loss_applies(model, labels) -> bool:

@@ -10,7 +10,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import hf
+from . import hf, lora
 
 @dataclass(frozen=True)
 class Patch:
@@ -30,7 +30,10 @@ def _dense(prefix: str) -> Dict[str, tuple]:
     return {
         "rms_norm": (f"{prefix}RMSNorm.forward", hf.rms_norm_forward),
         "swiglu": (f"{prefix}MLP.forward", hf.swiglu_mlp_forward),
-        "rope": ("apply_rotary_pos_emb", hf.apply_rotary_pos_emb),
+        # the attention forward runs the projections through lora.project and rotates with the
+        # module's apply_rotary_pos_emb, which this patch also replaces
+        "rope": [("apply_rotary_pos_emb", hf.apply_rotary_pos_emb),
+                 (f"{prefix}Attention.forward", hf.attention_forward)],
         "fused_linear_cross_entropy": (f"{prefix}ForCausalLM.forward", hf.causal_lm_forward),
     }
 
@@ -38,7 +41,7 @@ def _dense(prefix: str) -> Dict[str, tuple]:
 # model_type -> (HF modeling module, op -> (target, replacement) or [(target, replacement), ...]).
 FAMILIES: Dict[str, tuple] = {
     "qwen3": ("transformers.models.qwen3.modeling_qwen3",
-              {**_dense("Qwen3"), "rope": ("Qwen3Attention.forward", hf.qwen3_attention_forward)}),
+              {**_dense("Qwen3"), "rope": ("Qwen3Attention.forward", hf.attention_forward)}),
     "llama": ("transformers.models.llama.modeling_llama", _dense("Llama")),
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", _dense("Qwen2")),
     "mistral": ("transformers.models.mistral.modeling_mistral", _dense("Mistral")),
@@ -52,7 +55,7 @@ FAMILIES: Dict[str, tuple] = {
         "rms_norm": ("Qwen3MoeRMSNorm.forward", hf.rms_norm_forward),
         "swiglu": [("Qwen3MoeExperts._apply_gate", hf.swiglu_apply_gate),
                    ("Qwen3MoeMLP.forward", hf.swiglu_mlp_forward)],
-        "rope": ("Qwen3MoeAttention.forward", hf.qwen3_attention_forward),
+        "rope": ("Qwen3MoeAttention.forward", hf.attention_forward),
         "fused_linear_cross_entropy": ("Qwen3MoeForCausalLM.forward", hf.moe_causal_lm_forward),
     }),
     "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", {
@@ -145,6 +148,13 @@ def reset(names: Optional[Sequence[str]] = None) -> List[str]:
             else:
                 setattr(owner, attr, original)
     return names
+
+
+def lora_modules(model) -> Dict[str, str]:
+    """{qualified name: "fused", or why PEFT's own forward runs it} for every PEFT LoRA layer of `model`
+    (adapters on other modules than the patched attention's and MLP's projections, DoRA, several active
+    adapters, LoRA bias, quantized base layers... keep PEFT's path)."""
+    return lora.report(model, (hf.attention_forward, hf.swiglu_mlp_forward))
 
 
 def get_patched_ops() -> List[str]:

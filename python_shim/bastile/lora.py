@@ -1,0 +1,276 @@
+"""The projections of the patched attention and MLP as fused autograd nodes, PEFT LoRA adapters included.
+
+A PEFT `lora.Linear` computes base(x) + scaling * B(A(dropout(x))) with its adapter in fp32 by default,
+so each wrapped projection casts its input to fp32, keeps that copy for the backward and runs fp32
+GEMMs, and q/k/v (or gate/up) each read their shared input again. Here the projections that read one
+input form one node: a single GEMM x @ [A_q; A_k; A_v]^T gives every adapter's rank-r product, each base
+GEMM adds its adapter's B product in place, and the backward forms no gradient for the frozen base
+weights. Products run in the activation dtype (fp32 accumulation); adapter gradients are returned in the
+adapters' dtype, accumulated in fp32 without an intermediate rounding, so PEFT's optimizer sees what it
+expects. A node saves its input and the [tokens, rank] products. A dropout mask is drawn as PEFT draws it
+(one per adapter) and regenerated in the backward from the RNG state it came from, as
+torch.utils.checkpoint does, so no mask is kept.
+
+The MLP's down projection is fused with the SwiGLU before it (for plain and LoRA projections alike): the
+activation, as large as gate, is recomputed in the backward instead of being saved.
+
+Anything else runs its module as before: `why_not` says which projections and why (`bastile.lora_modules`
+reports it for a model).
+"""
+import sys
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from . import ops
+
+
+def _lora_linear():
+    """PEFT's lora.Linear class, or None when PEFT is not imported (then no module is one)."""
+    return getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def why_not(module: nn.Module) -> Optional[str]:
+    """None when `module` can run inside a fused node: a frozen nn.Linear, or a PEFT lora.Linear with one
+    active plain LoRA adapter over a frozen nn.Linear. Else the reason it runs its own forward."""
+    if type(module) is nn.Linear:
+        if any(p.requires_grad for p in module.parameters()):
+            return "trainable nn.Linear (a full fine-tune has no adapter to fuse)"
+        return "forward hooks" if _hooked(module) else None
+    if type(module) is not _lora_linear():
+        return f"{type(module).__name__} is not a PEFT lora.Linear"
+    if module.disable_adapters:
+        return "adapters disabled"
+    if module.merged:
+        return "adapter merged into the base weight"
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) != 1:
+        return f"{len(active)} active adapters"
+    name = active[0]
+    base = module.base_layer
+    if name in module.lora_variant:
+        return f"{type(module.lora_variant[name]).__name__} (e.g. DoRA) variant"
+    if module.lora_bias[name]:
+        return "LoRA bias"
+    if type(base) is not nn.Linear:
+        return f"base layer is {type(base).__name__}, not nn.Linear"
+    if any(p.requires_grad for p in base.parameters()):
+        return "trainable base layer"
+    if not isinstance(module.lora_dropout[name], (nn.Identity, nn.Dropout)):
+        return f"dropout is {type(module.lora_dropout[name]).__name__}"
+    if _hooked(module) or _hooked(base):
+        return "forward hooks"
+    return None
+
+
+def _parts(module: nn.Module) -> tuple:
+    """(weight, bias, A, B, scaling, dropout p) of an eligible module; A, B None for a plain linear."""
+    if type(module) is nn.Linear:
+        return module.weight, module.bias, None, None, 0.0, 0.0
+    name = next(a for a in module.active_adapters if a in module.lora_A)
+    drop = module.lora_dropout[name]
+    p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
+    return (module.base_layer.weight, module.base_layer.bias, module.lora_A[name].weight, module.lora_B[name].weight,
+            float(module.scaling[name]), p)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b in `dtype`: from bf16/fp16 operands to fp32 straight from the fp32 accumulator on CUDA."""
+    if a.dtype == dtype:
+        return a.mm(b)
+    if a.is_cuda and dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=dtype)
+    return a.to(dtype).mm(b.to(dtype)) if dtype == torch.float32 else a.mm(b).to(dtype)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _dropout_scale(x: torch.Tensor, p: float, state: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """mask / (1 - p) of a dropout of x's shape; drawn from `state` (then the RNG is left as it was) to
+    regenerate the mask drawn when the RNG was in that state."""
+    if state is None:
+        return F.dropout(torch.ones_like(x), p)
+    cuda = x.device.type == "cuda"
+    with torch.random.fork_rng([x.device] if cuda else [], device_type=x.device.type):
+        (torch.cuda.set_rng_state(state, x.device) if cuda else torch.set_rng_state(state))
+        return F.dropout(torch.ones_like(x), p)
+
+
+class _Adapters:
+    """The rank-r side of a node's adapters that read one input x [tokens, in]: forward products
+    x_i @ A_i^T (one GEMM when none drops out) and, in the backward, their gradients."""
+
+    def __init__(self, As, ps, scales):
+        self.As, self.ps, self.scales = As, ps, scales
+        self.ranks = [a.shape[0] for a in As]
+        self.states = [None] * len(As)
+
+    def forward(self, x):
+        c = x.dtype
+        if not any(self.ps):
+            return x.mm(torch.cat([a.to(c) for a in self.As]).t())
+        parts = []
+        for i, (a, p) in enumerate(zip(self.As, self.ps)):
+            if p:  # the state each mask is drawn from, in PEFT's order (q, k, v)
+                self.states[i] = _rng_state(x.device)
+            parts.append((x * _dropout_scale(x, p) if p else x).mm(a.to(c).t()))
+        return torch.cat(parts, 1)
+
+    def backward(self, x, xa, grads, Bs, grad_x):
+        """Adapter gradients (dA, dB per adapter) for the output gradients `grads`; adds the adapters'
+        share of the input gradient to grad_x (when it is not None)."""
+        c = x.dtype
+        ts = [g.mm(b.to(c)).mul_(s) for g, b, s in zip(grads, Bs, self.scales)]
+        dBs = [_mm(g.t(), part, b.dtype).mul_(s)
+               for g, part, b, s in zip(grads, xa.split(self.ranks, 1), Bs, self.scales)]
+        if not any(self.ps):
+            t = torch.cat(ts, 1)
+            if grad_x is not None:
+                grad_x.addmm_(t, torch.cat([a.to(c) for a in self.As]))
+            dAs = _mm(t.t(), x, self.As[0].dtype).split(self.ranks)
+            return [(dA.to(a.dtype), dB) for dA, a, dB in zip(dAs, self.As, dBs)]
+        out = []
+        for t, a, p, state, dB in zip(ts, self.As, self.ps, self.states, dBs):
+            scale = _dropout_scale(x, p, state) if p else None
+            if grad_x is not None:
+                share = t.mm(a.to(c))
+                grad_x.add_(share.mul_(scale) if p else share)
+            out.append((_mm(t.t(), x * scale if p else x, a.dtype), dB))
+        return out
+
+
+class _Projections(torch.autograd.Function):
+    """[x @ W_i^T + b_i + s_i * drop_i(x) @ A_i^T @ B_i^T] for the projections reading x [tokens, in];
+    the base weights and biases are frozen. `parts`: per projection (W, b, A, B), A and B None without an
+    adapter."""
+
+    @staticmethod
+    def forward(ctx, x, scales, ps, *parts):
+        c = x.dtype
+        projections = [parts[i:i + 4] for i in range(0, len(parts), 4)]
+        adapted = [i for i, (_, _, a, _) in enumerate(projections) if a is not None]
+        with torch.autocast(x.device.type, enabled=False):
+            outs = [F.linear(x, w.to(c), None if b is None else b.to(c)) for w, b, _, _ in projections]
+            adapters = _Adapters([projections[i][2] for i in adapted], [ps[i] for i in adapted],
+                                 [scales[i] for i in adapted])
+            xa = adapters.forward(x)
+            # Out of place: torch.compile (2.11) loses every gradient of a Function whose forward
+            # mutates one of its outputs.
+            for i, part in zip(adapted, xa.split(adapters.ranks, 1)):
+                outs[i] = outs[i].addmm(part, projections[i][3].to(c).t(), alpha=scales[i])
+        ctx.adapters, ctx.adapted = adapters, adapted
+        ctx.save_for_backward(x, xa, *(t for w, _, _, b in projections for t in (w, b)))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, xa, *wb = ctx.saved_tensors
+        c, weights, Bs = x.dtype, wb[0::2], [wb[2 * i + 1] for i in ctx.adapted]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            for g, w in zip(grads, weights):
+                grad_x = g.mm(w.to(c)) if grad_x is None else grad_x.addmm_(g, w.to(c))
+        adapter_grads = ctx.adapters.backward(x, xa, [grads[i] for i in ctx.adapted], Bs, grad_x)
+        out = [None] * (4 * len(grads))
+        for i, (dA, dB) in zip(ctx.adapted, adapter_grads):
+            out[4 * i + 2], out[4 * i + 3] = dA, dB
+        return (grad_x, None, None, *out)
+
+
+def project(x: torch.Tensor, *modules: nn.Module) -> List[torch.Tensor]:
+    """[m(x) for m in modules], with the eligible ones (`why_not`) in one fused node when at least one of
+    them carries a LoRA adapter; the others are called as modules."""
+    eligible = [why_not(m) is None for m in modules]
+    c = _compute_dtype(x)
+    if not any(ok and type(m) is not nn.Linear for m, ok in zip(modules, eligible)) or (
+            not torch.is_autocast_enabled(x.device.type)
+            and any(ok and _parts(m)[0].dtype != c for m, ok in zip(modules, eligible))):
+        return [m(x) for m in modules]  # nothing to fuse, or a dtype mismatch that HF's linear reports
+    group = [m for m, ok in zip(modules, eligible) if ok]
+    parts = [_parts(m) for m in group]
+    flat = x.to(c).reshape(-1, x.shape[-1])
+    outs = iter(_Projections.apply(flat, [p[4] for p in parts], [p[5] for p in parts],
+                                   *(t for p in parts for t in p[:4])))
+    return [next(outs).view(*x.shape[:-1], -1) if ok else m(x) for m, ok in zip(modules, eligible)]
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """down(swiglu(gate, up)) keeping gate and up only: the activation is recomputed in the backward.
+    Without an adapter the gradients are those of the two ops in sequence, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, A, B, scale, p):
+        c = gate.dtype
+        with torch.autocast(gate.device.type, enabled=False):
+            act = ops.swiglu(gate, up)
+            out = F.linear(act, weight.to(c), None if bias is None else bias.to(c))
+            ha = adapters = None
+            if A is not None:
+                flat = act.reshape(-1, act.shape[-1])
+                adapters = _Adapters([A], [p], [scale])
+                ha = adapters.forward(flat)
+                out = out.view(-1, out.shape[-1]).addmm(ha, B.to(c).t(), alpha=scale).view(out.shape)  # as above
+        ctx.adapters = adapters
+        ctx.save_for_backward(gate, up, weight, bias, B, ha)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, weight, bias, B, ha = ctx.saved_tensors
+        c = gate.dtype
+        act = ops.swiglu(gate, up)
+        flat_grad, flat_act = grad.reshape(-1, grad.shape[-1]), act.reshape(-1, act.shape[-1])
+        grad_weight = grad_bias = dA = dB = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = _mm(flat_grad.t(), flat_act, weight.dtype)
+        if bias is not None and ctx.needs_input_grad[3]:
+            grad_bias = flat_grad.sum(0, dtype=bias.dtype)
+        grad_gate = grad_up = None
+        grad_act = grad.matmul(weight.to(c)) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
+        if ctx.adapters is not None:
+            flat_grad_act = None if grad_act is None else grad_act.view(-1, grad_act.shape[-1])
+            ((dA, dB),) = ctx.adapters.backward(flat_act, ha, [flat_grad], [B], flat_grad_act)
+        if grad_act is not None:
+            grad_gate, grad_up = torch.ops.bastile.swiglu_backward(grad_act, gate, up)
+        return grad_gate, grad_up, grad_weight, grad_bias, dA, dB, None, None
+
+
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.Tensor:
+    """down(swiglu(gate, up)) for a plain nn.Linear or an eligible LoRA-wrapped one, the activation
+    recomputed in the backward; any other module is called on the activation."""
+    plain = type(down) is nn.Linear and not _hooked(down)
+    if not plain and why_not(down) is not None:
+        return down(ops.swiglu(gate, up))
+    weight, bias, A, B, scale, p = _parts(down)
+    c = _compute_dtype(gate)
+    if not torch.is_autocast_enabled(gate.device.type) and weight.dtype != c:
+        return down(ops.swiglu(gate, up))  # HF's linear reports the mismatch
+    return _SwiGLUDown.apply(gate.to(c), up.to(c), weight, bias, A, B, scale, p)
+
+
+def report(model: nn.Module, fused_forwards: Sequence) -> dict:
+    """{qualified name: "fused" or why not} for every PEFT LoRA layer of `model`; `fused_forwards`: the
+    forward functions that run their module's projections through this module's nodes."""
+    layer = getattr(sys.modules.get("peft.tuners.lora.layer"), "LoraLayer", None)
+    out = {}
+    for name, module in model.named_modules():
+        if layer is None or not isinstance(module, layer):
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0])
+        inside = type(parent).forward in fused_forwards
+        out[name] = (why_not(module) if inside else
+                     f"inside {type(parent).__name__}, whose forward bastile.apply() has not patched") or "fused"
+    return out
