@@ -14,7 +14,8 @@ export BASTILE_PYTHON := $(abspath $(PY))
 
 # Versions the library is built and tested against (torch matches the GPU machine's build).
 PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
-        nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0
+        nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0 \
+        peft==0.21.2
 
 .PHONY: setup build test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-profile bench-fsdp clean
 
@@ -57,6 +58,8 @@ gpu-test: build
 	$(PY) -m pytest tests -q -p no:cacheprovider
 	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_contract.py $(OPS:%=tests/test_%.py) -k "$(SANITIZE)"
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) -m pytest -q -p no:cacheprovider \
+		tests/test_lora.py -k "cuda and qwen3 and not moe"  # the LoRA nodes: one family is enough
 
 # Every op against its peers (one script each).
 OP_BENCHES := $(wildcard $(OPS:%=benches/bench_%.py))

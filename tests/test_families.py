@@ -31,11 +31,13 @@ CONFIGS = {
                      attn_implementation="eager")),  # sdpa lacks GPT-OSS's attention sinks
 }
 FAMILIES = list(CONFIGS)
+# Qwen3's own training tests use a larger model (test_qwen3_training.py); this one is for the LoRA tests.
+MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}
 LR = 2e-3  # the tiny models learn within 20 steps (the loss falls from ln(vocab))
 
 
 def mini(family, device, dtype, seed=0):
-    config_cls, model_cls, extra = CONFIGS[family]
+    config_cls, model_cls, extra = MINI[family]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**{**COMMON, **extra})
     model = getattr(transformers, model_cls)(cfg)

@@ -1,0 +1,272 @@
+"""PEFT LoRA adapters inside the patched attention and MLP (python_shim/bastile/lora.py) against HF + PEFT.
+
+CPU (fp32, in CI): mini models with LoRA on all seven projections, 20 AdamW steps, per-step loss within
+1e-5 relative of HF + PEFT and adapters close, with and without dropout; every case that keeps PEFT's
+path gives PEFT's result; PEFT workflows (save/reload, merge, checkpointing, compile). The fused nodes'
+gradients against autograd of the PEFT expression in fp64. CUDA (bf16): losses within 1e-2.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import bastile
+from bastile import lora
+from conftest import needs_cuda
+from test_families import mini
+from test_qwen3_training import assert_params_close, batches, train
+
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe"]  # qwen2: q/k/v with bias
+LR = 1e-3
+STEPS = 20  # of one batch: adapters alone learn it within them, so the losses compared are not constants
+
+
+def targets(family):
+    """All seven projections; Qwen3-MoE's attention only (PEFT would also wrap its experts' parameters,
+    which are not projections of a patched MLP)."""
+    return SEVEN[:4] if family == "qwen3_moe" else SEVEN
+
+
+def with_lora(model, seed=1, **config):
+    """`model` (a copy) with PEFT LoRA adapters; init_lora_weights=False gives B != 0, so the adapters
+    change the outputs from the first step."""
+    torch.manual_seed(seed)
+    kw = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=SEVEN, init_lora_weights=False)
+    return get_peft_model(copy.deepcopy(model), LoraConfig(**{**kw, **config}))
+
+
+def adapters(model):
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def assert_losses_close(losses, ref, tol, what=""):
+    for step, (a, b) in enumerate(zip(losses, ref)):
+        assert abs(a - b) <= tol * abs(b), f"{what} step {step}: {a} vs {b}"
+    assert ref[-1] < ref[0]  # it learned: the comparison is not of constants
+
+
+def train_seeded(model, data, seed=7):
+    torch.manual_seed(seed)  # the dropout masks
+    return train(model, data, LR)
+
+
+def fused_names(model):
+    return {n for n, why in bastile.lora_modules(model).items() if why == "fused"}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_matches_peft_cpu_fp32(family, dropout):
+    ref = with_lora(mini(family, "cpu", torch.float32), lora_dropout=dropout, target_modules=targets(family))
+    model = copy.deepcopy(ref)
+    data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * STEPS
+    ref_losses = train_seeded(ref, data)
+    bastile.apply(model=model)
+    report = bastile.lora_modules(model)
+    attention = [n for n in report if n.rsplit(".", 1)[-1] in SEVEN[:4]]
+    mlp = [n for n in report if n.rsplit(".", 1)[-1] in SEVEN[4:]]
+    assert attention and all(report[n] == "fused" for n in attention), report
+    assert all(report[n] == "fused" for n in mlp) and (mlp or family == "qwen3_moe"), report
+    losses = train_seeded(model, data)
+    assert_losses_close(losses, ref_losses, 1e-5, family)
+    assert_params_close(adapters(model), adapters(ref), 5e-4)
+    # Dropout draws its masks from the RNG as PEFT does, so the same seed gives the same run.
+    if dropout:
+        again = copy.deepcopy(ref)
+        fresh = with_lora(mini(family, "cpu", torch.float32), lora_dropout=dropout, target_modules=targets(family))
+        again.load_state_dict(fresh.state_dict())
+        assert train_seeded(again, data) == losses
+
+
+def test_peft_default_init_and_apply_before_get_peft_model():
+    """The common setup: bastile.apply() on the classes, then get_peft_model with PEFT's defaults
+    (B = 0, so only the adapters' gradients tell whether the nodes run right)."""
+    base = mini("qwen3", "cpu", torch.float32)
+    bastile.apply()
+    torch.manual_seed(1)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=SEVEN))
+    bastile.reset()
+    torch.manual_seed(1)
+    ref = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=SEVEN))
+    data = batches(1, 1, 2, 32, "cpu", ignore_fraction=0.0) * STEPS
+    ref_losses = train(ref, data, LR)
+    bastile.apply()
+    assert len(fused_names(model)) == 14
+    assert_losses_close(train(model, data, LR), ref_losses, 1e-5)
+    assert_params_close(adapters(model), adapters(ref), 5e-4)
+
+
+def _peft_variants():
+    """(name, config, edit): setups that keep PEFT's own path for some modules, and why."""
+    two = lambda m: (m.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)),
+                     m.base_model.set_adapter(["default", "second"]))
+
+    def quantized(m):  # a stand-in for a bitsandbytes base layer: another Linear type under the adapter
+        class QuantLinear(nn.Linear):
+            pass
+        proj = m.base_model.model.model.layers[0].self_attn.k_proj
+        old = proj.base_layer
+        proj.base_layer = QuantLinear(old.in_features, old.out_features, bias=False)
+        proj.base_layer.load_state_dict(old.state_dict())
+        proj.base_layer.requires_grad_(False)
+
+    return [
+        ("dora", dict(use_dora=True), None, "variant"),
+        ("lora_bias", dict(lora_bias=True), None, "LoRA bias"),
+        ("two_adapters", {}, two, "2 active adapters"),
+        ("quantized_base", {}, quantized, "QuantLinear"),
+        ("lm_head_and_embeddings", dict(target_modules=["lm_head", "embed_tokens", "q_proj"]), None, "not patched"),
+    ]
+
+
+@pytest.mark.parametrize("name,config,edit,why", _peft_variants(), ids=[v[0] for v in _peft_variants()])
+def test_what_keeps_peft_path_gives_peft_result(name, config, edit, why):
+    ref = with_lora(mini("qwen3", "cpu", torch.float32), **config)
+    if edit:
+        edit(ref)
+    model = copy.deepcopy(ref)
+    data = batches(1, 1, 2, 32, "cpu", ignore_fraction=0.0) * STEPS
+    ref_losses = train(ref, data, LR)
+    bastile.apply(model=model)
+    report = bastile.lora_modules(model)
+    assert any(why in r for r in report.values()), report
+    assert_losses_close(train(model, data, LR), ref_losses, 1e-5, name)
+    assert_params_close(adapters(model), adapters(ref), 5e-4)
+
+
+def test_disabled_adapters_and_eval_give_peft_outputs():
+    ref = with_lora(mini("llama", "cpu", torch.float32), lora_dropout=0.2)
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m in (ref, model):
+        m.eval()  # dropout off: deterministic outputs
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    with model.disable_adapter(), ref.disable_adapter():
+        assert not fused_names(model)
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_save_reload_merge_and_checkpointing(tmp_path):
+    """Adapters trained patched reload into an unpatched model with the same outputs; merge_and_unload
+    gives them too; gradient checkpointing trains as without it."""
+    base = mini("qwen3", "cpu", torch.float32)
+    model = with_lora(base)
+    bastile.apply(model=model)
+    data = batches(1, 1, 2, 32, "cpu", ignore_fraction=0.0) * STEPS
+    plain = copy.deepcopy(model)
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_losses_close(train(checkpointed, data, LR), train(plain, data, LR), 1e-5, "checkpointing")
+    plain.eval()
+    ids = data[0][0][0]
+    expected = plain(input_ids=ids).logits
+    plain.save_pretrained(tmp_path)
+    bastile.reset()
+    reloaded = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path).eval()
+    torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    merged = reloaded.merge_and_unload()
+    torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_fullgraph_matches_eager():
+    model = with_lora(mini("qwen3", "cpu", torch.float32))
+    ref = copy.deepcopy(model)
+    bastile.apply(model=model)
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = ref(input_ids=ids, labels=ids).loss
+    expected.backward()
+    loss = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    assert_params_close({n: p.grad for n, p in adapters(model).items()},
+                        {n: p.grad for n, p in adapters(ref).items()}, 1e-5)
+
+
+# The nodes in fp64 against autograd of PEFT's expression: base(x) + s * B(A(dropout(x))), per projection.
+
+def _peft_expression(x, W, b, A, B, s, p):
+    drop = F.dropout(x, p) if p else x
+    return F.linear(x, W, b) + F.linear(F.linear(drop, A), B) * s
+
+
+def _fp64(*shape, grad=False):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=grad)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_projections_node_gradients_fp64(p):
+    torch.manual_seed(0)
+    x = _fp64(2, 5, 24, grad=True)
+    specs = [(16, 4, True), (8, 2, False), (8, None, True)]  # (out, rank or no adapter, bias)
+    mods = []
+    for out, rank, bias in specs:
+        base = nn.Linear(24, out, bias=bias, dtype=torch.float64).requires_grad_(False)
+        mods.append((base.weight, base.bias, _fp64(rank, 24, grad=True) if rank else None,
+                     _fp64(out, rank, grad=True) if rank else None, 1.5 if rank else 0.0, p if rank else 0.0))
+    leaves = [x] + [t for m in mods for t in m[2:4] if t is not None]
+    cot = [torch.randn(2, 5, out, dtype=torch.float64) for out, _, _ in specs]
+
+    torch.manual_seed(3)
+    ref = [_peft_expression(x, *m) if m[2] is not None else F.linear(x, m[0], m[1]) for m in mods]
+    ref_grads = torch.autograd.grad(ref, leaves, cot)
+    torch.manual_seed(3)
+    flat = x.reshape(-1, 24)
+    outs = lora._Projections.apply(flat, [m[4] for m in mods], [m[5] for m in mods], *(t for m in mods for t in m[:4]))
+    outs = [o.view(2, 5, -1) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, cot)
+    for o, r in zip(outs, ref):
+        torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_swiglu_down_node_gradients_fp64(p):
+    torch.manual_seed(0)
+    gate, up = _fp64(2, 5, 32, grad=True), _fp64(2, 5, 32, grad=True)
+    W, b = _fp64(12, 32), _fp64(12)
+    A, B = _fp64(4, 32, grad=True), _fp64(12, 4, grad=True)
+    cot = torch.randn(2, 5, 12, dtype=torch.float64)
+    leaves = (gate, up, A, B)
+    torch.manual_seed(3)
+    ref = _peft_expression(F.silu(gate) * up, W, b, A, B, 0.5, p)
+    ref_grads = torch.autograd.grad(ref, leaves, cot)
+    torch.manual_seed(3)
+    out = lora._SwiGLUDown.apply(gate, up, W, b, A, B, 0.5, p)
+    grads = torch.autograd.grad(out, leaves, cot)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_nodes_save_no_hidden_sized_tensor_per_adapter():
+    """A q/k/v node keeps its input and the [tokens, 3r] products: no fp32 copy of the input, no mask."""
+    model = with_lora(mini("qwen3", "cpu", torch.float32), lora_dropout=0.1)
+    bastile.apply(model=model)
+    attn = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(2, 16, 128, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lora.project(x, attn.q_proj, attn.k_proj, attn.v_proj)
+    activations = [t for t in saved if t.shape[0] == 32]
+    assert sorted(tuple(t.shape) for t in activations) == [(32, 24), (32, 128)], [t.shape for t in activations]
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_matches_peft_cuda_bf16(family):
+    ref = with_lora(mini(family, "cuda", torch.bfloat16), target_modules=targets(family))  # adapters in fp32
+    assert all(p.dtype == torch.float32 for p in adapters(ref).values())
+    model = copy.deepcopy(ref)
+    data = batches(1, 1, 2, 48, "cuda", ignore_fraction=0.1) * STEPS
+    ref_losses = train(ref, data, LR)
+    bastile.apply(model=model)
+    assert fused_names(model)
+    assert_losses_close(train(model, data, LR), ref_losses, 1e-2, family)
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in adapters(model).values())
