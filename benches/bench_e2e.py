@@ -5,6 +5,7 @@ the peak memory the mode's own).
     python benches/bench_e2e.py --part 1                  # one piece of the matrix that fits a 10-minute call (PARTS)
     python benches/bench_e2e.py --models 0.6B,1.7B --seqs 4096 --batch 2 --modes hf,bastile
     python benches/bench_e2e.py --merge p1/e2e-part1.csv p2/e2e-part2.csv   # one CSV and the charts of several runs
+    python benches/bench_e2e.py --models 1.7B --seqs 4096 --lora 16   # LoRA fine-tuning (PEFT) instead
     python benches/bench_e2e.py --smoke                   # tiny model, 2 steps, on the CPU: checks the script only
 
 Modes: hf (HF eager), liger (liger_kernel.transformers.apply_liger_kernel_to_qwen3() with its defaults, fused
@@ -12,7 +13,9 @@ linear cross-entropy included, before the model is built), compile (torch.compil
 (bastile.apply()), bastile_compile (both). The model: random init from the published Qwen3 configs
 (common.QWEN3: 0.6B, 1.7B, 4B; nothing downloaded), built directly on the GPU in bf16, SDPA attention, fused
 AdamW (lr 1e-4), the same seed (same initial weights) and the same random tokens in every mode; labels =
-input ids. --steps steps (default 10), of which the first --warmup (default 3, compilation included) are
+input ids. With --lora R: PEFT LoRA (r=R, lora_alpha=2R, no dropout, PEFT's defaults otherwise: adapters in
+fp32) on all seven projections, applied with get_peft_model after the mode's patches, AdamW over the adapters.
+--steps steps (default 10), of which the first --warmup (default 3, compilation included) are
 not timed. Batch: --batch, else 2 (4B: 1), the issue's setting at seq 4096.
 
 Reported per mode: tokens/s and ms/step over the timed steps; peak GiB = torch.cuda.max_memory_allocated
@@ -45,6 +48,7 @@ from common import (QWEN3, environment, grouped_bars, markdown, out_dir, pyplot,
 MODES = ("hf", "liger", "compile", "bastile", "bastile_compile")
 RUN_ORDER = ("hf", "bastile", "liger", "compile", "bastile_compile")  # a budget cut drops compile modes first
 LR = 1e-4
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOSS_TOLERANCE = 0.02
 
 # (model, seq, batch) settings per part, all five modes each, meant to fit one 10-minute device call
@@ -68,7 +72,7 @@ def default_batch(model: str) -> int:
 
 # --- one mode, in its own process -------------------------------------------------------------------------
 
-def build(mode: str, model: str, device: str, seed: int = 0):
+def build(mode: str, model: str, device: str, seed: int = 0, lora: int = 0):
     """The model and its optimizer as `mode` runs them. Patches come first: Liger swaps HF's classes,
     which only models built afterwards use."""
     if mode == "liger":
@@ -82,8 +86,11 @@ def build(mode: str, model: str, device: str, seed: int = 0):
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it trains, in bf16: seconds, not minutes
         net = Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        net = get_peft_model(net, LoraConfig(r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=LORA_TARGETS))
     net.train()
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=device == "cuda")
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR, fused=device == "cuda")
     if mode.endswith("compile"):
         net = torch.compile(net)
     return net, opt
@@ -127,7 +134,7 @@ def child(args) -> dict:
     t_start = time.perf_counter()
     try:
         result["env"] = environment()
-        net, opt = build(args.mode, args.model, args.device, args.seed)
+        net, opt = build(args.mode, args.model, args.device, args.seed, args.lora)
         data = tokens(qwen3(args.model)["vocab_size"], args.steps, args.batch, args.seq, args.device, args.seed)
         losses, marks = [], []
         sync(args.device)
@@ -166,7 +173,7 @@ def run_child(args, model: str, seq: int, batch: int, mode: str, timeout: float)
     """(result dict, the child's output)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--model", model, "--seq", str(seq),
            "--batch", str(batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), "--lora", str(args.lora)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -284,7 +291,7 @@ def parent(args):
     else:
         settings = [(m, s, args.batch or default_batch(m)) for m in args.models.split(",") for s in map(int, args.seqs.split(","))]
     modes = [m for m in RUN_ORDER if m in args.modes.split(",")]
-    stem = f"e2e-part{args.part}" if args.part else "e2e"
+    stem = (f"e2e-part{args.part}" if args.part else "e2e") + (f"-lora{args.lora}" if args.lora else "")
     budget = args.budget_s if args.budget_s is not None else (540 if args.part else 0)
     print(f"torch {torch.__version__}, {len(settings)} settings x {len(modes)} modes, {args.steps} steps "
           f"({args.warmup} warm-up), child timeout {args.timeout} s, budget {f'{budget:.0f} s' if budget else 'none'}", flush=True)
@@ -322,6 +329,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps not timed (compilation happens there)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora", type=int, default=0, metavar="R", help="PEFT LoRA of rank R on the seven projections")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per child")
     ap.add_argument("--budget-s", type=float, help="seconds for the whole run (default: 540 with --part, else none)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
