@@ -80,9 +80,13 @@ def _parts(module: nn.Module) -> tuple:
             float(module.scaling[name]), p)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def _node_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
+    """The dtype a node computes in: autocast's, else x's. None where a weight's dtype differs from x's
+    outside autocast: HF's linear raises there, so the modules are called to raise it."""
     kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype if all(w.dtype == x.dtype for w in weights) else None
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -193,18 +197,15 @@ class _Projections(torch.autograd.Function):
 def project(x: torch.Tensor, *modules: nn.Module) -> List[torch.Tensor]:
     """[m(x) for m in modules], with the eligible ones (`why_not`) in one fused node when at least one of
     them carries a LoRA adapter; the others are called as modules."""
-    eligible = [why_not(m) is None for m in modules]
-    c = _compute_dtype(x)
-    if not any(ok and type(m) is not nn.Linear for m, ok in zip(modules, eligible)) or (
-            not torch.is_autocast_enabled(x.device.type)
-            and any(ok and _parts(m)[0].dtype != c for m, ok in zip(modules, eligible))):
-        return [m(x) for m in modules]  # nothing to fuse, or a dtype mismatch that HF's linear reports
-    group = [m for m, ok in zip(modules, eligible) if ok]
-    parts = [_parts(m) for m in group]
+    parts = [_parts(m) if why_not(m) is None else None for m in modules]
+    group = [p for p in parts if p is not None]
+    c = _node_dtype(x, [p[0] for p in group])
+    if c is None or all(p[2] is None for p in group):  # a dtype mismatch, or no adapter to fuse
+        return [m(x) for m in modules]
     flat = x.to(c).reshape(-1, x.shape[-1])
-    outs = iter(_Projections.apply(flat, [p[4] for p in parts], [p[5] for p in parts],
-                                   *(t for p in parts for t in p[:4])))
-    return [next(outs).view(*x.shape[:-1], -1) if ok else m(x) for m, ok in zip(modules, eligible)]
+    outs = iter(_Projections.apply(flat, [p[4] for p in group], [p[5] for p in group],
+                                   *(t for p in group for t in p[:4])))
+    return [next(outs).view(*x.shape[:-1], -1) if p is not None else m(x) for m, p in zip(modules, parts)]
 
 
 class _SwiGLUDown(torch.autograd.Function):
@@ -255,9 +256,9 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.
     if not plain and why_not(down) is not None:
         return down(ops.swiglu(gate, up))
     weight, bias, A, B, scale, p = _parts(down)
-    c = _compute_dtype(gate)
-    if not torch.is_autocast_enabled(gate.device.type) and weight.dtype != c:
-        return down(ops.swiglu(gate, up))  # HF's linear reports the mismatch
+    c = _node_dtype(gate, [weight])
+    if c is None:
+        return down(ops.swiglu(gate, up))
     return _SwiGLUDown.apply(gate.to(c), up.to(c), weight, bias, A, B, scale, p)
 
 
