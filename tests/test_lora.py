@@ -256,6 +256,12 @@ def test_nodes_save_no_hidden_sized_tensor_per_adapter():
         lora.project(x, attn.q_proj, attn.k_proj, attn.v_proj)
     activations = [t for t in saved if t.shape[0] == 32]
     assert sorted(tuple(t.shape) for t in activations) == [(32, 24), (32, 128)], [t.shape for t in activations]
+    # The patched MLP: gate/up's node keeps x and [tokens, 2r]; down's keeps gate, up and [tokens, r].
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model.base_model.model.model.layers[0].mlp(x)
+    shapes = sorted(tuple(t.shape) for t in saved if t.shape[:2] == (2, 16) or t.shape[0] == 32)
+    assert shapes == [(2, 16, 256), (2, 16, 256), (32, 8), (32, 16), (32, 128)], shapes
 
 
 @needs_cuda
