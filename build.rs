@@ -28,6 +28,8 @@ const GENCODE: &[&str] = &[
 struct Torch {
     version: String,
     cxx11_abi: bool,
+    /// Its intra-op thread pool is OpenMP's (libgomp), which the CPU kernels run on.
+    openmp: bool,
     lib_dir: PathBuf,
     include_dirs: Vec<PathBuf>,
     /// site-packages directories, where the pip CUDA toolkit lives (`nvidia/cu13/...`).
@@ -63,6 +65,10 @@ fn main() {
     for lib in ["c10", "c10_cuda", "torch_cpu", "torch"] {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
+    if torch.openmp {
+        // The libgomp torch ships (or the system's, which it then uses): one OpenMP runtime, one pool.
+        println!("cargo:rustc-link-lib=dylib:+verbatim=libgomp.so.1");
+    }
     // torch is already loaded when Python loads us; the rpath serves `cargo test` binaries.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", torch.lib_dir.display());
 }
@@ -80,6 +86,7 @@ fn query_torch() -> Torch {
     let script = "import site, sys, torch, torch.utils.cpp_extension as c\n\
                   print(torch.__version__)\n\
                   print(int(torch._C._GLIBCXX_USE_CXX11_ABI))\n\
+                  print(int(torch.backends.openmp.is_available()))\n\
                   print(c.library_paths()[0])\n\
                   print(';'.join(c.include_paths()))\n\
                   print(';'.join(p for p in sys.path if p.endswith('-packages')))";
@@ -99,9 +106,10 @@ fn query_torch() -> Torch {
     Torch {
         version: lines[0].to_string(),
         cxx11_abi: lines[1] == "1",
-        lib_dir: PathBuf::from(lines[2]),
-        include_dirs: paths(lines[3]),
-        site_dirs: paths(lines.get(4).copied().unwrap_or("")),
+        openmp: lines[2] == "1",
+        lib_dir: PathBuf::from(lines[3]),
+        include_dirs: paths(lines[4]),
+        site_dirs: paths(lines.get(5).copied().unwrap_or("")),
     }
 }
 
@@ -365,6 +373,10 @@ fn generate_op_modules(out: &Path, ops: &[String]) {
 
 fn compile_torch_layer(torch: &Torch, cuda_include: &Path, out: &Path) {
     let mut build = cxx_build::bridge("src/ffi.rs");
+    if torch.openmp {
+        // at::parallel_for (src/torch/parallel.h) is OpenMP code, inlined from torch's headers.
+        build.flag("-fopenmp");
+    }
     build
         .files(sources("src/torch", "cpp"))
         .include("include")

@@ -1,8 +1,82 @@
-//! CPU kernels' element types. CPU kernels compute in f64 and round where torch would round
+//! CPU kernels' element types and threads. CPU kernels compute in f64 and round where torch would round
 //! (through the input dtype, then to the output dtype), so they are the reference the GPU
-//! kernels are tested against.
+//! kernels are tested against. They run on torch's intra-op thread pool ([`parallel_for`]), and each
+//! result is computed the same way whatever the number of threads.
 use crate::params::BastileDType;
 use half::{bf16, f16};
+use std::any::Any;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Mutex;
+
+/// Elements (or element-sized pieces of work) a thread takes at least: below that, handing work to
+/// another thread costs more than it saves.
+pub const GRAIN: usize = 1 << 14;
+
+/// Runs `body` on ranges covering `0..n`, each of at least `grain` indices but the last, on torch's
+/// intra-op thread pool (at::parallel_for, src/torch/parallel.h): the threads torch.set_num_threads
+/// gives torch, or the calling thread alone, as in a DataLoader worker, where a pool of our own would
+/// not survive fork(). A panic in `body` resumes on the calling thread once every range is done.
+pub fn parallel_for<F: Fn(Range<usize>) + Sync>(n: usize, grain: usize, body: F) {
+    struct Task<F> {
+        body: F,
+        panic: Mutex<Option<Box<dyn Any + Send>>>,
+    }
+    fn run<F: Fn(Range<usize>) + Sync>(task: usize, begin: i64, end: i64) {
+        // SAFETY: `task` is the address of the Task<F> below, alive until parallel_for returns.
+        let task = unsafe { &*(task as *const Task<F>) };
+        // No unwind may cross torch's C++ frames.
+        if let Err(p) = panic::catch_unwind(AssertUnwindSafe(|| (task.body)(begin as usize..end as usize))) {
+            task.panic.lock().unwrap().get_or_insert(p);
+        }
+    }
+    let task = Task { body, panic: Mutex::new(None) };
+    // SAFETY: run::<F> gets the address of a Task<F>, and it does not unwind.
+    unsafe { crate::ffi::parallel_for(n as i64, grain.max(1) as i64, run::<F>, &task as *const Task<F> as usize) };
+    if let Some(p) = task.panic.into_inner().unwrap() {
+        panic::resume_unwind(p);
+    }
+}
+
+/// `f(i)` for each `i` in `0..n`, in order, computed on torch's thread pool one index per task.
+pub fn parallel_map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    let slots = Disjoint::new(&mut out);
+    parallel_for(n, 1, |range| {
+        // SAFETY: the ranges of parallel_for do not overlap.
+        for (slot, i) in unsafe { slots.part(range.clone()) }.iter_mut().zip(range) {
+            *slot = Some(f(i));
+        }
+    });
+    out.into_iter().map(|r| r.expect("parallel_for covers every index")).collect()
+}
+
+/// An output that the ranges of [`parallel_for`] write, each its own part of it.
+pub struct Disjoint<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _output: PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: threads only reach the elements through `part`, whose parts do not overlap.
+unsafe impl<T: Send> Sync for Disjoint<'_, T> {}
+
+impl<'a, T> Disjoint<'a, T> {
+    pub fn new(output: &'a mut [T]) -> Self {
+        Disjoint { ptr: output.as_mut_ptr(), len: output.len(), _output: PhantomData }
+    }
+
+    /// Elements `range` of the output.
+    ///
+    /// # Safety
+    /// No other part in use may overlap `range`.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn part(&self, range: Range<usize>) -> &'a mut [T] {
+        assert!(range.start <= range.end && range.end <= self.len, "{range:?} out of 0..{}", self.len);
+        std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len())
+    }
+}
 
 pub trait Element: Copy + Send + Sync + 'static {
     const DTYPE: BastileDType;
@@ -105,5 +179,28 @@ pub unsafe fn slice_mut<'a, T>(ptr: *mut std::ffi::c_void, len: usize) -> &'a mu
         &mut []
     } else {
         std::slice::from_raw_parts_mut(ptr.cast(), len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn parallel_for_covers_each_index_once() {
+        for (n, grain) in [(0, 1), (1, 1), (1000, 7), (1000, 1000), (GRAIN * 3 + 1, GRAIN)] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            parallel_for(n, grain, |r| r.for_each(|i| _ = hits[i].fetch_add(1, Ordering::Relaxed)));
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n {n}, grain {grain}");
+        }
+        assert_eq!(parallel_map(5, |i| i * i), [0, 1, 4, 9, 16]);
+    }
+
+    #[test]
+    fn panic_in_a_range_resumes_on_the_caller() {
+        let caught = panic::catch_unwind(|| parallel_for(4 * GRAIN, GRAIN, |r| assert!(!r.contains(&GRAIN), "index {GRAIN}")));
+        let message = caught.unwrap_err().downcast::<String>().unwrap();
+        assert_eq!(*message, format!("index {GRAIN}"));
     }
 }

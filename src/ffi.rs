@@ -1,7 +1,8 @@
 //! The one bridge between the C++ torch layer and Rust. A parameter block crosses it as the id build.rs
 //! gave its type (`Block<P>::id` in C++) and a pointer to it; `for_block` turns the id back into the
 //! type, whose [`Launch`] impl plans or runs it. Every entry runs under [`guard`], so a Rust panic
-//! becomes an error, which cxx throws as a C++ exception and torch raises as RuntimeError.
+//! becomes an error, which cxx throws as a C++ exception and torch raises as RuntimeError. The other way,
+//! the CPU kernels reach torch's thread pool (src/cpu.rs).
 use crate::kernels::{for_block, Launch, Plan, Visit};
 use std::ffi::c_void;
 
@@ -24,7 +25,16 @@ mod bridge {
         fn warmup(device: i32) -> Result<()>;
         fn clear_kernel_cache();
     }
+
+    unsafe extern "C++" {
+        include!("bastile/src/torch/parallel.h");
+        /// Calls `body(context, begin, end)` on ranges covering `0..n`, each of at least `grain` indices but
+        /// the last, on torch's intra-op thread pool. `body` must not unwind.
+        unsafe fn parallel_for(n: i64, grain: i64, body: fn(usize, i64, i64), context: usize);
+    }
 }
+
+pub(crate) use bridge::parallel_for;
 
 /// Runs `f`, turning a panic into an error so that no unwind reaches C++.
 pub fn guard<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {

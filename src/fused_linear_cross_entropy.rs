@@ -5,7 +5,7 @@
 //! onehot(target)) * ds/dlogit`, `scale = 1 / count` for reduction "mean", 1 for "sum". Ignored rows
 //! (target == ignore_index) get loss 0 and gradient 0. The GEMMs around the pass are ATen's
 //! (`src/torch/fused_linear_cross_entropy.cpp`), over chunks of rows sized here ([`chunk_rows`]).
-use crate::cpu::{self, Element};
+use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
 use crate::elementwise::Elementwise;
 use crate::geometry;
@@ -14,7 +14,6 @@ use crate::params::{
     BastileDType, CrossEntropyChunk, GradScale, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
     FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
 };
-use rayon::prelude::*;
 
 /// Logits of one chunk stay within this many bytes. 256 MiB is 768 rows of Qwen3's vocabulary in
 /// bf16. Every chunk's weight-gradient GEMM reads and writes the whole [vocab, hidden] sum, so its
@@ -149,18 +148,21 @@ unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Resu
             _ => 0.0,
         }
     };
-    let logits = cpu::slice_mut::<T>(p.logits, (rows - 1) * ld + vocab);
-    let loss = cpu::slice_mut::<L>(p.loss, rows);
+    let logits = Disjoint::new(cpu::slice_mut::<T>(p.logits, (rows - 1) * ld + vocab));
+    let loss = Disjoint::new(cpu::slice_mut::<L>(p.loss, rows));
     let (grad, ignore, softcap, z_loss) = (p.grad != 0, p.ignore_index, p.softcap, p.z_loss);
-    logits.par_chunks_mut(ld).zip(loss.par_iter_mut()).zip(targets.par_iter()).for_each(|((row, l), &t)| {
-        let row = &mut row[..vocab];
-        if t == ignore {
-            *l = L::from_f64(0.0);
-            if grad {
-                row.fill(T::from_f64(0.0));
+    cpu::parallel_for(rows, cpu::GRAIN.div_ceil(vocab.max(1)), |range| {
+        // SAFETY: the ranges of parallel_for do not overlap, nor do the rows' first `vocab` elements.
+        for ((i, l), &t) in range.clone().zip(loss.part(range.clone())).zip(&targets[range]) {
+            let row = logits.part(i * ld..i * ld + vocab);
+            if t == ignore {
+                *l = L::from_f64(0.0);
+                if grad {
+                    row.fill(T::from_f64(0.0));
+                }
+            } else {
+                *l = L::from_f64(row_cpu(row, t as usize, softcap, z_loss, scale, grad));
             }
-        } else {
-            *l = L::from_f64(row_cpu(row, t as usize, softcap, z_loss, scale, grad));
         }
     });
     Ok(())

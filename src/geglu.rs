@@ -1,19 +1,15 @@
 //! GEGLU of GPT-OSS (HF `GptOssExperts._apply_gate`; the formulas are in `cuda/geglu.cu`): the launches
 //! of its kernels and the CPU kernels, the reference the GPU is tested against. Every result is computed
 //! in f64 (f32 on the GPU) and rounded once to T, where HF rounds after each op.
-use crate::cpu::{self, Element};
+use crate::cpu::{self, Disjoint, Element};
 use crate::elementwise::Elementwise;
 use crate::params::{GegluBackward, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
-use rayon::prelude::*;
 
 // A vector of y covers two of gate_up: both start 16-byte aligned when their pointers are.
 crate::elementwise_launch! { Elementwise { block: GEGLU_BLOCK, unroll: GEGLU_UNROLL },
     GegluForward: Fwd(gate_up, y) => forward_cpu;
     GegluBackward: Bwd(grad_y, gate_up, grad_gate_up) => backward_cpu;
 }
-
-/// Pairs each rayon task takes.
-const CHUNK: usize = 1 << 14;
 
 /// alpha and the limit as T's clamp applies it.
 #[derive(Clone, Copy)]
@@ -58,10 +54,11 @@ impl Gate {
 
 unsafe fn forward_cpu<T: Element>(p: &GegluForward) {
     let n = p.n as usize;
-    let (x, y) = (cpu::slice::<T>(p.gate_up, 2 * n), cpu::slice_mut::<T>(p.y, n));
+    let (x, y) = (cpu::slice::<T>(p.gate_up, 2 * n), Disjoint::new(cpu::slice_mut::<T>(p.y, n)));
     let f = Gate::new::<T>(p.alpha, p.limit);
-    y.par_chunks_mut(CHUNK).zip(x.par_chunks(2 * CHUNK)).for_each(|(y, x)| {
-        for (y, gu) in y.iter_mut().zip(x.chunks_exact(2)) {
+    cpu::parallel_for(n, cpu::GRAIN, |r| {
+        // SAFETY (here and below): the ranges of parallel_for do not overlap.
+        for (y, gu) in y.part(r.clone()).iter_mut().zip(x[2 * r.start..2 * r.end].chunks_exact(2)) {
             *y = T::from_f64(f.forward(gu[0].to_f64(), gu[1].to_f64()));
         }
     });
@@ -70,10 +67,11 @@ unsafe fn forward_cpu<T: Element>(p: &GegluForward) {
 unsafe fn backward_cpu<T: Element>(p: &GegluBackward) {
     let n = p.n as usize;
     let (dy, x) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate_up, 2 * n));
-    let dx = cpu::slice_mut::<T>(p.grad_gate_up, 2 * n);
+    let dx = Disjoint::new(cpu::slice_mut::<T>(p.grad_gate_up, 2 * n));
     let f = Gate::new::<T>(p.alpha, p.limit);
-    dx.par_chunks_mut(2 * CHUNK).zip(x.par_chunks(2 * CHUNK)).zip(dy.par_chunks(CHUNK)).for_each(|((dx, x), dy)| {
-        for ((d, gu), dy) in dx.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(dy) {
+    cpu::parallel_for(n, cpu::GRAIN, |r| {
+        let pairs = 2 * r.start..2 * r.end;
+        for ((d, gu), dy) in dx.part(pairs.clone()).chunks_exact_mut(2).zip(x[pairs].chunks_exact(2)).zip(&dy[r]) {
             let (dg, du) = f.backward(dy.to_f64(), gu[0].to_f64(), gu[1].to_f64());
             d[0] = T::from_f64(dg);
             d[1] = T::from_f64(du);
@@ -162,8 +160,8 @@ mod tests {
 
     #[test]
     fn cpu_kernels_match_f64_reference() {
-        // Sizes around the rayon chunk, so that every chunk boundary case runs.
-        for n in [0, 1, 7, 1000, CHUNK, 2 * CHUNK + 3] {
+        // Sizes around a thread's least share, so that every boundary case runs.
+        for n in [0, 1, 7, 1000, cpu::GRAIN, 2 * cpu::GRAIN + 3] {
             let (gu, dy) = random::<f64>(n);
             check_all(&gu, &dy);
         }

@@ -4,13 +4,12 @@
 //! `n = to_N(w * to_X(x * rsqrt(mean(x^2) + eps)))` with N = promote(x, w) and statistics in f32
 //! (f64 for f64 input), then `out = to_R(to_R(n * cos) + to_R(rotate_half(n) * sin))` with
 //! R = promote(N, cos), `rotate_half(v) = cat(-v[D/2:], v[:D/2])`.
-use crate::cpu::{promote, Element};
+use crate::cpu::{self, promote, Element};
 use crate::driver::{Device, LaunchConfig, Result};
 use crate::geometry;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{BastileDType, QkNormRopeBackward, QkNormRopeForward, QkNormRopeShape, RowGeometry};
 use half::{bf16, f16};
-use rayon::prelude::*;
 use std::ffi::c_void;
 
 /// Element types of x (q and k), the weights and cos/sin.
@@ -228,25 +227,27 @@ pub fn forward_cpu(p: &QkNormRopeForward) -> Result<()> {
     for (x, w, out, rstd, heads, stride) in sides {
         let (x, w, out, rstd) = (Typed::new(x, xd), Typed::new(w, wd), Typed::new(out, rd), Typed::new(rstd, sd));
         let rows = Rows { heads, stride, seq: s.seq };
-        (0..tokens(s) * heads).into_par_iter().for_each(|r| {
-            let (b, t, off) = rows.locate(r);
-            let cs = |st: [i64; 2]| b * st[0] + t * st[1];
-            let (co, so) = (cs(s.cos_stride), cs(s.sin_stride));
-            // SAFETY: the C++ layer checked shapes and strides; row r of out and rstd is this task's.
-            unsafe {
-                let xs: Vec<f64> = (0..d).map(|j| x.get(off + j)).collect();
-                let ss: f64 = xs.iter().map(|v| v * v).sum();
-                let rs = round(sd, 1.0 / (ss / d as f64 + eps).sqrt());
-                if !rstd.ptr.is_null() {
-                    rstd.set(r, rs);
-                }
-                let n: Vec<f64> = (0..d).map(|j| round(nd, w.get(j) * round(xd, xs[j as usize] * rs))).collect();
-                for j in 0..half {
-                    let (lo, hi) = (n[j as usize], n[(j + half) as usize]);
-                    let o_lo = round(rd, lo * cos.get(co + j)) + round(rd, -hi * sin.get(so + j));
-                    let o_hi = round(rd, hi * cos.get(co + j + half)) + round(rd, lo * sin.get(so + j + half));
-                    out.set(r * d + j, o_lo);
-                    out.set(r * d + j + half, o_hi);
+        cpu::parallel_for((tokens(s) * heads) as usize, cpu::GRAIN.div_ceil(d as usize), |range| {
+            for r in range.map(|r| r as i64) {
+                let (b, t, off) = rows.locate(r);
+                let cs = |st: [i64; 2]| b * st[0] + t * st[1];
+                let (co, so) = (cs(s.cos_stride), cs(s.sin_stride));
+                // SAFETY: the C++ layer checked shapes and strides; row r of out and rstd is this range's.
+                unsafe {
+                    let xs: Vec<f64> = (0..d).map(|j| x.get(off + j)).collect();
+                    let ss: f64 = xs.iter().map(|v| v * v).sum();
+                    let rs = round(sd, 1.0 / (ss / d as f64 + eps).sqrt());
+                    if !rstd.ptr.is_null() {
+                        rstd.set(r, rs);
+                    }
+                    let n: Vec<f64> = (0..d).map(|j| round(nd, w.get(j) * round(xd, xs[j as usize] * rs))).collect();
+                    for j in 0..half {
+                        let (lo, hi) = (n[j as usize], n[(j + half) as usize]);
+                        let o_lo = round(rd, lo * cos.get(co + j)) + round(rd, -hi * sin.get(so + j));
+                        let o_hi = round(rd, hi * cos.get(co + j + half)) + round(rd, lo * sin.get(so + j + half));
+                        out.set(r * d + j, o_lo);
+                        out.set(r * d + j + half, o_hi);
+                    }
                 }
             }
         });
@@ -277,35 +278,33 @@ pub fn backward_cpu(p: &QkNormRopeBackward) -> Result<()> {
         // Chunking depends on the shape alone, so the weight gradient's summation order (and
         // value) does not depend on the thread count.
         let chunk = (rows / 256).max(16);
-        let partials: Vec<Vec<f64>> = (0..geometry::ceil_div(rows, chunk))
-            .into_par_iter()
-            .map(|c| {
-                let mut dw = vec![0f64; d as usize];
-                let mut gn = vec![0f64; d as usize];
-                for r in c * chunk..((c + 1) * chunk).min(rows) {
-                    let (b, t, off) = xrows.locate(r);
-                    let goff = grows.locate(r).2;
-                    let cs = |st: [i64; 2]| b * st[0] + t * st[1];
-                    let (co, so) = (cs(s.cos_stride), cs(s.sin_stride));
-                    unsafe {
-                        for j in 0..half {
-                            let (g_lo, g_hi) = (g.get(goff + j), g.get(goff + j + half));
-                            gn[j as usize] = g_lo * cos.get(co + j) + g_hi * sin.get(so + j + half);
-                            gn[(j + half) as usize] = g_hi * cos.get(co + j + half) - g_lo * sin.get(so + j);
-                        }
-                        let rs = rstd.get(r);
-                        let xs: Vec<f64> = (0..d).map(|j| x.get(off + j)).collect();
-                        let dot: f64 = (0..d as usize).map(|j| gn[j] * ws[j] * xs[j]).sum();
-                        let c3 = rs * rs * rs * dot / d as f64;
-                        for j in 0..d as usize {
-                            gx.set(r * d + j as i64, rs * gn[j] * ws[j] - xs[j] * c3);
-                            dw[j] += gn[j] * round(xd, xs[j] * rs);
-                        }
+        let partials = cpu::parallel_map(geometry::ceil_div(rows, chunk) as usize, |c| {
+            let c = c as i64;
+            let mut dw = vec![0f64; d as usize];
+            let mut gn = vec![0f64; d as usize];
+            for r in c * chunk..((c + 1) * chunk).min(rows) {
+                let (b, t, off) = xrows.locate(r);
+                let goff = grows.locate(r).2;
+                let cs = |st: [i64; 2]| b * st[0] + t * st[1];
+                let (co, so) = (cs(s.cos_stride), cs(s.sin_stride));
+                unsafe {
+                    for j in 0..half {
+                        let (g_lo, g_hi) = (g.get(goff + j), g.get(goff + j + half));
+                        gn[j as usize] = g_lo * cos.get(co + j) + g_hi * sin.get(so + j + half);
+                        gn[(j + half) as usize] = g_hi * cos.get(co + j + half) - g_lo * sin.get(so + j);
+                    }
+                    let rs = rstd.get(r);
+                    let xs: Vec<f64> = (0..d).map(|j| x.get(off + j)).collect();
+                    let dot: f64 = (0..d as usize).map(|j| gn[j] * ws[j] * xs[j]).sum();
+                    let c3 = rs * rs * rs * dot / d as f64;
+                    for j in 0..d as usize {
+                        gx.set(r * d + j as i64, rs * gn[j] * ws[j] - xs[j] * c3);
+                        dw[j] += gn[j] * round(xd, xs[j] * rs);
                     }
                 }
-                dw
-            })
-            .collect();
+            }
+            dw
+        });
         for j in 0..d as usize {
             // SAFETY: grad_w has head_dim elements.
             unsafe { gw.set(j as i64, partials.iter().map(|dw| dw[j]).sum()) };

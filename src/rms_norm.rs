@@ -2,14 +2,13 @@
 //! tested against). With `n = x * rsqrt(mean(x^2) + eps)`, statistics in f32 (f64 for f64 input):
 //! HF `LlamaRMSNorm`/`Qwen3RMSNorm` compute `y = w * to_x_dtype(n)` in `promote(x, w)`, and with
 //! `cast_after_weight` HF `GptOssRMSNorm` computes `y = to_x_dtype(w * n)`, the product in f32.
-use crate::cpu::{self, Element};
+use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
 use crate::geometry;
 use crate::kernels::{self, Launch, Plan, Tag};
 #[cfg(test)]
 use crate::kernels::Kernels;
 use crate::params::{BastileDType, RmsNormBackward, RmsNormForward, RowGeometry};
-use rayon::prelude::*;
 use std::ffi::c_void;
 
 fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
@@ -148,16 +147,22 @@ unsafe fn forward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormForward, af
     let (rows, cols) = (p.rows as usize, p.cols as usize);
     let x = cpu::slice::<X>(p.x, rows * cols);
     let w = cpu::slice::<W>(p.weight, cols);
-    let y = cpu::slice_mut::<Y>(p.y, rows * cols);
+    let y = Disjoint::new(cpu::slice_mut::<Y>(p.y, rows * cols));
     let f64_stats = X::DTYPE.stats() == BastileDType::BASTILE_F64;
     let eps = p.eps;
     let mut rstd = vec![0f64; rows];
-    y.par_chunks_mut(cols).zip(x.par_chunks(cols)).zip(rstd.par_iter_mut()).for_each(|((yr, xr), rs)| {
-        let ss: f64 = xr.iter().map(|v| v.to_f64() * v.to_f64()).sum();
-        let r = 1.0 / (ss / cols as f64 + eps).sqrt();
-        *rs = if f64_stats { r } else { <f32 as Element>::round(r) };
-        for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
-            *yv = Y::from_f64(wv.to_f64() * normed::<X>(xv.to_f64(), *rs, after_weight, f64_stats));
+    let rstd_rows = Disjoint::new(&mut rstd);
+    cpu::parallel_for(rows, cpu::GRAIN.div_ceil(cols.max(1)), |range| {
+        let elements = range.start * cols..range.end * cols;
+        // SAFETY: the ranges of parallel_for do not overlap.
+        let (yc, rc) = (y.part(elements.clone()), rstd_rows.part(range));
+        for ((yr, xr), rs) in yc.chunks_mut(cols).zip(x[elements].chunks(cols)).zip(rc) {
+            let ss: f64 = xr.iter().map(|v| v.to_f64() * v.to_f64()).sum();
+            let r = 1.0 / (ss / cols as f64 + eps).sqrt();
+            *rs = if f64_stats { r } else { <f32 as Element>::round(r) };
+            for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
+                *yv = Y::from_f64(wv.to_f64() * normed::<X>(xv.to_f64(), *rs, after_weight, f64_stats));
+            }
         }
     });
     if p.rstd.is_null() {
@@ -177,7 +182,7 @@ unsafe fn backward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, 
     let x = cpu::slice::<X>(p.x, rows * cols);
     let gy = cpu::slice::<Y>(p.grad_y, rows * cols);
     let w = cpu::slice::<W>(p.weight, cols);
-    let gx = cpu::slice_mut::<X>(p.grad_x, rows * cols);
+    let gx = Disjoint::new(cpu::slice_mut::<X>(p.grad_x, rows * cols));
     let f64_stats = X::DTYPE.stats() == BastileDType::BASTILE_F64;
     let rstd: Vec<f64> = if f64_stats {
         cpu::slice::<f64>(p.rstd, rows).to_vec()
@@ -187,25 +192,23 @@ unsafe fn backward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, 
     // Chunking depends on the shape alone, so the weight gradient's summation order (and value)
     // does not depend on the thread count.
     let chunk = rows.div_ceil(256).max(16);
-    let partials: Vec<Vec<f64>> = gx
-        .par_chunks_mut(chunk * cols)
-        .enumerate()
-        .map(|(c, gxc)| {
-            let mut dw = vec![0f64; cols];
-            for (i, gxr) in gxc.chunks_mut(cols).enumerate() {
-                let row = c * chunk + i;
-                let (xr, gr, r) = (&x[row * cols..][..cols], &gy[row * cols..][..cols], rstd[row]);
-                let dot: f64 = xr.iter().zip(gr).zip(w).map(|((xv, g), wv)| g.to_f64() * wv.to_f64() * xv.to_f64()).sum();
-                let c3 = r * r * r * dot / cols as f64;
-                for j in 0..cols {
-                    let (xv, g) = (xr[j].to_f64(), gr[j].to_f64());
-                    gxr[j] = X::from_f64(r * g * w[j].to_f64() - xv * c3);
-                    dw[j] += g * normed::<X>(xv, r, after_weight, f64_stats);
-                }
+    let partials = cpu::parallel_map(rows.div_ceil(chunk), |c| {
+        let chunk_rows = c * chunk..((c + 1) * chunk).min(rows);
+        let mut dw = vec![0f64; cols];
+        // SAFETY: each chunk writes its own rows.
+        let gxc = gx.part(chunk_rows.start * cols..chunk_rows.end * cols);
+        for (gxr, row) in gxc.chunks_mut(cols).zip(chunk_rows) {
+            let (xr, gr, r) = (&x[row * cols..][..cols], &gy[row * cols..][..cols], rstd[row]);
+            let dot: f64 = xr.iter().zip(gr).zip(w).map(|((xv, g), wv)| g.to_f64() * wv.to_f64() * xv.to_f64()).sum();
+            let c3 = r * r * r * dot / cols as f64;
+            for j in 0..cols {
+                let (xv, g) = (xr[j].to_f64(), gr[j].to_f64());
+                gxr[j] = X::from_f64(r * g * w[j].to_f64() - xv * c3);
+                dw[j] += g * normed::<X>(xv, r, after_weight, f64_stats);
             }
-            dw
-        })
-        .collect();
+        }
+        dw
+    });
     let gw = cpu::slice_mut::<W>(p.grad_w, cols);
     for (j, o) in gw.iter_mut().enumerate() {
         *o = W::from_f64(partials.iter().map(|d| d[j]).sum());

@@ -1,12 +1,11 @@
 //! Rotary position embedding: CUDA launchers for `cuda/rope.cu` and the CPU kernels (the reference
 //! the GPU is tested against). Semantics of HF `apply_rotary_pos_emb` and of its autograd; see
 //! `cuda/rope.cu` for the formulas and the rounding.
-use crate::cpu::Element;
+use crate::cpu::{self, Element};
 use crate::driver::{Device, LaunchConfig, Result};
 use crate::geometry;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{BastileDType, Rope, RopeTensor, ROPE_BLOCK, ROPE_HEADS_AT_ONCE};
-use rayon::prelude::*;
 
 /// Most threads of a block (the kernels' `__launch_bounds__`), and of one token's group.
 const BLOCK: i64 = ROPE_BLOCK as i64;
@@ -128,25 +127,28 @@ impl Shared<'_> {
 unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, backward: bool) {
     let shared = Shared(p);
     let term = |a: f64, b: f64| O::round(M::round(a * b));
-    (0..p.batch * p.seq).into_par_iter().for_each(|tok| {
+    let token_elements = ((p.q_heads + p.k_heads) * p.head_dim).max(1) as usize;
+    cpu::parallel_for((p.batch * p.seq) as usize, cpu::GRAIN.div_ceil(token_elements), |tokens| {
         let p = shared.get();
-        let (b, s, half) = (tok / p.seq, tok % p.seq, p.head_dim / 2);
-        let table = |t: &RopeTensor, e: i64| (*(t.data as *const C).add(at(t, b, s, 0, e))).to_f64();
-        let heads = (0..p.q_heads).map(|h| (&p.q, &p.q_out, h)).chain((0..p.k_heads).map(|h| (&p.k, &p.k_out, h)));
-        for (src, dst, h) in heads {
-            let (x, y) = (src.data as *const I, dst.data as *mut O);
-            for e in 0..half {
-                let (c1, c2) = (table(&p.cos, e), table(&p.cos, e + half));
-                let (s1, s2) = (table(&p.sin, e), table(&p.sin, e + half));
-                let x1 = (*x.add(at(src, b, s, h, e))).to_f64();
-                let x2 = (*x.add(at(src, b, s, h, e + half))).to_f64();
-                let (o1, o2) = if backward {
-                    (term(x1, c1) + term(x2, s2), term(x2, c2) - term(x1, s1))
-                } else {
-                    (term(x1, c1) - term(x2, s1), term(x2, c2) + term(x1, s2))
-                };
-                *y.add(at(dst, b, s, h, e)) = O::from_f64(o1);
-                *y.add(at(dst, b, s, h, e + half)) = O::from_f64(o2);
+        for tok in tokens.map(|t| t as i64) {
+            let (b, s, half) = (tok / p.seq, tok % p.seq, p.head_dim / 2);
+            let table = |t: &RopeTensor, e: i64| (*(t.data as *const C).add(at(t, b, s, 0, e))).to_f64();
+            let heads = (0..p.q_heads).map(|h| (&p.q, &p.q_out, h)).chain((0..p.k_heads).map(|h| (&p.k, &p.k_out, h)));
+            for (src, dst, h) in heads {
+                let (x, y) = (src.data as *const I, dst.data as *mut O);
+                for e in 0..half {
+                    let (c1, c2) = (table(&p.cos, e), table(&p.cos, e + half));
+                    let (s1, s2) = (table(&p.sin, e), table(&p.sin, e + half));
+                    let x1 = (*x.add(at(src, b, s, h, e))).to_f64();
+                    let x2 = (*x.add(at(src, b, s, h, e + half))).to_f64();
+                    let (o1, o2) = if backward {
+                        (term(x1, c1) + term(x2, s2), term(x2, c2) - term(x1, s1))
+                    } else {
+                        (term(x1, c1) - term(x2, s1), term(x2, c2) + term(x1, s2))
+                    };
+                    *y.add(at(dst, b, s, h, e)) = O::from_f64(o1);
+                    *y.add(at(dst, b, s, h, e + half)) = O::from_f64(o2);
+                }
             }
         }
     });

@@ -1,18 +1,14 @@
 //! SwiGLU (HF `Qwen3MLP`'s `act_fn(gate_proj(x)) * up_proj(x)`; the formulas and their roundings are in
 //! `cuda/swiglu.cu`): the launches of its kernels and the CPU kernels, the reference the GPU is tested
 //! against.
-use crate::cpu::{self, Element};
+use crate::cpu::{self, Disjoint, Element};
 use crate::elementwise::Elementwise;
 use crate::params::{SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_UNROLL};
-use rayon::prelude::*;
 
 crate::elementwise_launch! { Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL },
     SwigluForward: Fwd(gate, up, y) => forward_cpu;
     SwigluBackward: Bwd(grad_y, gate, up, grad_gate, grad_up) => backward_cpu;
 }
-
-/// Elements each rayon task takes.
-const CHUNK: usize = 1 << 14;
 
 fn sigmoid(g: f64) -> f64 {
     1.0 / (1.0 + (-g).exp())
@@ -20,9 +16,11 @@ fn sigmoid(g: f64) -> f64 {
 
 unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
     let n = p.n as usize;
-    let (g, u, y) = (cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n), cpu::slice_mut::<T>(p.y, n));
-    y.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(u.par_chunks(CHUNK)).for_each(|((y, g), u)| {
-        for ((y, g), u) in y.iter_mut().zip(g).zip(u) {
+    let (g, u) = (cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
+    let y = Disjoint::new(cpu::slice_mut::<T>(p.y, n));
+    cpu::parallel_for(n, cpu::GRAIN, |r| {
+        // SAFETY (here and below): the ranges of parallel_for do not overlap.
+        for ((y, g), u) in y.part(r.clone()).iter_mut().zip(&g[r.clone()]).zip(&u[r]) {
             let g = g.to_f64();
             *y = T::from_f64(T::round(g * sigmoid(g)) * u.to_f64());
         }
@@ -32,11 +30,10 @@ unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
 unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
     let n = p.n as usize;
     let (dy, g, u) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
-    let (dg, du) = (cpu::slice_mut::<T>(p.grad_gate, n), cpu::slice_mut::<T>(p.grad_up, n));
-    dg.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate().for_each(|(c, (dg, du))| {
-        let range = c * CHUNK..c * CHUNK + dg.len();
-        let inputs = dy[range.clone()].iter().zip(&g[range.clone()]).zip(&u[range]);
-        for ((dg, du), ((dy, g), u)) in dg.iter_mut().zip(du.iter_mut()).zip(inputs) {
+    let (dg, du) = (Disjoint::new(cpu::slice_mut::<T>(p.grad_gate, n)), Disjoint::new(cpu::slice_mut::<T>(p.grad_up, n)));
+    cpu::parallel_for(n, cpu::GRAIN, |r| {
+        let inputs = dy[r.clone()].iter().zip(&g[r.clone()]).zip(&u[r.clone()]);
+        for ((dg, du), ((dy, g), u)) in dg.part(r.clone()).iter_mut().zip(du.part(r).iter_mut()).zip(inputs) {
             let (dy, g, u) = (dy.to_f64(), g.to_f64(), u.to_f64());
             let sig = sigmoid(g);
             *du = T::from_f64(dy * T::round(g * sig));
@@ -95,8 +92,8 @@ mod tests {
 
     #[test]
     fn cpu_kernels_match_f64_reference() {
-        // Sizes around the rayon chunk, so that every chunk boundary case runs.
-        for n in [0, 1, 7, 1000, CHUNK, 2 * CHUNK + 3] {
+        // Sizes around a thread's least share, so that every boundary case runs.
+        for n in [0, 1, 7, 1000, cpu::GRAIN, 2 * cpu::GRAIN + 3] {
             // f64: exp and ln round at every step of the reference (|g| < 12), far below f32's 2^-24.
             check::<f64>(BASTILE_F64, n, 2f64.powi(-44), 0.0);
             check::<f32>(BASTILE_F32, n, 2f64.powi(-24), 1e-40);

@@ -1,8 +1,12 @@
 """The contract every torch.ops.bastile op keeps, checked on the CONTRACT of each op's test file
 (conftest.Contract): opcheck of the op and of every bastile op its forward and backward call, gradcheck,
 torch.compile, TorchScript, empty, bad and non-contiguous inputs, no_grad and inference_mode, double
-backward, and on CUDA side streams and graph capture. What is particular to an op stays in its file."""
+backward, the CPU kernels on torch's threads (forked DataLoader workers, one thread), and on CUDA side
+streams and graph capture. What is particular to an op stays in its file."""
 import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -320,6 +324,67 @@ def test_double_backward_is_refused(name, device):
     # The backward ops are not differentiable; flce's gradients, made in its forward, have no graph at all.
     with pytest.raises(RuntimeError, match="is not implemented|does not require grad"):
         torch.autograd.backward([g.sum() for g in grads])
+
+
+class EveryCpuOp(torch.utils.data.Dataset):
+    """Each item: the outputs of every op and of the pieces its forward and backward call, on each CPU sample.
+    They are called directly, not through autograd: a forked child cannot run torch's autograd engine
+    once its parent has, with or without Bastile."""
+
+    def __init__(self):
+        detached = lambda call: tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, call)
+        self.calls = [call for c in CONTRACTS.values() for args, kwargs in c.samples("cpu")
+                      for call in [(c.op, *detached((args, kwargs)))] + pieces(c, args, kwargs)]
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return [op(*fresh(args), **kwargs) for op, args, kwargs in self.calls]
+
+
+def test_cpu_ops_run_in_forked_dataloader_workers():
+    """The parent runs every CPU kernel, then forked DataLoader workers (one torch thread each, as DataLoader
+    sets) run them again and get what the parent gets with one thread (ATen's GEMMs in the cross-entropy
+    sum in another order with more); a kernel waiting on threads fork() did not copy would hang the
+    workers past the timeout."""
+    data = EveryCpuOp()
+    data[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = data[0]
+    finally:
+        torch.set_num_threads(threads)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=2, multiprocessing_context="fork",
+                                         timeout=60)
+    for got in loader:
+        assert_equal(got, want)
+
+
+def test_one_torch_thread_starts_no_thread():
+    """Under torch.set_num_threads(1) the CPU kernels run on the calling thread, as torch's own ops do: the
+    process has the threads it had after a plain torch forward and backward."""
+    script = """
+import os, torch
+torch.set_num_threads(1)
+import test_contract as t
+threads = lambda: len(os.listdir("/proc/self/task"))
+x = torch.randn(64, 64, requires_grad=True)
+torch.autograd.grad(x.mm(x).sigmoid().sum(), x)
+before = threads()
+for contract in t.CONTRACTS.values():
+    for args, kwargs in contract.samples("cpu"):
+        t.forward_backward(contract.op, t.fresh(args), kwargs)
+print(before, threads())
+"""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent / "python_shim")])}
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=here, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    before, after = map(int, run.stdout.split()[-2:])
+    assert after == before
 
 
 @needs_cuda
