@@ -184,6 +184,7 @@ BAD = [
     (lambda: backward_op(torch.ones(4, 4, dtype=torch.int64), f32(4, 8), ALPHA, LIMIT), "grad_y must be float32"),
     (lambda: backward_op(f32(4, 4), f32(4, 7), ALPHA, LIMIT), "must be even"),
     (lambda: backward_op(f32(4, 4), torch.randn(4, 8, device="meta"), ALPHA, LIMIT), "gate_up is on meta but grad_y is on cpu"),
+    (lambda: backward_op(f32(4, 4), f32(4, 8), ALPHA, float("nan")), "geglu_backward: limit is NaN"),
 ]
 
 CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD, gradcheck_samples=gradcheck_samples)
@@ -293,6 +294,14 @@ def test_nan_as_hf(device):
     hy, hdx = hf_both(x, dy)
     torch.testing.assert_close(y, hy, equal_nan=True, rtol=1e-6, atol=0)
     torch.testing.assert_close(dx, hdx, equal_nan=True, rtol=1e-6, atol=0)
+
+
+def test_nan_limit_is_refused():
+    """With a NaN limit HF's clamps make every output NaN: the op refuses the value instead."""
+    x, _ = inputs((4, 8), torch.float32, "cpu")
+    assert hf(x, limit=float("nan")).isnan().all()
+    with pytest.raises(RuntimeError, match="bastile.geglu: limit is NaN"):
+        op(x, ALPHA, float("nan"))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,6 +2,8 @@
 // at odd positions of the last dim, into y [..., I]. The kernels read the pairs flat, so a non-contiguous
 // gate_up is made contiguous first. Autograd saves only gate_up: the backward recomputes the sigmoid.
 // Autocast leaves it alone, as it leaves HF's clamps, sigmoid and products.
+#include <cmath>
+
 #include "op.h"
 
 namespace bastile {
@@ -14,11 +16,13 @@ std::vector<c10::SymInt> y_sizes(const at::Tensor& x) {
   return sizes;
 }
 
-void check(const char* op, const at::Tensor& x) {
+void check(const char* op, const at::Tensor& x, double limit) {
   check_float(op, {{"gate_up", x}});
   TORCH_CHECK(x.dim() >= 1, "bastile.", op, ": gate_up must have at least one dimension");
   TORCH_CHECK(x.sym_size(-1) % 2 == 0, "bastile.", op,
               ": the last dim of gate_up interleaves gate and up, so it must be even, got shape ", x.sym_sizes());
+  TORCH_CHECK(!std::isnan(limit), "bastile.", op,
+              ": limit is NaN, with which HF's clamp of up makes every output NaN; inf clamps nothing");
 }
 
 struct GegluBackwardOp {
@@ -26,7 +30,7 @@ struct GegluBackwardOp {
 
   static at::Tensor kernel(const at::Tensor& grad_y, const at::Tensor& gate_up, double alpha, double limit) {
     constexpr const char* op = "geglu_backward";
-    check(op, gate_up);
+    check(op, gate_up, limit);
     check_float(op, {{"grad_y", grad_y}});
     check_same_dtype(op, {"gate_up", gate_up}, {"grad_y", grad_y});
     TORCH_CHECK(grad_y.sym_sizes() == c10::SymIntArrayRef(y_sizes(gate_up)), "bastile.", op,
@@ -47,7 +51,7 @@ struct GegluOp {
   static constexpr const char* schema = "geglu(Tensor gate_up, float alpha, float limit) -> Tensor";
 
   static at::Tensor kernel(const at::Tensor& gate_up, double alpha, double limit) {
-    check("geglu", gate_up);
+    check("geglu", gate_up, limit);
     auto y = at::empty_symint(y_sizes(gate_up), gate_up.options());
     if (gate_up.is_meta() || y.numel() == 0) return y;
     const auto x = gate_up.contiguous();
