@@ -224,6 +224,23 @@ def test_leading_dims_and_non_contiguous_hidden(device):
     torch.testing.assert_close(gh, rh, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_hidden_size_zero_is_a_linear_of_zero_features(device, bias):
+    """hidden [2, 3, 0]: the logits are the bias (zeros without one), as F.linear computes them, so each
+    counted token's loss is log(vocab) without a bias."""
+    h, w, b, t = make(6, 0, 10, device=device, bias=bias)
+    h, t = h.detach().view(2, 3, 0).requires_grad_(), t.view(2, 3)
+    loss, ref = flce(h, w, t, b), eager(h.reshape(6, 0), w, t.reshape(6), b)
+    torch.testing.assert_close(loss, ref)
+    if not bias:
+        torch.testing.assert_close(loss.double(), torch.tensor(10.0, dtype=torch.double, device=device).log())
+    inputs = (h, w) + ((b,) if bias else ())
+    for got, want in zip(grads(loss, inputs), grads(ref, inputs)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+
+
 def count_gemms(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()

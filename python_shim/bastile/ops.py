@@ -66,11 +66,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     not ignore_index is treated as ignored (checking it would need a host sync); on the CPU it raises.
     Returns a 0-dim float32 loss (float64 for float64 hidden).
     """
-    h = hidden.reshape(-1, hidden.shape[-1])
-    t = target.reshape(-1)
     if num_items_in_batch is not None:
         reduction = "sum"
-    loss = torch.ops.bastile.fused_linear_cross_entropy(h, weight, t, bias, ignore_index, reduction,
+    loss = torch.ops.bastile.fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index, reduction,
                                                         float(softcap or 0.0), float(z_loss), fp32_weight_grad,
                                                         chunk_bytes)
     if num_items_in_batch is not None:

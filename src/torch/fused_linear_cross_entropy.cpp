@@ -100,10 +100,10 @@ Four run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::Ten
             need_w ? at::empty_symint(weight_in.sym_sizes(), weight_in.options()) : none(weight_in),
             need_b ? at::empty_symint(bias_in->sym_sizes(), bias_in->options()) : none(with_bias ? *bias_in : hidden_in)};
   const c10::DeviceGuard guard(hidden_in.device());
-  const int64_t cols = hidden_in.size(-1), vocab = weight_in.size(0);
-  const auto hidden = hidden_in.reshape({-1, cols}).contiguous();
-  const auto target = target_in.reshape({-1}).contiguous();
-  const int64_t rows = hidden.size(0);
+  // Rows counted by the target: with hidden size 0, hidden's shape does not tell them.
+  const int64_t rows = target_in.numel(), cols = hidden_in.size(-1), vocab = weight_in.size(0);
+  const auto hidden = hidden_in.reshape({rows, cols}).contiguous();
+  const auto target = target_in.reshape({rows}).contiguous();
   // Mixed dtypes (autocast leaves an f32 weight): the GEMMs run in hidden's dtype, as F.linear's would.
   const auto weight = weight_in.to(hidden.scalar_type()).contiguous();
   const auto bias = with_bias ? bias_in->to(hidden.scalar_type()).contiguous() : at::Tensor();
