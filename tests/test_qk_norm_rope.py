@@ -3,6 +3,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
@@ -274,6 +275,37 @@ def test_one_output_unused(device):
     oq, _ = op(ql, kl, qwl, kwl, cos, sin, EPS)
     oq.sum().backward()
     assert kl.grad.abs().max() == 0 and kwl.grad.abs().max() == 0 and qwl.grad.abs().max() > 0
+
+
+class BackwardHeads(TorchDispatchMode):
+    """Records the heads of q and k that qk_norm_rope_backward is called with."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is bwd_op.default:
+            self.heads = (args[2].shape[2], args[3].shape[2])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("frozen", ["q", "k"])
+def test_frozen_side_gets_no_gradient(device, frozen):
+    """With one side's input and weight frozen (LoRA on the other projection), that output requires no
+    grad, as HF's does, the backward leaves that side out, and the other side's gradients are HF's."""
+    q, k, qw, kw, cos, sin = inputs(2, 3, 4, 2, 32, device)
+    side, live = (0, 1) if frozen == "q" else (1, 0)
+    hf_in, op_in = leaves(q, k, qw, kw), leaves(q, k, qw, kw)
+    for ts in (hf_in, op_in):
+        ts[side].requires_grad_(False)
+        ts[side + 2].requires_grad_(False)
+    theirs, ours = hf_qk_norm_rope(*hf_in, cos, sin), op(*op_in, cos, sin, EPS)
+    assert [o.requires_grad for o in ours] == [o.requires_grad for o in theirs] == [live == 0, live == 1]
+    recorder = BackwardHeads()
+    with recorder:
+        got = torch.autograd.grad(ours[live].square().sum(), [op_in[live], op_in[live + 2]])
+    want = torch.autograd.grad(theirs[live].square().sum(), [hf_in[live], hf_in[live + 2]])
+    assert recorder.heads == ((0, 2) if frozen == "q" else (4, 0))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 def test_cos_requiring_grad_is_refused_in_grad_mode():

@@ -149,13 +149,25 @@ struct QkNormRopeOp {
                                const at::Tensor& kw, const at::Tensor& cos, const at::Tensor& sin, double eps) {
     auto [q_out, k_out, q_rstd, k_rstd] = call<QkNormRopeForwardOp>(q, k, qw, kw, cos, sin, eps);
     ctx->save_for_backward({q, k, qw, kw, cos, sin, q_rstd, k_rstd});
+    // As HF's: an output requires grad only if its own inputs do, so that a frozen side costs nothing
+    // downstream.
+    if (!q.requires_grad() && !qw.requires_grad()) ctx->mark_non_differentiable({q_out});
+    if (!k.requires_grad() && !kw.requires_grad()) ctx->mark_non_differentiable({k_out});
     return {q_out, k_out};
   }
 
-  // Gradients arrive materialised (zeros for an unused output).
+  // Gradients arrive materialised (zeros for an unused output). A side none of whose inputs needs a
+  // gradient goes in with no heads: no rows to differentiate.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    auto [gq, gk, gqw, gkw] = call<QkNormRopeBackwardOp>(grads[0], grads[1], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]);
+    const bool q_side = ctx->needs_input_grad(0) || ctx->needs_input_grad(2);
+    const bool k_side = ctx->needs_input_grad(1) || ctx->needs_input_grad(3);
+    const auto q = [&](const at::Tensor& t) { return q_side ? t : t.narrow(2, 0, 0); };
+    const auto k = [&](const at::Tensor& t) { return k_side ? t : t.narrow(2, 0, 0); };
+    auto [gq, gk, gqw, gkw] = call<QkNormRopeBackwardOp>(q(grads[0]), k(grads[1]), q(s[0]), k(s[1]), s[2], s[3], s[4],
+                                                         s[5], q(s[6]), k(s[7]));
+    if (!q_side) gq = gqw = at::Tensor();
+    if (!k_side) gk = gkw = at::Tensor();
     return {gq, gk, gqw, gkw};
   }
 };
