@@ -61,6 +61,7 @@ fn main() {
     compile_torch_layer(&torch, &cuda_include, &out);
 
     println!("cargo:rustc-env=BASTILE_TORCH_VERSION={}", torch.version);
+    println!("cargo:rustc-env=BASTILE_TORCH_CXX11_ABI={}", u8::from(torch.cxx11_abi));
     println!("cargo:rustc-link-search=native={}", torch.lib_dir.display());
     for lib in ["c10", "c10_cuda", "torch_cpu", "torch"] {
         println!("cargo:rustc-link-lib=dylib={lib}");

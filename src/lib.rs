@@ -17,7 +17,7 @@ mod testing;
 
 include!(concat!(env!("OUT_DIR"), "/ops.rs"));
 
-/// Version of torch this library was built against; the Python shim refuses another one.
+/// Version of torch this library was built against; the Python shim refuses another major.minor.
 pub const TORCH_VERSION: &str = env!("BASTILE_TORCH_VERSION");
 
 /// NUL-terminated copy of [`TORCH_VERSION`], readable with ctypes before torch tries to load us.
@@ -25,4 +25,11 @@ pub const TORCH_VERSION: &str = env!("BASTILE_TORCH_VERSION");
 pub extern "C" fn bastile_torch_version() -> *const std::os::raw::c_char {
     static VERSION: &str = concat!(env!("BASTILE_TORCH_VERSION"), "\0");
     VERSION.as_ptr().cast()
+}
+
+/// The `_GLIBCXX_USE_CXX11_ABI` of the torch this library was built against (0 or 1), which the running
+/// torch's must equal: the two ABIs lay out std::string differently.
+#[no_mangle]
+pub extern "C" fn bastile_torch_cxx11_abi() -> std::os::raw::c_int {
+    (env!("BASTILE_TORCH_CXX11_ABI") == "1").into()
 }

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import bastile
@@ -30,7 +31,42 @@ def test_missing_library_is_a_clear_import_error():
     assert "ImportError: bastile: libbastile.so not found" in err and "/nonexistent/libbastile.so" in err
 
 
-def test_library_built_for_another_torch_is_refused():
-    code, err = run_import("import torch; torch.__version__ = '0.0.0-other'", BASTILE_LIBRARY=str(bastile.library_path))
+MAJOR, MINOR = map(int, torch.__version__.split(".")[:2])
+ABI = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+@pytest.mark.parametrize("version", [f"{MAJOR}.{MINOR}.9+cu128", f"{MAJOR}.{MINOR}.0", f"{MAJOR}.{MINOR}.0a0+git1234567"])
+def test_library_loads_in_another_build_of_its_torch_release(version):
+    """Patch releases, CUDA variants and source builds of the torch release it was built against share its
+    C++ ABI: the library loads and its ops run."""
+    code, err = run_import(f"import torch; torch.__version__ = {version!r}\n"
+                           "import bastile; x, w = torch.randn(2, 8), torch.randn(8)\n"
+                           "torch.testing.assert_close(bastile.rms_norm(x, w), "
+                           "w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))",
+                           BASTILE_LIBRARY=str(bastile.library_path))
+    assert code == 0, err
+
+
+def test_library_for_another_minor_release_is_refused():
+    other = f"{MAJOR}.{MINOR + 1}.0"
+    code, err = run_import(f"import torch; torch.__version__ = {other!r}", BASTILE_LIBRARY=str(bastile.library_path))
     assert code != 0
-    assert f"was built against torch {torch.__version__} but torch 0.0.0-other is running" in err
+    assert (f"ImportError: bastile: {bastile.library_path} cannot run here: it was built against torch "
+            f"{torch.__version__} but torch {other} is running, and the C++ ABI changes between minor releases; "
+            f"install torch {MAJOR}.{MINOR}.x or rebuild Bastile against this torch (`make build`)") in err
+
+
+def test_library_for_the_other_cxx11_abi_is_refused():
+    code, err = run_import(f"import torch; torch._C._GLIBCXX_USE_CXX11_ABI = {not ABI}",
+                           BASTILE_LIBRARY=str(bastile.library_path))
+    assert code != 0
+    assert (f"with _GLIBCXX_USE_CXX11_ABI={int(ABI)} but torch {torch.__version__} has "
+            f"_GLIBCXX_USE_CXX11_ABI={int(not ABI)}; install a torch {MAJOR}.{MINOR} build with "
+            f"_GLIBCXX_USE_CXX11_ABI={int(ABI)} or rebuild Bastile") in err
+
+
+def test_torch_without_cuda_is_refused():
+    code, err = run_import("import torch; torch.version.cuda = None", BASTILE_LIBRARY=str(bastile.library_path))
+    assert code != 0
+    assert (f"ImportError: bastile: torch {torch.__version__} is not a CUDA build (torch.version.cuda is None), and "
+            f"{bastile.library_path} links torch's CUDA library (libc10_cuda.so)") in err

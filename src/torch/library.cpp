@@ -3,7 +3,7 @@
 #include "op.h"
 
 TORCH_LIBRARY(bastile, m) {
-  // The torch version the library was built against; the Python shim compares it with the running one.
+  // The torch version the library was built against.
   m.def("torch_version() -> str", [] { return std::string(bastile::rs::torch_version()); });
   // Loads every kernel module on a CUDA device ahead of the first launch.
   m.def("warmup(int device) -> ()", [](int64_t device) {
