@@ -52,6 +52,7 @@ fn main() {
         )
     });
     let cuda_include = nvcc.parent().unwrap().parent().unwrap().join("include");
+    println!("cargo:rustc-env=BASTILE_CUDA_VERSION={}", cuda_version(&nvcc));
 
     let ops = stems("cuda", "cu");
     compile_kernels(&nvcc, &out, &ops);
@@ -132,6 +133,19 @@ fn find_nvcc(torch: &Torch) -> Option<PathBuf> {
     }
     candidates.push("/usr/local/cuda/bin/nvcc".into());
     candidates.into_iter().find(|p| p.is_file())
+}
+
+/// The CUDA release of `nvcc` ("13.0"), which the driver must support to load the kernels it compiles.
+fn cuda_version(nvcc: &Path) -> String {
+    let output = Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| fail(&format!("could not run {}: {e}", nvcc.display())));
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.split_once("release ")
+        .and_then(|(_, rest)| rest.split(',').next())
+        .map(str::to_string)
+        .unwrap_or_else(|| fail(&format!("no `release X.Y` in `{} --version`:\n{text}", nvcc.display())))
 }
 
 /// The files of `dir` ending in `.ext`, sorted so that builds are reproducible.

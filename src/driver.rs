@@ -35,6 +35,9 @@ fn check(r: CUresult, what: &str) -> Result<()> {
     Err(format!("bastile: {what} failed: {name}"))
 }
 
+/// The CUDA release whose nvcc compiled the kernels (build.rs): the driver must support it.
+const KERNELS_CUDA: &str = env!("BASTILE_CUDA_VERSION");
+
 /// Loads libcuda and initialises it once; the error says why CUDA is unusable.
 pub fn available() -> Result<()> {
     static INIT: OnceLock<Result<()>> = OnceLock::new();
@@ -45,10 +48,31 @@ pub fn available() -> Result<()> {
                         CUDA tensors need an NVIDIA driver on this machine"
                 .into());
         }
-        // SAFETY: plain driver call.
-        check(unsafe { sys::cuInit(0) }, "cuInit")
+        let mut version = 0;
+        // SAFETY: plain driver calls.
+        check(unsafe { sys::cuInit(0) }, "cuInit")?;
+        check(unsafe { sys::cuDriverGetVersion(&mut version) }, "cuDriverGetVersion")?;
+        supports_kernels(version, KERNELS_CUDA)
     })
     .clone()
+}
+
+/// Whether a driver of CUDA version `driver` (cuDriverGetVersion's 1000 * major + 10 * minor) loads
+/// kernels compiled by CUDA `kernels` ("13.0"): their PTX needs a driver of that release or newer.
+fn supports_kernels(driver: i32, kernels: &str) -> Result<()> {
+    let release = kernels.split_once('.').and_then(|(major, minor)| Some((major.parse::<i32>().ok()?, minor.parse::<i32>().ok()?)));
+    let (major, minor) = release.expect("build.rs records the CUDA release as X.Y");
+    let needed = major * 1000 + minor * 10;
+    if driver >= needed {
+        return Ok(());
+    }
+    Err(format!(
+        "bastile: the NVIDIA driver supports CUDA {}.{}, but Bastile's kernels were compiled by CUDA {kernels} \
+         and need a driver for CUDA {kernels} or newer (for CUDA 13.0, the toolkit Bastile pins: the R580 \
+         branch, on Linux 580.65.06 or newer); update the NVIDIA driver",
+        driver / 1000,
+        driver % 1000 / 10
+    ))
 }
 
 /// One GPU as torch uses it: its primary context and what has been loaded into it.
@@ -315,6 +339,17 @@ mod tests {
         assert_eq!(h100.room(1, 256), 232_448 - 256);
         assert_eq!(h100.room(0, 0), 232_448);
         assert_eq!(SharedMemory { per_sm: 1024, per_block: 1024, reserved: 1024 }.room(2, 256), 0);
+    }
+
+    #[test]
+    fn driver_older_than_the_kernels_cuda_is_refused() {
+        for (driver, kernels) in [(13000, "13.0"), (13020, "13.0"), (14000, "13.0"), (13010, "13.1")] {
+            assert!(supports_kernels(driver, kernels).is_ok(), "{driver} {kernels}");
+        }
+        let e = supports_kernels(12080, "13.0").unwrap_err();
+        assert!(e.contains("supports CUDA 12.8, but Bastile's kernels were compiled by CUDA 13.0"), "{e}");
+        assert!(e.contains("580.65.06") && e.contains("update the NVIDIA driver"), "{e}");
+        assert!(supports_kernels(13000, "13.1").unwrap_err().contains("supports CUDA 13.0"));
     }
 
     #[test]
