@@ -27,8 +27,8 @@ def eager(h, w, t):
 
 def implementations():
     impls = {
-        "bastile": lambda h, w, t: bastile.ops.fused_linear_cross_entropy(h, w, t),
-        "bastile_bf16_wgrad": lambda h, w, t: bastile.ops.fused_linear_cross_entropy(h, w, t, fp32_weight_grad=False),
+        "bastile": lambda h, w, t: bastile.fused_linear_cross_entropy(h, w, t),
+        "bastile_bf16_wgrad": lambda h, w, t: bastile.fused_linear_cross_entropy(h, w, t, fp32_weight_grad=False),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }

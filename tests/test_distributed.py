@@ -192,12 +192,12 @@ def _op_cases(device, dtype):
     target = torch.randint(0, 1000, (128,), generator=g)
     target[::5] = -100
     return [
-        ("rms_norm", lambda x, w: (bastile.ops.rms_norm(x, w, 1e-6),), [t(2, 64, 256), t(256)], [True, True]),
-        ("swiglu", lambda a, b: (bastile.ops.swiglu(a, b),), [t(2, 64, 768), t(2, 64, 768)], [True, True]),
-        ("rope", bastile.ops.rope, [t(2, 4, 64, 64), t(2, 2, 64, 64), cos, sin], [True, True, False, False]),
-        ("qk_norm_rope", lambda q, k, qw, kw, c, s: bastile.ops.qk_norm_rope(q, k, qw, kw, c, s, 1e-6),
+        ("rms_norm", lambda x, w: (bastile.rms_norm(x, w, 1e-6),), [t(2, 64, 256), t(256)], [True, True]),
+        ("swiglu", lambda a, b: (bastile.swiglu(a, b),), [t(2, 64, 768), t(2, 64, 768)], [True, True]),
+        ("rope", bastile.rope, [t(2, 4, 64, 64), t(2, 2, 64, 64), cos, sin], [True, True, False, False]),
+        ("qk_norm_rope", lambda q, k, qw, kw, c, s: bastile.qk_norm_rope(q, k, qw, kw, c, s, 1e-6),
          [t(2, 64, 4, 64), t(2, 64, 2, 64), t(64), t(64), cos, sin], [True, True, True, True, False, False]),
-        ("fused_linear_cross_entropy", lambda h, w, y: (bastile.ops.fused_linear_cross_entropy(h, w, y),),
+        ("fused_linear_cross_entropy", lambda h, w, y: (bastile.fused_linear_cross_entropy(h, w, y),),
          [t(128, 256), t(1000, 256, scale=0.05), target.to(device)], [True, True, False]),
     ]
 

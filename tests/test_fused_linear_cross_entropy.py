@@ -10,7 +10,7 @@ from conftest import DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_e
 op = torch.ops.bastile.fused_linear_cross_entropy
 fwd_op = torch.ops.bastile.fused_linear_cross_entropy_forward
 bwd_op = torch.ops.bastile.fused_linear_cross_entropy_backward
-flce = bastile.ops.fused_linear_cross_entropy
+flce = bastile.fused_linear_cross_entropy
 
 
 def eager(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0):

@@ -326,12 +326,12 @@ def test_saves_only_gate_up():
 
 def test_functional_alias_has_gpt_oss_defaults():
     experts = GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=4, num_local_experts=2))
-    params = inspect.signature(bastile.ops.geglu).parameters
+    params = inspect.signature(bastile.geglu).parameters
     assert list(params) == ["gate_up", "alpha", "limit"]
     assert (params["alpha"].default, params["limit"].default) == (experts.alpha, experts.limit)
     x, _ = inputs((3, 40), torch.bfloat16, "cpu")
-    torch.testing.assert_close(bastile.ops.geglu(x), op(x, ALPHA, LIMIT), rtol=0, atol=0)
-    torch.testing.assert_close(bastile.ops.geglu(x, experts.alpha, experts.limit), op(x, ALPHA, LIMIT), rtol=0, atol=0)
+    torch.testing.assert_close(bastile.geglu(x), op(x, ALPHA, LIMIT), rtol=0, atol=0)
+    torch.testing.assert_close(bastile.geglu(x, experts.alpha, experts.limit), op(x, ALPHA, LIMIT), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- CUDA against the CPU reference

@@ -328,9 +328,9 @@ def test_autocast_keeps_dtypes(device):
 
 def test_python_function():
     args = inputs()
-    for a, b in zip(bastile.ops.qk_norm_rope(*args), op(*args, 1e-6)):
+    for a, b in zip(bastile.qk_norm_rope(*args), op(*args, 1e-6)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for a, b in zip(bastile.ops.qk_norm_rope(*args, eps=1e-5), hf_qk_norm_rope(*args, eps=1e-5)):
+    for a, b in zip(bastile.qk_norm_rope(*args, eps=1e-5), hf_qk_norm_rope(*args, eps=1e-5)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

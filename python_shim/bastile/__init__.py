@@ -6,11 +6,16 @@
 from . import ops
 from ._library import PATH as library_path
 from .modules import BastileRMSNorm, BastileSwiGLUMLP
-from .ops import fused_linear_cross_entropy, qk_norm_rope, rms_norm, rope, swiglu
+from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from .ops.geglu import geglu
+from .ops.qk_norm_rope import qk_norm_rope
+from .ops.rms_norm import rms_norm
+from .ops.rope import rope
+from .ops.swiglu import swiglu
 from .patch import apply, get_patched_ops, lora_modules, reset, supported_families
 from .runtime import clear_autotune_cache, warmup_all_kernels
 
 __all__ = ["apply", "reset", "get_patched_ops", "lora_modules", "supported_families", "warmup_all_kernels",
            "clear_autotune_cache", "ops", "rms_norm", "swiglu", "rope", "qk_norm_rope",
-           "fused_linear_cross_entropy", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
+           "fused_linear_cross_entropy", "geglu", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
 __version__ = "0.1.0"

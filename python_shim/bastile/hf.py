@@ -12,16 +12,22 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple
 
-from . import lora, ops
+from . import lora
+from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from .ops.geglu import geglu
+from .ops.qk_norm_rope import qk_norm_rope
+from .ops.rms_norm import rms_norm
+from .ops.rope import rope
+from .ops.swiglu import swiglu
 
 
 def rms_norm_forward(self, hidden_states):
-    return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def rms_norm_cast_after_weight_forward(self, hidden_states):
     """GptOssRMSNorm: the weight multiplies before the result is rounded to the input's dtype."""
-    return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_after_weight=True)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_after_weight=True)
 
 
 _SILU = (nn.SiLU, SiLUActivation)
@@ -38,7 +44,7 @@ def swiglu_mlp_forward(self, x):
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    return ops.rope(q, k, cos, sin, unsqueeze_dim)
+    return rope(q, k, cos, sin, unsqueeze_dim)
 
 
 def _hf(module_of, name):
@@ -58,10 +64,10 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask=N
     if not hasattr(self, "q_norm"):
         query_states, key_states = _hf(self, "apply_rotary_pos_emb")(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     elif self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
-        q, k = ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
         query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
     else:  # one eps per launch: norms with different eps go separately
-        query_states, key_states = ops.rope(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
+        query_states, key_states = rope(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
     value_states = v.transpose(1, 2)
 
     if past_key_values is not None:
@@ -91,7 +97,7 @@ def _causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = model.get_output_embeddings()
-    return ops.fused_linear_cross_entropy(
+    return fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
         bias=head.bias, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
         softcap=getattr(model.config, "final_logit_softcapping", None))
@@ -169,16 +175,16 @@ def swiglu_apply_gate(self, gate_up):
     act(gate) * up of the halves of gate_up, fused when the activation is SiLU."""
     gate, up = gate_up.chunk(2, dim=-1)
     if isinstance(self.act_fn, _SILU):
-        return ops.swiglu(gate, up)
+        return swiglu(gate, up)
     return self.act_fn(gate) * up
 
 
 def gpt_oss_apply_gate(self, gate_up):
     """GptOssExperts._apply_gate: clamped, interleaved GEGLU of gate_up in one kernel."""
-    return ops.geglu(gate_up, self.alpha, self.limit)
+    return geglu(gate_up, self.alpha, self.limit)
 
 
 def half_split_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """GPT-OSS's rotation: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos and sin of
     head_dim / 2; the rotate-half rotation with cos and sin repeated, which the rope op computes."""
-    return ops.rope(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), unsqueeze_dim)
+    return rope(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), unsqueeze_dim)

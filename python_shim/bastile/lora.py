@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import ops
+from .ops.swiglu import swiglu
 
 
 def _lora_linear():
@@ -216,7 +216,7 @@ class _SwiGLUDown(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias, A, B, scale, p):
         c = gate.dtype
         with torch.autocast(gate.device.type, enabled=False):
-            act = ops.swiglu(gate, up)
+            act = swiglu(gate, up)
             out = F.linear(act, weight.to(c), None if bias is None else bias.to(c))
             ha = adapters = None
             if A is not None:
@@ -232,7 +232,7 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up, weight, bias, B, ha = ctx.saved_tensors
         c = gate.dtype
-        act = ops.swiglu(gate, up)
+        act = swiglu(gate, up)
         flat_grad, flat_act = grad.reshape(-1, grad.shape[-1]), act.reshape(-1, act.shape[-1])
         grad_weight = grad_bias = dA = dB = None
         if ctx.needs_input_grad[2]:
@@ -254,11 +254,11 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.
     recomputed in the backward; any other module is called on the activation."""
     plain = type(down) is nn.Linear and not _hooked(down)
     if not plain and why_not(down) is not None:
-        return down(ops.swiglu(gate, up))
+        return down(swiglu(gate, up))
     weight, bias, A, B, scale, p = _parts(down)
     c = _node_dtype(gate, [weight])
     if c is None:
-        return down(ops.swiglu(gate, up))
+        return down(swiglu(gate, up))
     return _SwiGLUDown.apply(gate.to(c), up.to(c), weight, bias, A, B, scale, p)
 
 

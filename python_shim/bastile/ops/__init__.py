@@ -1,0 +1,10 @@
+"""The ops, one module each: `bastile.ops.<op>` holds the function `<op>` (also `bastile.<op>`), a thin
+alias of torch.ops.bastile.<op> with HF-style defaults, and for rms_norm and swiglu the nn.Module built on
+it:
+
+    from bastile.ops.rms_norm import BastileRMSNorm, rms_norm
+    from bastile.ops.swiglu import BastileSwiGLUMLP, swiglu
+"""
+from . import fused_linear_cross_entropy, geglu, qk_norm_rope, rms_norm, rope, swiglu
+
+__all__ = ["fused_linear_cross_entropy", "geglu", "qk_norm_rope", "rms_norm", "rope", "swiglu"]
