@@ -1,11 +1,16 @@
-"""The project's original API, as its documentation writes it: op modules under bastile.ops."""
+"""The project's original API, as its documentation writes it: op modules under bastile.ops, apply's `moe`,
+reset() then reset([...]), and families by name."""
 import sys
 
+import pytest
 import torch
 from transformers import Qwen3Config
+from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.qwen3 import modeling_qwen3
 
 import bastile
+
+HF_NORM = modeling_qwen3.Qwen3RMSNorm.forward  # read before any test patches it
 
 
 def test_op_modules_hold_the_functions_and_modules():
@@ -36,3 +41,41 @@ def test_bastile_ops_names_modules_only():
     assert bastile.ops.rms_norm is by_import is sys.modules["bastile.ops.rms_norm"]
     for op in ["rms_norm", "swiglu", "rope", "qk_norm_rope", "fused_linear_cross_entropy", "geglu"]:
         assert getattr(getattr(bastile.ops, op), op) is getattr(bastile, op)
+
+
+def test_apply_moe_is_the_gpt_oss_experts_activation():
+    names = bastile.apply(rms_norm=True, moe=True, rope=True, swiglu=False)
+    assert "geglu_gpt_oss" in names and not any(n.startswith("swiglu_") for n in names)
+    assert modeling_gpt_oss.GptOssExperts._apply_gate is bastile.hf.gpt_oss_apply_gate
+    bastile.reset()
+    assert "geglu_gpt_oss" not in bastile.apply(moe=False)
+    assert "geglu_gpt_oss" in bastile.apply(geglu=True, moe=True)
+    with pytest.raises(ValueError, match="geglu=True and moe=False disagree"):
+        bastile.apply(geglu=True, moe=False)
+
+
+def test_reset_all_then_by_name():
+    bastile.apply()
+    assert "rms_norm_qwen3" in bastile.reset()
+    assert bastile.reset(["rms_norm_qwen3"]) == []  # not active: harmless, as applying twice is
+    assert modeling_qwen3.Qwen3RMSNorm.forward is HF_NORM
+
+
+def test_reset_a_name_given_twice_restores_it_once():
+    bastile.apply(families=["qwen3"])
+    assert bastile.reset(["rms_norm_qwen3", "rms_norm_qwen3"]) == ["rms_norm_qwen3"]
+    assert modeling_qwen3.Qwen3RMSNorm.forward is HF_NORM
+
+
+def test_reset_an_unknown_name_restores_nothing():
+    bastile.apply(families=["qwen3"])
+    with pytest.raises(ValueError, match=r"bastile.reset: unknown patches \['rms_norm_qwen4'\]; the patches are: "):
+        bastile.reset(["rms_norm_qwen3", "rms_norm_qwen4"])
+    assert "rms_norm_qwen3" in bastile.get_patched_ops()
+    assert modeling_qwen3.Qwen3RMSNorm.forward is bastile.hf.rms_norm_forward
+
+
+def test_apply_takes_one_family_by_name():
+    names = bastile.apply(families="qwen3")
+    assert names == ["rms_norm_qwen3", "swiglu_qwen3", "rope_qwen3", "fused_linear_cross_entropy_qwen3"]
+    assert bastile.get_patched_ops() == sorted(names)

@@ -55,8 +55,6 @@ def test_apply_reset_round_trip_restores_original_objects():
     assert bastile.get_patched_ops() == []
     for (owner, attr), original in ORIGINALS.items():
         assert owner.__dict__[attr] is original, (owner, attr)
-    with pytest.raises(ValueError, match="not active"):
-        bastile.reset(["rms_norm_qwen3"])
 
 
 # swiglu_qwen3_moe has two targets: the experts' gate and the dense MLP of mlp_only layers.

@@ -96,13 +96,19 @@ def supported_families() -> List[str]:
 
 
 def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_linear_cross_entropy: bool = True,
-          geglu: bool = True, model=None, families: Optional[Sequence[str]] = None) -> List[str]:
-    """Patches the selected ops for the given families (all supported ones by default, or the
-    family of `model`, an HF model instance). Works before or after the model is built, since it
-    replaces class attributes and module functions. Returns the names `<op>_<family>` of the patches
-    active from this call, e.g. ['rms_norm_qwen3', 'swiglu_qwen3', ...]. Applying twice is harmless."""
+          geglu: Optional[bool] = None, model=None, families: Optional[Sequence[str]] = None,
+          moe: Optional[bool] = None) -> List[str]:
+    """Patches the selected ops for the given families (all supported ones by default, one family by
+    name, or the family of `model`, an HF model instance). Works before or after the model is built,
+    since it replaces class attributes and module functions. Returns the names `<op>_<family>` of the
+    patches active from this call, e.g. ['rms_norm_qwen3', 'swiglu_qwen3', ...]. Applying twice is
+    harmless. `moe` is the original name of `geglu` (GPT-OSS's experts' activation, on by default)."""
+    if geglu is not None and moe is not None and geglu != moe:
+        raise ValueError(f"bastile.apply: geglu={geglu} and moe={moe} disagree, but they name one patch "
+                         "(moe is geglu's original name)")
     selected = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope,
-                "fused_linear_cross_entropy": fused_linear_cross_entropy, "geglu": geglu}
+                "fused_linear_cross_entropy": fused_linear_cross_entropy,
+                "geglu": next((v for v in (geglu, moe) if v is not None), True)}
     if model is not None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in supported_families():
@@ -110,6 +116,7 @@ def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_l
                              f"supported: {', '.join(supported_families())}")
         families = [model_type]
     elif families is not None:
+        families = [families] if isinstance(families, str) else list(families)
         unknown = sorted(set(families) - set(supported_families()))
         if unknown:
             raise ValueError(f"bastile.apply: unknown families {unknown}; supported: {', '.join(supported_families())}")
@@ -136,11 +143,17 @@ def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_l
 
 
 def reset(names: Optional[Sequence[str]] = None) -> List[str]:
-    """Restores the originals of the named patches (all by default); returns the names restored."""
-    names = list(_active) if names is None else list(names)
-    unknown = [n for n in names if n not in _active]
+    """Restores the originals of the named patches (all by default); returns the names restored. As
+    applying twice is, resetting a patch that is not active, or naming one twice, is harmless; an unknown
+    name raises before anything is restored."""
+    if names is None:
+        names = list(_active)
+    names = list(dict.fromkeys([names] if isinstance(names, str) else names))
+    known = {p.name for p in PATCHES}
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"bastile.reset: not active: {unknown}; active: {sorted(_active)}")
+        raise ValueError(f"bastile.reset: unknown patches {unknown}; the patches are: {', '.join(sorted(known))}")
+    names = [n for n in names if n in _active]
     for name in names:
         for owner, attr, original in reversed(_active.pop(name)):
             if original is None:
