@@ -1,6 +1,9 @@
 """The project's original API, as its documentation writes it: op modules under bastile.ops, apply's `moe`,
-reset() then reset([...]), and families by name."""
+reset() then reset([...]), families by name, and the library-wide controls on a machine without a GPU."""
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +82,13 @@ def test_apply_takes_one_family_by_name():
     names = bastile.apply(families="qwen3")
     assert names == ["rms_norm_qwen3", "swiglu_qwen3", "rope_qwen3", "fused_linear_cross_entropy_qwen3"]
     assert bastile.get_patched_ops() == sorted(names)
+
+
+def test_controls_without_a_gpu_do_nothing():
+    """The same script runs where there is no GPU: nothing to warm up, no cache to clear."""
+    script = ("import torch, bastile\nassert not torch.cuda.is_available()\n"
+              "assert bastile.warmup_all_kernels() is None and bastile.clear_autotune_cache() is None\n")
+    shim = str(Path(__file__).resolve().parent.parent / "python_shim")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": shim, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr

@@ -194,8 +194,6 @@ def test_warmup_and_clear_cache():
     x, w = torch.randn(3, 8), torch.randn(8)
     torch.testing.assert_close(bastile.rms_norm(x, w), w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     if not CUDA:
-        with pytest.raises(RuntimeError, match="no CUDA device"):
-            bastile.warmup_all_kernels()
         return
     bastile.warmup_all_kernels()
     bastile.warmup_all_kernels(torch.device("cuda", 0))

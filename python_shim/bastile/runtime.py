@@ -8,9 +8,10 @@ from . import _library  # noqa: F401  (loads the ops)
 
 def warmup_all_kernels(device: Optional[torch.device] = None) -> None:
     """Loads every Bastile kernel module on `device` (default: the current CUDA device), so the first
-    training step does not pay for it. Raises RuntimeError when there is no CUDA device."""
+    training step does not pay for it. Without a CUDA device there is nothing to load: it returns, so that
+    one script runs on a laptop and on the cluster."""
     if not torch.cuda.is_available():
-        raise RuntimeError("bastile.warmup_all_kernels: no CUDA device is available")
+        return
     index = torch.device(device).index if device is not None else None
     torch.ops.bastile.warmup(torch.cuda.current_device() if index is None else index)
 
