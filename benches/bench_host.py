@@ -11,7 +11,6 @@ import sys
 import time
 
 import torch
-from common import device  # noqa: F401  (puts python_shim on the path)
 
 import bastile  # noqa: F401  (loads torch.ops.bastile)
 

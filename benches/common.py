@@ -5,15 +5,12 @@ import csv
 import importlib.metadata
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python_shim"))
 
 # torch.compile keeps one graph per shape and grad mode of a function; a benchmark sweeps more than the
 # default 8 and must not fall back to eager silently.

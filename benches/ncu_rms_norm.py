@@ -6,7 +6,6 @@ launch__grid_size,launch__block_size,launch__registers_per_thread python3 benche
 import types
 
 import torch
-from common import environment  # noqa: F401  (puts python_shim on the path)
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import bastile  # noqa: F401

@@ -27,6 +27,13 @@ pub extern "C" fn bastile_torch_version() -> *const std::os::raw::c_char {
     VERSION.as_ptr().cast()
 }
 
+/// The crate's version (Cargo.toml), which is `bastile.__version__`.
+#[no_mangle]
+pub extern "C" fn bastile_version() -> *const std::os::raw::c_char {
+    static VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
+    VERSION.as_ptr().cast()
+}
+
 /// The `_GLIBCXX_USE_CXX11_ABI` of the torch this library was built against (0 or 1), which the running
 /// torch's must equal: the two ABIs lay out std::string differently.
 #[no_mangle]

@@ -1,14 +1,11 @@
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python_shim"))
-import bastile  # noqa: E402
+import bastile
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

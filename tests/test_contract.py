@@ -379,7 +379,7 @@ for contract in t.CONTRACTS.values():
 print(before, threads())
 """
     here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent / "python_shim")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=here, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr

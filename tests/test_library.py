@@ -1,5 +1,6 @@
 """Loading libbastile.so: where it is found, and the errors a user sees when it cannot be used."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +10,9 @@ import torch
 
 import bastile
 
-SHIM = str(Path(__file__).resolve().parent.parent / "python_shim")
-
-
 def run_import(code: str, **env):
     """Imports bastile in a fresh interpreter (after `code`) and returns (exit code, stderr)."""
-    full_env = {**os.environ, "PYTHONPATH": SHIM, **env}
+    full_env = {**os.environ, **env}
     p = subprocess.run([sys.executable, "-c", f"{code}\nimport bastile"], env=full_env, capture_output=True,
                        text=True, timeout=300)
     return p.returncode, p.stderr
@@ -53,7 +51,8 @@ def test_library_for_another_minor_release_is_refused():
     assert code != 0
     assert (f"ImportError: bastile: {bastile.library_path} cannot run here: it was built against torch "
             f"{torch.__version__} but torch {other} is running, and the C++ ABI changes between minor releases; "
-            f"install torch {MAJOR}.{MINOR}.x or rebuild Bastile against this torch (`make build`)") in err
+            f"install torch {MAJOR}.{MINOR}.x or rebuild Bastile against this torch (`pip install "
+            "--no-build-isolation .` in its source, or `make build`)") in err
 
 
 def test_library_for_the_other_cxx11_abi_is_refused():
@@ -70,3 +69,28 @@ def test_torch_without_cuda_is_refused():
     assert code != 0
     assert (f"ImportError: bastile: torch {torch.__version__} is not a CUDA build (torch.version.cuda is None), and "
             f"{bastile.library_path} links torch's CUDA library (libc10_cuda.so)") in err
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_installed_package_carries_its_library_and_torch():
+    """`import bastile` from outside the source tree finds the installed wheel, with libbastile.so inside it
+    (the tests run against the wheel, so a file it lacks fails them), and the wheel's metadata names the
+    torch release it was built for."""
+    shim = str(ROOT / "python_shim")
+    path = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != shim)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BASTILE_LIBRARY")}
+    p = subprocess.run([sys.executable, "-c", "import importlib.metadata as m, bastile\n"
+                        "print(bastile.__file__, bastile.library_path, bastile.__version__, m.version('bastile'))\n"
+                        "print(*m.requires('bastile'), sep=';')"],
+                       env={**env, **({"PYTHONPATH": path} if path else {})}, cwd="/", capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    (init, library, version, dist_version), requires = p.stdout.split("\n")[0].split(), p.stdout.split("\n")[1]
+    package = Path(init).parent
+    crate = re.search(r'^version = "(.*)"', (ROOT / "Cargo.toml").read_text(), re.M).group(1)
+    assert version == crate and dist_version == f"{crate}+torch{MAJOR}.{MINOR}"
+    assert package != ROOT / "python_shim" / "bastile" and (package.parent / f"bastile-{dist_version}.dist-info").is_dir()
+    assert Path(library) == package / "libbastile.so"
+    assert f"torch=={MAJOR}.{MINOR}.*" in requires.split(";")

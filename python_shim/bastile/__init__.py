@@ -5,6 +5,7 @@
 """
 from . import ops
 from ._library import PATH as library_path
+from ._library import VERSION as __version__
 from .modules import BastileRMSNorm, BastileSwiGLUMLP
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.geglu import geglu
@@ -18,4 +19,3 @@ from .runtime import clear_autotune_cache, warmup_all_kernels
 __all__ = ["apply", "reset", "get_patched_ops", "lora_modules", "supported_families", "warmup_all_kernels",
            "clear_autotune_cache", "ops", "rms_norm", "swiglu", "rope", "qk_norm_rope",
            "fused_linear_cross_entropy", "geglu", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
-__version__ = "0.1.0"
