@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import bastile
-from conftest import CUDA, DEVICES, rel_err
+from conftest import CUDA, DEVICES, needs_cuda, rel_err
 from test_qwen3_training import assert_params_close, batches, mini_qwen3, train
 
 TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
@@ -175,6 +175,90 @@ def test_fsdp2_cuda_bf16_matches_hf(cuda_runs, job):
     ranks = cuda_runs[job]
     assert ranks[0]["bastile"]["fused_loss"]
     assert_parity(ranks, 1e-2, 3e-2)
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO-3, one GPU
+
+ZERO3_STEPS = 6
+ZERO3_LR = 3e-3
+ZERO3_JOBS = {"untied": (False, None), "tied": (True, None), "lora": (False, 8)}  # (tied head, LoRA rank)
+# Every parameter partitioned (the default keeps those under 1e5 elements whole, the mini model's head among
+# them); DeepSpeed's optimizer as torch's AdamW, so no DeepSpeed extension is compiled.
+ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "optimizer": {"type": "AdamW", "params": {"lr": ZERO3_LR, "torch_adam": True}}}
+
+
+def _zero3_worker(rank, port, out, jobs):
+    """For each job, trains under ZeRO-3 unpatched then patched; saves the per-step losses, whether the LM
+    head was partitioned when each step began, whether the loss took the fused path (no logits), and the
+    gathered initial and final parameters."""
+    import deepspeed
+    from peft import LoraConfig, get_peft_model
+    from test_lora import SEVEN
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl")
+    data = batches(ZERO3_STEPS, 1, 2, 64, torch.device("cuda", 0), 0.3)
+    results = {}
+    for job, (tie, rank_lora) in jobs.items():
+        results[job] = {}
+        for mode in ("hf", "bastile"):
+            bastile.reset()
+            if mode == "bastile":
+                bastile.apply()
+            model = mini_qwen3("cuda", torch.float32, vocab_size=VOCAB, tie_word_embeddings=tie)
+            if rank_lora:
+                model = get_peft_model(model, LoraConfig(r=rank_lora, lora_alpha=16, target_modules=SEVEN))
+            engine, *_ = deepspeed.initialize(model=model, config=ZERO3_CONFIG,
+                                              model_parameters=[p for p in model.parameters() if p.requires_grad])
+            head = model.get_output_embeddings()
+            with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+            partitioned, logits, losses = [], [], []
+            for (ids, labels), in data:
+                partitioned.append(head.weight.numel() == 0)
+                output = engine(input_ids=ids, labels=labels)
+                logits.append(output.logits is not None)
+                engine.backward(output.loss)
+                engine.step()
+                losses.append(output.loss.item())
+            with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+            results[job][mode] = {"losses": losses, "partitioned": all(partitioned), "logits": any(logits),
+                                  "initial": initial, "params": params}
+            engine.destroy()
+    bastile.reset()
+    torch.save(results, out / "zero3.pt")
+    dist.destroy_process_group()
+    os._exit(0)  # as _parallel_worker: no interpreter shutdown after the results are saved
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("zero3")
+    mp.spawn(_zero3_worker, args=(_free_port(), out, ZERO3_JOBS), nprocs=1, join=True)
+    return torch.load(out / "zero3.pt")
+
+
+@needs_cuda
+@pytest.mark.parametrize("job", list(ZERO3_JOBS))
+def test_deepspeed_zero3_matches_hf(zero3_runs, job):
+    """ZeRO-3 keeps lm_head's weight an empty placeholder outside lm_head's forward, which the fused loss
+    never calls. Inside the engine's forward the patched model reads it through lm_head, which gathers it,
+    and its losses and trained parameters (the head's included, whose gradient ZeRO-3 reduces from the
+    fused op) follow unpatched ZeRO-3's."""
+    hf, ours = zero3_runs[job]["hf"], zero3_runs[job]["bastile"]
+    assert hf["partitioned"] and ours["partitioned"], "the head was not partitioned: the test is vacuous"
+    assert hf["logits"] and not ours["logits"], "the patched loss did not take the fused path"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], hf["losses"]))
+    assert worst < 1e-4, f"per-step losses differ by {worst:.2e} relative\n{ours['losses']}\n{hf['losses']}"
+    if not ZERO3_JOBS[job][1]:  # the head trains, and moves far more than the tolerance below: a lost gradient shows
+        head = ([n for n in hf["params"] if n.endswith("lm_head.weight")] or ["model.embed_tokens.weight"])[0]
+        assert (hf["params"][head] - hf["initial"][head]).norm() > 1e-2 * hf["initial"][head].norm()
+    assert_params_close(ours["params"], hf["params"], 1e-3)
 
 
 # ---------------------------------------------------------------- activation checkpointing, per op

@@ -189,6 +189,36 @@ def test_custom_loss_function_is_respected():
     assert out.loss.item() == 42.0 and out.logits is not None
 
 
+@pytest.mark.parametrize("how", ["hook", "replaced forward", "zero3 placeholder"])
+def test_hooked_lm_head_runs_as_hf(how):
+    """The fused loss never calls lm_head, so a head whose forward is hooked or replaced (a user's hook,
+    accelerate's offloading) runs HF's head and loss, with a warning: the hook sees the logits. So does a
+    DeepSpeed ZeRO-3 head whose weight is still the empty placeholder (here a stand-in: the weight filled
+    by a pre-hook and emptied after the forward, as ZeRO-3 does); tests/test_distributed.py has the real
+    ZeRO-3, where the weight is gathered and the fused loss runs."""
+    ref = tiny_qwen3().train()
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    seen = []
+    for m in (ref, model):
+        if how == "hook":
+            m.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+        elif how == "replaced forward":
+            m.lm_head.forward = lambda x, head=m.lm_head: seen.append(x.shape) or torch.nn.Linear.forward(head, x)
+        else:
+            full, head = m.lm_head.weight.data, m.lm_head
+            head.weight.ds_id, head.weight.data = 0, torch.empty(0)
+            head.register_forward_pre_hook(lambda mod, args: setattr(mod.weight, "data", full))
+            head.register_forward_hook(lambda mod, args, out: seen.append(out.shape)
+                                       or setattr(mod.weight, "data", torch.empty(0)))
+    ids = torch.randint(0, 512, (2, 12))
+    with pytest.warns(UserWarning, match="lm_head.s forward is hooked or replaced"):
+        out = model(input_ids=ids, labels=ids)
+    expected = ref(input_ids=ids, labels=ids)
+    assert len(seen) == 2 and out.logits is not None
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=0)
+
+
 def test_warmup_and_clear_cache():
     bastile.clear_autotune_cache()
     x, w = torch.randn(3, 8), torch.randn(8)

@@ -4,6 +4,7 @@ Each keeps its HF signature and falls back to HF's own math where a Bastile op d
 activation, a wrapped LM head, a custom loss), so a patched model always computes what HF would.
 """
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -86,9 +87,25 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask=N
 
 
 def _fused_loss_applies(model, labels) -> bool:
-    """Training with labels, a plain linear LM head and HF's default loss: the logits are never needed."""
-    return (labels is not None and model.training and type(model.get_output_embeddings()) is nn.Linear
-            and not hasattr(model, "_loss_function"))
+    """Training with labels, a plain linear LM head and HF's default loss: the logits are never needed.
+    The fused loss reads lm_head's parameters without calling lm_head, so a head whose forward is hooked
+    or replaced (accelerate's offloading, a user's hook) runs as HF's. DeepSpeed ZeRO-3 hooks every
+    module and keeps a parameter an empty placeholder outside its module's forward, but inside its
+    engine's forward, reading the parameter through its module (as here) gathers it for the module
+    running (DeepSpeed's external parameters), and ZeRO-3 reduces the gradient the fused op gives it;
+    a placeholder still empty (a ZeRO-3 model called outside its engine) runs as HF's."""
+    head = model.get_output_embeddings()
+    if labels is None or not model.training or type(head) is not nn.Linear or hasattr(model, "_loss_function"):
+        return False
+    if hasattr(head.weight, "ds_id"):
+        usable = head.weight.numel() > 0
+    else:
+        usable = not (lora.hooked(head) or "forward" in vars(head))
+    if not usable:
+        warnings.warn("bastile: lm_head's forward is hooked or replaced, or its weight is a ZeRO-3 placeholder, "
+                      "and the fused cross-entropy never calls lm_head: HF's head and loss run instead",
+                      stacklevel=3)
+    return usable
 
 
 def _causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,

@@ -32,7 +32,7 @@ def _lora_linear():
     return getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
 
 
-def _hooked(module: nn.Module) -> bool:
+def hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
@@ -42,7 +42,7 @@ def why_not(module: nn.Module) -> Optional[str]:
     if type(module) is nn.Linear:
         if any(p.requires_grad for p in module.parameters()):
             return "trainable nn.Linear (a full fine-tune has no adapter to fuse)"
-        return "forward hooks" if _hooked(module) else None
+        return "forward hooks" if hooked(module) else None
     if type(module) is not _lora_linear():
         return f"{type(module).__name__} is not a PEFT lora.Linear"
     if module.disable_adapters:
@@ -64,7 +64,7 @@ def why_not(module: nn.Module) -> Optional[str]:
         return "trainable base layer"
     if not isinstance(module.lora_dropout[name], (nn.Identity, nn.Dropout)):
         return f"dropout is {type(module.lora_dropout[name]).__name__}"
-    if _hooked(module) or _hooked(base):
+    if hooked(module) or hooked(base):
         return "forward hooks"
     return None
 
@@ -252,7 +252,7 @@ class _SwiGLUDown(torch.autograd.Function):
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.Tensor:
     """down(swiglu(gate, up)) for a plain nn.Linear or an eligible LoRA-wrapped one, the activation
     recomputed in the backward; any other module is called on the activation."""
-    plain = type(down) is nn.Linear and not _hooked(down)
+    plain = type(down) is nn.Linear and not hooked(down)
     if not plain and why_not(down) is not None:
         return down(swiglu(gate, up))
     weight, bias, A, B, scale, p = _parts(down)
