@@ -4,10 +4,11 @@ ranked by CUDA time and grouped into categories.
     python benches/bench_profile.py                        # Bastile, Qwen3-0.6B, seq 4096 x batch 2
     python benches/bench_profile.py --mode hf              # the same step in HF eager, for comparison
     python benches/bench_profile.py --model 1.7B --seq 8192 --batch 1 --top 40
+    python benches/bench_profile.py --model 1.7B --lora 16 --warmup 10   # PEFT LoRA, as bench_e2e --lora
     python benches/bench_profile.py --smoke                # tiny model on the CPU (CPU op times): checks the script
 
 The step is bench_e2e.py's (same model, data and optimizer; --mode is any of its modes). Wall time per step:
-CUDA events around --warmup further steps. Kernel time: the duration of every kernel (and memcpy/memset)
+CUDA events around each of --warmup further steps (their mean, and each one printed). Kernel time: the duration of every kernel (and memcpy/memset)
 the profiler records in one step, summed per name; "% of GPU time" is of the sum over all kernels of the
 step, "% of step wall" of the unprofiled wall time per step. Categories: bastile (our kernels, named
 <op>_<tags> after their family: rms_norm_*, swiglu_*, rope_*, ...), attention, GEMM (cuBLAS/CUTLASS; the fused cross-entropy's
@@ -16,6 +17,7 @@ $OUT or bench-results/ (--trace adds the Chrome trace, large).
 """
 import argparse
 import re
+import time
 from collections import defaultdict
 
 import torch
@@ -64,6 +66,7 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3, help="steps before the profiled one (compilation happens there)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--lora", type=int, default=0, metavar="R", help="PEFT LoRA of rank R, as bench_e2e --lora")
     ap.add_argument("--trace", action="store_true", help="also write the Chrome trace (tens of MB)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny model, seq 64, on the CPU")
@@ -73,21 +76,32 @@ def main():
     use_device(args.device)
     on_cuda = args.device == "cuda"
     print(environment(), flush=True)
-    print(f"Qwen3-{args.model}, {args.mode}, seq {args.seq} x batch {args.batch}, bf16, fused AdamW, SDPA", flush=True)
+    print(f"Qwen3-{args.model}, {args.mode}, seq {args.seq} x batch {args.batch}, bf16, fused AdamW, SDPA"
+          + (f", LoRA r={args.lora}" if args.lora else ""), flush=True)
 
-    net, opt = build(args.mode, args.model, args.device)
+    net, opt = build(args.mode, args.model, args.device, lora=args.lora)
     data = tokens(qwen3(args.model)["vocab_size"], 2 * args.warmup + 1, args.batch, args.seq, args.device)
     for i in range(args.warmup):
         train_step(net, opt, data[i])
     sync(args.device)
-    if on_cuda:  # wall time of the step, unprofiled
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(args.warmup, 2 * args.warmup):
-            train_step(net, opt, data[i])
-        end.record()
+    if on_cuda:  # wall time of each step, unprofiled
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(args.warmup + 1)]
+        events[0].record()
+        for i in range(args.warmup):
+            train_step(net, opt, data[args.warmup + i])
+            events[i + 1].record()
         sync(args.device)
-        step_ms = start.elapsed_time(end) / args.warmup
+        steps_ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        step_ms = sum(steps_ms) / args.warmup
+        print("unprofiled steps (ms): " + " ".join(f"{t:.1f}" for t in steps_ms), flush=True)
+        # From an idle GPU, the host's time to issue a step against the step's time: close, the step is
+        # bound by the host (Python, dispatch, launches), not by the GPU.
+        t0 = time.perf_counter()
+        train_step(net, opt, data[0])
+        issued = time.perf_counter() - t0
+        sync(args.device)
+        print(f"one step from an idle GPU: issued in {issued * 1e3:.1f} ms, done in "
+              f"{(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
         train_step(net, opt, data[-1])
@@ -95,7 +109,7 @@ def main():
     times = kernel_times(prof, on_cuda)
     total = sum(t for t, _ in times.values())
 
-    stem = f"profile-{args.mode}"
+    stem = f"profile-{args.mode}" + (f"-lora{args.lora}" if args.lora else "")
     kernels = sorted(times.items(), key=lambda kv: -kv[1][0])
     rows = [{"kernel": name, "category": category(name), "calls": calls, "total_us": f"{us:.1f}",
              "pct": f"{100 * us / total:.2f}"} for name, (us, calls) in kernels]
