@@ -156,6 +156,14 @@ class _Adapters:
         return out
 
 
+def _plus_product(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
+    """out + alpha * m1 @ m2, written into out through a view of it. Not into out itself: torch.compile
+    (2.11) loses every gradient of a Function whose forward mutates a tensor it returns, but not when the
+    mutation goes through a view."""
+    out.view(out.shape).addmm_(m1, m2, alpha=alpha)
+    return out
+
+
 class _Projections(torch.autograd.Function):
     """[x @ W_i^T + b_i + s_i * drop_i(x) @ A_i^T @ B_i^T] for the projections reading x [tokens, in];
     the base weights and biases are frozen. `parts`: per projection (W, b, A, B), A and B None without an
@@ -171,10 +179,8 @@ class _Projections(torch.autograd.Function):
             adapters = _Adapters([projections[i][2] for i in adapted], [ps[i] for i in adapted],
                                  [scales[i] for i in adapted])
             xa = adapters.forward(x)
-            # Out of place: torch.compile (2.11) loses every gradient of a Function whose forward
-            # mutates one of its outputs.
             for i, part in zip(adapted, xa.split(adapters.ranks, 1)):
-                outs[i] = outs[i].addmm(part, projections[i][3].to(c).t(), alpha=scales[i])
+                outs[i] = _plus_product(outs[i], part, projections[i][3].to(c).t(), scales[i])
         ctx.adapters, ctx.adapted = adapters, adapted
         ctx.save_for_backward(x, xa, *(t for w, _, _, b in projections for t in (w, b)))
         return tuple(outs)
@@ -223,7 +229,7 @@ class _SwiGLUDown(torch.autograd.Function):
                 flat = act.reshape(-1, act.shape[-1])
                 adapters = _Adapters([A], [p], [scale])
                 ha = adapters.forward(flat)
-                out = out.view(-1, out.shape[-1]).addmm(ha, B.to(c).t(), alpha=scale).view(out.shape)  # as above
+                out = _plus_product(out.view(-1, out.shape[-1]), ha, B.to(c).t(), scale).view(out.shape)
         ctx.adapters = adapters
         ctx.save_for_backward(gate, up, weight, bias, B, ha)
         return out
