@@ -14,6 +14,9 @@ Qwen3 of test_qwen3_training.
   must take HF's loss there (it does: the head is no longer a plain nn.Linear) and still match. On >= 2
   GPUs, NCCL with a bf16 MixedPrecisionPolicy (fp32 master weights and reduction), tied and untied: losses
   within 1e-2 relative as in the single-GPU bf16 test.
+- DeepSpeed ZeRO-3 (one GPU, when deepspeed is installed): every parameter partitioned, so the LM head's
+  weight is a placeholder outside lm_head's forward; fp32, tied, untied and LoRA: per-step losses within
+  1e-4 relative of unpatched ZeRO-3's, the fused loss taken, trained parameters close (the head's too).
 - Activation checkpointing: every op under `torch.utils.checkpoint` (reentrant and not) gives bitwise the
   outputs and gradients it gives without (the op is shown to be recomputed); HF's
   `gradient_checkpointing_enable` (default = non-reentrant, reentrant, and offloading on CUDA) on the
