@@ -83,6 +83,28 @@ def test_training_matches_peft_cpu_fp32(family, dropout):
         assert train_seeded(again, data) == losses
 
 
+@pytest.mark.parametrize("how", ["hook", "replaced forward"])
+def test_hooked_base_layer_runs_its_module(how):
+    """A projection whose base layer's forward is hooked or replaced on the instance (accelerate's
+    offloading replaces it) is called as a module, which a fused node reading its weights would skip:
+    the hook runs on every call and training matches PEFT's."""
+    ref = with_lora(mini("qwen3", "cpu", torch.float32))
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    calls = []
+    for m in (ref, model):
+        base = m.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        if how == "hook":
+            base.register_forward_hook(lambda *_: calls.append(1))
+        else:
+            base.forward = lambda x, base=base: calls.append(1) or nn.Linear.forward(base, x)
+    report = bastile.lora_modules(model)
+    assert report["base_model.model.model.layers.0.self_attn.q_proj"] == "forward hooked or replaced", report
+    data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * 3
+    assert_losses_close(train_seeded(model, data), train_seeded(ref, data), 1e-5)
+    assert len(calls) == 2 * 3
+
+
 def test_peft_default_init_and_apply_before_get_peft_model():
     """The common setup: bastile.apply() on the classes, then get_peft_model with PEFT's defaults
     (B = 0, so only the adapters' gradients tell whether the nodes run right)."""

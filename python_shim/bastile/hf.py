@@ -100,7 +100,7 @@ def _fused_loss_applies(model, labels) -> bool:
     if hasattr(head.weight, "ds_id"):
         usable = head.weight.numel() > 0
     else:
-        usable = not (lora.hooked(head) or "forward" in vars(head))
+        usable = not lora.hooked(head)
     if not usable:
         warnings.warn("bastile: lm_head's forward is hooked or replaced, or its weight is a ZeRO-3 placeholder, "
                       "and the fused cross-entropy never calls lm_head: HF's head and loss run instead",

@@ -33,7 +33,9 @@ def _lora_linear():
 
 
 def hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Whether calling the module does more than its class's forward: forward hooks, or a forward replaced
+    on the instance (accelerate's offloading does that), which a fused node reading its weights would skip."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
 
 
 def why_not(module: nn.Module) -> Optional[str]:
@@ -42,7 +44,7 @@ def why_not(module: nn.Module) -> Optional[str]:
     if type(module) is nn.Linear:
         if any(p.requires_grad for p in module.parameters()):
             return "trainable nn.Linear (a full fine-tune has no adapter to fuse)"
-        return "forward hooks" if hooked(module) else None
+        return "forward hooked or replaced" if hooked(module) else None
     if type(module) is not _lora_linear():
         return f"{type(module).__name__} is not a PEFT lora.Linear"
     if module.disable_adapters:
@@ -65,7 +67,7 @@ def why_not(module: nn.Module) -> Optional[str]:
     if not isinstance(module.lora_dropout[name], (nn.Identity, nn.Dropout)):
         return f"dropout is {type(module.lora_dropout[name]).__name__}"
     if hooked(module) or hooked(base):
-        return "forward hooks"
+        return "forward hooked or replaced"
     return None
 
 
