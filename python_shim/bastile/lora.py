@@ -38,11 +38,16 @@ def hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
 
 
+def _trainable(linear: nn.Linear) -> bool:
+    """Whether an nn.Linear (no submodules: its own parameters are all of them) has a trainable one."""
+    return any(p is not None and p.requires_grad for p in linear._parameters.values())
+
+
 def why_not(module: nn.Module) -> Optional[str]:
     """None when `module` can run inside a fused node: a frozen nn.Linear, or a PEFT lora.Linear with one
     active plain LoRA adapter over a frozen nn.Linear. Else the reason it runs its own forward."""
     if type(module) is nn.Linear:
-        if any(p.requires_grad for p in module.parameters()):
+        if _trainable(module):
             return "trainable nn.Linear (a full fine-tune has no adapter to fuse)"
         return "forward hooked or replaced" if hooked(module) else None
     if type(module) is not _lora_linear():
@@ -62,7 +67,7 @@ def why_not(module: nn.Module) -> Optional[str]:
         return "LoRA bias"
     if type(base) is not nn.Linear:
         return f"base layer is {type(base).__name__}, not nn.Linear"
-    if any(p.requires_grad for p in base.parameters()):
+    if _trainable(base):
         return "trainable base layer"
     if not isinstance(module.lora_dropout[name], (nn.Identity, nn.Dropout)):
         return f"dropout is {type(module.lora_dropout[name]).__name__}"
