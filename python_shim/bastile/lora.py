@@ -105,6 +105,14 @@ def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return a.to(dtype).mm(b.to(dtype)) if dtype == torch.float32 else a.mm(b).to(dtype)
 
 
+def _addmm_(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
+    """out += m1 @ m2, written into out through a view of it. Not into out itself: torch.compile (2.11)
+    loses every gradient of a Function whose forward mutates a tensor it returns, but not when the
+    mutation goes through a view."""
+    out.view(out.shape).addmm_(m1, m2)
+    return out
+
+
 def _rng_state(device: torch.device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
@@ -120,55 +128,65 @@ def _dropout_scale(x: torch.Tensor, p: float, state: Optional[torch.Tensor] = No
         return F.dropout(torch.ones_like(x), p)
 
 
-class _Adapters:
-    """The rank-r side of a node's adapters that read one input x [tokens, in]: forward products
-    x_i @ A_i^T (one GEMM when none drops out) and, in the backward, their gradients."""
+def _cast(t: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """scale * t in `dtype`, rounded once, in one kernel (none for t already in dtype and unscaled)."""
+    if scale == 1.0 and t.dtype == dtype:
+        return t
+    return torch.mul(t, scale, out=t.new_empty(t.shape, dtype=dtype))
 
-    def __init__(self, As, ps, scales):
-        self.As, self.ps, self.scales = As, ps, scales
+
+def _stack(ts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """torch.cat(ts) in `dtype` in one kernel (none for one tensor already in dtype)."""
+    if len(ts) == 1:
+        return _cast(ts[0], dtype)
+    return torch.cat(ts, out=ts[0].new_empty((sum(len(t) for t in ts), ts[0].shape[1]), dtype=dtype))
+
+
+class _Adapters:
+    """The rank-r side of a node's adapters that read one input x [tokens, in]. Their weights are cast
+    once per call, in the forward: `weights` gives A = [A_1; A_2; ...] and each s_i * B_i in the compute
+    dtype (rank-sized, saved for the backward, which casts nothing). The forward's products x_i @ A_i^T
+    come from one GEMM when none drops out; the backward gives their gradients."""
+
+    def __init__(self, As, Bs, ps, scales):
+        self.ps, self.scales = ps, scales
         self.ranks = [a.shape[0] for a in As]
+        self.dtypes = [(a.dtype, b.dtype) for a, b in zip(As, Bs)]
         self.states = [None] * len(As)
 
-    def forward(self, x):
-        c = x.dtype
+    def weights(self, As, Bs, dtype):
+        return _stack(As, dtype), [_cast(b, dtype, s) for b, s in zip(Bs, self.scales)]
+
+    def forward(self, x, a):
         if not any(self.ps):
-            return x.mm(torch.cat([a.to(c) for a in self.As]).t())
+            return x.mm(a.t())
         parts = []
-        for i, (a, p) in enumerate(zip(self.As, self.ps)):
+        for i, (a_i, p) in enumerate(zip(a.split(self.ranks), self.ps)):
             if p:  # the state each mask is drawn from, in PEFT's order (q, k, v)
                 self.states[i] = _rng_state(x.device)
-            parts.append((x * _dropout_scale(x, p) if p else x).mm(a.to(c).t()))
+            parts.append((x * _dropout_scale(x, p) if p else x).mm(a_i.t()))
         return torch.cat(parts, 1)
 
-    def backward(self, x, xa, grads, Bs, grad_x):
+    def backward(self, x, xa, a, bs, grads, grad_x):
         """Adapter gradients (dA, dB per adapter) for the output gradients `grads`; adds the adapters'
         share of the input gradient to grad_x (when it is not None)."""
-        c = x.dtype
-        ts = [g.mm(b.to(c)).mul_(s) for g, b, s in zip(grads, Bs, self.scales)]
-        dBs = [_mm(g.t(), part, b.dtype).mul_(s)
-               for g, part, b, s in zip(grads, xa.split(self.ranks, 1), Bs, self.scales)]
+        ts = [g.mm(b) for g, b in zip(grads, bs)]  # s_i * g_i @ B_i: b is scaled
+        dBs = [_mm(g.t(), part, db) for g, part, (_, db) in zip(grads, xa.split(self.ranks, 1), self.dtypes)]
+        torch._foreach_mul_(dBs, self.scales)
         if not any(self.ps):
-            t = torch.cat(ts, 1)
+            t = torch.cat(ts, 1) if len(ts) > 1 else ts[0]
             if grad_x is not None:
-                grad_x.addmm_(t, torch.cat([a.to(c) for a in self.As]))
-            dAs = _mm(t.t(), x, self.As[0].dtype).split(self.ranks)
-            return [(dA.to(a.dtype), dB) for dA, a, dB in zip(dAs, self.As, dBs)]
+                _addmm_(grad_x, t, a)
+            dAs = _mm(t.t(), x, self.dtypes[0][0]).split(self.ranks)
+            return [(dA.to(da), dB) for dA, (da, _), dB in zip(dAs, self.dtypes, dBs)]
         out = []
-        for t, a, p, state, dB in zip(ts, self.As, self.ps, self.states, dBs):
+        for t, a_i, p, state, (da, _), dB in zip(ts, a.split(self.ranks), self.ps, self.states, self.dtypes, dBs):
             scale = _dropout_scale(x, p, state) if p else None
             if grad_x is not None:
-                share = t.mm(a.to(c))
+                share = t.mm(a_i)
                 grad_x.add_(share.mul_(scale) if p else share)
-            out.append((_mm(t.t(), x * scale if p else x, a.dtype), dB))
+            out.append((_mm(t.t(), x * scale if p else x, da), dB))
         return out
-
-
-def _plus_product(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
-    """out + alpha * m1 @ m2, written into out through a view of it. Not into out itself: torch.compile
-    (2.11) loses every gradient of a Function whose forward mutates a tensor it returns, but not when the
-    mutation goes through a view."""
-    out.view(out.shape).addmm_(m1, m2, alpha=alpha)
-    return out
 
 
 class _Projections(torch.autograd.Function):
@@ -181,28 +199,32 @@ class _Projections(torch.autograd.Function):
         c = x.dtype
         projections = [parts[i:i + 4] for i in range(0, len(parts), 4)]
         adapted = [i for i, (_, _, a, _) in enumerate(projections) if a is not None]
+        As, Bs = [projections[i][2] for i in adapted], [projections[i][3] for i in adapted]
+        adapters = _Adapters(As, Bs, [ps[i] for i in adapted], [scales[i] for i in adapted])
         with torch.autocast(x.device.type, enabled=False):
-            outs = [F.linear(x, w.to(c), None if b is None else b.to(c)) for w, b, _, _ in projections]
-            adapters = _Adapters([projections[i][2] for i in adapted], [ps[i] for i in adapted],
-                                 [scales[i] for i in adapted])
-            xa = adapters.forward(x)
-            for i, part in zip(adapted, xa.split(adapters.ranks, 1)):
-                outs[i] = _plus_product(outs[i], part, projections[i][3].to(c).t(), scales[i])
+            outs = [F.linear(x, _cast(w, c), None if b is None else _cast(b, c)) for w, b, _, _ in projections]
+            a, bs = adapters.weights(As, Bs, c)
+            xa = adapters.forward(x, a)
+            for i, part, b in zip(adapted, xa.split(adapters.ranks, 1), bs):
+                _addmm_(outs[i], part, b.t())
         ctx.adapters, ctx.adapted = adapters, adapted
-        ctx.save_for_backward(x, xa, *(t for w, _, _, b in projections for t in (w, b)))
+        # The base weights as they are: a copy cast for autocast would be kept as large as the weights.
+        ctx.save_for_backward(x, xa, a, *bs, *(w for w, _, _, _ in projections))
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, xa, *wb = ctx.saved_tensors
-        c, weights, Bs = x.dtype, wb[0::2], [wb[2 * i + 1] for i in ctx.adapted]
+        adapters, adapted = ctx.adapters, ctx.adapted
+        x, xa, a, *rest = ctx.saved_tensors
+        bs, weights = rest[:len(adapted)], rest[len(adapted):]
         grad_x = None
         if ctx.needs_input_grad[0]:
             for g, w in zip(grads, weights):
-                grad_x = g.mm(w.to(c)) if grad_x is None else grad_x.addmm_(g, w.to(c))
-        adapter_grads = ctx.adapters.backward(x, xa, [grads[i] for i in ctx.adapted], Bs, grad_x)
+                w = _cast(w, x.dtype)
+                grad_x = g.mm(w) if grad_x is None else _addmm_(grad_x, g, w)
+        adapter_grads = adapters.backward(x, xa, a, bs, [grads[i] for i in adapted], grad_x)
         out = [None] * (4 * len(grads))
-        for i, (dA, dB) in zip(ctx.adapted, adapter_grads):
+        for i, (dA, dB) in zip(adapted, adapter_grads):
             out[4 * i + 2], out[4 * i + 3] = dA, dB
         return (grad_x, None, None, *out)
 
@@ -230,21 +252,21 @@ class _SwiGLUDown(torch.autograd.Function):
         c = gate.dtype
         with torch.autocast(gate.device.type, enabled=False):
             act = swiglu(gate, up)
-            out = F.linear(act, weight.to(c), None if bias is None else bias.to(c))
-            ha = adapters = None
+            out = F.linear(act, _cast(weight, c), None if bias is None else _cast(bias, c))
+            ha = adapters = a = b = None
             if A is not None:
                 flat = act.reshape(-1, act.shape[-1])
-                adapters = _Adapters([A], [p], [scale])
-                ha = adapters.forward(flat)
-                out = _plus_product(out.view(-1, out.shape[-1]), ha, B.to(c).t(), scale).view(out.shape)
+                adapters = _Adapters([A], [B], [p], [scale])
+                a, (b,) = adapters.weights([A], [B], c)
+                ha = adapters.forward(flat, a)
+                _addmm_(out.view(-1, out.shape[-1]), ha, b.t())
         ctx.adapters = adapters
-        ctx.save_for_backward(gate, up, weight, bias, B, ha)
+        ctx.save_for_backward(gate, up, weight, bias, a, b, ha)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up, weight, bias, B, ha = ctx.saved_tensors
-        c = gate.dtype
+        gate, up, weight, bias, a, b, ha = ctx.saved_tensors
         act = swiglu(gate, up)
         flat_grad, flat_act = grad.reshape(-1, grad.shape[-1]), act.reshape(-1, act.shape[-1])
         grad_weight = grad_bias = dA = dB = None
@@ -253,10 +275,10 @@ class _SwiGLUDown(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[3]:
             grad_bias = flat_grad.sum(0, dtype=bias.dtype)
         grad_gate = grad_up = None
-        grad_act = grad.matmul(weight.to(c)) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
+        grad_act = grad.matmul(_cast(weight, gate.dtype)) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
         if ctx.adapters is not None:
             flat_grad_act = None if grad_act is None else grad_act.view(-1, grad_act.shape[-1])
-            ((dA, dB),) = ctx.adapters.backward(flat_act, ha, [flat_grad], [B], flat_grad_act)
+            ((dA, dB),) = ctx.adapters.backward(flat_act, ha, a, [b], [flat_grad], flat_grad_act)
         if grad_act is not None:
             grad_gate, grad_up = torch.ops.bastile.swiglu_backward(grad_act, gate, up)
         return grad_gate, grad_up, grad_weight, grad_bias, dA, dB, None, None
