@@ -105,11 +105,20 @@ def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return a.to(dtype).mm(b.to(dtype)) if dtype == torch.float32 else a.mm(b).to(dtype)
 
 
+@torch.library.custom_op("bastile_lora::addmm_", mutates_args=("out",))
+def _addmm_op(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> None:
+    out.addmm_(m1, m2)
+
+
 def _addmm_(out: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
-    """out += m1 @ m2, written into out through a view of it. Not into out itself: torch.compile (2.11)
-    loses every gradient of a Function whose forward mutates a tensor it returns, but not when the
-    mutation goes through a view."""
-    out.view(out.shape).addmm_(m1, m2)
+    """out += m1 @ m2 in place. Under torch.compile (2.11) through an opaque op, which Inductor keeps in
+    place: a plain addmm_ it makes out of place, which ATen runs as a copy of out and a GEMM (a [tokens, out]
+    device copy per call), and a Function whose forward mutates a tensor it returns that way loses its
+    gradients. Eager calls addmm_ itself: the op would add its dispatch time to every call."""
+    if torch.compiler.is_compiling():
+        _addmm_op(out, m1, m2)
+    else:
+        out.addmm_(m1, m2)
     return out
 
 
