@@ -34,11 +34,16 @@ def rms_norm_cast_after_weight_forward(self, hidden_states):
 _SILU = (nn.SiLU, SiLUActivation)
 
 
+def swiglu_mlp_why_not(self):
+    """None when swiglu_mlp_forward runs this MLP through its fused ops and nodes, else why not."""
+    return None if isinstance(self.act_fn, _SILU) else f"activation {type(self.act_fn).__name__} is not SiLU"
+
+
 def swiglu_mlp_forward(self, x):
     """`down(act(gate(x)) * up(x))` with the activation and product fused when the activation is SiLU,
     and the down projection fused with them so that the activation is not kept for the backward. PEFT
     LoRA adapters on the projections run in fused nodes (lora.py); anything else is called as a module."""
-    if not isinstance(self.act_fn, _SILU):
+    if swiglu_mlp_why_not(self) is not None:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     gate, up = lora.project(x, self.gate_proj, self.up_proj)
     return lora.swiglu_down(gate, up, self.down_proj)

@@ -167,7 +167,7 @@ def lora_modules(model) -> Dict[str, str]:
     """{qualified name: "fused", or why PEFT's own forward runs it} for every PEFT LoRA layer of `model`
     (adapters on other modules than the patched attention's and MLP's projections, DoRA, several active
     adapters, LoRA bias, quantized base layers... keep PEFT's path)."""
-    return lora.report(model, (hf.attention_forward, hf.swiglu_mlp_forward))
+    return lora.report(model, {hf.attention_forward: None, hf.swiglu_mlp_forward: hf.swiglu_mlp_why_not})
 
 
 def get_patched_ops() -> List[str]:
