@@ -180,6 +180,23 @@ def test_inference_outputs_match_hf(device):
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_training_tuple_has_hf_layout(family):
+    """return_dict=False in training with labels: HF's tuple, with None where HF has the logits (the fused
+    loss makes none), so `loss, logits = out[:2]` never binds the cache or the router's logits."""
+    from test_families import mini
+    ref = mini(family, "cpu", torch.float32)
+    ids = torch.randint(0, 512, (2, 16))
+    kw = dict(input_ids=ids, labels=ids, return_dict=False, output_router_logits=family == "qwen3_moe")
+    b = ref(**kw)
+    bastile.apply(model=ref)
+    a = ref(**kw)
+    logits_at = 2 if family == "qwen3_moe" else 1  # after the MoE aux loss
+    assert len(a) == len(b) and a[logits_at] is None and b[logits_at].shape == (2, 16, ref.config.vocab_size)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=0)
+    assert [type(t) for i, t in enumerate(a) if i != logits_at] == [type(t) for i, t in enumerate(b) if i != logits_at]
+
+
 def test_custom_loss_function_is_respected():
     model = tiny_qwen3().train()
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean() * 0 + 42.0

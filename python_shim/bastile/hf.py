@@ -3,6 +3,8 @@
 Each keeps its HF signature and falls back to HF's own math where a Bastile op does not apply (another
 activation, a wrapped LM head, a custom loss), so a patched model always computes what HF would.
 """
+import dataclasses
+import functools
 import sys
 import warnings
 
@@ -11,7 +13,6 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import can_return_tuple
 
 from . import lora
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -154,7 +155,24 @@ def _decoder_masks(model, attention_mask, position_ids, past_key_values):
     return attention_mask
 
 
-@can_return_tuple
+def hf_tuple(forward):
+    """HF's can_return_tuple (a tuple where return_dict=False is passed or set in the config), except that
+    the tuple keeps the logits' slot, None, where the fused loss made no logits. HF's to_tuple drops None
+    fields, so `loss, logits = out[:2]` would bind the cache as the logits."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        out = forward(self, *args, **kwargs)
+        if return_dict:
+            return out
+        return tuple(getattr(out, f.name) for f in dataclasses.fields(out)
+                     if getattr(out, f.name) is not None or (f.name == "logits" and out.loss is not None))
+    return wrapper
+
+
+@hf_tuple
 def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
@@ -168,7 +186,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-@can_return_tuple
+@hf_tuple
 def moe_causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                           inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
                           logits_to_keep=0, **kwargs):
