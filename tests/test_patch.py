@@ -183,11 +183,12 @@ def test_inference_outputs_match_hf(device):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_training_tuple_has_hf_layout(family):
     """return_dict=False in training with labels: HF's tuple, with None where HF has the logits (the fused
-    loss makes none), so `loss, logits = out[:2]` never binds the cache or the router's logits."""
+    loss makes none), so `loss, logits = out[:2]` never binds the cache or the router's logits. (A cache is
+    asked for: a training forward makes none unless asked, tests/test_families.py says why.)"""
     from test_families import mini
     ref = mini(family, "cpu", torch.float32)
     ids = torch.randint(0, 512, (2, 16))
-    kw = dict(input_ids=ids, labels=ids, return_dict=False, output_router_logits=family == "qwen3_moe")
+    kw = dict(input_ids=ids, labels=ids, return_dict=False, use_cache=True, output_router_logits=family == "qwen3_moe")
     b = ref(**kw)
     bastile.apply(model=ref)
     a = ref(**kw)
