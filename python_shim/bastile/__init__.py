@@ -3,7 +3,7 @@
     import bastile
     bastile.apply()        # patch HF Qwen3/Llama/Qwen2/Mistral before or after building the model
 """
-from . import ops
+from . import data, ops
 from ._library import PATH as library_path
 from ._library import VERSION as __version__
 from .modules import BastileRMSNorm, BastileSwiGLUMLP
@@ -17,5 +17,5 @@ from .patch import apply, get_patched_ops, lora_modules, reset, supported_famili
 from .runtime import clear_autotune_cache, warmup_all_kernels
 
 __all__ = ["apply", "reset", "get_patched_ops", "lora_modules", "supported_families", "warmup_all_kernels",
-           "clear_autotune_cache", "ops", "rms_norm", "swiglu", "rope", "qk_norm_rope",
+           "clear_autotune_cache", "data", "ops", "rms_norm", "swiglu", "rope", "qk_norm_rope",
            "fused_linear_cross_entropy", "geglu", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]

@@ -63,7 +63,8 @@ def load():
         raise ImportError(f"bastile: {path} cannot run here: {why}")
     torch.ops.load_library(str(path))
     lib.bastile_version.restype = ctypes.c_char_p
-    return path, lib.bastile_version().decode()
+    return path, lib.bastile_version().decode(), lib
 
 
-PATH, VERSION = load()
+# LIB: the library through ctypes, for its plain C entry points (bastile_pack).
+PATH, VERSION, LIB = load()
