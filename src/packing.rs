@@ -14,6 +14,15 @@ use std::cmp::Reverse;
 /// percent, small enough that 1M sequences make 16 shards for the threads.
 pub const SHARD: usize = 1 << 16;
 
+/// The largest capacity: the free-space tables of a shard grow with it (40 MB at this one).
+pub const MAX_CAPACITY: i64 = 1 << 20;
+
+/// [`MAX_CAPACITY`], for `bastile.data`.
+#[no_mangle]
+pub extern "C" fn bastile_pack_max_capacity() -> i64 {
+    MAX_CAPACITY
+}
+
 /// What becomes of a sequence longer than the capacity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Overflow {
@@ -142,7 +151,7 @@ pub fn pack(pieces: &[Piece], capacity: i64, threads: usize) -> Vec<Vec<usize>> 
     packed.into_iter().flatten().collect()
 }
 
-/// C entry point: packs the `n` sequences of `lengths` into rows of `capacity` tokens on up to `threads`
+/// C entry point: packs the `n` sequences of `lengths` into rows of `capacity` (1..=MAX_CAPACITY) tokens on up to `threads`
 /// threads (`overflow`: 0 split, 1 truncate, 2 drop). Writes the pieces row by row into `pieces_out`
 /// ([max_pieces, 3]: sequence, start, length) and the rows' first pieces into `row_starts` ([rows + 1]
 /// used of max_pieces + 1); returns the number of rows. -1: bad arguments; -2: `max_pieces` is not the
@@ -165,7 +174,7 @@ pub unsafe extern "C" fn bastile_pack(
     else {
         return -1;
     };
-    if capacity <= 0 || (n > 0 && lengths.is_null()) {
+    if !(1..=MAX_CAPACITY).contains(&capacity) || (n > 0 && lengths.is_null()) {
         return -1;
     }
     let lengths = if n == 0 { &[][..] } else { std::slice::from_raw_parts(lengths, n) };

@@ -69,7 +69,8 @@ def test_pack_fills_rows_at_least_as_trl_does():
 
 
 def test_pack_rejects_bad_input():
-    for args, what in [(([3, -1], 4), "negative"), (([3], 0), "capacity"), (([3], 4, "wrap"), "overflow"),
+    for args, what in [(([3, -1], 4), "negative"), (([3], 0), "capacity"), (([3], 1 << 21), "capacity"),
+                       (([3], 4, "wrap"), "overflow"),
                        (([[3]], 4), "one-dimensional")]:
         with pytest.raises(ValueError, match=f"bastile.data.pack: .*{what}"):
             data.pack(*args)
@@ -109,6 +110,8 @@ def test_dataset_columns_and_labels():
         assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="labels must have the lengths"):
         data.PackedDataset(seqs, capacity=50, labels=[s[:-1] for s in seqs])
+    with pytest.raises(ValueError, match="names a column, but the sequences are a list"):
+        data.PackedDataset(seqs, capacity=50, labels="labels")
 
 
 def test_dataloader_with_two_forked_workers():

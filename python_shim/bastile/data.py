@@ -28,9 +28,10 @@ from ._library import LIB
 
 OVERFLOW = ("split", "truncate", "drop")  # the codes bastile_pack takes, in order
 
-LIB.bastile_pack.restype = ctypes.c_int64
+LIB.bastile_pack.restype = LIB.bastile_pack_max_capacity.restype = ctypes.c_int64
 LIB.bastile_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+MAX_CAPACITY = LIB.bastile_pack_max_capacity()  # a row's tokens at most: the packer's tables grow with it
 
 
 def pack(lengths: Sequence[int], capacity: int, overflow: str = "split") -> tuple:
@@ -41,8 +42,8 @@ def pack(lengths: Sequence[int], capacity: int, overflow: str = "split") -> tupl
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     if lengths.ndim != 1:
         raise ValueError(f"bastile.data.pack: lengths must be one-dimensional, got shape {lengths.shape}")
-    if capacity <= 0:
-        raise ValueError(f"bastile.data.pack: capacity must be positive, got {capacity}")
+    if not 0 < capacity <= MAX_CAPACITY:
+        raise ValueError(f"bastile.data.pack: capacity must be in 1..{MAX_CAPACITY}, got {capacity}")
     if overflow not in OVERFLOW:
         raise ValueError(f"bastile.data.pack: overflow must be one of {OVERFLOW}, got {overflow!r}")
     if (lengths < 0).any():
@@ -84,6 +85,9 @@ class PackedDataset(torch.utils.data.Dataset):
                  labels=None):
         self.values, self.offsets = _flat(sequences, column)
         self.labels = None
+        if isinstance(labels, str) and not hasattr(sequences, "with_format"):
+            raise ValueError(f"bastile.data.PackedDataset: labels={labels!r} names a column, but the sequences "
+                             "are a list: pass the labels as a list of lists")
         if labels is not None:
             self.labels, label_offsets = _flat(sequences if isinstance(labels, str) else labels,
                                                labels if isinstance(labels, str) else column)
