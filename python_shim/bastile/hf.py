@@ -155,12 +155,14 @@ def _decoder_masks(model, attention_mask, position_ids, past_key_values):
     return attention_mask
 
 
-def _use_cache(model, use_cache):
-    """use_cache for the decoder: False in training unless asked for. HF's decoder makes a cache whenever
-    config.use_cache says so, training included, and with a cache it does not look for the restarting
-    position ids of packed rows: their sequences would attend to one another. A training forward needs
-    no cache (generate asks for one explicitly)."""
-    return False if use_cache is None and model.training else use_cache
+def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache):
+    """What a causal LM's forward hands its decoder: the masks of `_decoder_masks`, and use_cache False in
+    training unless asked for. HF's decoder makes a cache whenever config.use_cache says so, training
+    included, and with a cache it does not look for the restarting position ids of packed rows: their
+    sequences would attend to one another. A training forward needs no cache (generate asks for one)."""
+    return dict(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values,
+                attention_mask=_decoder_masks(model, attention_mask, position_ids, past_key_values),
+                inputs_embeds=inputs_embeds, use_cache=False if use_cache is None and model.training else use_cache)
 
 
 def hf_tuple(forward):
@@ -185,11 +187,8 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
     and `logits` is None. Otherwise (inference, generation, evaluation) it is HF's forward."""
-    outputs = self.model(input_ids=input_ids, position_ids=position_ids,
-                         attention_mask=_decoder_masks(self, attention_mask, position_ids, past_key_values),
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                         use_cache=_use_cache(self, use_cache),
-                         **kwargs)
+    outputs = self.model(**_decoder_inputs(self, input_ids, attention_mask, position_ids, past_key_values,
+                                           inputs_embeds, use_cache), **kwargs)
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -203,10 +202,8 @@ def moe_causal_lm_forward(self, input_ids=None, attention_mask=None, position_id
     loss is added as HF adds it, and the router logits are returned."""
     if output_router_logits is None:
         output_router_logits = self.config.output_router_logits
-    outputs = self.model(input_ids=input_ids, position_ids=position_ids,
-                         attention_mask=_decoder_masks(self, attention_mask, position_ids, past_key_values),
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                         use_cache=_use_cache(self, use_cache),
+    outputs = self.model(**_decoder_inputs(self, input_ids, attention_mask, position_ids, past_key_values,
+                                           inputs_embeds, use_cache),
                          output_router_logits=output_router_logits, **kwargs)
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     aux_loss = None
