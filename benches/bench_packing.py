@@ -53,7 +53,7 @@ def main():
     (_, row_starts), pack_s = timed(lambda: data.pack(lens, args.capacity, "truncate"))
     rows, dataset_s = timed(lambda: data.PackedDataset(ds, args.capacity, overflow="truncate"))
     _, read_s = timed(lambda: [rows[r] for r in range(len(rows))])
-    print(f"\n| | seconds | rows | fill | vs TRL |\n|---|---|---|---|---|")
+    print("\n| | seconds | rows | fill | vs TRL |\n|---|---|---|---|---|")
     print(f"| TRL pack_dataset(strategy='bfd') | {trl_s:.2f} | {len(packed):,} | {trl_fill:.4f} | 1.0x |")
     print(f"| bastile.data.pack | {pack_s:.3f} | {len(row_starts) - 1:,} | {rows.fill():.4f} | {trl_s / pack_s:.0f}x |")
     print(f"| bastile.data.PackedDataset(dataset) | {dataset_s:.3f} | {len(rows):,} | {rows.fill():.4f} | "
