@@ -14,7 +14,7 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import lora
+from . import lora, varlen
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.geglu import geglu
 from .ops.qk_norm_rope import qk_norm_rope
@@ -77,17 +77,25 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask=N
         query_states, key_states = rope(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
     value_states = v.transpose(1, 2)
 
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                _hf(self, "eager_attention_forward"))
     # Llama passes none, Mistral its config's, Qwen2/Qwen3 their layer's (None on full-attention layers)
     sliding_window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
-    attn_output, attn_weights = attention_interface(
-        self, query_states, key_states, value_states, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling, sliding_window=sliding_window, **kwargs)
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    dropout = 0.0 if not self.training else self.attention_dropout
+    if past_key_values is None and dropout == 0.0 and kwargs.get("cu_seq_lens_q") is not None:
+        # a packed batch: the varlen kernel; HF's mask, where it made one, goes unused
+        tokens = (t.transpose(1, 2).reshape(-1, t.shape[1], self.head_dim)
+                  for t in (query_states, key_states, value_states))
+        attn_output = varlen.attention(*tokens, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], self.scaling,
+                                       sliding_window).view(*input_shape, -1)
+        attn_weights = None
+    else:
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                    _hf(self, "eager_attention_forward"))
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask, dropout=dropout,
+            scaling=self.scaling, sliding_window=sliding_window, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     (out,) = lora.project(attn_output, self.o_proj)
     return out, attn_weights
 
@@ -155,14 +163,38 @@ def _decoder_masks(model, attention_mask, position_ids, past_key_values):
     return attention_mask
 
 
-def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache):
-    """What a causal LM's forward hands its decoder: the masks of `_decoder_masks`, and use_cache False in
-    training unless asked for. HF's decoder makes a cache whenever config.use_cache says so, training
-    included, and with a cache it does not look for the restarting position ids of packed rows: their
-    sequences would attend to one another. A training forward needs no cache (generate asks for one)."""
+def _runs_varlen(model) -> bool:
+    """Whether `attention_forward` runs model's attention and would take a packed batch to the varlen kernel
+    (it has no dropout)."""
+    layers = getattr(model.model, "layers", None)
+    return (bool(layers) and type(layers[0].self_attn).forward is attention_forward
+            and (not model.training or not model.config.attention_dropout))
+
+
+def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                    kwargs):
+    """What a causal LM's forward hands its decoder.
+
+    use_cache is False in training unless asked for. HF's decoder makes a cache whenever config.use_cache
+    says so, training included, and with a cache it does not look for the restarting position ids of packed
+    rows: their sequences would attend to one another. A training forward needs no cache (generate asks).
+
+    A batch that may be packed (position ids, no padding mask, no cache) where `attention_forward` runs
+    gets the varlen kwargs (varlen.KEYS) if the collator did not give them, and in decoders that take
+    prepared masks per layer type, no mask: `attention_forward` ignores HF's. Otherwise the masks of
+    `_decoder_masks`."""
+    use_cache = False if use_cache is None and model.training else use_cache
+    masks = _decoder_masks(model, attention_mask, position_ids, past_key_values)
+    layer_types = getattr(model.config, "layer_types", None)
+    if attention_mask is None and past_key_values is None and not use_cache and position_ids is not None:
+        if _runs_varlen(model):
+            if kwargs.get("cu_seq_lens_q") is None:
+                batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+                kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
+            if kwargs.get("cu_seq_lens_q") is not None and layer_types:
+                masks = dict.fromkeys(layer_types)
     return dict(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values,
-                attention_mask=_decoder_masks(model, attention_mask, position_ids, past_key_values),
-                inputs_embeds=inputs_embeds, use_cache=False if use_cache is None and model.training else use_cache)
+                attention_mask=masks, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
 
 
 def hf_tuple(forward):
@@ -188,7 +220,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
     and `logits` is None. Otherwise (inference, generation, evaluation) it is HF's forward."""
     outputs = self.model(**_decoder_inputs(self, input_ids, attention_mask, position_ids, past_key_values,
-                                           inputs_embeds, use_cache), **kwargs)
+                                           inputs_embeds, use_cache, kwargs))
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -203,8 +235,8 @@ def moe_causal_lm_forward(self, input_ids=None, attention_mask=None, position_id
     if output_router_logits is None:
         output_router_logits = self.config.output_router_logits
     outputs = self.model(**_decoder_inputs(self, input_ids, attention_mask, position_ids, past_key_values,
-                                           inputs_embeds, use_cache),
-                         output_router_logits=output_router_logits, **kwargs)
+                                           inputs_embeds, use_cache, kwargs),
+                         output_router_logits=output_router_logits)
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     aux_loss = None
     if output_router_logits:

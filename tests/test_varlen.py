@@ -1,0 +1,238 @@
+"""Packed rows through varlen attention (bastile/varlen.py and the patched attention).
+
+The kernel against attention with an explicit block-diagonal mask (fp64 on CPU; bf16 against fp32 on CUDA);
+the patched families on packed rows against HF's masked path and against each sequence run alone, with
+and without use_cache=False; and a packed mini-Qwen3 trained 20 steps against the same sequences padded.
+"""
+import copy
+import math
+
+import pytest
+import torch
+from transformers.masking_utils import find_packed_sequence_indices
+
+import bastile
+from bastile import varlen
+from conftest import needs_cuda
+from test_families import COMMON, mini
+
+LENGTHS = (7, 12, 1, 5)
+
+
+def dense_reference(q, k, v, lengths, scale, window):
+    """q [T, Hq, D], k/v [T, Hkv, D]: softmax over an explicit [T, T] mask (same sequence, causal, within
+    the window), GQA by repeating k and v."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    i = torch.arange(len(seq))
+    allowed = (seq[:, None] == seq[None, :]) & (i[None, :] <= i[:, None])
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(~allowed.to(q.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def qkv(lengths, q_heads, kv_heads, dim, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    return [torch.randn(t, h, dim, generator=g, dtype=torch.float64).to(device=device, dtype=dtype).requires_grad_()
+            for h in (q_heads, kv_heads, kv_heads)]
+
+
+def cu_of(lengths, device):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu.to(device)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_matches_dense_mask_fp64(window):
+    q, k, v = qkv(LENGTHS, 4, 2, 8, torch.float64, "cpu")
+    scale = 8 ** -0.5
+    out = varlen.attention(q, k, v, cu_of(LENGTHS, "cpu"), max(LENGTHS), scale, window)
+    expected = dense_reference(q, k, v, LENGTHS, scale, window)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_cuda_kernel_matches_fp32(dtype, window):
+    """The flash varlen kernel (16-bit) against the fp32 dense reference, at Qwen3's head shapes."""
+    lengths = (300, 1, 129, 1000, 64, 2)
+    q, k, v = qkv(lengths, 16, 8, 128, dtype, "cuda")
+    assert varlen.fused(q)
+    scale = 128 ** -0.5
+    out = varlen.attention(q, k, v, cu_of(lengths, "cuda"), max(lengths), scale, window)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected = dense_reference(*ref_in, lengths, scale, window)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    grad = torch.randn_like(expected)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    want = torch.autograd.grad(expected, ref_in, grad)
+    for a, b in zip(got, want):
+        err = (a.float() - b).norm() / b.norm()
+        assert err < 1e-2, err
+
+
+def test_sequences_follow_hf_packed_rule():
+    """The bounds `sequences` derives are HF's packed sequences (a position not its predecessor's plus one
+    starts one, as does each row), and rows that are one sequence each give None."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 5, 6, 0], [3, 4, 0, 1, 2, 3, 0, 0]])
+    got = varlen.sequences(positions, 2)
+    hf_ids = find_packed_sequence_indices(positions)  # per row: sequence index within the row
+    bounds = [0]
+    for r in range(2):
+        changes = torch.nonzero(hf_ids[r, 1:] != hf_ids[r, :-1]).flatten() + 1 + r * 8
+        bounds += changes.tolist() + [(r + 1) * 8]
+    assert got["cu_seq_lens_q"].tolist() == bounds and got["cu_seq_lens_q"].dtype == torch.int32
+    assert got["max_length_q"] == max(b - a for a, b in zip(bounds, bounds[1:])) == 4
+    assert varlen.sequences(torch.arange(6)[None], 3) is None
+    # [1, seq] positions broadcast over a batch of 2 restarting rows
+    assert varlen.sequences(torch.tensor([[0, 1, 0]]), 2)["cu_seq_lens_q"].tolist() == [0, 2, 3, 5, 6]
+
+
+# (family, config overrides): sliding windows shorter than the sequences, so that a wrong window shows
+VARIANTS = {
+    "qwen3": ("qwen3", {}),
+    "llama": ("llama", {}),
+    "mistral_window": ("mistral", dict(sliding_window=4)),
+    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    # no router loss: over a packed row it is not the count-weighted sum of the sequences' own
+    "qwen3_moe": ("qwen3_moe", dict(output_router_logits=False)),
+}
+
+
+def _packed_inputs(lengths, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, COMMON["vocab_size"], (n,), generator=gen) for n in lengths]
+    rows = [{"input_ids": s, "labels": s, "seq_lens": torch.tensor([len(s)])} for s in seqs]
+    return seqs, bastile.data.collate(rows)
+
+
+def _counting(monkeypatch, name):
+    calls = []
+    original = getattr(varlen, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(varlen, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["positions", "cu_seq_lens"])
+@pytest.mark.parametrize("use_cache", [None, False])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_row_matches_masked_path_and_sequences_alone(variant, use_cache, given, monkeypatch):
+    """A packed row in training (HF's flattened layout) gives the loss and gradients of HF's masked path
+    and of its sequences run one by one, whether its bounds come from the collator (no host read) or from
+    the restarting positions, and whether or not the caller passed use_cache=False. The varlen kernel runs
+    in every patched attention layer, where the family's attention is Bastile's."""
+    family, overrides = VARIANTS[variant]
+    ref = mini(family, "cpu", torch.float32, **overrides)
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    seqs, batch = _packed_inputs((7, 12, 5, 9))
+    if not given:
+        batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    attention_calls = _counting(monkeypatch, "attention")
+    reads = _counting(monkeypatch, "sequences")
+    loss = model(**batch, use_cache=use_cache).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert len(attention_calls) == model.config.num_hidden_layers
+    assert len(reads) == (0 if given else 1)
+    bastile.reset()
+
+    masked = ref(**{k: batch[k] for k in ("input_ids", "labels", "position_ids")}, use_cache=False).loss
+    masked_grads = torch.autograd.grad(masked, list(ref.parameters()))
+    counts = [len(s) - 1 for s in seqs]
+    alone = sum(ref(input_ids=s[None], labels=s[None]).loss * n for s, n in zip(seqs, counts)) / sum(counts)
+    alone_grads = torch.autograd.grad(alone, list(ref.parameters()))
+    for expected, expected_grads in ((masked, masked_grads), (alone, alone_grads)):
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+        for g, e in zip(grads, expected_grads):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_training_matches_unpacked_20_steps():
+    """A mini Qwen3 trained 20 AdamW steps on packed rows (Bastile, varlen) and on the same sequences as
+    padded rows (HF, attention mask): the same per-step losses, each the mean over the step's predicted
+    tokens."""
+    gen = torch.Generator().manual_seed(11)
+    steps = [[torch.randint(0, 512, (int(n),), generator=gen) for n in torch.randint(2, 40, (5,), generator=gen)]
+             for _ in range(20)]
+    ref = mini("qwen3", "cpu", torch.float32)
+    model = copy.deepcopy(ref)
+
+    def padded(seqs):
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)], mask[r, :len(s)] = s, 1
+        return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+    def packed(seqs):
+        return bastile.data.collate([{"input_ids": s, "labels": s, "seq_lens": torch.tensor([len(s)])}
+                                     for s in seqs])
+
+    def run(net, make):
+        opt = torch.optim.AdamW(net.parameters(), lr=2e-3)
+        losses = []
+        for seqs in steps:
+            loss = net(**make(seqs)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    expected = run(ref, padded)
+    bastile.apply(model=model)
+    got = run(model, packed)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert math.isclose(a, b, rel_tol=1e-5), f"step {step}: {a} vs {b}"
+    assert expected[-1] < expected[0] - 0.5  # it learned: the comparison is not of constants
+
+
+def test_trl_packed_sft_matches_trl_alone(monkeypatch, tmp_path):
+    """TRL's SFTTrainer with packing=True (its best-fit packer, padding-free batches with cu_seq_lens, its
+    own fused LM head calling the decoder): under bastile.apply() the attention runs varlen, and the
+    per-step losses are TRL's own (masked path)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    gen = torch.Generator().manual_seed(3)
+    ds = Dataset.from_dict({"input_ids": [torch.randint(2, 512, (int(n),), generator=gen).tolist()
+                                          for n in torch.randint(3, 60, (40,), generator=gen)]})
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>")),
+                                  pad_token="<pad>", eos_token="<eos>")
+
+    def losses(model):
+        cfg = SFTConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, max_length=128,
+                        packing=True, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                        bf16=False, learning_rate=2e-3, seed=0)
+        trainer = SFTTrainer(model, args=cfg, train_dataset=ds, processing_class=tok)
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    expected = losses(mini("qwen3", "cpu", torch.float32))
+    calls = _counting(monkeypatch, "attention")
+    model = mini("qwen3", "cpu", torch.float32)
+    bastile.apply(model=model)
+    got = losses(model)
+    assert len(calls) >= 4 * model.config.num_hidden_layers
+    assert len(got) == len(expected) == 4
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert math.isclose(a, b, rel_tol=1e-4), f"step {step}: {a} vs {b}"
