@@ -11,6 +11,7 @@ import warnings
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -171,6 +172,9 @@ def _runs_varlen(model) -> bool:
             and (not model.training or not model.config.attention_dropout))
 
 
+_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
 def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
                     kwargs):
     """What a causal LM's forward hands its decoder.
@@ -179,10 +183,12 @@ def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_val
     says so, training included, and with a cache it does not look for the restarting position ids of packed
     rows: their sequences would attend to one another. A training forward needs no cache (generate asks).
 
-    A batch that may be packed (position ids, no padding mask, no cache) where `attention_forward` runs
-    gets the varlen kwargs (varlen.KEYS) if the collator did not give them, and in decoders that take
-    prepared masks per layer type, no mask: `attention_forward` ignores HF's. Otherwise the masks of
-    `_decoder_masks`."""
+    A batch that may be packed (position ids, no padding mask, no cache):
+    - where `attention_forward` runs, the varlen kwargs (varlen.KEYS) if the collator did not give them,
+      and in decoders that take prepared masks per layer type, no mask: `attention_forward` ignores HF's;
+    - elsewhere, a decoder that takes prepared masks gets HF's masks made with the position ids. GPT-OSS's
+      makes them without, so that its packed rows attend across their sequences.
+    Otherwise the masks of `_decoder_masks`."""
     use_cache = False if use_cache is None and model.training else use_cache
     masks = _decoder_masks(model, attention_mask, position_ids, past_key_values)
     layer_types = getattr(model.config, "layer_types", None)
@@ -193,6 +199,11 @@ def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_val
                 kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
             if kwargs.get("cu_seq_lens_q") is not None and layer_types:
                 masks = dict.fromkeys(layer_types)
+        elif layer_types and set(layer_types) <= set(_MASKS):
+            if inputs_embeds is None:
+                input_ids, inputs_embeds = None, model.get_input_embeddings()(input_ids)
+            masks = {t: _MASKS[t](config=model.config, inputs_embeds=inputs_embeds, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids) for t in set(layer_types)}
     return dict(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values,
                 attention_mask=masks, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
 
