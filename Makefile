@@ -3,7 +3,7 @@
 # Here (Rust toolchain, no GPU needed):  setup, build, wheel, install, test, train
 # On a GPU machine with the wheel built here in target/wheels (no Rust needed, system python with torch):
 #   make gpu-test bench PY=python3 NO_BUILD=1
-#   make bench-kernels | bench-e2e PART=1 | bench-profile  PY=python3 NO_BUILD=1 [ARGS='...']   (BENCHMARKS.md)
+#   make bench-kernels | bench-e2e PART=1 | bench-sft | bench-profile  PY=python3 NO_BUILD=1 [ARGS='...']   (BENCHMARKS.md)
 #   make bench-fsdp PY=python3 NO_BUILD=1          (Qwen3-1.7B under FSDP2 on every GPU)
 
 VENV ?= .venv
@@ -16,7 +16,7 @@ PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvi
         nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0 \
         peft==0.21.2 trl==1.16.0 datasets==5.2.0
 
-.PHONY: setup build wheel install test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-profile bench-fsdp clean
+.PHONY: setup build wheel install test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-sft bench-profile bench-fsdp clean
 
 # Project-local virtualenv with the pins, and libclang for bindgen.
 setup: $(VENV)/.ready
@@ -87,6 +87,11 @@ bench-kernels: install
 # Qwen3 fine-tuning in five modes, one process each; PART=n runs one piece of the matrix that fits 10 minutes.
 bench-e2e: install
 	$(PY) benches/bench_e2e.py $(if $(PART),--part $(PART)) $(ARGS)
+
+# TRL's SFTTrainer on packed mixed-length data: TRL, + Liger, + Bastile, Bastile's loader (trl, datasets and
+# liger-kernel installed; ARGS='--padded' adds padded batches).
+bench-sft: install
+	$(PY) benches/bench_sft.py $(ARGS)
 
 # torch.profiler of one Bastile training step (ARGS='--mode hf' for HF's): kernels by CUDA time, by category.
 bench-profile: install
