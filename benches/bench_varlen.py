@@ -6,16 +6,20 @@ Qwen3-1.7B's heads (16 query, 8 key/value, head_dim 128), bf16; rows of `--token
 sequences of the SFT distribution (benches/bench_packing.py's `lengths`, a different draw per row).
 Backends: torch's varlen_attn (flash, what bastile.varlen runs); SDPA with HF's block-diagonal boolean
 mask (what HF's SDPA path runs on packed rows); FlexAttention (compiled) with a document mask; and, as the
-cost of ignoring the bounds, SDPA causal over the whole row. Median ms over the rows, fwd+bwd each.
+cost of ignoring the bounds, SDPA causal over the whole row. Median ms over the rows, fwd+bwd each. Also
+the host time of deriving the bounds from restarting position ids (`bastile.varlen.sequences`, one host
+read), with the GPU idle, for batches that come without them.
 """
 import argparse
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.nn.attention.varlen import varlen_attn
 
+from bastile import varlen
 from bench_packing import lengths
 from common import time_ms
 
@@ -62,6 +66,15 @@ def main():
             times[name].append(time_ms(fn, reps=20, warmup=5))
         print(f"row {seed}: {len(lens)} sequences, longest {max(lens)}, sum of squares / tokens^2 "
               f"{sum(n * n for n in lens) / t ** 2:.3f}", flush=True)
+    positions = torch.cat([torch.arange(n) for n in row(args.tokens, 0)])[None].cuda()
+    host = []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        varlen.sequences(positions, 1)
+        host.append((time.perf_counter() - t0) * 1e3)
+    print(f"bounds from position ids [1, {args.tokens}] (varlen.sequences, GPU idle): "
+          f"{statistics.median(host):.3f} ms host time, median of 50")
     print(f"\n{args.tokens} tokens per row, {HQ}/{HKV} heads x {D}, bf16, fwd+bwd, median of {args.rows} rows\n")
     print("| backend | ms |\n|---|---|")
     for name, ts in times.items():
