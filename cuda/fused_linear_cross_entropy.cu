@@ -162,6 +162,7 @@ __device__ __forceinline__ void rows(const CrossEntropyChunk &p) {
     const int64_t c = *p.count;
     scale = c > 0 ? 1.f / (float)c : 0.f;
   }
+  if (p.row_scale) scale *= static_cast<const float *>(p.row_scale)[row];
   const RowGrad g{lse2, scale * (1.f + 2.f * z * lse), scale, target / V, (int)(target % V)};
   // This thread's streamed vectors, last first.
   if (streamed + tid < npack) {

@@ -10,6 +10,8 @@ typedef struct CrossEntropyChunk {
   void *loss;            /* [rows] per-row loss, f32 (f64 for f64 logits); 0 for ignored rows */
   const int64_t *count;  /* reduction "mean": the number of counted targets of the whole batch (the
                             gradient is scaled by 1 / count, or 0 when it is 0); null for "sum" */
+  const void *row_scale; /* reduction "none": [rows] upstream gradients of the row losses, in the loss's
+                            dtype, each multiplying its row's gradient; null: 1 */
   int64_t rows;
   int64_t vocab;
   int64_t ld;

@@ -2,7 +2,8 @@
 //! and its CPU twin here, the reference the GPU is tested against). For each row of a chunk:
 //! `loss = lse(s) - s[target] + z_loss * lse(s)^2` with `s = softcap * tanh(logit / softcap)` (or the
 //! logit), and, in place of the logits, `d(loss)/d(logit) = scale * ((1 + 2 z_loss lse) softmax(s) -
-//! onehot(target)) * ds/dlogit`, `scale = 1 / count` for reduction "mean", 1 for "sum". Ignored rows
+//! onehot(target)) * ds/dlogit`, `scale = 1 / count` for reduction "mean", 1 for "sum", the row's upstream
+//! gradient for "none" (the backward's recomputation). Ignored rows
 //! (target == ignore_index) get loss 0 and gradient 0. The GEMMs around the pass are ATen's
 //! (`src/torch/fused_linear_cross_entropy.cpp`), over chunks of rows sized here ([`chunk_rows`]).
 use crate::cpu::{self, Disjoint, Element};
@@ -148,6 +149,7 @@ unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Resu
             _ => 0.0,
         }
     };
+    let row_scale = (!p.row_scale.is_null()).then(|| cpu::slice::<L>(p.row_scale.cast(), rows));
     let logits = Disjoint::new(cpu::slice_mut::<T>(p.logits, (rows - 1) * ld + vocab));
     let loss = Disjoint::new(cpu::slice_mut::<L>(p.loss, rows));
     let (grad, ignore, softcap, z_loss) = (p.grad != 0, p.ignore_index, p.softcap, p.z_loss);
@@ -161,6 +163,7 @@ unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Resu
                     row.fill(T::from_f64(0.0));
                 }
             } else {
+                let scale = row_scale.map_or(scale, |r| scale * r[i].to_f64());
                 *l = L::from_f64(row_cpu(row, t as usize, softcap, z_loss, scale, grad));
             }
         }
@@ -278,6 +281,40 @@ mod tests {
                     check::<f32, f32>(BASTILE_F32, c, 2e-7);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn row_scale_multiplies_each_rows_gradient() {
+        let (rows, vocab) = (3, 16);
+        let targets = [2i64, 5, 11];
+        let scales = [2.0f32, -0.5, 0.0];
+        let z = noise(rows * vocab, 3, 4.0);
+        let grads = |row_scale: Option<&[f32]>| {
+            let mut logits: Vec<f32> = z.iter().map(|&v| v as f32).collect();
+            let mut loss = vec![0f32; rows];
+            let p = CrossEntropyChunk {
+                logits: logits.as_mut_ptr().cast(),
+                target: targets.as_ptr(),
+                loss: loss.as_mut_ptr().cast(),
+                row_scale: row_scale.map_or(std::ptr::null(), |r| r.as_ptr().cast()),
+                rows: rows as i64,
+                vocab: vocab as i64,
+                ld: vocab as i64,
+                ignore_index: -100,
+                dtype: BastileDType::BASTILE_F32 as i32,
+                grad: 1,
+                vec: 1,
+                ..Default::default()
+            };
+            chunk_cpu(&p).unwrap();
+            (loss, logits)
+        };
+        let (loss1, unit) = grads(None);
+        let (loss, scaled) = grads(Some(&scales));
+        assert_eq!(loss, loss1, "the losses do not depend on the scale");
+        for (i, (a, b)) in scaled.iter().zip(&unit).enumerate() {
+            assert_eq!(*a, scales[i / vocab] * b, "element {i}");
         }
     }
 

@@ -23,8 +23,8 @@ def eager(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_l
     loss = F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction)
     if z_loss:
         keep = t != ignore_index
-        zl = z_loss * (torch.logsumexp(z, -1) ** 2 * keep).sum()
-        loss = loss + (zl / keep.sum() if reduction == "mean" else zl)
+        zl = z_loss * torch.logsumexp(z, -1) ** 2 * keep
+        loss = loss + (zl if reduction == "none" else zl.sum() / keep.sum() if reduction == "mean" else zl.sum())
     return loss
 
 
@@ -78,19 +78,22 @@ def samples(device):
     return [call(12, 16, 40, chunk_bytes=several), call(19, 24, 56, seed=1, chunk_bytes=several),
             call(10, 8, 30, bias=False, seed=2, reduction="sum", softcap=5.0, z_loss=1e-3),
             call(9, 8, 20, seed=3, frozen="wb", chunk_bytes=chunks(4, 20, 4)),
-            call(9, 8, 20, seed=4, frozen="h", fp32_weight_grad=False, softcap=3.0, z_loss=1e-3)]
+            call(9, 8, 20, seed=4, frozen="h", fp32_weight_grad=False, softcap=3.0, z_loss=1e-3),
+            call(11, 8, 25, seed=5, reduction="none", chunk_bytes=chunks(4, 25, 4)),
+            call(7, 8, 20, bias=False, seed=6, frozen="w", reduction="none", softcap=3.0, z_loss=1e-3)]
 
 
 def gradcheck_samples():
     """Chunks of 3, 3 and 1 rows, with and without softcap and z-loss."""
     h, w, b, t = make(7, 5, 11, dtype=torch.float64, ignored=0.3)
     return [((h, w, t, b), dict(reduction=reduction, softcap=softcap, z_loss=z_loss, chunk_bytes=chunks(3, 11, 8)))
-            for reduction in ("mean", "sum") for softcap, z_loss in [(0.0, 0.0), (2.0, 0.1)]]
+            for reduction in ("mean", "sum", "none") for softcap, z_loss in [(0.0, 0.0), (2.0, 0.1)]]
 
 
 def empty(device):
     h, w, b, t = make(0, 8, 10, device=device)
-    return [((h, w, t, b), {}), ((h, w, t), dict(reduction="sum", softcap=2.0, z_loss=0.1))]
+    return [((h, w, t, b), {}), ((h, w, t), dict(reduction="sum", softcap=2.0, z_loss=0.1)),
+            ((h, w, t, b), dict(reduction="none"))]
 
 
 BAD = [
@@ -101,8 +104,13 @@ BAD = [
      "bias must have shape"),
     (lambda: op(torch.randn(4, 8), torch.randn(10, 8, device="meta"), torch.zeros(4, dtype=torch.long)),
      "hidden is on cpu but weight is on meta"),
-    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), reduction="none"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), reduction="max"),
      "reduction must be"),
+    (lambda: fwd_op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), reduction="none"),
+     "forms no gradients in the forward"),
+    (lambda: torch.ops.bastile.fused_linear_cross_entropy_rows_backward(
+        torch.ones(3), torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)),
+     "grad_rows must be floating with target's shape"),
     (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), softcap=-1.0),
      "softcap must be"),
     (lambda: op(torch.randint(0, 3, (4, 8)), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)),
@@ -125,19 +133,25 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3, torch.float16: 8e-4}
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("softcap,z_loss", [(0.0, 0.0), (3.0, 1e-3)])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, reduction):
+    """Loss and gradients; with reduction "none", the row losses and the gradients of their sum weighted by
+    random upstream gradients (the backward's recomputation)."""
     n, hdim, vocab = 50, 64, 300
     h, w, b, t = make(n, hdim, vocab, dtype, device)
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(device)
+
+    def weighted(loss):
+        return loss if reduction != "none" else (loss * upstream.to(loss.dtype)).sum()
     kw = dict(reduction=reduction, softcap=softcap, z_loss=z_loss)
     loss = op(h, w, t, b, **kw, chunk_bytes=chunks(16, vocab, torch.finfo(dtype).bits // 8))  # 16, 16, 16, 2 rows
-    assert loss.dtype == torch.float32 and loss.shape == ()
-    ours = (loss, *grads(loss, (h, w, b)))
+    assert loss.dtype == torch.float32 and loss.shape == ((n,) if reduction == "none" else ())
+    ours = (loss, *grads(weighted(loss), (h, w, b)))
     hf_loss = eager(h, w, t, b, **kw)
-    hf = (hf_loss, *grads(hf_loss, (h, w, b)))
+    hf = (hf_loss, *grads(weighted(hf_loss), (h, w, b)))
     ref_in = detached64(h, w, b)
     ref_loss = eager(ref_in[0], ref_in[1], t, ref_in[2], **kw)
-    ref = (ref_loss, *grads(ref_loss, ref_in))
+    ref = (ref_loss, *grads(weighted(ref_loss), ref_in))
     for name, o, e, r in zip(["loss", "grad_hidden", "grad_weight", "grad_bias"], ours, hf, ref):
         assert o.dtype == e.dtype and o.shape == e.shape
         err, err_hf = rel_err(o, r), rel_err(e, r)

@@ -5,7 +5,10 @@
 // (cuda/fused_linear_cross_entropy.cu) turns the logits into the loss rows and, in place, into
 // d(loss)/d(logits), and two more GEMMs fold that into grad_hidden and grad_weight. The forward thus
 // produces every gradient for a unit upstream gradient (fused_linear_cross_entropy_forward); the backward
-// only scales them (fused_linear_cross_entropy_backward).
+// only scales them (fused_linear_cross_entropy_backward). Reduction "none" gives the row losses, whose
+// upstream gradients differ by row and are known only in the backward: its forward keeps no gradient, and
+// its backward (fused_linear_cross_entropy_rows_backward) makes the logits again, chunk by chunk, with the
+// row's upstream gradient folded into the kernel's pass: one more GEMM than the other reductions.
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <array>
@@ -21,9 +24,11 @@ constexpr const char* kOp = "fused_linear_cross_entropy";
 using Mask = std::array<bool, 3>;  // which of grad_hidden, grad_weight, grad_bias to compute
 using Four = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+enum class Reduction { Mean, Sum, None };
+
 struct Options {
   int64_t ignore_index;
-  bool mean;
+  Reduction reduction;
   double softcap;
   double z_loss;
   bool fp32_weight_grad;
@@ -32,15 +37,17 @@ struct Options {
 
 Options options(int64_t ignore_index, c10::string_view reduction, double softcap, double z_loss,
                 bool fp32_weight_grad, int64_t chunk_bytes) {
-  TORCH_CHECK(reduction == "mean" || reduction == "sum",
-              "bastile.fused_linear_cross_entropy: reduction must be \"mean\" or \"sum\", got \"", reduction, "\"");
+  TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none",
+              "bastile.fused_linear_cross_entropy: reduction must be \"mean\", \"sum\" or \"none\", got \"",
+              reduction, "\"");
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0,
               "bastile.fused_linear_cross_entropy: softcap must be >= 0 (0 = off), got ", softcap);
   TORCH_CHECK(std::isfinite(z_loss) && z_loss >= 0, "bastile.fused_linear_cross_entropy: z_loss must be >= 0, got ",
               z_loss);
   TORCH_CHECK(chunk_bytes >= 0, "bastile.fused_linear_cross_entropy: chunk_bytes must be >= 0 (0 = automatic), got ",
               chunk_bytes);
-  return {ignore_index, reduction == "mean", softcap, z_loss, fp32_weight_grad, chunk_bytes};
+  const auto r = reduction == "mean" ? Reduction::Mean : reduction == "sum" ? Reduction::Sum : Reduction::None;
+  return {ignore_index, r, softcap, z_loss, fp32_weight_grad, chunk_bytes};
 }
 
 bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -87,15 +94,20 @@ void add_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool
   }
 }
 
-// The loss, and the gradients `mask` asks for (empty [0] tensors for the others).
+// The loss (reduction "none": the row losses, target's shape), and the gradients `mask` asks for (empty
+// [0] tensors for the others): of the loss, or with reduction "none" of the row losses weighted by
+// `row_scale` (their upstream gradients, target's shape).
 Four run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::Tensor& target_in,
-         const std::optional<at::Tensor>& bias_in, const Options& o, Mask mask) {
+         const std::optional<at::Tensor>& bias_in, const Options& o, Mask mask,
+         const at::Tensor& row_scale_in = {}) {
   check(hidden_in, weight_in, target_in, bias_in);
+  const bool rows_out = o.reduction == Reduction::None;
   const bool with_bias = has(bias_in);
   const bool need_h = mask[0], need_w = mask[1], need_b = mask[2] && with_bias;
   const auto none = [](const at::Tensor& like) { return at::empty({0}, like.options()); };
   if (hidden_in.is_meta())
-    return {at::empty({}, hidden_in.options().dtype(stats_dtype(hidden_in))),
+    return {rows_out ? at::empty_symint(target_in.sym_sizes(), hidden_in.options().dtype(stats_dtype(hidden_in)))
+                     : at::empty({}, hidden_in.options().dtype(stats_dtype(hidden_in))),
             need_h ? at::empty_symint(hidden_in.sym_sizes(), hidden_in.options()) : none(hidden_in),
             need_w ? at::empty_symint(weight_in.sym_sizes(), weight_in.options()) : none(weight_in),
             need_b ? at::empty_symint(bias_in->sym_sizes(), bias_in->options()) : none(with_bias ? *bias_in : hidden_in)};
@@ -108,6 +120,9 @@ Four run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::Ten
   const auto weight = weight_in.to(hidden.scalar_type()).contiguous();
   const auto bias = with_bias ? bias_in->to(hidden.scalar_type()).contiguous() : at::Tensor();
   const bool grad = need_h || need_w || need_b;
+  TORCH_INTERNAL_ASSERT(!grad || !rows_out || row_scale_in.defined(), "reduction none: gradients need row_scale");
+  const auto row_scale = grad && rows_out ? row_scale_in.reshape({rows}).to(stats_dtype(hidden)).contiguous()
+                                          : at::Tensor();
 
   // The mean's divisor, counted on the device before any gradient is written: no host sync.
   const auto count = at::ne(target, o.ignore_index).logical_and_(at::ge(target, 0)).logical_and_(at::lt(target, vocab)).sum();
@@ -127,7 +142,11 @@ Four run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::Ten
     const auto logits = with_bias ? at::addmm(bias, h, weight.t()) : at::mm(h, weight.t());
     launch(logits, CrossEntropyChunk{.logits = logits.data_ptr(), .target = target.data_ptr<int64_t>() + start,
                                      .loss = static_cast<char*>(row_loss.data_ptr()) + start * row_loss.element_size(),
-                                     .count = o.mean ? count.data_ptr<int64_t>() : nullptr, .rows = n, .vocab = vocab,
+                                     .count = o.reduction == Reduction::Mean ? count.data_ptr<int64_t>() : nullptr,
+                                     .row_scale = row_scale.defined() ? static_cast<const char*>(row_scale.data_ptr()) +
+                                                                            start * row_scale.element_size()
+                                                                      : nullptr,
+                                     .rows = n, .vocab = vocab,
                                      .ld = logits.stride(0), .ignore_index = o.ignore_index, .softcap = o.softcap,
                                      .z_loss = o.z_loss, .dtype = dtype_code(kOp, {"logits", logits}), .grad = grad});
     if (!grad) continue;
@@ -148,8 +167,8 @@ Four run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::Ten
     if (need_b) acc_b.zero_();
   }
 
-  auto loss = row_loss.sum();
-  if (o.mean) loss = loss / count.clamp_min(1);  // every target ignored: loss 0, as are the gradients
+  auto loss = rows_out ? row_loss.view(target_in.sizes()) : row_loss.sum();
+  if (o.reduction == Reduction::Mean) loss = loss / count.clamp_min(1);  // every target ignored: 0, as are the gradients
   // The one full-size cast of an f32 sum (none when the dtypes agree).
   auto grad_weight = need_w ? acc_w.to(weight_in.scalar_type()) : none(weight_in);
   auto grad_bias = need_b ? acc_b.to(bias_in->scalar_type()) : none(with_bias ? *bias_in : hidden_in);
@@ -189,7 +208,31 @@ struct FlceForwardOp {
                      const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
                      double softcap, double z_loss, bool fp32_weight_grad, int64_t chunk_bytes, Mask mask) {
     const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes);
+    TORCH_CHECK(o.reduction != Reduction::None || !(mask[0] || mask[1] || mask[2]),
+                "bastile.fused_linear_cross_entropy_forward: reduction \"none\" forms no gradients in the forward ",
+                "(their upstream gradients differ by row): fused_linear_cross_entropy_rows_backward makes them");
     return run(hidden, weight, target, bias, o, mask);
+  }
+};
+
+struct FlceRowsBackwardOp {
+  static constexpr const char* schema =
+      "fused_linear_cross_entropy_rows_backward(Tensor grad_rows, Tensor hidden, Tensor weight, Tensor target, "
+      "Tensor? bias=None, int ignore_index=-100, float softcap=0.0, float z_loss=0.0, bool fp32_weight_grad=True, "
+      "int chunk_bytes=0, bool[3] grad_mask=[True, True, True]) -> "
+      "(Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)";
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel(
+      const at::Tensor& grad_rows, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+      const std::optional<at::Tensor>& bias, int64_t ignore_index, double softcap, double z_loss,
+      bool fp32_weight_grad, int64_t chunk_bytes, Mask mask) {
+    const auto o = options(ignore_index, "none", softcap, z_loss, fp32_weight_grad, chunk_bytes);
+    TORCH_CHECK(grad_rows.is_floating_point() && grad_rows.sym_sizes() == target.sym_sizes(),
+                "bastile.fused_linear_cross_entropy_rows_backward: grad_rows must be floating with target's shape ",
+                target.sym_sizes(), ", got ", grad_rows.scalar_type(), " of shape ", grad_rows.sym_sizes());
+    check_device(kOp, {"hidden", hidden}, {{"grad_rows", grad_rows}});
+    auto [rows, gh, gw, gb] = run(hidden, weight, target, bias, o, mask, grad_rows);
+    return {gh, gw, gb};
   }
 };
 
@@ -226,11 +269,22 @@ struct FlceOp {
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& target, const std::optional<at::Tensor>& bias, const auto&... options) {
+                            const at::Tensor& target, const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                            c10::string_view reduction, double softcap, double z_loss, bool fp32_weight_grad,
+                            int64_t chunk_bytes) {
     const Mask mask{hidden.requires_grad(), weight.requires_grad(), has(bias) && bias->requires_grad()};
-    auto [loss, gh, gw, gb] = call<FlceForwardOp>(hidden, weight, target, bias, options..., mask);
-    ctx->save_for_backward({gh, gw, gb});
     ctx->saved_data["mask"] = int64_t(mask[0]) | int64_t(mask[1]) << 1 | int64_t(mask[2]) << 2;
+    if (reduction == "none") {  // the backward makes the logits again
+      ctx->save_for_backward({hidden, weight, target, has(bias) ? *bias : at::Tensor()});
+      auto& d = ctx->saved_data;
+      d["ignore_index"] = ignore_index, d["softcap"] = softcap, d["z_loss"] = z_loss;
+      d["fp32_weight_grad"] = fp32_weight_grad, d["chunk_bytes"] = chunk_bytes;
+      return call<FlceOp>(hidden, weight, target, bias, ignore_index, reduction, softcap, z_loss, fp32_weight_grad,
+                          chunk_bytes);
+    }
+    auto [loss, gh, gw, gb] = call<FlceForwardOp>(hidden, weight, target, bias, ignore_index, reduction, softcap,
+                                                  z_loss, fp32_weight_grad, chunk_bytes, mask);
+    ctx->save_for_backward({gh, gw, gb});
     return loss;
   }
 
@@ -240,7 +294,12 @@ struct FlceOp {
     auto saved = ctx->get_saved_variables();
     std::tuple<at::Tensor, at::Tensor, at::Tensor> g;
     const bool retained = torch::autograd::get_current_graph_task_keep_graph();
-    if (retained || traced(grads[0]) || traced(saved[0]) || traced(saved[1])) {
+    if (auto& d = ctx->saved_data; d.count("chunk_bytes")) {  // reduction "none"
+      const std::optional<at::Tensor> bias = saved[3].defined() ? std::optional(saved[3]) : std::nullopt;
+      g = call<FlceRowsBackwardOp>(grads[0], saved[0], saved[1], saved[2], bias, d["ignore_index"].toInt(),
+                                   d["softcap"].toDouble(), d["z_loss"].toDouble(), d["fp32_weight_grad"].toBool(),
+                                   d["chunk_bytes"].toInt(), Mask{bool(mask & 1), bool(mask & 2), bool(mask & 4)});
+    } else if (retained || traced(grads[0]) || traced(saved[0]) || traced(saved[1])) {
       g = call<FlceBackwardOp>(grads[0], saved[0], saved[1], saved[2]);
     } else {
       // The gradients were made for this context alone and the graph is freed after this backward, so
@@ -269,4 +328,4 @@ struct FlceOp {
 }  // namespace
 }  // namespace bastile
 
-BASTILE_OPS(bastile::FlceOp, bastile::FlceForwardOp, bastile::FlceBackwardOp)
+BASTILE_OPS(bastile::FlceOp, bastile::FlceForwardOp, bastile::FlceBackwardOp, bastile::FlceRowsBackwardOp)

@@ -15,13 +15,15 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     [vocab, H] (it may be the tied embedding weight). Optional: softcap (logits -> softcap *
     tanh(logits / softcap)), z_loss (adds z_loss * logsumexp^2 per counted token). Targets equal to
     ignore_index are ignored; "mean" divides by the number of counted targets (loss 0 when there are
-    none). With num_items_in_batch (a number or a tensor, as HF passes it) the loss is the sum divided by
+    none); "none" gives each target's loss (0 where ignored), and its backward makes the logits again (one
+    more GEMM: the gradients cannot be formed in the forward when each row has its own upstream
+    gradient). With num_items_in_batch (a number or a tensor, as HF passes it) the loss is the sum divided by
     it, whatever `reduction` says. fp32_weight_grad sums the weight gradient over chunks in float32 (else
     in the weight's dtype). Rows go in chunks whose logits take at most chunk_bytes (0: 256 MiB, or
     with fp32_weight_grad 512 MiB or the size of the weight gradient's final cast, whichever is larger);
     a smaller budget lowers the peak memory at some speed. On CUDA, a target outside [0, vocab) that is
     not ignore_index is treated as ignored (checking it would need a host sync); on the CPU it raises.
-    Returns a 0-dim float32 loss (float64 for float64 hidden).
+    Returns a 0-dim float32 loss (float64 for float64 hidden), or for "none" target's shape.
     """
     if num_items_in_batch is not None:
         reduction = "sum"
