@@ -130,16 +130,18 @@ def _counting(monkeypatch, name):
     return calls
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("given", [False, True], ids=["positions", "cu_seq_lens"])
 @pytest.mark.parametrize("use_cache", [None, False])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_packed_row_matches_masked_path_and_sequences_alone(variant, use_cache, given, monkeypatch):
-    """A packed row in training (HF's flattened layout) gives the loss and gradients of HF's masked path
-    and of its sequences run one by one, whether its bounds come from the collator (no host read) or from
-    the restarting positions, and whether or not the caller passed use_cache=False. The varlen kernel runs
-    in every patched attention layer, where the family's attention is Bastile's."""
+def test_packed_row_matches_masked_path_and_sequences_alone(variant, use_cache, given, training, monkeypatch):
+    """A packed row with labels (HF's flattened layout), in training or evaluation, gives the loss and
+    gradients of HF's masked path and of its sequences run one by one, whether its bounds come from the
+    collator (no host read) or from the restarting positions, and whether or not the caller passed
+    use_cache=False (HF makes a cache by default, and with one attends across the row). The varlen kernel
+    runs in every patched attention layer, where the family's attention is Bastile's."""
     family, overrides = VARIANTS[variant]
-    ref = mini(family, "cpu", torch.float32, **overrides)
+    ref = mini(family, "cpu", torch.float32, **overrides).train(training)
     model = copy.deepcopy(ref)
     bastile.apply(model=model)
     seqs, batch = _packed_inputs((7, 12, 5, 9))
@@ -244,6 +246,34 @@ def test_trl_packed_sft_matches_trl_alone(monkeypatch, tmp_path):
     assert len(got) == len(expected) == 4
     for step, (a, b) in enumerate(zip(got, expected)):
         assert math.isclose(a, b, rel_tol=1e-4), f"step {step}: {a} vs {b}"
+
+
+def test_packed_row_with_lora_adapters():
+    """PEFT LoRA on the seven projections (Bastile's fused nodes) over a packed row: the loss and adapter
+    gradients of PEFT unpatched on the sequences alone."""
+    from peft import LoraConfig, get_peft_model
+    base = mini("qwen3", "cpu", torch.float32)
+
+    def lora():
+        torch.manual_seed(1)
+        return get_peft_model(copy.deepcopy(base), LoraConfig(
+            r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj"]))
+    ref = lora()
+    bastile.apply(families="qwen3")
+    model = lora()
+    assert set(bastile.lora_modules(model).values()) == {"fused"}
+    seqs, batch = _packed_inputs((7, 12, 5))
+    loss = model(**batch).loss
+    trained = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, trained)
+    bastile.reset()
+    counts = [len(s) - 1 for s in seqs]
+    alone = sum(ref(input_ids=s[None], labels=s[None]).loss * n for s, n in zip(seqs, counts)) / sum(counts)
+    expected = torch.autograd.grad(alone, [p for p in ref.parameters() if p.requires_grad])
+    torch.testing.assert_close(loss, alone, rtol=1e-5, atol=0)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
 def test_two_packed_rows_use_per_row_tables():

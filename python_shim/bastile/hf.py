@@ -176,12 +176,13 @@ _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_slid
 
 
 def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
-                    kwargs):
+                    labels, kwargs):
     """What a causal LM's forward hands its decoder.
 
-    use_cache is False in training unless asked for. HF's decoder makes a cache whenever config.use_cache
-    says so, training included, and with a cache it does not look for the restarting position ids of packed
-    rows: their sequences would attend to one another. A training forward needs no cache (generate asks).
+    use_cache is False in training, and for a loss (labels given), unless asked for. HF's decoder makes a
+    cache whenever config.use_cache says so, training and evaluation included, and with a cache it does not
+    look for the restarting position ids of packed rows: their sequences would attend to one another. A
+    forward that computes a loss needs no cache (generate asks for one and passes no labels).
 
     A batch that may be packed (position ids, no padding mask, no cache):
     - where `attention_forward` runs, the varlen kwargs (varlen.KEYS) if the collator did not give them,
@@ -189,7 +190,7 @@ def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_val
     - elsewhere, a decoder that takes prepared masks gets HF's masks made with the position ids. GPT-OSS's
       makes them without, so that its packed rows attend across their sequences.
     Otherwise the masks of `_decoder_masks`."""
-    use_cache = False if use_cache is None and model.training else use_cache
+    use_cache = False if use_cache is None and (model.training or labels is not None) else use_cache
     masks = _decoder_masks(model, attention_mask, position_ids, past_key_values)
     layer_types = getattr(model.config, "layer_types", None)
     if attention_mask is None and past_key_values is None and not use_cache and position_ids is not None:
@@ -231,7 +232,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
     and `logits` is None. Otherwise (inference, generation, evaluation) it is HF's forward."""
     outputs = self.model(**_decoder_inputs(self, input_ids, attention_mask, position_ids, past_key_values,
-                                           inputs_embeds, use_cache, kwargs))
+                                           inputs_embeds, use_cache, labels, kwargs))
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -246,7 +247,7 @@ def moe_causal_lm_forward(self, input_ids=None, attention_mask=None, position_id
     if output_router_logits is None:
         output_router_logits = self.config.output_router_logits
     outputs = self.model(**_decoder_inputs(self, input_ids, attention_mask, position_ids, past_key_values,
-                                           inputs_embeds, use_cache, kwargs),
+                                           inputs_embeds, use_cache, labels, kwargs),
                          output_router_logits=output_router_logits)
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     aux_loss = None
