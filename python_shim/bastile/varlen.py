@@ -30,7 +30,7 @@ def sequences(position_ids: torch.Tensor, batch: int) -> Optional[dict]:
     return dict(zip(KEYS, (cu, cu, longest, longest)))
 
 
-def fused(q: torch.Tensor) -> bool:
+def flash(q: torch.Tensor) -> bool:
     """Whether `attention` runs torch's flash varlen kernel for q (CUDA, 16-bit) rather than one SDPA call
     per sequence (CPU, fp32), which reads the lengths on the host."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
@@ -45,7 +45,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: to
     the longest. sliding_window as HF's masks read it: a query sees itself and the sliding_window - 1 tokens
     before it. Returns [tokens, q_heads, head_dim]."""
     left = -1 if sliding_window is None else sliding_window - 1
-    if fused(q):
+    if flash(q):
         return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scale,
                            window_size=(left, 0))
     bounds = cu_seq_lens.tolist()
