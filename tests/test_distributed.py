@@ -49,7 +49,7 @@ from test_qwen3_training import assert_params_close, batches, mini_qwen3, train
 TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
 needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
 VOCAB = 2048  # the parallel runs' vocabulary: the mini Qwen3's 32000 would make its embedding 80% of the work
-ALL_PATCHES = [f"{op}_qwen3" for op in ("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")]
+ALL_PATCHES = [f"{op}_qwen3" for op in ("decoder", "rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")]
 
 
 # ---------------------------------------------------------------- DDP and FSDP2, 2 processes

@@ -311,3 +311,27 @@ def test_packed_step_compiles_cuda():
     torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=0)
     for g, e in zip(grads, eager_grads):
         assert (g.float() - e.float()).norm() <= 2e-2 * e.float().norm() + 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gpt_oss"])
+def test_decoder_called_directly_on_a_packed_row(family, monkeypatch):
+    """TRL's fused head calls the decoder (model.model) itself, with the collator's kwargs: each sequence's
+    hidden states are those it has alone, and a decoder that takes prepared masks (Qwen3) makes none for the
+    varlen path. HF's own GPT-OSS decoder attends across the row's sequences (its masks ignore positions)."""
+    from transformers.models.qwen3 import modeling_qwen3
+    ref = mini(family, "cpu", torch.float32, **({"output_router_logits": False} if family == "gpt_oss" else {}))
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    seqs, batch = _packed_inputs((7, 12, 5))
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    made = []
+    monkeypatch.setattr(modeling_qwen3, "create_causal_mask", lambda **a: made.append(a))
+    packed = model.model(**kw, use_cache=False).last_hidden_state[0]
+    assert made == []
+    monkeypatch.undo()
+    bastile.reset()
+    alone = torch.cat([ref.model(input_ids=s[None]).last_hidden_state[0] for s in seqs])
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+    if family == "gpt_oss":
+        hf = ref.model(**kw, use_cache=False).last_hidden_state[0]
+        assert not torch.allclose(hf, alone, rtol=1e-2, atol=1e-2)

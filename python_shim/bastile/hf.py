@@ -149,64 +149,75 @@ def _logits_and_loss(model, hidden_states, labels, logits_to_keep, kwargs):
     return logits, loss
 
 
-def _decoder_masks(model, attention_mask, position_ids, past_key_values):
-    """The attention_mask to hand the decoder. A call with no padding mask, no positions and no cache
-    attends causally in every layer, which SDPA does itself with `is_causal`. HF finds that out only
-    outside tracing, after a host sync on the positions (its packed-sequence check); under torch.compile
-    it builds the [seq, seq] mask instead, and SDPA's masked kernels are ~3x slower in the backward.
-    Decoders with `config.layer_types` take prepared masks per layer type; all-full-attention ones get
-    the mapping {"full_attention": None}, which says it without looking at the positions."""
-    config = model.config
-    if (attention_mask is None and position_ids is None and past_key_values is None
-            and config._attn_implementation == "sdpa"
-            and set(getattr(config, "layer_types", None) or ()) == {"full_attention"}):
-        return {"full_attention": None}
-    return attention_mask
-
-
-def _runs_varlen(model) -> bool:
-    """Whether `attention_forward` runs model's attention and would take a packed batch to the varlen kernel
-    (it has no dropout)."""
-    layers = getattr(model.model, "layers", None)
+def _runs_varlen(decoder) -> bool:
+    """Whether `attention_forward` runs the decoder's attention and would take a packed batch to the varlen
+    kernel (it has no dropout)."""
+    layers = getattr(decoder, "layers", None)
     return (bool(layers) and type(layers[0].self_attn).forward is attention_forward
-            and (not model.training or not model.config.attention_dropout))
+            and (not decoder.training or not decoder.config.attention_dropout))
 
 
 _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
-def _decoder_inputs(model, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
-                    labels, kwargs):
-    """What a causal LM's forward hands its decoder.
+def _masks(decoder, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs):
+    """(attention_mask, input_ids, inputs_embeds, kwargs) to call the decoder's HF forward with.
 
-    use_cache is False in training, and for a loss (labels given), unless asked for. HF's decoder makes a
-    cache whenever config.use_cache says so, training and evaluation included, and with a cache it does not
-    look for the restarting position ids of packed rows: their sequences would attend to one another. A
-    forward that computes a loss needs no cache (generate asks for one and passes no labels).
+    A call with no padding mask, no positions and no cache attends causally in every layer, which SDPA does
+    itself with `is_causal`. HF finds that out only outside tracing, after a host sync on the positions (its
+    packed-sequence check); under torch.compile it builds the [seq, seq] mask instead, and SDPA's masked
+    kernels are ~3x slower in the backward. Decoders with `config.layer_types` take prepared masks per layer
+    type; all-full-attention ones get {"full_attention": None}, which says it without the positions.
 
-    A batch that may be packed (position ids, no padding mask, no cache):
+    A batch that may be packed (positions, no padding mask, no cache):
     - where `attention_forward` runs, the varlen kwargs (varlen.KEYS) if the collator did not give them,
-      and in decoders that take prepared masks per layer type, no mask: `attention_forward` ignores HF's;
+      and in decoders that take prepared masks, none: `attention_forward` ignores HF's;
     - elsewhere, a decoder that takes prepared masks gets HF's masks made with the position ids. GPT-OSS's
-      makes them without, so that its packed rows attend across their sequences.
-    Otherwise the masks of `_decoder_masks`."""
-    use_cache = False if use_cache is None and (model.training or labels is not None) else use_cache
-    masks = _decoder_masks(model, attention_mask, position_ids, past_key_values)
-    layer_types = getattr(model.config, "layer_types", None)
-    if attention_mask is None and past_key_values is None and not use_cache and position_ids is not None:
-        if _runs_varlen(model):
-            if kwargs.get("cu_seq_lens_q") is None:
-                batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-                kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
-            if kwargs.get("cu_seq_lens_q") is not None and layer_types:
-                masks = dict.fromkeys(layer_types)
-        elif layer_types and set(layer_types) <= set(_MASKS):
-            if inputs_embeds is None:
-                input_ids, inputs_embeds = None, model.get_input_embeddings()(input_ids)
-            masks = {t: _MASKS[t](config=model.config, inputs_embeds=inputs_embeds, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids) for t in set(layer_types)}
-    return dict(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values,
-                attention_mask=masks, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+      makes them without, so that its packed rows attend across their sequences."""
+    config = decoder.config
+    layer_types = getattr(config, "layer_types", None)
+    if attention_mask is not None or past_key_values is not None or use_cache:
+        return attention_mask, input_ids, inputs_embeds, kwargs
+    if position_ids is None:
+        if config._attn_implementation == "sdpa" and set(layer_types or ()) == {"full_attention"}:
+            attention_mask = {"full_attention": None}
+        return attention_mask, input_ids, inputs_embeds, kwargs
+    if _runs_varlen(decoder):
+        if kwargs.get("cu_seq_lens_q") is None:
+            batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
+        if kwargs.get("cu_seq_lens_q") is not None and layer_types:
+            attention_mask = dict.fromkeys(layer_types)
+    elif layer_types and set(layer_types) <= set(_MASKS):
+        if inputs_embeds is None:
+            input_ids, inputs_embeds = None, decoder.get_input_embeddings()(input_ids)
+        attention_mask = {t: _MASKS[t](config=config, inputs_embeds=inputs_embeds, attention_mask=None,
+                                       past_key_values=None, position_ids=position_ids) for t in set(layer_types)}
+    return attention_mask, input_ids, inputs_embeds, kwargs
+
+
+def decoder_forward(forward):
+    """A decoder's forward (XModel.forward, which causal LMs and TRL's fused head call) around HF's
+    `forward`: the masks of `_masks`, and no cache in training unless asked for. HF's decoder makes one
+    whenever config.use_cache says so, training included, and with one it does not look for the restarting
+    position ids of packed rows: their sequences would attend to one another."""
+    @functools.wraps(forward)
+    def wrapper(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        if use_cache is None:
+            use_cache = False if self.training else self.config.use_cache
+        attention_mask, input_ids, inputs_embeds, kwargs = _masks(
+            self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+        return forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    return wrapper
+
+
+def _no_cache_for_a_loss(use_cache, labels):
+    """use_cache for the decoder: False for a loss (labels given) unless asked for. In evaluation HF's
+    decoder makes a cache by default (as in training: see decoder_forward), and with one its packed rows
+    attend across their sequences; a forward that computes a loss needs none (generate passes no labels)."""
+    return False if use_cache is None and labels is not None else use_cache
 
 
 def hf_tuple(forward):
@@ -231,8 +242,9 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
     and `logits` is None. Otherwise (inference, generation, evaluation) it is HF's forward."""
-    outputs = self.model(**_decoder_inputs(self, input_ids, attention_mask, position_ids, past_key_values,
-                                           inputs_embeds, use_cache, labels, kwargs))
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                         use_cache=_no_cache_for_a_loss(use_cache, labels), **kwargs)
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -246,9 +258,10 @@ def moe_causal_lm_forward(self, input_ids=None, attention_mask=None, position_id
     loss is added as HF adds it, and the router logits are returned."""
     if output_router_logits is None:
         output_router_logits = self.config.output_router_logits
-    outputs = self.model(**_decoder_inputs(self, input_ids, attention_mask, position_ids, past_key_values,
-                                           inputs_embeds, use_cache, labels, kwargs),
-                         output_router_logits=output_router_logits)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                         use_cache=_no_cache_for_a_loss(use_cache, labels),
+                         output_router_logits=output_router_logits, **kwargs)
     logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
     aux_loss = None
     if output_router_logits:

@@ -1,10 +1,10 @@
 """bastile.apply(): swaps HF forward functions for Bastile ones, and puts them back.
 
 Patches are declared in FAMILIES: for each HF model_type, its modeling module and, per op, the
-attribute to replace there and its replacement, or a list of such pairs where the op has several
-targets in the family (PATCHES lists them one row per target). A patch name `<op>_<family>` stands
-for all targets of that op in that family: apply() returns it once and reset() restores them all.
-Adding a family is one entry.
+attribute to replace there and its replacement (or a Wrap, whose factory makes the replacement from the
+original), or a list of such pairs where the op has several targets in the family (PATCHES lists them one
+row per target). A patch name `<op>_<family>` stands for all targets of that op in that family: apply()
+returns it once and reset() restores them all. Adding a family is one entry.
 """
 import importlib
 from dataclasses import dataclass
@@ -13,12 +13,18 @@ from typing import Callable, Dict, List, Optional, Sequence
 from . import hf, lora
 
 @dataclass(frozen=True)
+class Wrap:
+    """A replacement made from the attribute it replaces: factory(original)."""
+    factory: Callable
+
+
+@dataclass(frozen=True)
 class Patch:
     op: str           # keyword of apply() that selects it
     family: str       # HF model_type
     module: str       # module holding the target
     target: str       # "Class.attribute" or "function"
-    replacement: Callable
+    replacement: Callable | Wrap
 
     @property
     def name(self) -> str:
@@ -28,6 +34,7 @@ class Patch:
 def _dense(prefix: str) -> Dict[str, tuple]:
     """What a Llama-like decoder's classes map to: op -> (target, replacement)."""
     return {
+        "decoder": (f"{prefix}Model.forward", DECODER),
         "rms_norm": (f"{prefix}RMSNorm.forward", hf.rms_norm_forward),
         "swiglu": (f"{prefix}MLP.forward", hf.swiglu_mlp_forward),
         # the attention forward runs the projections through lora.project and rotates with the
@@ -37,6 +44,9 @@ def _dense(prefix: str) -> Dict[str, tuple]:
         "fused_linear_cross_entropy": (f"{prefix}ForCausalLM.forward", hf.causal_lm_forward),
     }
 
+
+# The decoders' forward: masks that SDPA needs none of, and packed batches (hf.decoder_forward).
+DECODER = Wrap(hf.decoder_forward)
 
 # model_type -> (HF modeling module, op -> (target, replacement) or [(target, replacement), ...]).
 FAMILIES: Dict[str, tuple] = {
@@ -52,6 +62,7 @@ FAMILIES: Dict[str, tuple] = {
     # module whose product with up happens outside it. Layers in mlp_only_layers (or off the
     # decoder_sparse_step) are dense Qwen3MoeMLP, a SwiGLU MLP.
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", {
+        "decoder": ("Qwen3MoeModel.forward", DECODER),
         "rms_norm": ("Qwen3MoeRMSNorm.forward", hf.rms_norm_forward),
         "swiglu": [("Qwen3MoeExperts._apply_gate", hf.swiglu_apply_gate),
                    ("Qwen3MoeMLP.forward", hf.swiglu_mlp_forward)],
@@ -59,6 +70,7 @@ FAMILIES: Dict[str, tuple] = {
         "fused_linear_cross_entropy": ("Qwen3MoeForCausalLM.forward", hf.moe_causal_lm_forward),
     }),
     "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", {
+        "decoder": ("GptOssModel.forward", DECODER),
         "rms_norm": ("GptOssRMSNorm.forward", hf.rms_norm_cast_after_weight_forward),
         "rope": ("apply_rotary_pos_emb", hf.half_split_apply_rotary_pos_emb),
         "fused_linear_cross_entropy": ("GptOssForCausalLM.forward", hf.moe_causal_lm_forward),
@@ -97,18 +109,20 @@ def supported_families() -> List[str]:
 
 def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_linear_cross_entropy: bool = True,
           geglu: Optional[bool] = None, model=None, families: Optional[Sequence[str]] = None,
-          moe: Optional[bool] = None) -> List[str]:
+          moe: Optional[bool] = None, decoder: bool = True) -> List[str]:
     """Patches the selected ops for the given families (all supported ones by default, one family by
     name, or the family of `model`, an HF model instance). Works before or after the model is built,
     since it replaces class attributes and module functions. Returns the names `<op>_<family>` of the
     patches active from this call, e.g. ['rms_norm_qwen3', 'swiglu_qwen3', ...]. Applying twice is
-    harmless. `moe` is the original name of `geglu` (GPT-OSS's experts' activation, on by default)."""
+    harmless. `moe` is the original name of `geglu` (GPT-OSS's experts' activation, on by default).
+    `decoder` is the decoders' forward: no mask where SDPA needs none, and packed batches (varlen bounds
+    for the patched attention, or masks made with the position ids)."""
     if geglu is not None and moe is not None and geglu != moe:
         raise ValueError(f"bastile.apply: geglu={geglu} and moe={moe} disagree, but they name one patch "
                          "(moe is geglu's original name)")
     selected = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope,
                 "fused_linear_cross_entropy": fused_linear_cross_entropy,
-                "geglu": next((v for v in (geglu, moe) if v is not None), True)}
+                "geglu": next((v for v in (geglu, moe) if v is not None), True), "decoder": decoder}
     if model is not None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in supported_families():
@@ -137,7 +151,10 @@ def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_l
         if name not in _active:
             _active[name] = [(owner, attr, owner.__dict__.get(attr)) for _, (owner, attr) in found]
             for p, (owner, attr) in found:
-                setattr(owner, attr, p.replacement)
+                replacement = p.replacement
+                if isinstance(replacement, Wrap):
+                    replacement = replacement.factory(getattr(owner, attr))
+                setattr(owner, attr, replacement)
         applied.append(name)
     return applied
 
