@@ -6,6 +6,7 @@ and without use_cache=False; and a packed mini-Qwen3 trained 20 steps against th
 """
 import copy
 import math
+import sys
 
 import pytest
 import torch
@@ -112,11 +113,21 @@ VARIANTS = {
 }
 
 
+def _collated(seqs):
+    """bastile.data.collate's batch of the sequences, each a row of its own."""
+    return bastile.data.collate([{"input_ids": s, "labels": s, "seq_lens": torch.tensor([len(s)])} for s in seqs])
+
+
 def _packed_inputs(lengths, seed=5):
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, COMMON["vocab_size"], (n,), generator=gen) for n in lengths]
-    rows = [{"input_ids": s, "labels": s, "seq_lens": torch.tensor([len(s)])} for s in seqs]
-    return seqs, bastile.data.collate(rows)
+    return seqs, _collated(seqs)
+
+
+def _alone(ref, seqs):
+    """The loss of the sequences run one by one (unpatched): each one's mean weighted by its targets."""
+    counts = [len(s) - 1 for s in seqs]
+    return sum(ref(input_ids=s[None], labels=s[None]).loss * n for s, n in zip(seqs, counts)) / sum(counts)
 
 
 def _counting(monkeypatch, name):
@@ -158,8 +169,7 @@ def test_packed_row_matches_masked_path_and_sequences_alone(variant, use_cache, 
 
     masked = ref(**{k: batch[k] for k in ("input_ids", "labels", "position_ids")}, use_cache=False).loss
     masked_grads = torch.autograd.grad(masked, list(ref.parameters()))
-    counts = [len(s) - 1 for s in seqs]
-    alone = sum(ref(input_ids=s[None], labels=s[None]).loss * n for s, n in zip(seqs, counts)) / sum(counts)
+    alone = _alone(ref, seqs)
     alone_grads = torch.autograd.grad(alone, list(ref.parameters()))
     references = [(alone, alone_grads)]
     if family == "gpt_oss":  # HF's GPT-OSS makes its masks without the position ids: across sequences
@@ -190,9 +200,6 @@ def test_packed_training_matches_unpacked_20_steps():
             ids[r, :len(s)], mask[r, :len(s)] = s, 1
         return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
-    def packed(seqs):
-        return bastile.data.collate([{"input_ids": s, "labels": s, "seq_lens": torch.tensor([len(s)])}
-                                     for s in seqs])
 
     def run(net, make):
         opt = torch.optim.AdamW(net.parameters(), lr=2e-3)
@@ -207,7 +214,7 @@ def test_packed_training_matches_unpacked_20_steps():
 
     expected = run(ref, padded)
     bastile.apply(model=model)
-    got = run(model, packed)
+    got = run(model, _collated)
     for step, (a, b) in enumerate(zip(got, expected)):
         assert math.isclose(a, b, rel_tol=1e-5), f"step {step}: {a} vs {b}"
     assert expected[-1] < expected[0] - 0.5  # it learned: the comparison is not of constants
@@ -248,7 +255,7 @@ def test_trl_packed_sft_matches_trl_alone(monkeypatch, tmp_path):
         assert math.isclose(a, b, rel_tol=1e-4), f"step {step}: {a} vs {b}"
 
 
-def test_packed_row_with_lora_adapters():
+def test_packed_row_with_lora_adapters(monkeypatch):
     """PEFT LoRA on the seven projections (Bastile's fused nodes) over a packed row: the loss and adapter
     gradients of PEFT unpatched on the sequences alone."""
     from peft import LoraConfig, get_peft_model
@@ -264,12 +271,13 @@ def test_packed_row_with_lora_adapters():
     model = lora()
     assert set(bastile.lora_modules(model).values()) == {"fused"}
     seqs, batch = _packed_inputs((7, 12, 5))
+    calls = _counting(monkeypatch, "attention")
     loss = model(**batch).loss
+    assert len(calls) == base.config.num_hidden_layers
     trained = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, trained)
     bastile.reset()
-    counts = [len(s) - 1 for s in seqs]
-    alone = sum(ref(input_ids=s[None], labels=s[None]).loss * n for s, n in zip(seqs, counts)) / sum(counts)
+    alone = _alone(ref, seqs)
     expected = torch.autograd.grad(alone, [p for p in ref.parameters() if p.requires_grad])
     torch.testing.assert_close(loss, alone, rtol=1e-5, atol=0)
     for g, e in zip(grads, expected):
@@ -289,8 +297,7 @@ def test_two_packed_rows_use_per_row_tables():
     labels[positions == 0] = -100
     loss = model(input_ids=ids, labels=labels, position_ids=positions).loss
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    counts = [len(s) - 1 for s in seqs]
-    alone = sum(ref(input_ids=s[None], labels=s[None]).loss * n for s, n in zip(seqs, counts)) / sum(counts)
+    alone = _alone(ref, seqs)
     torch.testing.assert_close(loss, alone, rtol=1e-5, atol=0)
     for g, e in zip(grads, torch.autograd.grad(alone, list(ref.parameters()))):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
@@ -316,18 +323,19 @@ def test_packed_step_compiles_cuda():
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gpt_oss"])
 def test_decoder_called_directly_on_a_packed_row(family, monkeypatch):
     """TRL's fused head calls the decoder (model.model) itself, with the collator's kwargs: each sequence's
-    hidden states are those it has alone, and a decoder that takes prepared masks (Qwen3) makes none for the
-    varlen path. HF's own GPT-OSS decoder attends across the row's sequences (its masks ignore positions)."""
-    from transformers.models.qwen3 import modeling_qwen3
+    hidden states are those it has alone, and a decoder that takes prepared masks makes none of HF's (Qwen3:
+    the varlen path; GPT-OSS: Bastile's, made with the positions). HF's own GPT-OSS decoder attends across the row's sequences (its masks ignore positions)."""
     ref = mini(family, "cpu", torch.float32, **({"output_router_logits": False} if family == "gpt_oss" else {}))
     model = copy.deepcopy(ref)
     bastile.apply(model=model)
     seqs, batch = _packed_inputs((7, 12, 5))
     kw = {k: v for k, v in batch.items() if k != "labels"}
     made = []
-    monkeypatch.setattr(modeling_qwen3, "create_causal_mask", lambda **a: made.append(a))
+    modeling = sys.modules[type(model.model).__module__]
+    monkeypatch.setattr(modeling, "create_causal_mask", lambda **a: made.append(a))
     packed = model.model(**kw, use_cache=False).last_hidden_state[0]
-    assert made == []
+    # Llama's decoder takes no prepared masks: it still makes HF's (unused)
+    assert (made == []) == (family != "llama")
     monkeypatch.undo()
     bastile.reset()
     alone = torch.cat([ref.model(input_ids=s[None]).last_hidden_state[0] for s in seqs])
