@@ -1,10 +1,13 @@
 //! Fused linear cross-entropy: the per-chunk pass over logits (`cuda/fused_linear_cross_entropy.cu`
 //! and its CPU twin here, the reference the GPU is tested against). For each row of a chunk:
-//! `loss = lse(s) - s[target] + z_loss * lse(s)^2` with `s = softcap * tanh(logit / softcap)` (or the
-//! logit), and, in place of the logits, `d(loss)/d(logit) = scale * ((1 + 2 z_loss lse) softmax(s) -
-//! onehot(target)) * ds/dlogit`, `scale = 1 / count` for reduction "mean", 1 for "sum", the row's upstream
-//! gradient for "none" (the backward's recomputation). Ignored rows
-//! (target == ignore_index) get loss 0 and gradient 0. The GEMMs around the pass are ATen's
+//! `loss = lse(s) - s[target] + z_loss * lse(s)^2` with `s = softcap(logit_scale * logit) / temperature`,
+//! `softcap(x) = softcap * tanh(x / softcap)` (or x), and, in place of the logits, `d(loss)/d(logit) =
+//! (scale * ((1 + 2 z_loss lse) p - onehot(target)) - g_H p (log p + H)) * ds/dlogit` with `p = softmax(s)`,
+//! `scale = 1 / count` for reduction "mean", 1 for "sum", the row's upstream gradient for "none" (the
+//! backward's recomputation), and `g_H` the upstream gradient of the row's entropy H (0 by default).
+//! On request (`stats`), the row's entropy H, log(sum p^2), mean of s and whether the target is s's first
+//! maximum: what TRL's per-token heads report. Ignored rows (target == ignore_index) get loss, stats and
+//! gradient 0. The GEMMs around the pass are ATen's
 //! (`src/torch/fused_linear_cross_entropy.cpp`), over chunks of rows sized here ([`chunk_rows`]).
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
@@ -13,7 +16,7 @@ use crate::geometry;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, CrossEntropyChunk, GradScale, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
-    FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
+    FLCE_CACHED_SOFTCAP_STATS, FLCE_CACHED_STATS, FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
 };
 
 /// Logits of one chunk stay within this many bytes. 256 MiB is 768 rows of Qwen3's vocabulary in
@@ -54,10 +57,28 @@ fn shared_vecs(vectors: i64, block: i64, cached: i64, vector_bytes: i64, room: u
     rest.min(room as i64 / (block * vector_bytes))
 }
 
-fn tags(dtype: BastileDType, vectorized: bool, softcap: bool) -> Vec<Tag> {
+fn tags(dtype: BastileDType, vectorized: bool, softcap: bool, stats: bool) -> Vec<Tag> {
     let mut tags = vec![Tag::Rows, dtype.tag(), if vectorized { Tag::Vec } else { Tag::Scalar }];
     tags.extend(softcap.then_some(Tag::Softcap));
+    tags.extend(stats.then_some(Tag::Stats));
     tags
+}
+
+/// Vectors per thread the kernel keeps in registers.
+fn cached(softcap: bool, stats: bool) -> i64 {
+    (match (softcap, stats) {
+        (false, false) => FLCE_CACHED,
+        (true, false) => FLCE_CACHED_SOFTCAP,
+        (false, true) => FLCE_CACHED_STATS,
+        (true, true) => FLCE_CACHED_SOFTCAP_STATS,
+    }) as i64
+}
+
+impl CrossEntropyChunk {
+    /// The stats kernels: the row's statistics are asked for, or the entropy's gradient needs them.
+    fn stats(&self) -> bool {
+        !self.stats.is_null() || !self.entropy_scale.is_null()
+    }
 }
 
 impl Launch for CrossEntropyChunk {
@@ -67,13 +88,13 @@ impl Launch for CrossEntropyChunk {
         let vec = 16 / dtype.size() as i64;
         let vectorized = geometry::aligned(p.logits, 16) && p.vocab % vec == 0 && p.ld % vec == 0;
         p.vec = if vectorized { vec as i32 } else { 1 };
-        let softcap = p.softcap > 0.0;
+        let (softcap, stats) = (p.softcap > 0.0, p.stats());
         let vectors = p.vocab / p.vec as i64;
         let block = block_size(vectors);
-        let kernel = kernels::kernel_sharing::<Self>(dev, &tags(dtype, vectorized, softcap), block as u32, FLCE_BLOCKS_PER_SM)?;
-        let cached = if softcap { FLCE_CACHED_SOFTCAP } else { FLCE_CACHED } as i64;
+        let tags = tags(dtype, vectorized, softcap, stats);
+        let kernel = kernels::kernel_sharing::<Self>(dev, &tags, block as u32, FLCE_BLOCKS_PER_SM)?;
         let vector_bytes = p.vec as i64 * dtype.size() as i64;
-        p.shared_vecs = shared_vecs(vectors, block, cached, vector_bytes, kernel.shared) as i32;
+        p.shared_vecs = shared_vecs(vectors, block, cached(softcap, stats), vector_bytes, kernel.shared) as i32;
         let rows = u32::try_from(p.rows).map_err(|_| "bastile.fused_linear_cross_entropy: too many rows in one chunk")?;
         let shared = (p.shared_vecs as i64 * block * vector_bytes) as u32;
         Ok(Plan::single(kernel, LaunchConfig { grid: (rows, 1), block: (block as u32, 1), shared }, p))
@@ -107,25 +128,52 @@ pub fn chunk_cpu(p: &CrossEntropyChunk) -> Result<()> {
     crate::with_dtypes!(dt, BastileDType::BASTILE_F32, |T, _F, L| unsafe { chunk_cpu_typed::<T, L>(p) })
 }
 
-/// Loss and gradient of one row in f64; `row` is overwritten with the gradient when `grad`.
-fn row_cpu<T: Element>(row: &mut [T], target: usize, softcap: f64, z_loss: f64, scale: f64, grad: bool) -> f64 {
-    let s = |z: T| if softcap > 0.0 { softcap * (z.to_f64() / softcap).tanh() } else { z.to_f64() };
-    let max = row.iter().map(|&z| s(z)).fold(f64::NEG_INFINITY, f64::max);
-    let lse = max + row.iter().map(|&z| (s(z) - max).exp()).sum::<f64>().ln();
-    let loss = lse - s(row[target]) + z_loss * lse * lse;
+/// The scaled logit s = softcap(logit_scale * z) / temperature of a logit z, and ds/dz.
+#[derive(Clone, Copy)]
+struct Scaled {
+    logit_scale: f64,
+    temperature: f64,
+    softcap: f64,
+}
+
+impl Scaled {
+    fn of(&self, z: f64) -> (f64, f64) {
+        let x = self.logit_scale * z;
+        if self.softcap > 0.0 {
+            let t = (x / self.softcap).tanh();
+            (self.softcap * t / self.temperature, self.logit_scale * (1.0 - t * t) / self.temperature)
+        } else {
+            (x / self.temperature, self.logit_scale / self.temperature)
+        }
+    }
+}
+
+/// Loss of one row in f64, and its stats (entropy, log sum p^2, mean of s, target is the first
+/// maximum); `row` is overwritten with the gradient when `grad`, for the loss's upstream gradient `scale`
+/// and the entropy's `entropy_scale`.
+fn row_cpu<T: Element>(row: &mut [T], target: usize, f: Scaled, z_loss: f64, scale: f64, entropy_scale: f64,
+                       grad: bool) -> (f64, [f64; 4]) {
+    let s: Vec<f64> = row.iter().map(|z| f.of(z.to_f64()).0).collect();
+    let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + s.iter().map(|&v| (v - max).exp()).sum::<f64>().ln();
+    let loss = lse - s[target] + z_loss * lse * lse;
+    let entropy = lse - s.iter().map(|&v| (v - lse).exp() * v).sum::<f64>();
+    let stats = [
+        entropy,
+        s.iter().map(|&v| (2.0 * (v - lse)).exp()).sum::<f64>().ln(),
+        s.iter().sum::<f64>() / s.len() as f64,
+        (s[target] >= max && s[..target].iter().all(|&v| v < s[target])) as u8 as f64,
+    ];
     if grad {
         let coef = scale * (1.0 + 2.0 * z_loss * lse);
         for (j, z) in row.iter_mut().enumerate() {
-            let sj = s(*z);
-            let mut d = (sj - lse).exp() * coef - if j == target { scale } else { 0.0 };
-            if softcap > 0.0 {
-                let t = sj / softcap;
-                d *= 1.0 - t * t;
-            }
-            *z = T::from_f64(d);
+            let (sj, slope) = f.of(z.to_f64());
+            let log_p = sj - lse;
+            let d = log_p.exp() * (coef - entropy_scale * (log_p + entropy)) - if j == target { scale } else { 0.0 };
+            *z = T::from_f64(d * slope);
         }
     }
-    loss
+    (loss, stats)
 }
 
 unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Result<()> {
@@ -150,21 +198,31 @@ unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Resu
         }
     };
     let row_scale = (!p.row_scale.is_null()).then(|| cpu::slice::<L>(p.row_scale.cast(), rows));
+    let entropy_scale = (!p.entropy_scale.is_null()).then(|| cpu::slice::<L>(p.entropy_scale.cast(), rows));
     let logits = Disjoint::new(cpu::slice_mut::<T>(p.logits, (rows - 1) * ld + vocab));
     let loss = Disjoint::new(cpu::slice_mut::<L>(p.loss, rows));
-    let (grad, ignore, softcap, z_loss) = (p.grad != 0, p.ignore_index, p.softcap, p.z_loss);
+    let stats = (!p.stats.is_null()).then(|| Disjoint::new(cpu::slice_mut::<L>(p.stats, rows * 4)));
+    let (grad, ignore, z_loss) = (p.grad != 0, p.ignore_index, p.z_loss);
+    let f = Scaled { logit_scale: p.logit_scale, temperature: p.temperature, softcap: p.softcap };
     cpu::parallel_for(rows, cpu::GRAIN.div_ceil(vocab.max(1)), |range| {
         // SAFETY: the ranges of parallel_for do not overlap, nor do the rows' first `vocab` elements.
         for ((i, l), &t) in range.clone().zip(loss.part(range.clone())).zip(&targets[range]) {
             let row = logits.part(i * ld..i * ld + vocab);
-            if t == ignore {
-                *l = L::from_f64(0.0);
+            let (value, row_stats) = if t == ignore {
                 if grad {
                     row.fill(T::from_f64(0.0));
                 }
+                (0.0, [0.0; 4])
             } else {
                 let scale = row_scale.map_or(scale, |r| scale * r[i].to_f64());
-                *l = L::from_f64(row_cpu(row, t as usize, softcap, z_loss, scale, grad));
+                let entropy_scale = entropy_scale.map_or(0.0, |r| r[i].to_f64());
+                row_cpu(row, t as usize, f, z_loss, scale, entropy_scale, grad)
+            };
+            *l = L::from_f64(value);
+            if let Some(stats) = &stats {
+                for (o, v) in stats.part(i * 4..i * 4 + 4).iter_mut().zip(row_stats) {
+                    *o = L::from_f64(v);
+                }
             }
         }
     });
@@ -223,6 +281,8 @@ mod tests {
             vocab: c.vocab as i64,
             ld: c.ld as i64,
             ignore_index: -100,
+            logit_scale: 1.0,
+            temperature: 1.0,
             softcap: c.softcap,
             z_loss: c.z_loss,
             dtype: dtype as i32,
@@ -302,6 +362,8 @@ mod tests {
                 vocab: vocab as i64,
                 ld: vocab as i64,
                 ignore_index: -100,
+                logit_scale: 1.0,
+                temperature: 1.0,
                 dtype: BastileDType::BASTILE_F32 as i32,
                 grad: 1,
                 vec: 1,
@@ -340,6 +402,8 @@ mod tests {
                 vocab: c.vocab as i64,
                 ld: c.ld as i64,
                 ignore_index: -100,
+                logit_scale: 1.0,
+                temperature: 1.0,
                 dtype: BASTILE_F64 as i32,
                 grad: 1,
                 ..Default::default()
@@ -353,12 +417,108 @@ mod tests {
     #[test]
     fn every_launch_has_a_kernel() {
         for dtype in [BASTILE_F32, BASTILE_F16, BASTILE_BF16] {
-            for (vectorized, softcap) in [(true, false), (true, true), (false, false), (false, true)] {
-                CrossEntropyChunk::find(&tags(dtype, vectorized, softcap)).unwrap();
+            for vectorized in [true, false] {
+                for softcap in [true, false] {
+                    for stats in [true, false] {
+                        CrossEntropyChunk::find(&tags(dtype, vectorized, softcap, stats)).unwrap();
+                    }
+                }
             }
         }
-        let i = CrossEntropyChunk::find(&tags(BASTILE_F32, false, true)).unwrap();
+        let i = CrossEntropyChunk::find(&tags(BASTILE_F32, false, true, false)).unwrap();
         assert_eq!(CrossEntropyChunk::KERNELS[i].1, "fused_linear_cross_entropy_rows_f32_scalar_softcap");
+        let i = CrossEntropyChunk::find(&tags(BASTILE_BF16, true, false, true)).unwrap();
+        assert_eq!(CrossEntropyChunk::KERNELS[i].1, "fused_linear_cross_entropy_rows_bf16_vec_stats");
+    }
+
+    /// What TRL's heads compute for one row, from the definitions: the scaled logits, their softmax p,
+    /// log p of the target, the entropy -sum p log p, log sum p^2, the mean and argmax's first maximum.
+    fn reference_stats(z: &[f64], t: usize, f: Scaled) -> (f64, [f64; 4]) {
+        let s: Vec<f64> = z.iter().map(|&v| {
+            let x = f.logit_scale * v;
+            (if f.softcap > 0.0 { f.softcap * (x / f.softcap).tanh() } else { x }) / f.temperature
+        }).collect();
+        let total: f64 = s.iter().map(|v| v.exp()).sum();
+        let p: Vec<f64> = s.iter().map(|v| v.exp() / total).collect();
+        let first_max = (0..s.len()).fold(0, |b, j| if s[j] > s[b] { j } else { b });
+        (p[t].ln(), [
+            -p.iter().map(|q| q * q.ln()).sum::<f64>(),
+            p.iter().map(|q| q * q).sum::<f64>().ln(),
+            s.iter().sum::<f64>() / s.len() as f64,
+            (first_max == t) as u8 as f64,
+        ])
+    }
+
+    /// Stats, scaled logits and the entropy's gradient against the definitions (the gradient of
+    /// g_lp * log p_t + g_H * H by central differences), ignored rows zero throughout.
+    #[test]
+    fn stats_and_entropy_gradient_match_the_definitions() {
+        let (rows, vocab) = (6, 50);
+        let mut z = noise(rows * vocab, 11, 3.0);
+        // Row 4: a tie of the target (17) with an earlier maximum (3), so argmax is not the target; row 5:
+        // the target is the maximum, tied by a later element.
+        z[4 * vocab + 3] = 9.0;
+        z[4 * vocab + 17] = 9.0;
+        z[5 * vocab + 8] = 9.0;
+        z[5 * vocab + 30] = 9.0;
+        let targets = [3i64, -100, 49, 0, 17, 8];
+        let (g_lp, g_h) = ([0.7f64, 5.0, -1.3, 0.2, 1.0, -0.4], [0.5f64, 2.0, 0.0, -2.5, 1.5, 0.3]);
+        for f in [
+            Scaled { logit_scale: 1.0, temperature: 1.0, softcap: 0.0 },
+            Scaled { logit_scale: 0.5, temperature: 0.7, softcap: 0.0 },
+            Scaled { logit_scale: 2.0, temperature: 1.3, softcap: 4.0 },
+        ] {
+            let mut logits = z.clone();
+            let (mut loss, mut stats) = (vec![f64::NAN; rows], vec![f64::NAN; rows * 4]);
+            // The loss is -log p_t, so its upstream gradient is -g_lp.
+            let row_scale: Vec<f64> = g_lp.iter().map(|g| -g).collect();
+            let p = CrossEntropyChunk {
+                logits: logits.as_mut_ptr().cast(),
+                target: targets.as_ptr(),
+                loss: loss.as_mut_ptr().cast(),
+                row_scale: row_scale.as_ptr().cast(),
+                stats: stats.as_mut_ptr().cast(),
+                entropy_scale: g_h.as_ptr().cast(),
+                rows: rows as i64,
+                vocab: vocab as i64,
+                ld: vocab as i64,
+                ignore_index: -100,
+                logit_scale: f.logit_scale,
+                temperature: f.temperature,
+                softcap: f.softcap,
+                dtype: BASTILE_F64 as i32,
+                grad: 1,
+                vec: 1,
+                ..Default::default()
+            };
+            chunk_cpu(&p).unwrap();
+            for (r, &t) in targets.iter().enumerate() {
+                let zr = &z[r * vocab..][..vocab];
+                let (got_stats, grad) = (&stats[r * 4..][..4], &logits[r * vocab..][..vocab]);
+                if t < 0 {
+                    assert_eq!((loss[r], got_stats, grad.iter().all(|&g| g == 0.0)), (0.0, &[0.0; 4][..], true));
+                    continue;
+                }
+                let (log_p, want) = reference_stats(zr, t as usize, f);
+                assert!((loss[r] + log_p).abs() < 1e-12, "row {r}: loss {} vs {}", loss[r], -log_p);
+                for k in 0..4 {
+                    assert!((got_stats[k] - want[k]).abs() < 1e-12, "row {r} stat {k}: {} vs {}", got_stats[k], want[k]);
+                }
+                let objective = |v: &[f64]| {
+                    let (lp, st) = reference_stats(v, t as usize, f);
+                    g_lp[r] * lp + g_h[r] * st[0]
+                };
+                for j in 0..vocab {
+                    let (mut a, mut b) = (zr.to_vec(), zr.to_vec());
+                    a[j] += 1e-6;
+                    b[j] -= 1e-6;
+                    let want = (objective(&a) - objective(&b)) / 2e-6;
+                    assert!((grad[j] - want).abs() < 1e-7, "row {r} logit {j}: gradient {} vs {want}", grad[j]);
+                }
+            }
+            assert_eq!(stats[4 * 4 + 3], 0.0, "a target tied with an earlier maximum is not argmax");
+            assert_eq!(stats[5 * 4 + 3], 1.0, "a target tied with a later maximum is argmax");
+        }
     }
 
     /// Qwen3's vocabulary in bf16 (303,872 bytes a row): 256 MiB for a bf16 weight-gradient sum, 512 MiB
