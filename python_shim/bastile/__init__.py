@@ -8,6 +8,7 @@ from ._library import PATH as library_path
 from ._library import VERSION as __version__
 from .modules import BastileRMSNorm, BastileSwiGLUMLP
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from .ops.fused_linear_log_probs import fused_linear_log_probs
 from .ops.geglu import geglu
 from .ops.qk_norm_rope import qk_norm_rope
 from .ops.rms_norm import rms_norm
@@ -18,4 +19,4 @@ from .runtime import clear_autotune_cache, warmup_all_kernels
 
 __all__ = ["apply", "reset", "get_patched_ops", "lora_modules", "supported_families", "warmup_all_kernels",
            "clear_autotune_cache", "data", "ops", "rms_norm", "swiglu", "rope", "qk_norm_rope",
-           "fused_linear_cross_entropy", "geglu", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
+           "fused_linear_cross_entropy", "fused_linear_log_probs", "geglu", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
