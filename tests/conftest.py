@@ -1,3 +1,4 @@
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +30,10 @@ class Contract:
     bad: list[tuple[Callable[[], object], str]]
     # float64 CPU calls for gradcheck, where the samples in float64 would not do.
     gradcheck_samples: Callable[[], list[Sample]] | None = None
+
+
+# What apply() patches in trainer libraries whatever the model (patch.TRAINERS), where they are installed.
+TRAINER_PATCHES = ["log_probs_trl"] if importlib.util.find_spec("trl") else []
 
 
 @pytest.fixture(autouse=True)

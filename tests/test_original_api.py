@@ -78,7 +78,7 @@ def test_reset_an_unknown_name_restores_nothing():
 
 
 def test_apply_takes_one_family_by_name():
-    names = bastile.apply(families="qwen3")
+    names = bastile.apply(families="qwen3", log_probs=False)
     assert names == ["decoder_qwen3", "rms_norm_qwen3", "swiglu_qwen3", "rope_qwen3", "fused_linear_cross_entropy_qwen3"]
     assert bastile.get_patched_ops() == sorted(names)
 

@@ -9,7 +9,7 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import bastile
-from conftest import CUDA, DEVICES
+from conftest import CUDA, DEVICES, TRAINER_PATCHES
 
 OPS = ["decoder", "rms_norm", "swiglu", "rope", "fused_linear_cross_entropy"]
 FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
@@ -45,7 +45,7 @@ def test_apply_reset_round_trip_restores_original_objects():
     moe = ["decoder_qwen3_moe", "rms_norm_qwen3_moe", "swiglu_qwen3_moe", "rope_qwen3_moe",
            "fused_linear_cross_entropy_qwen3_moe", "decoder_gpt_oss", "rms_norm_gpt_oss", "rope_gpt_oss",
            "fused_linear_cross_entropy_gpt_oss", "geglu_gpt_oss"]
-    assert sorted(names) == sorted([f"{op}_{fam}" for op in OPS for fam in FAMILIES] + moe)
+    assert sorted(names) == sorted([f"{op}_{fam}" for op in OPS for fam in FAMILIES] + moe + TRAINER_PATCHES)
     assert bastile.get_patched_ops() == sorted(names)
     for owner, attr in TARGETS:
         assert owner.__dict__[attr] is not ORIGINALS[owner, attr], (owner, attr)
@@ -66,13 +66,12 @@ MOE_ORIGINALS = {t: t[0].__dict__[t[1]] for t in MOE_SWIGLU}
 
 def test_multi_target_op_applies_and_resets_as_one_name():
     assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False, fused_linear_cross_entropy=False,
-                         decoder=False) == [
-        "swiglu_qwen3_moe"]
+                         decoder=False, log_probs=False) == ["swiglu_qwen3_moe"]
     assert bastile.get_patched_ops() == ["swiglu_qwen3_moe"]
     assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is bastile.hf.swiglu_apply_gate
     assert modeling_qwen3_moe.Qwen3MoeMLP.forward is bastile.hf.swiglu_mlp_forward
     assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False, fused_linear_cross_entropy=False,
-                         decoder=False) == ["swiglu_qwen3_moe"]  # twice is harmless
+                         decoder=False, log_probs=False) == ["swiglu_qwen3_moe"]  # twice is harmless
     assert bastile.reset(["swiglu_qwen3_moe"]) == ["swiglu_qwen3_moe"]
     for (owner, attr), original in MOE_ORIGINALS.items():
         assert owner.__dict__[attr] is original, (owner, attr)
@@ -93,8 +92,7 @@ def test_multi_target_op_missing_one_target(monkeypatch):
     assert bastile.get_patched_ops() == []
     assert modeling_qwen3_moe.Qwen3MoeExperts.__dict__["_apply_gate"] is MOE_ORIGINALS[MOE_SWIGLU[0]]
     assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False, fused_linear_cross_entropy=False,
-                         decoder=False) == [
-        "swiglu_qwen3_moe"]
+                         decoder=False, log_probs=False) == ["swiglu_qwen3_moe"]
     assert len(bastile.patch._active["swiglu_qwen3_moe"]) == 1
     assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is bastile.hf.swiglu_apply_gate
     bastile.reset()
@@ -106,10 +104,11 @@ def test_multi_target_op_missing_one_target(monkeypatch):
 def test_apply_selects_ops_and_model_and_rejects_unknown():
     model = tiny_qwen3()
     assert bastile.apply(model=model, swiglu=False, fused_linear_cross_entropy=False, decoder=False) == [
-        "rms_norm_qwen3", "rope_qwen3"]
+        "rms_norm_qwen3", "rope_qwen3"] + TRAINER_PATCHES
     assert bastile.apply(rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False, geglu=False,
-                         decoder=False) == []
-    assert bastile.apply(families=["llama"], rms_norm=False, decoder=False) == [
+                         decoder=False) == TRAINER_PATCHES
+    bastile.reset(TRAINER_PATCHES)
+    assert bastile.apply(families=["llama"], rms_norm=False, decoder=False, log_probs=False) == [
         "swiglu_llama", "rope_llama", "fused_linear_cross_entropy_llama"]
 
     class Other:

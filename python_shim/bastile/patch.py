@@ -4,13 +4,15 @@ Patches are declared in FAMILIES: for each HF model_type, its modeling module an
 attribute to replace there and its replacement (or a Wrap, whose factory makes the replacement from the
 original), or a list of such pairs where the op has several targets in the family (PATCHES lists them one
 row per target). A patch name `<op>_<family>` stands for all targets of that op in that family: apply()
-returns it once and reset() restores them all. Adding a family is one entry.
+returns it once and reset() restores them all. Adding a family is one entry. TRAINERS does the same for
+trainer libraries (TRL), whose patches apply whatever the model.
 """
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import hf, lora
+from . import heads, hf, lora
 
 @dataclass(frozen=True)
 class Wrap:
@@ -78,9 +80,20 @@ FAMILIES: Dict[str, tuple] = {
     }),
 }
 
+# library -> (module, op -> targets), as in FAMILIES. A library that is installed but lacks a target is an
+# error at apply(): its internals moved, and Bastile must not guess.
+TRAINERS: Dict[str, tuple] = {
+    # TRL's fused LM head (heads.py): its per-token function, its choice of positions, and SFT's loss.
+    "trl": ("trl.trainer", {
+        "log_probs": [("utils._ChunkedLogProbFunction", Wrap(heads.log_prob_function)),
+                      ("utils._use_triton", heads.compact),
+                      ("SFTTrainer.compute_loss", Wrap(heads.sft_compute_loss))],
+    }),
+}
+
 PATCHES: List[Patch] = [
     Patch(op, family, module, target, replacement)
-    for family, (module, per_op) in FAMILIES.items()
+    for family, (module, per_op) in {**FAMILIES, **TRAINERS}.items()
     for op, targets in per_op.items()
     for target, replacement in (targets if isinstance(targets, list) else [targets])
 ]
@@ -104,25 +117,28 @@ def _resolve(patch: Patch):
 
 
 def supported_families() -> List[str]:
-    return sorted({p.family for p in PATCHES})
+    return sorted(FAMILIES)
 
 
 def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_linear_cross_entropy: bool = True,
           geglu: Optional[bool] = None, model=None, families: Optional[Sequence[str]] = None,
-          moe: Optional[bool] = None, decoder: bool = True) -> List[str]:
+          moe: Optional[bool] = None, decoder: bool = True, log_probs: bool = True) -> List[str]:
     """Patches the selected ops for the given families (all supported ones by default, one family by
     name, or the family of `model`, an HF model instance). Works before or after the model is built,
     since it replaces class attributes and module functions. Returns the names `<op>_<family>` of the
     patches active from this call, e.g. ['rms_norm_qwen3', 'swiglu_qwen3', ...]. Applying twice is
     harmless. `moe` is the original name of `geglu` (GPT-OSS's experts' activation, on by default).
     `decoder` is the decoders' forward: no mask where SDPA needs none, and packed batches (varlen bounds
-    for the patched attention, or masks made with the position ids)."""
+    for the patched attention, or masks made with the position ids). `log_probs` is TRL's fused LM head
+    (its trainers' per-token log-probabilities) on Bastile's fused_linear_log_probs, whatever the model,
+    where TRL is installed (trl==1.16; another TRL whose internals differ is an error here)."""
     if geglu is not None and moe is not None and geglu != moe:
         raise ValueError(f"bastile.apply: geglu={geglu} and moe={moe} disagree, but they name one patch "
                          "(moe is geglu's original name)")
     selected = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope,
                 "fused_linear_cross_entropy": fused_linear_cross_entropy,
-                "geglu": next((v for v in (geglu, moe) if v is not None), True), "decoder": decoder}
+                "geglu": next((v for v in (geglu, moe) if v is not None), True), "decoder": decoder,
+                "log_probs": log_probs}
     if model is not None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in supported_families():
@@ -134,29 +150,36 @@ def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_l
         unknown = sorted(set(families) - set(supported_families()))
         if unknown:
             raise ValueError(f"bastile.apply: unknown families {unknown}; supported: {', '.join(supported_families())}")
-    chosen = [p for p in PATCHES if selected.get(p.op) and (families is None or p.family in families)]
+    chosen = [p for p in PATCHES
+              if selected.get(p.op) and (families is None or p.family in families or p.family in TRAINERS)]
     # Resolve everything first, so that a missing target leaves nothing half-patched.
     by_name: Dict[str, list] = {}
     for p in chosen:
         by_name.setdefault(p.name, []).append((p, _resolve(p)))
+    for name, found in by_name.items():
+        moved = [f"{p.module}.{p.target}" for p, t in found
+                 if t is None and p.family in TRAINERS and importlib.util.find_spec(p.family) is not None]
+        if moved:
+            p = found[0][0]
+            raise RuntimeError(f"bastile.apply: the installed {p.family} lacks {moved}, the targets of {name}; "
+                               f"pass {p.op}=False to keep its own")
     if model is not None:
-        missing = [f"{name} ({p.target})" for name, found in by_name.items() for p, t in found if t is None]
+        missing = [f"{name} ({p.target})" for name, found in by_name.items() for p, t in found
+                   if t is None and p.family not in TRAINERS]
         if missing:
             raise RuntimeError(f"bastile.apply: this transformers lacks the targets of {missing}")
-    applied = []
+    # Replacements are made (and a Wrap's factory may refuse its original) before anything is patched.
+    todo = {}
     for name, found in by_name.items():
         found = [(p, t) for p, t in found if t is not None]
-        if not found:
-            continue
-        if name not in _active:
-            _active[name] = [(owner, attr, owner.__dict__.get(attr)) for _, (owner, attr) in found]
-            for p, (owner, attr) in found:
-                replacement = p.replacement
-                if isinstance(replacement, Wrap):
-                    replacement = replacement.factory(getattr(owner, attr))
-                setattr(owner, attr, replacement)
-        applied.append(name)
-    return applied
+        if found and name not in _active:
+            todo[name] = [(owner, attr, p.replacement.factory(getattr(owner, attr))
+                           if isinstance(p.replacement, Wrap) else p.replacement) for p, (owner, attr) in found]
+    for name, targets in todo.items():
+        _active[name] = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in targets]
+        for owner, attr, replacement in targets:
+            setattr(owner, attr, replacement)
+    return [name for name, found in by_name.items() if name in _active]
 
 
 def reset(names: Optional[Sequence[str]] = None) -> List[str]:

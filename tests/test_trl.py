@@ -1,0 +1,151 @@
+"""TRL's trainers with bastile.apply(): their fused LM head runs Bastile's fused_linear_log_probs (the
+`log_probs` patch), and every logged figure (loss, entropy, token accuracy, rewards, log-probs...) is the
+trainer's own without Bastile, on tiny random-init models in fp32 on the CPU: the first step within 1e-6
+relative, later ones within 1e-4 (AdamW turns last-bit gradient differences into learning-rate-sized steps)."""
+import math
+
+import pytest
+import torch
+
+import bastile
+from test_families import mini
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+WORDS = 300
+
+
+def tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(WordLevel({"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(WORDS)}}, unk_token="<pad>"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def text(gen, lo, hi):
+    n = int(torch.randint(lo, hi, (1,), generator=gen))
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, WORDS, (n,), generator=gen))
+
+
+def dataset(kind, rows=16):
+    gen = torch.Generator().manual_seed(5)
+    if kind == "sft":
+        cols = {"input_ids": [torch.randint(2, WORDS, (int(n),), generator=gen).tolist()
+                              for n in torch.randint(3, 40, (rows * 2,), generator=gen)]}
+    elif kind == "preference":
+        cols = {"prompt": [text(gen, 2, 8) for _ in range(rows)], "chosen": [text(gen, 2, 8) for _ in range(rows)],
+                "rejected": [text(gen, 2, 8) for _ in range(rows)]}
+    elif kind == "unpaired":
+        cols = {"prompt": [text(gen, 2, 8) for _ in range(rows)], "completion": [text(gen, 2, 8) for _ in range(rows)],
+                "label": [bool(i % 2) for i in range(rows)]}
+    else:  # prompts
+        cols = {"prompt": [text(gen, 2, 8) for _ in range(rows)]}
+    return datasets.Dataset.from_dict(cols)
+
+
+def reward_len(completions, **_):
+    return [float(len(c.split())) + 0.1 * c.count("w1") for c in completions]
+
+
+COMMON = dict(max_steps=3, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+              learning_rate=2e-3, seed=0, per_device_train_batch_size=4)
+
+
+def trainer(kind, family, tmp_path, **config):
+    model, tok = mini(family, "cpu", torch.float32), tokenizer()
+    ref = dict(ref_model=mini(family, "cpu", torch.float32).eval())  # the policy's start
+    args = dict(COMMON, output_dir=str(tmp_path), **config)
+    if kind == "sft":
+        return trl.SFTTrainer(model, args=trl.SFTConfig(max_length=64, **args), train_dataset=dataset("sft"),
+                              processing_class=tok)
+    if kind == "dpo":
+        return trl.DPOTrainer(model, **ref, args=trl.DPOConfig(max_length=32, **args), train_dataset=dataset("preference"),
+                              processing_class=tok)
+    if kind == "kto":
+        return trl.KTOTrainer(model, **ref, args=trl.KTOConfig(max_length=32, **args), train_dataset=dataset("unpaired"),
+                              processing_class=tok)
+    generation = dict(num_generations=4, max_completion_length=6, temperature=0.9)
+    if kind == "grpo":
+        return trl.GRPOTrainer(model, reward_funcs=reward_len, args=trl.GRPOConfig(**generation, **args),
+                               train_dataset=dataset("prompts"), processing_class=tok)
+    return trl.RLOOTrainer(model, reward_funcs=reward_len, args=trl.RLOOConfig(beta=0.0, **generation, **args),
+                           train_dataset=dataset("prompts"), processing_class=tok)
+
+
+def logged(kind, family, tmp_path, **config):
+    t = trainer(kind, family, tmp_path, **config)
+    t.train()
+    skip = ("runtime", "per_second", "time", "epoch", "total_flos", "train_loss")
+    return [{k: v for k, v in e.items() if isinstance(v, (int, float)) and not any(s in k for s in skip)}
+            for e in t.state.log_history if "loss" in e]
+
+
+def assert_same_logs(got, want):
+    assert len(got) == len(want) == COMMON["max_steps"]
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.keys() == w.keys() and "loss" in g
+        # Figures near 0 (DPO's rewards: beta times a difference of two log-probs near -50) get an absolute
+        # tolerance as well.
+        rel, abs_ = (1e-6, 1e-7) if step == 0 else (1e-4, 1e-6)
+        for key in w:
+            assert math.isclose(g[key], w[key], rel_tol=rel, abs_tol=abs_), f"step {step} {key}: {g[key]} vs {w[key]}"
+
+
+@pytest.fixture
+def head_calls(monkeypatch):
+    """The uniform_grad of every call of Bastile's head through TRL."""
+    calls = []
+    real = bastile.heads.fused_linear_log_probs
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["uniform_grad"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bastile.heads, "fused_linear_log_probs", counting)
+    return calls
+
+
+CASES = [("sft", "qwen3", dict(loss_type="nll")), ("sft", "llama", dict(loss_type="nll", packing=True)),
+         ("sft", "qwen3", dict(loss_type="dft")), ("sft", "llama", dict(loss_type="dft", packing=True)),
+         ("dpo", "qwen3", {}), ("kto", "llama", {}), ("grpo", "qwen3", {}), ("rloo", "llama", {})]
+
+
+@pytest.mark.parametrize("kind,family,config", CASES, ids=[f"{k}-{f}-{'-'.join(map(str, c.values()))}"
+                                                          for k, f, c in CASES])
+def test_trainer_logs_match_trl_alone(kind, family, config, tmp_path, head_calls):
+    want = logged(kind, family, tmp_path, **config)
+    assert not head_calls
+    assert "log_probs_trl" in bastile.apply()
+    got = logged(kind, family, tmp_path, **config)
+    assert head_calls, "Bastile's head never ran"
+    # SFT's negative log-likelihood forms its gradients in the forward; every other loss weighs each token.
+    assert set(head_calls) == {kind == "sft" and config["loss_type"] == "nll"}
+    assert_same_logs(got, want)
+
+
+def test_reset_restores_trls_head():
+    import trl.trainer.utils as utils
+    original = utils._ChunkedLogProbFunction, utils._use_triton, trl.SFTTrainer.compute_loss
+    bastile.apply()
+    assert utils._ChunkedLogProbFunction is bastile.heads.ChunkedLogProbs
+    bastile.reset()
+    assert (utils._ChunkedLogProbFunction, utils._use_triton, trl.SFTTrainer.compute_loss) == original
+
+
+def test_a_trl_whose_head_moved_is_refused(monkeypatch):
+    """A TRL whose per-token function takes other arguments: apply() raises and patches nothing."""
+    import trl.trainer.utils as utils
+
+    class Other(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, targets):
+            return hidden
+
+    monkeypatch.setattr(utils, "_ChunkedLogProbFunction", Other)
+    with pytest.raises(RuntimeError, match="supports trl==1.16"):
+        bastile.apply()
+    assert bastile.get_patched_ops() == [] and utils._ChunkedLogProbFunction is Other
+    assert "log_probs_trl" not in bastile.apply(log_probs=False)
