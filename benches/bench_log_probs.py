@@ -1,4 +1,4 @@
-"""Per-token LM heads, forward + backward: TRL's chunked log-prob head against Bastile's fused cross-entropy.
+"""Per-token LM heads, forward + backward: TRL's chunked log-prob head against Bastile's.
 
     python3 benches/bench_log_probs.py [--tokens 8192] [--hidden 2048 1024]
 
@@ -7,6 +7,9 @@ upstream gradients (as GRPO's or DPO's losses weigh tokens), except `mean` (SFT'
 gradients Bastile forms in the forward). Rows:
 - TRL `ChunkedLogProbFunction` (trl.kernels), log_probs only, and with entropy and is_top1 (SFTTrainer's
   outputs; entropy gets no gradient, as SFTTrainer logs it detached);
+- Bastile `fused_linear_log_probs` (the head TRL runs under bastile.apply()), with all its fields: weighted
+  log_probs (backward makes the logits again), the same plus an entropy gradient (GRPO's entropy bonus), and
+  SFT's loss -sum(log_probs) / tokens with uniform_grad (gradients formed in the forward);
 - Bastile `fused_linear_cross_entropy(reduction="none")` (the row losses; its backward makes the logits again);
 - Bastile `fused_linear_cross_entropy` (mean);
 - the three bare GEMMs (logits, grad_hidden, grad_weight): the floor.
@@ -44,6 +47,13 @@ def main():
                 (lp * up).sum().backward()
             return run
 
+        def head(uniform=False, entropy=False):
+            def run():
+                out = bastile.fused_linear_log_probs(h, w, t, uniform_grad=uniform)
+                loss = -out.log_probs.sum() / args.tokens if uniform else (out.log_probs * up).sum()
+                (loss + out.entropy.sum() if entropy else loss).backward()
+            return run
+
         def none():
             (bastile.fused_linear_cross_entropy(h, w, t, reduction="none") * up).sum().backward()
 
@@ -56,6 +66,9 @@ def main():
             z.T @ h.detach()
         cases = [("TRL ChunkedLogProbFunction, log_probs", trl(("log_probs",))),
                  ("TRL ChunkedLogProbFunction, + entropy, is_top1", trl(("log_probs", "entropy", "is_top1"))),
+                 ("Bastile fused_linear_log_probs, weighted log_probs", head()),
+                 ("Bastile fused_linear_log_probs, weighted log_probs + entropy", head(entropy=True)),
+                 ("Bastile fused_linear_log_probs, SFT nll (uniform_grad)", head(uniform=True)),
                  ("Bastile fused_linear_cross_entropy, reduction none", none),
                  ("Bastile fused_linear_cross_entropy, mean", mean),
                  ("3 bare GEMMs", gemms)]
