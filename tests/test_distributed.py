@@ -43,13 +43,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import bastile
-from conftest import CUDA, DEVICES, needs_cuda, rel_err
+from conftest import CUDA, DEVICES, TRAINER_PATCHES, needs_cuda, rel_err
 from test_qwen3_training import assert_params_close, batches, mini_qwen3, train
 
 TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
 needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
 VOCAB = 2048  # the parallel runs' vocabulary: the mini Qwen3's 32000 would make its embedding 80% of the work
-ALL_PATCHES = [f"{op}_qwen3" for op in ("decoder", "rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")]
+ALL_PATCHES = [f"{op}_qwen3" for op in ("decoder", "rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")] + TRAINER_PATCHES
 
 
 # ---------------------------------------------------------------- DDP and FSDP2, 2 processes
@@ -333,7 +333,7 @@ CHECKPOINTING = {"default": {}, "non_reentrant": {"gradient_checkpointing_kwargs
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", list(CHECKPOINTING))
-def test_hf_gradient_checkpointing(device, how):
+def test_hf_gradient_checkpointing(device, how, monkeypatch):
     if how == "offload" and device == "cpu":
         pytest.skip("offloading moves activations from an accelerator to the host")
     cpu = device == "cpu"
@@ -350,8 +350,13 @@ def test_hf_gradient_checkpointing(device, how):
         # a pre-hook: non-reentrant recomputation stops inside the layer once it has what the backward needs
         layer.mlp.register_forward_pre_hook(lambda *_: layer_calls.append(1))
     model.gradient_checkpointing_enable(**CHECKPOINTING[how])
+    fused = []
+    real = bastile.lora.swiglu_down
+    monkeypatch.setattr(bastile.lora, "swiglu_down", lambda *a: fused.append(1) or real(*a))
     checkpointed = _grads(model, ids, labels)
     assert len(layer_calls) == 2 * len(model.model.layers), "the decoder layers were not recomputed"
+    # A recomputed layer keeps its activation: the fused down projection would run in the recomputation.
+    assert not fused
 
     # HF's own rounding differs from the fused ops' (bf16: by about 1% of a gradient's norm).
     tol = 1e-5 if cpu else 3e-2

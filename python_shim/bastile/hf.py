@@ -48,6 +48,13 @@ def swiglu_mlp_forward(self, x):
     if swiglu_mlp_why_not(self) is not None:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     gate, up = lora.project(x, self.gate_proj, self.up_proj)
+    if getattr(self, "_bastile_checkpointed", False):
+        # Its layer is recomputed in the backward (gradient checkpointing, told by decoder_forward), which
+        # stops once the last tensor the backward needs is saved: the down projection's input, for a plain
+        # down projection, which is then never run again; the fused node would run it (and the activation
+        # once more in its backward), and its memory saving lasts one layer's backward only.
+        (out,) = lora.project(swiglu(gate, up), self.down_proj)
+        return out
     return lora.swiglu_down(gate, up, self.down_proj)
 
 
@@ -200,12 +207,16 @@ def decoder_forward(forward):
     """A decoder's forward (XModel.forward, which causal LMs and TRL's fused head call) around HF's
     `forward`: the masks of `_masks`, and no cache in training unless asked for. HF's decoder makes one
     whenever config.use_cache says so, training included, and with one it does not look for the restarting
-    position ids of packed rows: their sequences would attend to one another."""
+    position ids of packed rows: their sequences would attend to one another. It also tells each layer's MLP
+    whether the layer is checkpointed (swiglu_mlp_forward)."""
     @functools.wraps(forward)
     def wrapper(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
         if use_cache is None:
             use_cache = False if self.training else self.config.use_cache
+        for layer in getattr(self, "layers", ()):
+            if (mlp := getattr(layer, "mlp", None)) is not None:
+                mlp._bastile_checkpointed = self.training and getattr(layer, "gradient_checkpointing", False)
         attention_mask, input_ids, inputs_embeds, kwargs = _masks(
             self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
         return forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
