@@ -4,6 +4,7 @@ plain loop; real (non-pad) tokens per second.
     python benches/bench_sft.py                                   # Qwen3-1.7B and 0.6B, packed rows of 4096
     python benches/bench_sft.py --models 1.7B --padded            # also padded batches of 8 sequences
     python benches/bench_sft.py --smoke                           # tiny model on the CPU: checks the script
+    python benches/bench_sft.py --models 1.7B --full-rows --modes trl,trl_liger,trl_bastile [--lora]
 
 The data: random token sequences with the issue's lengths (log-normal, median about 245, mean about 370,
 capped at 4095; benches/bench_packing.py's `lengths`). The model: random-init Qwen3 in bf16, SDPA, fused
@@ -11,8 +12,10 @@ AdamW, TRL's defaults (gradient checkpointing, bf16 autocast, lr 2e-5, logging e
 max_length 4096. Packed: `packing=True` (best fit decreasing, padding-free: TRL flattens each batch of 2
 rows into one row of up to 8192 tokens, with cu_seq_lens), batch 2. Padded: batch 8, padded to the longest.
 The plain loop: `bastile.data.PackedDataset(capacity=4096)`, `collate`, `prefetch`, batch 2, the same
-checkpointing, optimizer and learning rate. Each (model, mode) runs in its own process; timed from the
-end of step `--warmup` to the end of the last, one synchronisation at each end.
+checkpointing, optimizer and learning rate. `--full-rows`: every sequence 4096 tokens, no packing (TRL's
+plain batches of 2 full rows). `--lora`: PEFT LoRA r=16, alpha 32, on the seven projections (TRL's
+peft_config). Each (model, mode) runs in its own process; timed from the end of step `--warmup` to the end
+of the last, one synchronisation at each end.
 """
 import argparse
 import json
@@ -30,14 +33,16 @@ from bench_packing import lengths  # noqa: E402
 from common import environment, qwen3  # noqa: E402
 
 MODES = ["trl", "trl_liger", "trl_bastile", "bastile_loop"]
+# Also: trl_bastile_trl_head, bastile.apply(log_probs=False): Bastile's kernels with TRL's own LM head.
 PADDED = ["trl_padded", "trl_bastile_padded"]
 CAPACITY = 4096
 LR = 2e-5  # TRL's default
 
 
-def sequences(n: int, vocab: int, seed: int = 0) -> list:
+def sequences(n: int, vocab: int, seed: int = 0, full_rows: bool = False) -> list:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths(n, seed)]
+    sizes = [CAPACITY] * n if full_rows else lengths(n, seed)
+    return [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in sizes]
 
 
 def tokenizer():
@@ -49,10 +54,10 @@ def tokenizer():
                                    pad_token="<pad>", eos_token="<eos>")
 
 
-def build(model: str, device: str, bastile_on: bool):
+def build(model: str, device: str, bastile_on: bool, log_probs: bool = True):
     if bastile_on:
         import bastile
-        bastile.apply()
+        bastile.apply(log_probs=log_probs)
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
@@ -89,13 +94,18 @@ def run_trl(args, mode: str, clock: Clock) -> list:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
     padded = mode.endswith("_padded")
-    net = build(args.model, args.device, "bastile" in mode)
-    ds = Dataset.from_dict({"input_ids": sequences(args.n, net.config.vocab_size)})
+    net = build(args.model, args.device, "bastile" in mode, log_probs=not mode.endswith("trl_head"))
+    ds = Dataset.from_dict({"input_ids": sequences(args.n, net.config.vocab_size, full_rows=args.full_rows)})
+    peft = {}
+    if args.lora:
+        from peft import LoraConfig
+        peft["peft_config"] = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM", target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     cfg = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=args.steps, per_device_train_batch_size=8 if padded else 2,
-                    max_length=CAPACITY, packing=not padded, use_liger_kernel=mode == "trl_liger",
+                    max_length=CAPACITY, packing=not (padded or args.full_rows), use_liger_kernel=mode == "trl_liger",
                     optim="adamw_torch_fused", report_to="none", save_strategy="no", seed=0,
                     use_cpu=args.device == "cpu", bf16=args.device == "cuda")
-    trainer = SFTTrainer(net, args=cfg, train_dataset=ds, processing_class=tokenizer())
+    trainer = SFTTrainer(net, args=cfg, train_dataset=ds, processing_class=tokenizer(), **peft)
     collate = trainer.data_collator
 
     def counting(examples):
@@ -168,6 +178,8 @@ def main():
     ap.add_argument("--timeout", type=float, default=400)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 4 steps, on the CPU")
+    ap.add_argument("--full-rows", action="store_true", help="sequences of 4096 tokens, no packing")
+    ap.add_argument("--lora", action="store_true", help="PEFT LoRA r=16 on the seven projections")
     ap.add_argument("--mode", help="(internal) run one mode in this process")
     ap.add_argument("--model", help="(internal)")
     args = ap.parse_args()
@@ -177,6 +189,7 @@ def main():
         print("RESULT " + json.dumps(child(args)), flush=True)
         return
     extra = ["--smoke", "--device", "cpu", "--n", "200"] if args.smoke else ["--device", args.device, "--n", str(args.n)]
+    extra += ["--full-rows"] * args.full_rows + ["--lora"] * args.lora
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     models = ["tiny"] if args.smoke else args.models.split(",")
     modes = args.modes.split(",") + (PADDED if args.padded else [])
