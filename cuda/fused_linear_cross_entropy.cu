@@ -145,7 +145,8 @@ __device__ __forceinline__ void fold(Softmax<ST> &s, const Pack<T, V> &pk, int64
 struct RowGrad {
   float lse2;    // log-sum-exp in base-2 units
   float coef;    // scale * (1 + 2 z_loss lse): the softmax's factor
-  float scale;   // the one-hot's factor
+  float scale;   // the one-hot's factor: scale * (1 - label_smoothing)
+  float smooth;  // ST: scale * label_smoothing / vocab, every logit's
   float ecoef;   // ST: minus the entropy's upstream gradient; p_j (log p_j + entropy) is its factor
   float entropy;
   int64_t tpack; // the vector holding the target, and its lane
@@ -162,6 +163,7 @@ __device__ __forceinline__ void write_grad(T *dst, const Pack<T, V> &pk, int64_t
     const float l2 = s * kLog2e - g.lse2;  // log2 p
     float d = exp2f(l2) * (ST ? g.coef + g.ecoef * (l2 * kLn2 + g.entropy) : g.coef);
     if (j == g.tpack && i == g.tlane) d -= g.scale;
+    if (ST) d -= g.smooth;
     o[i] = d * logit.slope(s);
   }
   store<V>(dst, o);
@@ -228,7 +230,12 @@ __device__ __forceinline__ void rows(const CrossEntropyChunk &p) {
   const float lse = lse2 * kLn2;
   const float z = (float)p.z_loss;
   float entropy = 0.f;
-  if (tid == 0) loss[row] = lse - target_logit + z * lse * lse;
+  const float eps = (float)p.label_smoothing;
+  if constexpr (ST) {
+    if (tid == 0) loss[row] = lse - (1.f - eps) * target_logit - eps * (s.total / (float)p.vocab) + z * lse * lse;
+  } else {
+    if (tid == 0) loss[row] = lse - target_logit + z * lse * lse;
+  }
   if constexpr (ST) {
     entropy = lse - s.es / s.sum;
     if (tid == 0 && stats) {
@@ -247,7 +254,8 @@ __device__ __forceinline__ void rows(const CrossEntropyChunk &p) {
   }
   if (p.row_scale) scale *= static_cast<const float *>(p.row_scale)[row];
   const float ecoef = ST && p.entropy_scale ? -static_cast<const float *>(p.entropy_scale)[row] : 0.f;
-  const RowGrad g{lse2, scale * (1.f + 2.f * z * lse), scale, ecoef, entropy, target / V, (int)(target % V)};
+  const RowGrad g{lse2, scale * (1.f + 2.f * z * lse), scale * (1.f - eps), scale * eps / (float)p.vocab,
+                  ecoef, entropy, target / V, (int)(target % V)};
   // This thread's streamed vectors, last first.
   if (streamed + tid < npack) {
     const int64_t last = streamed + tid + (npack - 1 - streamed - tid) / nt * nt;

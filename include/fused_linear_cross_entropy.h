@@ -25,6 +25,8 @@ typedef struct CrossEntropyChunk {
   double temperature;
   double softcap;        /* > 0: softcap(x) = softcap * tanh(x / softcap); 0: off (softcap(x) = x) */
   double z_loss;         /* adds z_loss * lse^2 to each counted row's loss */
+  double label_smoothing; /* eps: the loss is lse - (1 - eps) s[target] - eps mean(s), F.cross_entropy's
+                             label_smoothing; > 0 takes a stats kernel (the mean) */
   int32_t dtype;         /* of the logits */
   int32_t grad;          /* nonzero: write the gradient over the logits */
   int32_t vec;           /* elements per vector access; chosen by Rust */

@@ -4,7 +4,9 @@
 //! `softcap(x) = softcap * tanh(x / softcap)` (or x), and, in place of the logits, `d(loss)/d(logit) =
 //! (scale * ((1 + 2 z_loss lse) p - onehot(target)) - g_H p (log p + H)) * ds/dlogit` with `p = softmax(s)`,
 //! `scale = 1 / count` for reduction "mean", 1 for "sum", the row's upstream gradient for "none" (the
-//! backward's recomputation), and `g_H` the upstream gradient of the row's entropy H (0 by default).
+//! backward's recomputation), and `g_H` the upstream gradient of the row's entropy H (0 by default). With
+//! label smoothing eps, the loss is `lse - (1 - eps) s[target] - eps mean(s) + ...` and the one-hot is
+//! `(1 - eps) onehot + eps / vocab`.
 //! On request (`stats`), the row's entropy H, log(sum p^2), mean of s and whether the target is s's first
 //! maximum: what TRL's per-token heads report. Ignored rows (target == ignore_index) get loss, stats and
 //! gradient 0. The GEMMs around the pass are ATen's
@@ -75,9 +77,10 @@ fn cached(softcap: bool, stats: bool) -> i64 {
 }
 
 impl CrossEntropyChunk {
-    /// The stats kernels: the row's statistics are asked for, or the entropy's gradient needs them.
+    /// The stats kernels: the row's statistics are asked for, or the entropy's gradient or label smoothing
+    /// needs them.
     fn stats(&self) -> bool {
-        !self.stats.is_null() || !self.entropy_scale.is_null()
+        !self.stats.is_null() || !self.entropy_scale.is_null() || self.label_smoothing > 0.0
     }
 }
 
@@ -151,25 +154,27 @@ impl Scaled {
 /// Loss of one row in f64, and its stats (entropy, log sum p^2, mean of s, target is the first
 /// maximum); `row` is overwritten with the gradient when `grad`, for the loss's upstream gradient `scale`
 /// and the entropy's `entropy_scale`.
-fn row_cpu<T: Element>(row: &mut [T], target: usize, f: Scaled, z_loss: f64, scale: f64, entropy_scale: f64,
-                       grad: bool) -> (f64, [f64; 4]) {
+fn row_cpu<T: Element>(row: &mut [T], target: usize, f: Scaled, z_loss: f64, eps: f64, scale: f64,
+                       entropy_scale: f64, grad: bool) -> (f64, [f64; 4]) {
     let s: Vec<f64> = row.iter().map(|z| f.of(z.to_f64()).0).collect();
     let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let lse = max + s.iter().map(|&v| (v - max).exp()).sum::<f64>().ln();
-    let loss = lse - s[target] + z_loss * lse * lse;
+    let mean = s.iter().sum::<f64>() / s.len() as f64;
+    let loss = lse - (1.0 - eps) * s[target] - eps * mean + z_loss * lse * lse;
     let entropy = lse - s.iter().map(|&v| (v - lse).exp() * v).sum::<f64>();
     let stats = [
         entropy,
         s.iter().map(|&v| (2.0 * (v - lse)).exp()).sum::<f64>().ln(),
-        s.iter().sum::<f64>() / s.len() as f64,
+        mean,
         (s[target] >= max && s[..target].iter().all(|&v| v < s[target])) as u8 as f64,
     ];
     if grad {
-        let coef = scale * (1.0 + 2.0 * z_loss * lse);
+        let (coef, smooth) = (scale * (1.0 + 2.0 * z_loss * lse), scale * eps / s.len() as f64);
         for (j, z) in row.iter_mut().enumerate() {
             let (sj, slope) = f.of(z.to_f64());
             let log_p = sj - lse;
-            let d = log_p.exp() * (coef - entropy_scale * (log_p + entropy)) - if j == target { scale } else { 0.0 };
+            let onehot = if j == target { scale * (1.0 - eps) } else { 0.0 };
+            let d = log_p.exp() * (coef - entropy_scale * (log_p + entropy)) - onehot - smooth;
             *z = T::from_f64(d * slope);
         }
     }
@@ -202,7 +207,7 @@ unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Resu
     let logits = Disjoint::new(cpu::slice_mut::<T>(p.logits, (rows - 1) * ld + vocab));
     let loss = Disjoint::new(cpu::slice_mut::<L>(p.loss, rows));
     let stats = (!p.stats.is_null()).then(|| Disjoint::new(cpu::slice_mut::<L>(p.stats, rows * 4)));
-    let (grad, ignore, z_loss) = (p.grad != 0, p.ignore_index, p.z_loss);
+    let (grad, ignore, z_loss, eps) = (p.grad != 0, p.ignore_index, p.z_loss, p.label_smoothing);
     let f = Scaled { logit_scale: p.logit_scale, temperature: p.temperature, softcap: p.softcap };
     cpu::parallel_for(rows, cpu::GRAIN.div_ceil(vocab.max(1)), |range| {
         // SAFETY: the ranges of parallel_for do not overlap, nor do the rows' first `vocab` elements.
@@ -216,7 +221,7 @@ unsafe fn chunk_cpu_typed<T: Element, L: Element>(p: &CrossEntropyChunk) -> Resu
             } else {
                 let scale = row_scale.map_or(scale, |r| scale * r[i].to_f64());
                 let entropy_scale = entropy_scale.map_or(0.0, |r| r[i].to_f64());
-                row_cpu(row, t as usize, f, z_loss, scale, entropy_scale, grad)
+                row_cpu(row, t as usize, f, z_loss, eps, scale, entropy_scale, grad)
             };
             *l = L::from_f64(value);
             if let Some(stats) = &stats {
@@ -237,22 +242,24 @@ mod tests {
     use half::bf16;
     use BastileDType::*;
 
-    /// Loss of one row from its definition, with no shared code: the log of a plain sum of exps.
-    fn reference_loss(z: &[f64], t: usize, softcap: f64, z_loss: f64) -> f64 {
+    /// Loss of one row from its definition, with no shared code: the log of a plain sum of exps, and with
+    /// label smoothing eps the cross-entropy against (1 - eps) onehot + eps / vocab.
+    fn reference_loss(z: &[f64], t: usize, softcap: f64, z_loss: f64, eps: f64) -> f64 {
         let s: Vec<f64> = z.iter().map(|&v| if softcap > 0.0 { softcap * (v / softcap).tanh() } else { v }).collect();
         let lse = s.iter().map(|v| v.exp()).sum::<f64>().ln();
-        lse - s[t] + z_loss * lse * lse
+        let uniform = s.iter().map(|v| lse - v).sum::<f64>() / s.len() as f64;
+        (1.0 - eps) * (lse - s[t]) + eps * uniform + z_loss * lse * lse
     }
 
     /// The gradient by central differences of the reference loss.
-    fn reference_grad(z: &[f64], t: usize, softcap: f64, z_loss: f64) -> Vec<f64> {
+    fn reference_grad(z: &[f64], t: usize, softcap: f64, z_loss: f64, eps: f64) -> Vec<f64> {
         let h = 1e-6;
         (0..z.len())
             .map(|j| {
                 let (mut a, mut b) = (z.to_vec(), z.to_vec());
                 a[j] += h;
                 b[j] -= h;
-                (reference_loss(&a, t, softcap, z_loss) - reference_loss(&b, t, softcap, z_loss)) / (2.0 * h)
+                (reference_loss(&a, t, softcap, z_loss, eps) - reference_loss(&b, t, softcap, z_loss, eps)) / (2.0 * h)
             })
             .collect()
     }
@@ -263,6 +270,7 @@ mod tests {
         ld: usize,
         softcap: f64,
         z_loss: f64,
+        eps: f64,
         count: Option<i64>,
     }
 
@@ -285,6 +293,7 @@ mod tests {
             temperature: 1.0,
             softcap: c.softcap,
             z_loss: c.z_loss,
+            label_smoothing: c.eps,
             dtype: dtype as i32,
             grad: grad as i32,
             vec: 1,
@@ -310,9 +319,9 @@ mod tests {
                 assert!(gr.iter().all(|&g| g == 0.0), "ignored row {r} has a gradient");
                 continue;
             }
-            let want = reference_loss(zr, t as usize, c.softcap, c.z_loss);
+            let want = reference_loss(zr, t as usize, c.softcap, c.z_loss, c.eps);
             assert!((loss[r] - want).abs() <= tol * want.abs().max(1.0), "{dtype:?} row {r}: loss {} vs {want}", loss[r]);
-            let want_g = reference_grad(zr, t as usize, c.softcap, c.z_loss);
+            let want_g = reference_grad(zr, t as usize, c.softcap, c.z_loss, c.eps);
             let err = gr.iter().zip(&want_g).map(|(a, b)| (a - scale * b).abs()).fold(0.0, f64::max);
             // The finite difference itself is good to ~1e-9.
             assert!(err <= (tol + 1e-8) * scale, "{dtype:?} row {r}: gradient off by {err}");
@@ -331,12 +340,12 @@ mod tests {
 
     #[test]
     fn cpu_pass_matches_f64_reference() {
-        for (softcap, z_loss) in [(0.0, 0.0), (30.0, 0.0), (0.0, 1e-2), (5.0, 1e-3)] {
+        for (softcap, z_loss, eps) in [(0.0, 0.0, 0.0), (30.0, 0.0, 0.1), (0.0, 1e-2, 0.0), (5.0, 1e-3, 0.3)] {
             for (rows, vocab, ld) in [(1, 1, 1), (5, 3, 3), (9, 1000, 1000), (4, 37, 40)] {
                 for count in [None, Some(3), Some(0)] {
-                    let c = Case { rows, vocab, ld, softcap, z_loss, count };
+                    let c = Case { rows, vocab, ld, softcap, z_loss, eps, count };
                     check::<f64, f64>(BASTILE_F64, c, 1e-12);
-                    let c = Case { rows, vocab, ld, softcap, z_loss, count };
+                    let c = Case { rows, vocab, ld, softcap, z_loss, eps, count };
                     // f32 storage of loss and gradient.
                     check::<f32, f32>(BASTILE_F32, c, 2e-7);
                 }
@@ -382,13 +391,13 @@ mod tests {
 
     #[test]
     fn bf16_gradient_is_the_rounded_f64_value() {
-        let c = Case { rows: 3, vocab: 64, ld: 64, softcap: 0.0, z_loss: 0.0, count: Some(2) };
+        let c = Case { rows: 3, vocab: 64, ld: 64, softcap: 0.0, z_loss: 0.0, eps: 0.0, count: Some(2) };
         check::<bf16, f32>(BASTILE_BF16, c, 2f64.powi(-8));
     }
 
     #[test]
     fn out_of_range_targets_are_errors_on_cpu() {
-        let c = Case { rows: 2, vocab: 8, ld: 8, softcap: 0.0, z_loss: 0.0, count: None };
+        let c = Case { rows: 2, vocab: 8, ld: 8, softcap: 0.0, z_loss: 0.0, eps: 0.0, count: None };
         for bad in [8, -1, -101] {
             let z = noise(16, 1, 4.0);
             let mut loss = [0f64; 2];

@@ -13,14 +13,14 @@ bwd_op = torch.ops.bastile.fused_linear_cross_entropy_backward
 flce = bastile.fused_linear_cross_entropy
 
 
-def eager(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0):
-    """HF's expression (logits in the inputs' dtype, loss in f32), with softcap and z-loss in plain torch.
-    With f64 inputs it is the fp64 reference."""
+def eager(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0, label_smoothing=0.0):
+    """HF's expression (logits in the inputs' dtype, loss in f32), with softcap and z-loss in plain torch and
+    F.cross_entropy's label smoothing. With f64 inputs it is the fp64 reference."""
     z = F.linear(h, w, b)
     z = z.double() if z.dtype == torch.float64 else z.float()
     if softcap:
         z = softcap * torch.tanh(z / softcap)
-    loss = F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction)
+    loss = F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
     if z_loss:
         keep = t != ignore_index
         zl = z_loss * torch.logsumexp(z, -1) ** 2 * keep
@@ -57,12 +57,12 @@ def chunks(rows, vocab, elem_bytes):
 
 
 def reference(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0, fp32_weight_grad=True,
-              chunk_bytes=0):
+              chunk_bytes=0, label_smoothing=0.0):
     """eager with the op's signature. A mean over no counted target is 0, as the op defines it
     (F.cross_entropy's is NaN): the sum's, gradients included."""
     if reduction == "mean" and not (t != ignore_index).any():
         reduction = "sum"
-    return eager(h, w, t, b, ignore_index, reduction, softcap, z_loss)
+    return eager(h, w, t, b, ignore_index, reduction, softcap, z_loss, label_smoothing)
 
 
 def samples(device):
@@ -78,16 +78,17 @@ def samples(device):
     return [call(12, 16, 40, chunk_bytes=several), call(19, 24, 56, seed=1, chunk_bytes=several),
             call(10, 8, 30, bias=False, seed=2, reduction="sum", softcap=5.0, z_loss=1e-3),
             call(9, 8, 20, seed=3, frozen="wb", chunk_bytes=chunks(4, 20, 4)),
-            call(9, 8, 20, seed=4, frozen="h", fp32_weight_grad=False, softcap=3.0, z_loss=1e-3),
-            call(11, 8, 25, seed=5, reduction="none", chunk_bytes=chunks(4, 25, 4)),
+            call(9, 8, 20, seed=4, frozen="h", fp32_weight_grad=False, softcap=3.0, z_loss=1e-3, label_smoothing=0.2),
+            call(11, 8, 25, seed=5, reduction="none", chunk_bytes=chunks(4, 25, 4), label_smoothing=0.1),
             call(7, 8, 20, bias=False, seed=6, frozen="w", reduction="none", softcap=3.0, z_loss=1e-3)]
 
 
 def gradcheck_samples():
     """Chunks of 3, 3 and 1 rows, with and without softcap and z-loss."""
     h, w, b, t = make(7, 5, 11, dtype=torch.float64, ignored=0.3)
-    return [((h, w, t, b), dict(reduction=reduction, softcap=softcap, z_loss=z_loss, chunk_bytes=chunks(3, 11, 8)))
-            for reduction in ("mean", "sum", "none") for softcap, z_loss in [(0.0, 0.0), (2.0, 0.1)]]
+    return [((h, w, t, b), dict(reduction=reduction, softcap=softcap, z_loss=z_loss, label_smoothing=eps,
+                                chunk_bytes=chunks(3, 11, 8)))
+            for reduction in ("mean", "sum", "none") for softcap, z_loss, eps in [(0.0, 0.0, 0.0), (2.0, 0.1, 0.15)]]
 
 
 def empty(device):
@@ -113,6 +114,8 @@ BAD = [
      "grad_rows must be floating with target's shape"),
     (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), softcap=-1.0),
      "softcap must be"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), label_smoothing=1.5),
+     "label_smoothing must be in"),
     (lambda: op(torch.randint(0, 3, (4, 8)), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)),
      "hidden must be float32"),
     (lambda: bwd_op(torch.ones(2), torch.randn(3), torch.randn(3), torch.randn(0)), "grad_loss must be a 0-dim"),
@@ -132,9 +135,9 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3, torch.float16: 8e-4}
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("softcap,z_loss", [(0.0, 0.0), (3.0, 1e-3)])
+@pytest.mark.parametrize("softcap,z_loss,label_smoothing", [(0.0, 0.0, 0.0), (3.0, 1e-3, 0.0), (0.0, 0.0, 0.1)])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, reduction):
+def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, label_smoothing, reduction):
     """Loss and gradients; with reduction "none", the row losses and the gradients of their sum weighted by
     random upstream gradients (the backward's recomputation)."""
     n, hdim, vocab = 50, 64, 300
@@ -143,7 +146,7 @@ def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, reduction):
 
     def weighted(loss):
         return loss if reduction != "none" else (loss * upstream.to(loss.dtype)).sum()
-    kw = dict(reduction=reduction, softcap=softcap, z_loss=z_loss)
+    kw = dict(reduction=reduction, softcap=softcap, z_loss=z_loss, label_smoothing=label_smoothing)
     loss = op(h, w, t, b, **kw, chunk_bytes=chunks(16, vocab, torch.finfo(dtype).bits // 8))  # 16, 16, 16, 2 rows
     assert loss.dtype == torch.float32 and loss.shape == ((n,) if reduction == "none" else ())
     ours = (loss, *grads(weighted(loss), (h, w, b)))

@@ -43,13 +43,14 @@ struct Options {
   double z_loss;
   bool fp32_weight_grad;
   int64_t chunk_bytes;
+  double label_smoothing = 0.0;
   double logit_scale = 1.0;
   double temperature = 1.0;
   bool stats = false;  // the per-row statistics of fused_linear_log_probs
 };
 
 Options options(int64_t ignore_index, c10::string_view reduction, double softcap, double z_loss,
-                bool fp32_weight_grad, int64_t chunk_bytes) {
+                bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing = 0.0) {
   TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none",
               "bastile.fused_linear_cross_entropy: reduction must be \"mean\", \"sum\" or \"none\", got \"",
               reduction, "\"");
@@ -60,7 +61,9 @@ Options options(int64_t ignore_index, c10::string_view reduction, double softcap
   TORCH_CHECK(chunk_bytes >= 0, "bastile.fused_linear_cross_entropy: chunk_bytes must be >= 0 (0 = automatic), got ",
               chunk_bytes);
   const auto r = reduction == "mean" ? Reduction::Mean : reduction == "sum" ? Reduction::Sum : Reduction::None;
-  return {ignore_index, r, softcap, z_loss, fp32_weight_grad, chunk_bytes};
+  TORCH_CHECK(label_smoothing >= 0 && label_smoothing <= 1,
+              "bastile.fused_linear_cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
+  return {ignore_index, r, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing};
 }
 
 bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -178,7 +181,7 @@ Result run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::T
                                      .entropy_scale = part(entropy_scale, start), .rows = n, .vocab = vocab,
                                      .ld = logits.stride(0), .ignore_index = o.ignore_index,
                                      .logit_scale = o.logit_scale, .temperature = o.temperature, .softcap = o.softcap,
-                                     .z_loss = o.z_loss, .dtype = dtype_code(kOp, {"logits", logits}), .grad = grad});
+                                     .z_loss = o.z_loss, .label_smoothing = o.label_smoothing, .dtype = dtype_code(kOp, {"logits", logits}), .grad = grad});
     if (!grad) continue;
     // `logits` now holds d(loss)/d(logits) of the chunk's rows.
     const bool first = start == 0;
@@ -231,13 +234,14 @@ struct FlceForwardOp {
   static constexpr const char* schema =
       "fused_linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
       "int ignore_index=-100, str reduction=\"mean\", float softcap=0.0, float z_loss=0.0, "
-      "bool fp32_weight_grad=True, int chunk_bytes=0, bool[3] grad_mask=[True, True, True]) -> "
-      "(Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)";
+      "bool fp32_weight_grad=True, int chunk_bytes=0, float label_smoothing=0.0, "
+      "bool[3] grad_mask=[True, True, True]) -> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)";
 
   static Four kernel(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
-                     double softcap, double z_loss, bool fp32_weight_grad, int64_t chunk_bytes, Mask mask) {
-    const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes);
+                     double softcap, double z_loss, bool fp32_weight_grad, int64_t chunk_bytes,
+                     double label_smoothing, Mask mask) {
+    const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing);
     TORCH_CHECK(o.reduction != Reduction::None || !(mask[0] || mask[1] || mask[2]),
                 "bastile.fused_linear_cross_entropy_forward: reduction \"none\" forms no gradients in the forward ",
                 "(their upstream gradients differ by row): fused_linear_cross_entropy_rows_backward makes them");
@@ -250,14 +254,14 @@ struct FlceRowsBackwardOp {
   static constexpr const char* schema =
       "fused_linear_cross_entropy_rows_backward(Tensor grad_rows, Tensor hidden, Tensor weight, Tensor target, "
       "Tensor? bias=None, int ignore_index=-100, float softcap=0.0, float z_loss=0.0, bool fp32_weight_grad=True, "
-      "int chunk_bytes=0, bool[3] grad_mask=[True, True, True]) -> "
+      "int chunk_bytes=0, float label_smoothing=0.0, bool[3] grad_mask=[True, True, True]) -> "
       "(Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)";
 
   static Three kernel(
       const at::Tensor& grad_rows, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
       const std::optional<at::Tensor>& bias, int64_t ignore_index, double softcap, double z_loss,
-      bool fp32_weight_grad, int64_t chunk_bytes, Mask mask) {
-    const auto o = options(ignore_index, "none", softcap, z_loss, fp32_weight_grad, chunk_bytes);
+      bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing, Mask mask) {
+    const auto o = options(ignore_index, "none", softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing);
     TORCH_CHECK(grad_rows.is_floating_point() && grad_rows.sym_sizes() == target.sym_sizes(),
                 "bastile.fused_linear_cross_entropy_rows_backward: grad_rows must be floating with target's shape ",
                 target.sym_sizes(), ", got ", grad_rows.scalar_type(), " of shape ", grad_rows.sym_sizes());
@@ -310,32 +314,33 @@ struct FlceOp {
   static constexpr const char* schema =
       "fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
       "int ignore_index=-100, str reduction=\"mean\", float softcap=0.0, float z_loss=0.0, "
-      "bool fp32_weight_grad=True, int chunk_bytes=0) -> Tensor";
+      "bool fp32_weight_grad=True, int chunk_bytes=0, float label_smoothing=0.0) -> Tensor";
 
   // Nothing to differentiate: the loss alone, with no gradient GEMMs or buffers.
   static at::Tensor kernel(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                            const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
-                           double softcap, double z_loss, bool fp32_weight_grad, int64_t chunk_bytes) {
-    const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes);
+                           double softcap, double z_loss, bool fp32_weight_grad, int64_t chunk_bytes,
+                           double label_smoothing) {
+    const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing);
     return run(hidden, weight, target, bias, o, {false, false, false}).loss;
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& target, const std::optional<at::Tensor>& bias, int64_t ignore_index,
                             c10::string_view reduction, double softcap, double z_loss, bool fp32_weight_grad,
-                            int64_t chunk_bytes) {
+                            int64_t chunk_bytes, double label_smoothing) {
     const Mask mask{hidden.requires_grad(), weight.requires_grad(), has(bias) && bias->requires_grad()};
     ctx->saved_data["mask"] = int64_t(mask[0]) | int64_t(mask[1]) << 1 | int64_t(mask[2]) << 2;
     if (reduction == "none") {  // the backward makes the logits again
       ctx->save_for_backward({hidden, weight, target, has(bias) ? *bias : at::Tensor()});
       auto& d = ctx->saved_data;
       d["ignore_index"] = ignore_index, d["softcap"] = softcap, d["z_loss"] = z_loss;
-      d["fp32_weight_grad"] = fp32_weight_grad, d["chunk_bytes"] = chunk_bytes;
+      d["fp32_weight_grad"] = fp32_weight_grad, d["chunk_bytes"] = chunk_bytes, d["label_smoothing"] = label_smoothing;
       return call<FlceOp>(hidden, weight, target, bias, ignore_index, reduction, softcap, z_loss, fp32_weight_grad,
-                          chunk_bytes);
+                          chunk_bytes, label_smoothing);
     }
     auto [loss, gh, gw, gb] = call<FlceForwardOp>(hidden, weight, target, bias, ignore_index, reduction, softcap,
-                                                  z_loss, fp32_weight_grad, chunk_bytes, mask);
+                                                  z_loss, fp32_weight_grad, chunk_bytes, label_smoothing, mask);
     ctx->save_for_backward({gh, gw, gb});
     return loss;
   }
@@ -349,7 +354,8 @@ struct FlceOp {
       const std::optional<at::Tensor> bias = saved[3].defined() ? std::optional(saved[3]) : std::nullopt;
       g = call<FlceRowsBackwardOp>(grads[0], saved[0], saved[1], saved[2], bias, d["ignore_index"].toInt(),
                                    d["softcap"].toDouble(), d["z_loss"].toDouble(), d["fp32_weight_grad"].toBool(),
-                                   d["chunk_bytes"].toInt(), Mask{bool(mask & 1), bool(mask & 2), bool(mask & 4)});
+                                   d["chunk_bytes"].toInt(), d["label_smoothing"].toDouble(),
+                                   Mask{bool(mask & 1), bool(mask & 2), bool(mask & 4)});
     } else {
       g = scale_formed(saved, grads[0]);
     }
