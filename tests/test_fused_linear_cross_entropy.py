@@ -65,14 +65,19 @@ def reference(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0,
     return eager(h, w, t, b, ignore_index, reduction, softcap, z_loss, label_smoothing)
 
 
+def sample(device, n, hdim, vocab, bias=True, seed=0, frozen="", **kwargs):
+    """A head's call on make()'s inputs; gradients left out (grad_mask) of a frozen head ("wb", as with
+    LoRA) or of hidden ("h")."""
+    h, w, b, t = make(n, hdim, vocab, device=device, bias=bias, seed=seed)
+    for name, x in zip("hwb", (h, w, b)):
+        if name in frozen:
+            x.requires_grad_(False)
+    return (h, w, t, b), kwargs
+
+
 def samples(device):
-    def call(n, hdim, vocab, bias=True, seed=0, frozen="", **kwargs):
-        h, w, b, t = make(n, hdim, vocab, device=device, bias=bias, seed=seed)
-        # Gradients left out (grad_mask): of a frozen head ("wb", as with LoRA), or of hidden ("h").
-        for name, x in zip("hwb", (h, w, b)):
-            if name in frozen:
-                x.requires_grad_(False)
-        return (h, w, t, b), kwargs
+    def call(*args, **kwargs):
+        return sample(device, *args, **kwargs)
 
     several = chunks(5, 40, 4)  # chunks of 5 rows at vocab 40, of 3 at vocab 56
     return [call(12, 16, 40, chunk_bytes=several), call(19, 24, 56, seed=1, chunk_bytes=several),

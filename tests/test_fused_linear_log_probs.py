@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import bastile
 from conftest import DEVICES, Contract, needs_cuda, rel_err
-from test_fused_linear_cross_entropy import chunks, make
+from test_fused_linear_cross_entropy import chunks, make, sample
 
 op = torch.ops.bastile.fused_linear_log_probs
 
@@ -33,12 +33,8 @@ def reference(h, w, t, b=None, ignore_index=-100, temperature=1.0, logit_scale=1
 
 
 def samples(device):
-    def call(n, hdim, vocab, bias=True, seed=0, frozen="", **kwargs):
-        h, w, b, t = make(n, hdim, vocab, device=device, bias=bias, seed=seed)
-        for name, x in zip("hwb", (h, w, b)):
-            if name in frozen:
-                x.requires_grad_(False)
-        return (h, w, t, b), kwargs
+    def call(*args, **kwargs):
+        return sample(device, *args, **kwargs)
 
     several = chunks(5, 40, 4)  # chunks of 5 rows at vocab 40, of 3 at vocab 56
     return [call(12, 16, 40, chunk_bytes=several), call(19, 24, 56, seed=1, chunk_bytes=several),

@@ -68,6 +68,24 @@ Options options(int64_t ignore_index, c10::string_view reduction, double softcap
 
 bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// The mask of an autograd node, kept in its saved_data.
+void save_mask(AutogradContext* ctx, Mask m) {
+  ctx->saved_data["mask"] = int64_t(m[0]) | int64_t(m[1]) << 1 | int64_t(m[2]) << 2;
+}
+Mask saved_mask(AutogradContext* ctx) {
+  const int64_t bits = ctx->saved_data["mask"].toInt();
+  return {bool(bits & 1), bool(bits & 2), bool(bits & 4)};
+}
+
+// The gradients of a head's arguments (hidden, weight, target, bias): those of g that `mask` asked for.
+variable_list argument_grads(const Three& g, Mask mask) {
+  variable_list out(4);
+  if (mask[0]) out[0] = std::get<0>(g);
+  if (mask[1]) out[1] = std::get<1>(g);
+  if (mask[2]) out[3] = std::get<2>(g);
+  return out;
+}
+
 void check(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
            const std::optional<at::Tensor>& bias) {
   check_float(kOp, {{"hidden", hidden}, {"weight", weight}});
@@ -330,7 +348,7 @@ struct FlceOp {
                             c10::string_view reduction, double softcap, double z_loss, bool fp32_weight_grad,
                             int64_t chunk_bytes, double label_smoothing) {
     const Mask mask{hidden.requires_grad(), weight.requires_grad(), has(bias) && bias->requires_grad()};
-    ctx->saved_data["mask"] = int64_t(mask[0]) | int64_t(mask[1]) << 1 | int64_t(mask[2]) << 2;
+    save_mask(ctx, mask);
     if (reduction == "none") {  // the backward makes the logits again
       ctx->save_for_backward({hidden, weight, target, has(bias) ? *bias : at::Tensor()});
       auto& d = ctx->saved_data;
@@ -346,24 +364,19 @@ struct FlceOp {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const int64_t mask = ctx->saved_data["mask"].toInt();
-    variable_list out(4);  // hidden, weight, target, bias
+    const Mask mask = saved_mask(ctx);
     auto saved = ctx->get_saved_variables();
     Three g;
     if (auto& d = ctx->saved_data; d.count("chunk_bytes")) {  // reduction "none"
       const std::optional<at::Tensor> bias = saved[3].defined() ? std::optional(saved[3]) : std::nullopt;
       g = call<FlceRowsBackwardOp>(grads[0], saved[0], saved[1], saved[2], bias, d["ignore_index"].toInt(),
                                    d["softcap"].toDouble(), d["z_loss"].toDouble(), d["fp32_weight_grad"].toBool(),
-                                   d["chunk_bytes"].toInt(), d["label_smoothing"].toDouble(),
-                                   Mask{bool(mask & 1), bool(mask & 2), bool(mask & 4)});
+                                   d["chunk_bytes"].toInt(), d["label_smoothing"].toDouble(), mask);
     } else {
       g = scale_formed(saved, grads[0]);
     }
     saved.clear();
-    if (mask & 1) out[0] = std::get<0>(g);
-    if (mask & 2) out[1] = std::get<1>(g);
-    if (mask & 4) out[3] = std::get<2>(g);
-    return out;
+    return argument_grads(g, mask);
   }
 
   template <c10::DeviceType device>
@@ -492,7 +505,7 @@ struct FlpOp {
         hidden, weight, target, bias, ignore_index, temperature, logit_scale, softcap, fp32_weight_grad, chunk_bytes,
         uniform_grad ? mask : Mask{false, false, false});
     auto& d = ctx->saved_data;
-    d["mask"] = int64_t(mask[0]) | int64_t(mask[1]) << 1 | int64_t(mask[2]) << 2;
+    save_mask(ctx, mask);
     d["uniform_grad"] = uniform_grad, d["ignore_index"] = ignore_index;
     if (uniform_grad) {
       ctx->save_for_backward({gh, gw, gb, counted(target, ignore_index, weight.sym_size(0))});
@@ -507,10 +520,9 @@ struct FlpOp {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& d = ctx->saved_data;
-    const int64_t mask = d["mask"].toInt();
-    variable_list out(4);  // hidden, weight, target, bias
+    const Mask mask = saved_mask(ctx);
     const auto &g_lp = grads[0], &g_h = grads[1];
-    if (!g_lp.defined() && !g_h.defined()) return out;
+    if (!g_lp.defined() && !g_h.defined()) return variable_list(4);
     auto saved = ctx->get_saved_variables();
     Three g;
     if (d["uniform_grad"].toBool()) {
@@ -523,13 +535,10 @@ struct FlpOp {
       g = call<FlpBackwardOp>(opt(g_lp), opt(g_h), saved[0], saved[1], saved[2], opt(saved[3]),
                               d["ignore_index"].toInt(), d["temperature"].toDouble(), d["logit_scale"].toDouble(),
                               d["softcap"].toDouble(), d["fp32_weight_grad"].toBool(), d["chunk_bytes"].toInt(),
-                              Mask{bool(mask & 1), bool(mask & 2), bool(mask & 4)});
+                              mask);
     }
     saved.clear();
-    if (mask & 1) out[0] = std::get<0>(g);
-    if (mask & 2) out[1] = std::get<1>(g);
-    if (mask & 4) out[3] = std::get<2>(g);
-    return out;
+    return argument_grads(g, mask);
   }
 
   template <c10::DeviceType device>
