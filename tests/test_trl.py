@@ -55,13 +55,18 @@ COMMON = dict(max_steps=3, logging_steps=1, report_to="none", save_strategy="no"
               learning_rate=2e-3, seed=0, per_device_train_batch_size=4)
 
 
-def trainer(kind, family, tmp_path, **config):
+def trainer(kind, family, tmp_path, lora=False, **config):
     model, tok = mini(family, "cpu", torch.float32), tokenizer()
+    if lora:  # PEFT adapters on the seven projections, through TRL's peft_config
+        from peft import LoraConfig
+        config["peft_config"] = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     ref = dict(ref_model=mini(family, "cpu", torch.float32).eval())  # the policy's start
     args = dict(COMMON, output_dir=str(tmp_path), **config)
+    peft = {"peft_config": args.pop("peft_config")} if "peft_config" in args else {}
     if kind == "sft":
         return trl.SFTTrainer(model, args=trl.SFTConfig(max_length=64, **args), train_dataset=dataset("sft"),
-                              processing_class=tok)
+                              processing_class=tok, **peft)
     if kind == "dpo":
         return trl.DPOTrainer(model, **ref, args=trl.DPOConfig(max_length=32, **args), train_dataset=dataset("preference"),
                               processing_class=tok)
@@ -109,6 +114,7 @@ def head_calls(monkeypatch):
 
 
 CASES = [("sft", "qwen3", dict(loss_type="nll")), ("sft", "llama", dict(loss_type="nll", packing=True)),
+         ("sft", "qwen3", dict(loss_type="nll", lora=True)),
          ("sft", "qwen3", dict(loss_type="dft")), ("sft", "llama", dict(loss_type="dft", packing=True)),
          ("dpo", "qwen3", {}), ("kto", "llama", {}), ("grpo", "qwen3", {}), ("rloo", "llama", {})]
 
