@@ -30,3 +30,9 @@ typedef struct RowGeometry {
 /* A flat elementwise op's kernels of `dir`: each dtype, with 16-byte vectors or single elements. */
 #define BASTILE_ELEMENTWISE_KERNELS(K, dir) \
   K(dir, f32, vec) K(dir, f32, scalar) K(dir, f16, vec) K(dir, f16, scalar) K(dir, bf16, vec) K(dir, bf16, scalar)
+
+/* A TMA descriptor (CUtensorMap: 128 bytes, 64-aligned), filled by Rust through the driver
+ * (cuTensorMapEncodeTiled) and passed inside a parameter block that its kernel takes as __grid_constant__. */
+typedef struct BastileTensorMap {
+  uint64_t opaque[16];
+} __attribute__((aligned(64))) BastileTensorMap;

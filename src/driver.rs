@@ -4,6 +4,7 @@
 use cudarc::driver::sys::{
     self, CUcontext, CUdevice_attribute, CUfunction, CUfunction_attribute, CUmodule, CUresult, CUstream,
 };
+use crate::params::BastileTensorMap;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Mutex, OnceLock};
@@ -79,6 +80,8 @@ fn supports_kernels(driver: i32, kernels: &str) -> Result<()> {
 pub struct Device {
     ctx: CUcontext,
     sm_count: u32,
+    /// Compute capability, major and minor.
+    capability: (u32, u32),
     shared: SharedMemory,
     modules: Mutex<HashMap<usize, CUmodule>>,
     functions: Mutex<HashMap<KernelKey, Kernel>>,
@@ -169,6 +172,10 @@ impl Device {
         Ok(Device {
             ctx,
             sm_count: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            capability: (
+                attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
             shared,
             modules: Mutex::default(),
             functions: Mutex::default(),
@@ -177,6 +184,10 @@ impl Device {
 
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    pub fn capability(&self) -> (u32, u32) {
+        self.capability
     }
 
     /// Makes torch's primary context current on this thread (a no-op when it already is).
@@ -277,6 +288,39 @@ pub fn clear_kernel_cache() {
             dev.functions.lock().unwrap().clear();
         }
     }
+}
+
+/// The TMA descriptor of a row-major bf16 matrix [rows, cols] at `data` (16-byte aligned rows), read in
+/// boxes of `box_cols` x `box_rows` with 128-byte swizzling (a box row is 128 bytes); reads outside the
+/// matrix give zeros.
+pub fn tensor_map_bf16(data: *const c_void, rows: i64, cols: i64, box_cols: u32, box_rows: u32) -> Result<BastileTensorMap> {
+    use sys::{CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle};
+    let mut map = BastileTensorMap::default();
+    let dims = [cols as u64, rows as u64];
+    let strides = [cols as u64 * 2];
+    let boxes = [box_cols, box_rows];
+    let steps = [1u32, 1];
+    // SAFETY: BastileTensorMap has CUtensorMap's size and alignment; the other arguments are locals.
+    check(
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                (&mut map as *mut BastileTensorMap).cast(),
+                CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                data as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        },
+        "cuTensorMapEncodeTiled",
+    )?;
+    Ok(map)
 }
 
 /// Grid, block and dynamic shared memory of one launch.
