@@ -9,6 +9,7 @@ Peak extra memory: torch.cuda.max_memory_allocated during one fwd+bwd, less what
 `cases(shape, dtype)` is what bench_kernels.py measures too (there also the forward alone, 2 N H V, on
 inputs that need no gradient, and the backward alone).
 """
+import os
 from functools import partial
 
 import torch
@@ -25,9 +26,21 @@ def eager(h, w, t):
     return F.cross_entropy(F.linear(h, w).float(), t)
 
 
+def on_cublas(f):
+    """f with the logits from cuBLAS and a pass over them: Bastile's path before its own Hopper GEMM."""
+    def call(*args):
+        os.environ["BASTILE_CROSS_ENTROPY_GEMM"] = "cublas"
+        try:
+            return f(*args)
+        finally:
+            del os.environ["BASTILE_CROSS_ENTROPY_GEMM"]
+    return call
+
+
 def implementations():
     impls = {
         "bastile": lambda h, w, t: bastile.fused_linear_cross_entropy(h, w, t),
+        "bastile_cublas": on_cublas(lambda h, w, t: bastile.fused_linear_cross_entropy(h, w, t)),
         "bastile_bf16_wgrad": lambda h, w, t: bastile.fused_linear_cross_entropy(h, w, t, fp32_weight_grad=False),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
@@ -83,7 +96,7 @@ def cases(shape: str, dtype: torch.dtype, vocab: int = VOCAB) -> Case:
 
 
 def main():
-    ap = with_rounds(parser("8192x1024,8192x4096,32768x2048", "gemm3,bastile,bastile_bf16_wgrad,eager,compile,liger",
+    ap = with_rounds(parser("8192x1024,8192x4096,32768x2048", "gemm3,bastile,bastile_cublas,bastile_bf16_wgrad,eager,compile,liger",
                             "NxH, comma-separated"), default=2)
     ap.add_argument("--vocab", type=int, default=VOCAB)
     args = parse(ap)

@@ -317,3 +317,355 @@ template <class T, int V> __device__ __forceinline__ void scale(const GradScale 
 #define SCALE(...) ELEMENTWISE_KERNEL(fused_linear_cross_entropy, FLCE_SCALE_BLOCK, GradScale, scale, __VA_ARGS__)
 CROSS_ENTROPY_CHUNK_KERNELS(ROWS)
 GRAD_SCALE_KERNELS(SCALE)
+
+// ---------------------------------------------------------------------------------------------------------
+// The Hopper path (include/fused_linear_cross_entropy.h: CrossEntropyGemm). Per chunk, Rust launches
+// target (the reference) -> gemm -> check -> gemm again over flagged row tiles (none: its blocks exit) ->
+// finish; after the C++ layer's exps @ weight, rescale. Every reduction runs in a fixed order.
+#include "hopper.cuh"
+
+namespace {
+
+using namespace bastile::sm90;
+
+constexpr int kTileM = FLCE_GEMM_TILE_M, kTileN = FLCE_GEMM_TILE_N, kTileK = FLCE_GEMM_TILE_K;
+constexpr uint32_t kHiddenBytes = kTileM * kTileK * sizeof(bf16);
+constexpr uint32_t kStageBytes = kHiddenBytes + kTileN * kTileK * sizeof(bf16);  // a hidden and a weight box
+constexpr float kFlushSum = 18446744073709551616.f;                  // 2^64: a row at or above is repaired
+
+__device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ bool counted(int64_t t, const CrossEntropyGemm &p) {
+  return t != p.ignore_index && t >= 0 && t < p.vocab;
+}
+
+// The blocks' walk over output tiles: row tiles fastest, so that the blocks in flight share a weight
+// tile (read from DRAM about once) and the chunk's hidden stays in L2. With `repair`, only tiles of
+// flagged row tiles. Producer and consumers walk it alike.
+struct Tiles {
+  int64_t row_tiles, count;
+  const int32_t *flags;
+  __device__ Tiles(const CrossEntropyGemm &p)
+      : row_tiles(ceil_div(p.rows, kTileM)), count(ceil_div(p.rows, kTileM) * ceil_div(p.vocab, kTileN)),
+        flags(p.repair ? p.tile_flags : nullptr) {}
+  __device__ bool skip(int64_t tile) const { return flags && !flags[tile % row_tiles]; }
+  // A repair launch with nothing flagged (flags[row_tiles]: any row tile) has nothing to do.
+  __device__ bool none() const { return flags && !flags[row_tiles]; }
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {  // subnormal results flush to 0 (see the header)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t *>(&v); }
+
+// The four threads of a row each hold columns 2q, 2q + 1 (q = lane % 4) of four 8-column groups
+// (v[i]: group i); afterwards thread q holds all 8 columns of group q, in order: a 4 x 4 transpose over
+// the quad in two exchanges, so that each thread stores 16 contiguous bytes.
+__device__ __forceinline__ uint4 quad_transpose(uint32_t (&v)[4], int q) {
+  const bool b1 = q & 2, b0 = q & 1;
+  uint32_t r0 = __shfl_xor_sync(0xffffffffu, b1 ? v[0] : v[2], 2), r1 = __shfl_xor_sync(0xffffffffu, b1 ? v[1] : v[3], 2);
+  if (b1) v[0] = r0, v[1] = r1;
+  else v[2] = r0, v[3] = r1;
+  r0 = __shfl_xor_sync(0xffffffffu, b0 ? v[0] : v[1], 1), r1 = __shfl_xor_sync(0xffffffffu, b0 ? v[2] : v[3], 1);
+  if (b0) v[0] = r0, v[2] = r1;
+  else v[1] = r0, v[3] = r1;
+  return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// exps of one warp group's 64 x 256 part of a tile, and per row its {max u, sum of 2^(u - r)}.
+template <bool CAP>
+__device__ __forceinline__ void epilogue(const CrossEntropyGemm &p, float (&acc)[128], int64_t m, int64_t n,
+                                         int group, int t) {
+  const float mul = (float)(p.logit_scale / p.temperature) * kLog2e;  // u = z * mul without softcap
+  const float pre = CAP ? (float)(p.logit_scale / p.softcap) : 0.f;
+  const float post = CAP ? (float)(p.softcap / p.temperature) : 0.f, inv_post = CAP ? 1.f / post : 0.f;
+  const int warp = t / 32, lane = t % 32, q = lane % 4;
+  const int64_t tiles = ceil_div(p.vocab, kTileN);
+  const bool whole = (n + 1) * kTileN <= p.vocab;
+  float2 *partial = reinterpret_cast<float2 *>(p.partial);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = m * kTileM + group * 64 + warp * 16 + lane / 4 + half * 8;
+    const bool in = row < p.rows;
+    const float r = in ? p.reference[row] : -CUDART_INF_F;
+    const bool live = r > -CUDART_INF_F;  // -inf: an ignored row (or none), whose exps are 0
+    float top = -CUDART_INF_F, sum = 0.f;
+    // The exps of the thread's columns, as bf16 pairs: group j, columns 8 j + 2 q (+ 1).
+    uint32_t e[kTileN / 8];
+    if (live && whole && !CAP) {
+      // u is monotonic in z (mul > 0): the max of z gives the max of u.
+      float zmax = -CUDART_INF_F;
+#pragma unroll
+      for (int j = 0; j < kTileN / 8; ++j) {
+        const float z0 = acc[4 * j + 2 * half], z1 = acc[4 * j + 2 * half + 1];
+        zmax = fmaxf(zmax, fmaxf(z0, z1));
+        const float x0 = fast_exp2(fmaf(z0, mul, -r)), x1 = fast_exp2(fmaf(z1, mul, -r));
+        sum += x0 + x1;
+        e[j] = bits(__floats2bfloat162_rn(x0, x1));
+      }
+      top = zmax * mul;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kTileN / 8; ++j) {
+        float x[2] = {0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float z = acc[4 * j + 2 * half + c];
+          if (live && (whole || n * kTileN + 8 * j + 2 * q + c < p.vocab)) {
+            const float s = CAP ? post * tanhf(z * pre) : 0.f;
+            const float u = CAP ? s * kLog2e : z * mul;
+            const float y = fast_exp2(u - r);
+            top = fmaxf(top, u);
+            sum += y;
+            x[c] = CAP ? y * (1.f - (s * inv_post) * (s * inv_post)) : y;
+          }
+        }
+        e[j] = bits(__floats2bfloat162_rn(x[0], x[1]));
+      }
+    }
+    if (p.grad) {
+      bf16 *out = static_cast<bf16 *>(p.exps) + row * p.ld + n * kTileN;
+#pragma unroll
+      for (int j = 0; j < kTileN / 8; j += 4) {
+        uint32_t v[4] = {e[j], e[j + 1], e[j + 2], e[j + 3]};
+        const uint4 w = quad_transpose(v, q);
+        if (in && (whole || n * kTileN + 8 * (j + q) < p.ld)) *reinterpret_cast<uint4 *>(out + 8 * (j + q)) = w;
+      }
+    }
+    // The row's four threads, in a fixed order.
+#pragma unroll
+    for (int o = 1; o < 4; o *= 2) {
+      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+      sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    if (in && q == 0) partial[row * tiles + n] = make_float2(top, sum);
+  }
+}
+
+template <bool CAP> __device__ __forceinline__ void logits_gemm(const CrossEntropyGemm &p) {
+#if BASTILE_SM90
+  const Tiles tiles(p);
+  if (tiles.none()) return;
+  __shared__ uint64_t full[FLCE_GEMM_MAX_STAGES], empty[FLCE_GEMM_MAX_STAGES];
+  extern __shared__ unsigned char gemm_shared[];
+  // 128-byte swizzling repeats every 1024 bytes: stages start on such a boundary (Rust asks 1 KiB more).
+  unsigned char *base = gemm_shared + ((1024 - shared_address(gemm_shared) % 1024) % 1024);
+  const int stages = p.stages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      barrier_init(&full[s], 1);
+      barrier_init(&empty[s], 2);  // both consumers
+    }
+    barrier_init_fence();
+  }
+  __syncthreads();
+  const int steps = (int)ceil_div(p.cols, kTileK);
+  const int group = threadIdx.x / 128, t = threadIdx.x % 128;
+  int s = 0;
+  uint32_t phase = 0;
+  if (group == 0) {
+    // The producer: one thread loads every stage of every tile of this block, in the walk's order.
+    release_registers<40>();
+    if (t != 0) return;
+    for (int64_t tile = blockIdx.x; tile < tiles.count; tile += gridDim.x) {
+      if (tiles.skip(tile)) continue;
+      const int32_t y_hidden = (int32_t)((tile % tiles.row_tiles) * kTileM);
+      const int32_t y_weight = (int32_t)((tile / tiles.row_tiles) * kTileN);
+      for (int k = 0; k < steps; ++k) {
+        wait(&empty[s], phase ^ 1);
+        unsigned char *stage = base + s * kStageBytes;
+        arrive_expect(&full[s], kStageBytes);
+        tma_load(stage, &p.hidden_map, &full[s], k * kTileK, y_hidden);
+        tma_load(stage + kHiddenBytes, &p.weight_map, &full[s], k * kTileK, y_weight);
+        if (++s == stages) s = 0, phase ^= 1;
+      }
+    }
+    return;
+  }
+  // The consumers: warp group 1 takes the tile's rows 0-63, group 2 rows 64-127.
+  set_registers<232>();
+  const int me = group - 1;
+  for (int64_t tile = blockIdx.x; tile < tiles.count; tile += gridDim.x) {
+    if (tiles.skip(tile)) continue;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    int last = -1;
+    for (int k = 0; k < steps; ++k) {
+      wait(&full[s], phase);
+      const unsigned char *stage = base + s * kStageBytes;
+      mma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk)
+        mma_bf16_m64n256k16(acc, descriptor(stage + me * 64 * 128 + kk * 32), descriptor(stage + kHiddenBytes + kk * 32));
+      mma_commit();
+      // The previous stage's products are done: its buffers go back to the producer.
+      mma_wait<1>();
+      if (last >= 0 && t == 0) arrive(&empty[last]);
+      last = s;
+      if (++s == stages) s = 0, phase ^= 1;
+    }
+    mma_wait<0>();
+    fence_operands(acc);
+    if (t == 0) arrive(&empty[last]);
+    epilogue<CAP>(p, acc, tile % tiles.row_tiles, tile / tiles.row_tiles, me, t);
+  }
+#else
+  __trap();
+#endif
+}
+
+// Per row: s_t = softcap(logit_scale * <hidden, weight[t]>) / temperature (f32 products and sums) and the
+// reference u_t + margin; -inf for ignored rows. Also clears the repair flags.
+__device__ __forceinline__ void target_logits(const CrossEntropyGemm &p) {
+  const int64_t row = (int64_t)blockIdx.x * (FLCE_GEMM_ROW_BLOCK / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.rows) return;
+  if (lane == 0 && row % kTileM == 0) p.tile_flags[row / kTileM] = 0;
+  if (lane == 0 && row == 0) p.tile_flags[ceil_div(p.rows, kTileM)] = 0;
+  const int64_t t = p.target[row];
+  if (!counted(t, p)) {
+    if (lane == 0) p.target_logit[row] = 0.f, p.reference[row] = -CUDART_INF_F;
+    return;
+  }
+  const bf16 *h = static_cast<const bf16 *>(p.hidden) + row * p.cols;
+  const bf16 *w = static_cast<const bf16 *>(p.weight) + t * p.cols;
+  float dot = 0.f;
+  for (int64_t c = lane * 8; c < p.cols; c += 32 * 8) {
+    const Pack<bf16, 8> a = load<8>(h + c), b = load<8>(w + c);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot = fmaf(to_f32(a.v[i]), to_f32(b.v[i]), dot);
+  }
+  dot = warp_sum(dot);
+  if (lane == 0) {
+    const float s = p.softcap > 0 ? (float)(p.softcap / p.temperature) * tanhf(dot * (float)(p.logit_scale / p.softcap))
+                                  : dot * (float)(p.logit_scale / p.temperature);
+    p.target_logit[row] = s;
+    p.reference[row] = s * kLog2e + FLCE_GEMM_MARGIN;
+  }
+}
+
+// The row's {max u, sum} over its column tiles (in a fixed order).
+__device__ __forceinline__ float2 row_total(const CrossEntropyGemm &p, int64_t row, int lane) {
+  const int64_t tiles = ceil_div(p.vocab, kTileN);
+  const float2 *partial = reinterpret_cast<const float2 *>(p.partial) + row * tiles;
+  float top = -CUDART_INF_F, sum = 0.f;
+  for (int64_t k = lane; k < tiles; k += 32) {
+    const float2 v = partial[k];
+    top = fmaxf(top, v.x);
+    sum += v.y;
+  }
+  return make_float2(warp_max(top), warp_sum(sum));
+}
+
+// Rows whose sum reached 2^64 (or is not finite) take their max as the reference and flag their tile.
+__device__ __forceinline__ void check(const CrossEntropyGemm &p) {
+  const int64_t row = (int64_t)blockIdx.x * (FLCE_GEMM_ROW_BLOCK / 32) + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  const int lane = threadIdx.x % 32;
+  if (p.reference[row] == -CUDART_INF_F) return;
+  const float2 total = row_total(p, row, lane);
+  if (lane != 0) return;
+  if (total.y < kFlushSum) {
+    p.row_sum[row] = total.y;
+  } else {
+    p.reference[row] = total.x;
+    p.row_sum[row] = CUDART_NAN_F;
+    atomicOr(&p.tile_flags[row / kTileM], 1);  // an OR: the same flags in any order
+    atomicOr(&p.tile_flags[ceil_div(p.rows, kTileM)], 1);
+  }
+}
+
+// Per row: the loss, the factor, and the target's element of exps (see the header).
+__device__ __forceinline__ void finish(const CrossEntropyGemm &p) {
+  const int64_t row = (int64_t)blockIdx.x * (FLCE_GEMM_ROW_BLOCK / 32) + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  const int lane = threadIdx.x % 32;
+  float *loss = static_cast<float *>(p.loss);
+  const float r = p.reference[row];
+  if (r == -CUDART_INF_F) {
+    if (lane == 0) loss[row] = 0.f, p.factor[row] = 0.f;
+    return;
+  }
+  float sum = p.row_sum[row];
+  if (isnan(sum)) sum = row_total(p, row, lane).y;  // repaired: its tiles ran again
+  if (lane != 0) return;
+  const float lse2 = r + log2f(sum), lse = lse2 * kLn2, z = (float)p.z_loss;
+  const float st = p.target_logit[row];
+  loss[row] = lse - st + z * lse * lse;
+  float w = 1.f;
+  if (p.count) {
+    const int64_t c = *p.count;
+    w = c > 0 ? 1.f / (float)c : 0.f;
+  }
+  if (p.row_scale) w *= p.row_scale[row];
+  const float g = w * (1.f + 2.f * z * lse);
+  const float mul = (float)(p.logit_scale / p.temperature);
+  const float factor = g * mul / sum;
+  p.factor[row] = factor;
+  if (!p.grad) return;
+  // d(loss)/dz_t = (g p_t - w) ds_t/dz_t, written as factor * exps[t].
+  const float pt = exp2f(st * kLog2e - lse2);
+  float slope = mul;
+  if (p.softcap > 0) {
+    const float x = st * (float)(p.temperature / p.softcap);
+    slope *= 1.f - x * x;
+  }
+  const int64_t t = p.target[row];
+  static_cast<bf16 *>(p.exps)[row * p.ld + t] = __float2bfloat16_rn(factor != 0.f ? (g * pt - w) * slope / factor : 0.f);
+}
+
+// grad_hidden = factor * product and scaled = factor * hidden, a block a row, rounded once.
+__device__ __forceinline__ void rescale(const CrossEntropyGemm &p) {
+  const int64_t row = blockIdx.x;
+  const float f = p.factor[row];
+  for (int64_t c = threadIdx.x * 8; c < p.cols; c += (int64_t)blockDim.x * 8) {
+    float o[8];
+    if (p.grad_hidden) {
+      const float4 *src = reinterpret_cast<const float4 *>(p.product + row * p.cols + c);
+      const float4 a = src[0], b = src[1];
+      const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = v[i] * f;
+      store<8>(static_cast<bf16 *>(p.grad_hidden) + row * p.cols + c, o);
+    }
+    if (p.scaled) {
+      const Pack<bf16, 8> h = load<8>(static_cast<const bf16 *>(p.hidden) + row * p.cols + c);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = to_f32(h.v[i]) * f;
+      store<8>(static_cast<bf16 *>(p.scaled) + row * p.cols + c, o);
+    }
+  }
+}
+
+}  // namespace
+
+#define FLCE_GEMM_gemm(dt, cap)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(FLCE_GEMM_THREADS, 1)                                           \
+      BASTILE_CAT(fused_linear_cross_entropy_gemm_##dt, FLCE_SUFFIX_##cap)(const __grid_constant__ CrossEntropyGemm p) { \
+    logits_gemm<FLCE_SOFTCAP_##cap>(p);                                                                        \
+  }
+#define FLCE_GEMM_ROWS(name, fn)                                                                               \
+  extern "C" __global__ void __launch_bounds__(FLCE_GEMM_ROW_BLOCK) name(const __grid_constant__ CrossEntropyGemm p) { \
+    fn(p);                                                                                                     \
+  }
+#define GEMM_KERNEL(kind, ...) FLCE_GEMM_##kind(__VA_ARGS__)
+#define FLCE_GEMM_target(dt) FLCE_GEMM_ROWS(fused_linear_cross_entropy_target_##dt, target_logits)
+#define FLCE_GEMM_check() FLCE_GEMM_ROWS(fused_linear_cross_entropy_check, check)
+#define FLCE_GEMM_finish(dt) FLCE_GEMM_ROWS(fused_linear_cross_entropy_finish_##dt, finish)
+#define FLCE_GEMM_rescale(dt) FLCE_GEMM_ROWS(fused_linear_cross_entropy_rescale_##dt, rescale)
+CROSS_ENTROPY_GEMM_KERNELS(GEMM_KERNEL)

@@ -66,3 +66,78 @@ typedef struct GradScale {
   int64_t n;
   int32_t dtype;
 } GradScale;
+
+/* The Hopper path (sm_90a, bf16, no bias, statistics or label smoothing): the logits GEMM of a chunk is our
+ * own (TMA + WGMMA, warp specialised, persistent; cuda/hopper.cuh), and its epilogue does the softmax's work
+ * in registers, so that no pass reads the logits. Per row it needs a reference r (base-2 units) before the
+ * GEMM: u_t + FLCE_GEMM_MARGIN, with u_t = s_t log2(e) the target's scaled logit (one dot product a row).
+ * The epilogue writes
+ *   exps[i, j] = 2^(u_j - r_i) * ds_j/dz_j / (logit_scale / temperature)
+ * (bf16) and per FLCE_GEMM_TILE_N-column tile each row's max u and sum of 2^(u - r) (f32). The sums fix the
+ * row's log-sum-exp, so d(loss)/d(logits) = factor_i * exps[i, j] for every j but the target, whose element
+ * the finish kernel overwrites so that the same holds there too. The gradient GEMMs thus take exps as they
+ * are: grad_hidden = factor * (exps @ weight) (an f32 product, rounded once), grad_weight = exps^T @ (factor
+ * * hidden): its terms carry two bf16 roundings (exps and the scaled hidden) where the cuBLAS path's carry one.
+ * Range: a row's exps sum to less than 2^64 while its loss is below (64 + margin) ln 2 (~66); a row beyond
+ * (or with a non-finite sum) is repaired: its reference becomes its max u and its row tile runs the GEMM
+ * again (`tile_flags`), so that its exps are at most 1. Elements below 2^-126 (u_j < u_t - 94) flush to
+ * zero (ex2.approx.ftz): their probabilities are below 2^-94. Reductions run in a fixed order. */
+typedef struct CrossEntropyGemm {
+  BastileTensorMap hidden_map; /* TMA: hidden [rows, cols], boxes of FLCE_GEMM_TILE_K x FLCE_GEMM_TILE_M */
+  BastileTensorMap weight_map; /* TMA: weight [vocab, cols], boxes of FLCE_GEMM_TILE_K x FLCE_GEMM_TILE_N */
+  const void *hidden;          /* [rows, cols] */
+  const void *weight;          /* [vocab, cols] */
+  const int64_t *target;       /* [rows] */
+  void *exps;                  /* [rows, ld] */
+  void *loss;                  /* [rows] f32: each row's loss (0 for ignored rows) */
+  float *factor;               /* [rows]: d(loss)/d(logits) = factor * exps */
+  const int64_t *count;        /* as CrossEntropyChunk's */
+  const float *row_scale;      /* as CrossEntropyChunk's (f32) */
+  /* The scaling stage: grad_hidden = factor * product (f32, exps @ weight) and scaled = factor * hidden;
+   * either may be null. */
+  const float *product;
+  void *grad_hidden;
+  void *scaled;
+  /* Scratch (set by Rust): per row and column tile {max u, sum}, per row the target's logit s_t, the
+   * reference, the sum of its tiles (NaN: repaired, sum again), and per row tile whether to repair (one
+   * more: whether any is). */
+  float *partial;
+  float *target_logit;
+  float *reference;
+  float *row_sum;
+  int32_t *tile_flags;
+  int64_t rows;
+  int64_t cols;
+  int64_t vocab;
+  int64_t ld;
+  int64_t ignore_index;
+  double logit_scale;
+  double temperature;
+  double softcap;
+  double z_loss;
+  int32_t grad;   /* nonzero: write exps (and patch the targets) */
+  int32_t stage;  /* FLCE_GEMM_LOGITS or FLCE_GEMM_SCALE */
+  int32_t stages; /* pipeline stages in shared memory; chosen by Rust */
+  int32_t repair; /* set by Rust for the second GEMM launch: only tiles of flagged row tiles */
+} CrossEntropyGemm;
+
+#define FLCE_GEMM_LOGITS 0
+#define FLCE_GEMM_SCALE 1
+/* A block's output tile, rows and columns, and the K step of one pipeline stage (64 bf16 are one 128-byte
+ * swizzle row). A block is one producer warp group and two consumers, each taking 64 rows of the tile
+ * (one m64n256k16 WGMMA a k16 step); the producer runs on into the next tile during their epilogue.
+ * 128 x 256 reads 48 KiB of operands per 4.2 MFLOP: 128 x 128 tiles (half the reuse) ran at ~360
+ * TFLOP/s on an H100, bound by L2 bandwidth. */
+#define FLCE_GEMM_TILE_M 128
+#define FLCE_GEMM_TILE_N 256
+#define FLCE_GEMM_TILE_K 64
+#define FLCE_GEMM_THREADS 384
+#define FLCE_GEMM_MAX_STAGES 8
+/* exps = 2^(u - u_t - 32): the target's element 2^-32, a confident row's others far smaller, a row's sum
+ * reaching 2^64 only at a loss near 66. */
+#define FLCE_GEMM_MARGIN 32.0f
+/* Threads of the row kernels (target dot, check, finish: a warp a row; scaling: a block a row). */
+#define FLCE_GEMM_ROW_BLOCK 256
+
+#define CROSS_ENTROPY_GEMM_KERNELS(K) \
+  K(gemm, bf16, ) K(gemm, bf16, softcap) K(target, bf16) K(check) K(finish, bf16) K(rescale, bf16)

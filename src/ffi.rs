@@ -19,7 +19,10 @@ mod bridge {
         /// The CPU kernel of the parameter block at `params`.
         unsafe fn run_cpu(block: u32, params: *const u8) -> Result<()>;
         /// Rows of each chunk of the fused cross-entropy (src/fused_linear_cross_entropy.rs).
-        fn cross_entropy_chunk_rows(rows: i64, vocab: i64, elem_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64;
+        fn cross_entropy_chunk_rows(rows: i64, row_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64;
+        fn cross_entropy_gemm(device: i32, cols: i64) -> bool;
+        fn cross_entropy_gemm_ld(vocab: i64) -> i64;
+        fn cross_entropy_gemm_forward_rows(rows: i64, vocab: i64, budget: i64) -> i64;
         fn torch_version() -> &'static str;
         /// Loads every kernel module on a CUDA device ahead of the first launch.
         fn warmup(device: i32) -> Result<()>;
@@ -96,8 +99,20 @@ unsafe fn run_cpu(block: u32, params: *const u8) -> Result<(), String> {
     guard(|| for_block(block, Cpu(params))?)
 }
 
-fn cross_entropy_chunk_rows(rows: i64, vocab: i64, elem_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
-    crate::fused_linear_cross_entropy::chunk_rows(rows, vocab, elem_bytes, f32_sum, cast_bytes, budget)
+fn cross_entropy_chunk_rows(rows: i64, row_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
+    crate::fused_linear_cross_entropy::chunk_rows(rows, row_bytes, f32_sum, cast_bytes, budget)
+}
+
+fn cross_entropy_gemm(device: i32, cols: i64) -> bool {
+    crate::fused_linear_cross_entropy::gemm_supported(device, cols)
+}
+
+fn cross_entropy_gemm_ld(vocab: i64) -> i64 {
+    crate::fused_linear_cross_entropy::gemm_ld(vocab)
+}
+
+fn cross_entropy_gemm_forward_rows(rows: i64, vocab: i64, budget: i64) -> i64 {
+    crate::fused_linear_cross_entropy::gemm_forward_rows(rows, vocab, budget)
 }
 
 fn torch_version() -> &'static str {

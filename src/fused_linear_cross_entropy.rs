@@ -17,8 +17,9 @@ use crate::elementwise::Elementwise;
 use crate::geometry;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
-    BastileDType, CrossEntropyChunk, GradScale, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
-    FLCE_CACHED_SOFTCAP_STATS, FLCE_CACHED_STATS, FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
+    BastileDType, CrossEntropyChunk, CrossEntropyGemm, GradScale, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
+    FLCE_CACHED_SOFTCAP_STATS, FLCE_CACHED_STATS, FLCE_GEMM_MAX_STAGES, FLCE_GEMM_ROW_BLOCK, FLCE_GEMM_SCALE,
+    FLCE_GEMM_THREADS, FLCE_GEMM_TILE_K, FLCE_GEMM_TILE_M, FLCE_GEMM_TILE_N, FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
 };
 
 /// Logits of one chunk stay within this many bytes. 256 MiB is 768 rows of Qwen3's vocabulary in
@@ -35,16 +36,47 @@ const CHUNK_BYTES_F32_SUM: i64 = 512 << 20;
 /// Chunks of this many rows or more are a multiple of it (whole GEMM tiles).
 const CHUNK_ALIGN: i64 = 128;
 
-/// Rows of each chunk of `rows` rows of logits (`elem_bytes` each, `vocab` a row): within `budget` bytes
-/// when it is positive (the op's `chunk_bytes`), else the default budget. `f32_sum`: the weight
-/// gradient is summed in f32; `cast_bytes`: the size of that sum's final cast copy (0 when none).
-pub fn chunk_rows(rows: i64, vocab: i64, elem_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
+/// Rows of each chunk of `rows` rows whose logits (or exps) take `row_bytes` each: within `budget` bytes
+/// when it is positive (the op's `chunk_bytes`), else the default budget. The Hopper path's other chunk
+/// buffers (partial sums, the f32 product, the scaled hidden: [`gemm_partial_bytes`] + 6 * cols bytes a
+/// row, under 4% of its exps) are not counted: fewer rows would mean one more pass over the f32 weight-gradient sum,
+/// which costs more (H100, 8192 x 4096: 1.3 ms). `f32_sum`: the weight gradient is summed in
+/// f32; `cast_bytes`: the size of that sum's final cast copy (0 when none).
+pub fn chunk_rows(rows: i64, row_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
     let budget = if budget > 0 { budget } else { (if f32_sum { CHUNK_BYTES_F32_SUM } else { CHUNK_BYTES }).max(cast_bytes) };
-    let mut n = (budget / (vocab * elem_bytes)).max(1);
+    let mut n = (budget / row_bytes).max(1);
     if n >= CHUNK_ALIGN {
         n = n / CHUNK_ALIGN * CHUNK_ALIGN;
     }
     n.min(rows.max(1))
+}
+
+/// Columns of the Hopper path's exps rows: whole 16-byte vectors, so that each pair the epilogue stores
+/// is in the row.
+pub fn gemm_ld(vocab: i64) -> i64 {
+    geometry::ceil_div(vocab, 8) * 8
+}
+
+/// Bytes of a row's partial sums on the Hopper path: {max, sum} per column tile.
+fn gemm_partial_bytes(vocab: i64) -> i64 {
+    geometry::ceil_div(vocab, FLCE_GEMM_TILE_N as i64) * 8
+}
+
+/// Rows of each chunk on the Hopper path without gradients: no exps are written, so the budget (as in
+/// [`chunk_rows`]) holds only the partial sums. (Capping the chunk's hidden at 32 MiB, to keep it in L2, was
+/// within noise on an H100: 8192 x 4096, one forward, 14.66 ms as one chunk, 14.58 ms as two.)
+pub fn gemm_forward_rows(rows: i64, vocab: i64, budget: i64) -> i64 {
+    chunk_rows(rows, gemm_partial_bytes(vocab), false, 0, budget)
+}
+
+/// Whether the Hopper path runs on `device` for hidden size `cols` (bf16; the C++ layer checks the
+/// options): compute capability 9.0, whole 16-byte rows for TMA, and not turned off by
+/// `BASTILE_CROSS_ENTROPY_GEMM=cublas` (the earlier path: cuBLAS logits and a pass over them).
+pub fn gemm_supported(device: i32, cols: i64) -> bool {
+    if cols <= 0 || cols % 8 != 0 || std::env::var("BASTILE_CROSS_ENTROPY_GEMM").is_ok_and(|v| v == "cublas") {
+        return false;
+    }
+    crate::driver::device(device).is_ok_and(|d| d.capability() == (9, 0))
 }
 
 /// Threads of a block: sized so that short rows do not leave most threads idle.
@@ -121,6 +153,82 @@ impl Launch for GradScale {
     /// The C++ layer scales CPU tensors with ATen.
     fn cpu(&self) -> Result<()> {
         Err("bastile.fused_linear_cross_entropy: the gradient scaling kernel runs on CUDA only".into())
+    }
+}
+
+/// Scratch of the Hopper path, bytes from its start: partial sums, target logits, references, row sums,
+/// repair flags.
+fn gemm_scratch(p: &CrossEntropyGemm) -> ([i64; 5], i64) {
+    let tiles = |n: i64, tile: u32| geometry::ceil_div(n, tile as i64);
+    let sizes = [p.rows * gemm_partial_bytes(p.vocab), p.rows * 4, p.rows * 4, p.rows * 4, (tiles(p.rows, FLCE_GEMM_TILE_M) + 1) * 4];
+    let mut at = [0; 5];
+    let mut end = 0;
+    for (a, size) in at.iter_mut().zip(sizes) {
+        *a = end;
+        end += geometry::ceil_div(size, 256) * 256;
+    }
+    (at, end)
+}
+
+impl Launch for CrossEntropyGemm {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let mut p = *self;
+        let rows = u32::try_from(p.rows).map_err(|_| "bastile.fused_linear_cross_entropy: too many rows in one chunk")?;
+        let row_kernel = |tag: &[Tag]| kernels::kernel::<Self>(dev, tag, FLCE_GEMM_ROW_BLOCK);
+        if p.stage == FLCE_GEMM_SCALE as i32 {
+            let k = row_kernel(&[Tag::Rescale, Tag::Bf16])?;
+            return Ok(Plan::single(k, LaunchConfig { grid: (rows, 1), block: (FLCE_GEMM_ROW_BLOCK, 1), shared: 0 }, p));
+        }
+        if dev.capability() != (9, 0) {
+            return Err("bastile.fused_linear_cross_entropy: the GEMM path needs compute capability 9.0".into());
+        }
+        let (m, n, k) = (FLCE_GEMM_TILE_M, FLCE_GEMM_TILE_N, FLCE_GEMM_TILE_K);
+        p.hidden_map = crate::driver::tensor_map_bf16(p.hidden, p.rows, p.cols, k, m)?;
+        p.weight_map = crate::driver::tensor_map_bf16(p.weight, p.vocab, p.cols, k, n)?;
+        let tags: &[Tag] = if p.softcap > 0.0 { &[Tag::Gemm, Tag::Bf16, Tag::Softcap] } else { &[Tag::Gemm, Tag::Bf16] };
+        let gemm = kernels::kernel_sharing::<Self>(dev, tags, FLCE_GEMM_THREADS, 1)?;
+        let stage_bytes = (m + n) * k * 2;
+        // 1 KiB to align the stages to the swizzle pattern.
+        let stages = (gemm.shared.saturating_sub(1024) / stage_bytes).min(FLCE_GEMM_MAX_STAGES);
+        if stages < 2 {
+            return Err(format!("bastile.fused_linear_cross_entropy: {} bytes of shared memory hold no GEMM pipeline", gemm.shared));
+        }
+        p.stages = stages as i32;
+        let tiles = geometry::ceil_div(p.rows, m as i64) * geometry::ceil_div(p.vocab, n as i64);
+        let gemm_cfg = LaunchConfig {
+            grid: (tiles.min(dev.sm_count() as i64) as u32, 1),
+            block: (FLCE_GEMM_THREADS, 1),
+            shared: stages * stage_bytes + 1024,
+        };
+        let warps = FLCE_GEMM_ROW_BLOCK / 32;
+        let rows_cfg = LaunchConfig { grid: (rows.div_ceil(warps), 1), block: (FLCE_GEMM_ROW_BLOCK, 1), shared: 0 };
+        let (target, check, finish) = (row_kernel(&[Tag::Target, Tag::Bf16])?, row_kernel(&[Tag::Check])?, row_kernel(&[Tag::Finish, Tag::Bf16])?);
+        let (at, bytes) = gemm_scratch(&p);
+        Ok(Plan::new(bytes, move |memory, stream| {
+            let m = memory.cast::<u8>();
+            // SAFETY: the scratch holds `bytes` bytes, laid out by gemm_scratch.
+            unsafe {
+                p.partial = m.add(at[0] as usize).cast();
+                p.target_logit = m.add(at[1] as usize).cast();
+                p.reference = m.add(at[2] as usize).cast();
+                p.row_sum = m.add(at[3] as usize).cast();
+                p.tile_flags = m.add(at[4] as usize).cast();
+            }
+            let mut again = p;
+            again.repair = 1;
+            // SAFETY: every kernel takes this block; the C++ layer checked its tensors, Rust set its scratch.
+            unsafe {
+                crate::driver::launch(target, rows_cfg, stream, &p)?;
+                crate::driver::launch(gemm, gemm_cfg, stream, &p)?;
+                crate::driver::launch(check, rows_cfg, stream, &p)?;
+                crate::driver::launch(gemm, gemm_cfg, stream, &again)?;
+                crate::driver::launch(finish, rows_cfg, stream, &p)
+            }
+        }))
+    }
+
+    fn cpu(&self) -> Result<()> {
+        Err("bastile.fused_linear_cross_entropy: the GEMM path runs on CUDA only".into())
     }
 }
 
@@ -535,15 +643,18 @@ mod tests {
     #[test]
     fn chunk_rows_follow_the_budget() {
         let vocab = 151936;
-        assert_eq!(chunk_rows(8192, vocab, 2, false, 0, 0), 768);
-        assert_eq!(chunk_rows(8192, vocab, 2, true, vocab * 1024 * 2, 0), 1664);
-        assert_eq!(chunk_rows(8192, vocab, 2, true, vocab * 4096 * 2, 0), 4096);
-        assert_eq!(chunk_rows(100, vocab, 2, true, 0, 0), 100);
-        assert_eq!(chunk_rows(0, vocab, 2, true, 0, 0), 1);
+        assert_eq!(chunk_rows(8192, vocab * 2, false, 0, 0), 768);
+        assert_eq!(chunk_rows(8192, vocab * 2, true, vocab * 1024 * 2, 0), 1664);
+        assert_eq!(chunk_rows(8192, vocab * 2, true, vocab * 4096 * 2, 0), 4096);
+        assert_eq!(chunk_rows(100, vocab * 2, true, 0, 0), 100);
+        assert_eq!(chunk_rows(0, vocab * 2, true, 0, 0), 1);
+        // The Hopper path's forward alone: only partial sums, 4752 bytes a row of Qwen3's vocabulary.
+        assert_eq!(gemm_forward_rows(100_000, vocab, 0), 56448);
+        assert_eq!(gemm_forward_rows(8192, vocab, 0), 8192);
         // An explicit budget: rows below the alignment stay as they are, at least one.
-        assert_eq!(chunk_rows(50, 300, 4, true, 0, 16 * 300 * 4), 16);
-        assert_eq!(chunk_rows(50, 300, 4, true, 0, 1), 1);
-        assert_eq!(chunk_rows(100_000, 1000, 2, false, 0, 1000 * 2 * 300), 256);
+        assert_eq!(chunk_rows(50, 300 * 4, true, 0, 16 * 300 * 4), 16);
+        assert_eq!(chunk_rows(50, 300 * 4, true, 0, 1), 1);
+        assert_eq!(chunk_rows(100_000, 1000 * 2, false, 0, 1000 * 2 * 300), 256);
     }
 
     #[test]

@@ -436,13 +436,15 @@ def test_cuda_out_of_range_targets_are_ignored():
 
 
 @needs_cuda
-def test_cuda_graph_capture_has_no_host_sync():
-    h, w, b, t = make(300, 128, 5000, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("bias", [True, False])  # without: the Hopper path on compute capability 9.0
+def test_cuda_graph_capture_has_no_host_sync(bias):
+    h, w, b, t = make(300, 128, 5000, torch.bfloat16, "cuda", bias=bias)
     static_t = t.clone()
+    inputs = [x for x in (h, w, b) if x is not None]
 
     def step():
         loss = op(h, w, static_t, b)
-        return (loss, *torch.autograd.grad(loss, (h, w, b)))
+        return (loss, *torch.autograd.grad(loss, inputs))
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -457,10 +459,116 @@ def test_cuda_graph_capture_has_no_host_sync():
     graph.replay()
     torch.cuda.synchronize()
     ref = op(h, w, static_t, b)
-    ref = (ref, *torch.autograd.grad(ref, (h, w, b)))
+    ref = (ref, *torch.autograd.grad(ref, inputs))
     # A divisor taken from the capture-time targets would be ~30% off; GEMM algorithms may differ by ulps.
     for a, e in zip(outs, ref):
         assert rel_err(a, e) < 1e-3
+
+
+# ---------------------------------------------------------------- the Hopper path (our GEMM with the softmax epilogue)
+# bf16 without bias on compute capability 9.0 runs our own logits GEMM (include/fused_linear_cross_entropy.h:
+# CrossEntropyGemm); BASTILE_CROSS_ENTROPY_GEMM=cublas takes the cuBLAS path instead.
+
+needs_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                                  reason="the GEMM path runs on compute capability 9.0")
+
+
+def own_gemm_ran(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any("fused_linear_cross_entropy_gemm_bf16" in e.name for e in prof.events())
+
+
+def against_fp64(h, w, t, tol=TOL[torch.bfloat16], **kw):
+    """The op's loss and gradients (weighted by random upstream gradients for reduction "none") against
+    fp64 on the same inputs, and no worse than HF's bf16 expression by more than a bf16 rounding: the
+    weight gradient's terms carry two (exps, and the hidden scaled by the row's factor) where HF's carry
+    one, which with "sum" is often exact (p - 1 rounds to -1)."""
+    upstream = torch.rand(t.shape, device=t.device, dtype=torch.float64) if kw.get("reduction") == "none" else None
+
+    def total(loss):
+        return (loss.double() * upstream).sum() if upstream is not None else loss
+
+    needed = [x for x in (h, w) if x.requires_grad]
+    loss = op(h, w, t, **kw)
+    ours = (loss, *grads(total(loss), needed))
+    hf_loss = reference(h, w, t, **kw)
+    hf = (hf_loss, *grads(total(hf_loss), needed))
+    ref_in = [x.detach().double().requires_grad_(x.requires_grad) for x in (h, w)]
+    ref_loss = reference(ref_in[0], ref_in[1], t, **kw)
+    ref = (ref_loss, *grads(total(ref_loss), [x for x in ref_in if x.requires_grad]))
+    names = ["loss"] + [n for n, x in zip(["grad_hidden", "grad_weight"], (h, w)) if x.requires_grad]
+    for name, o, e, r in zip(names, ours, hf, ref):
+        assert o.isfinite().all(), name
+        err, err_hf = rel_err(o, r), rel_err(e, r)
+        assert err < tol and err <= 1.25 * err_hf + 2 ** -8, f"{name}: ours {err:.3g}, HF {err_hf:.3g} vs fp64"
+
+
+@needs_hopper
+@pytest.mark.parametrize("vocab", [QWEN3_VOCAB, 5003, 8])  # whole 256-column tiles and not; a tiny row
+@pytest.mark.parametrize("softcap,z_loss", [(0.0, 0.0), (30.0, 1e-4)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cuda_gemm_path_matches_fp64(vocab, softcap, z_loss, reduction):
+    h, w, _, t = make(300, 256, vocab, torch.bfloat16, "cuda", bias=False)
+    poison_cuda_allocator(4 * 300 * vocab * 4)
+    kw = dict(softcap=softcap, z_loss=z_loss, reduction=reduction)
+    assert own_gemm_ran(lambda: op(h, w, t, **kw).sum().backward())
+    # Several chunks, the last ragged (and one row tile of 128 partly outside the chunk).
+    against_fp64(h, w, t, chunk_bytes=chunks(200, vocab, 2), **kw)
+
+
+@needs_hopper
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_cuda_gemm_path_with_one_operand_frozen(frozen):
+    """A frozen head (LoRA) needs only grad_hidden: no scaled hidden; frozen hidden only grad_weight."""
+    h, w, _, t = make(300, 256, 5003, torch.bfloat16, "cuda", bias=False)
+    (w if frozen == "weight" else h).requires_grad_(False)
+    against_fp64(h, w, t, chunk_bytes=chunks(200, 5003, 2))
+
+
+@needs_hopper
+def test_cuda_gemm_path_falls_back_for_rows_tma_cannot_read():
+    """A hidden whose rows are not 16-byte aligned (a view at an odd offset) takes the cuBLAS path."""
+    n, hdim, vocab = 300, 256, 5003
+    _, w, _, t = make(n, hdim, vocab, torch.bfloat16, "cuda", bias=False)
+    flat = torch.randn(n * hdim + 3, device="cuda").to(torch.bfloat16)
+    h = flat[3:].view(n, hdim).requires_grad_()
+    assert not own_gemm_ran(lambda: op(h, w, t).backward())
+    against_fp64(h, w, t)
+
+
+@needs_hopper
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_cuda_gemm_path_repairs_rows_beyond_its_range(softcap):
+    """Logits near +-1e4 (before softcap) and targets at the row's minimum: losses in the thousands, far
+    beyond the reference's range (~66), so these rows take the repair (their max as reference)."""
+    n, hdim, vocab = 512, 128, 5003
+    h, w, _, t = make(n, hdim, vocab, torch.bfloat16, "cuda", bias=False)
+    with torch.no_grad():
+        h[:64] *= 2500  # |logits| ~ 1e4
+        z = h.double() @ w.double().t()
+        t[:32] = z[:32].argmin(-1)  # the target far below the max
+        t[200:232] = z[200:232].argmin(-1)  # a moderate row tile flagged too: in range, far below max
+    assert z[:64].abs().amax() > 5e3
+    against_fp64(h, w, t, softcap=softcap)
+    against_fp64(h, w, t, softcap=softcap, reduction="none")
+
+
+@needs_hopper
+def test_cuda_gemm_path_is_deterministic_and_agrees_with_the_cublas_path(monkeypatch):
+    h, w, _, t = make(1000, 512, QWEN3_VOCAB, torch.bfloat16, "cuda", bias=False)
+
+    def run():
+        loss = op(h, w, t)
+        return (loss, *grads(loss, (h, w)))
+
+    first, again = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    monkeypatch.setenv("BASTILE_CROSS_ENTROPY_GEMM", "cublas")
+    assert not own_gemm_ran(lambda: run())
+    for a, b in zip(first, run()):
+        assert rel_err(a, b) < 5e-3
 
 
 @needs_cuda

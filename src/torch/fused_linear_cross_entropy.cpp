@@ -3,7 +3,10 @@
 // [rows, vocab] logits. Rows go in chunks whose logits (hidden's dtype, from cuBLAS) stay within a memory
 // budget (src/fused_linear_cross_entropy.rs: chunk_rows; `chunk_bytes` overrides it); per chunk, our kernel
 // (cuda/fused_linear_cross_entropy.cu) turns the logits into the loss rows and, in place, into
-// d(loss)/d(logits), and two more GEMMs fold that into grad_hidden and grad_weight. The forward thus
+// d(loss)/d(logits), and two more GEMMs fold that into grad_hidden and grad_weight. On compute capability
+// 9.0 (bf16, no bias, statistics or label smoothing) the chunk's logits GEMM is our own instead, whose
+// epilogue leaves values the two gradient GEMMs take as they are, up to a per-row factor
+// (include/fused_linear_cross_entropy.h: CrossEntropyGemm). The forward thus
 // produces every gradient for a unit upstream gradient (fused_linear_cross_entropy_forward); the backward
 // only scales them (fused_linear_cross_entropy_backward). Reduction "none" gives the row losses, whose
 // upstream gradients differ by row and are known only in the backward: its forward keeps no gradient, and
@@ -186,11 +189,52 @@ Result run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::T
 
   const bool f32_sum = need_w && acc_w.scalar_type() == at::kFloat;
   const bool cast = need_w && acc_w.scalar_type() != weight_in.scalar_type();
-  const int64_t step = rs::cross_entropy_chunk_rows(rows, vocab, hidden.element_size(), f32_sum,
-                                                    cast ? vocab * cols * weight_in.element_size() : 0, o.chunk_bytes);
+  // The Hopper path (include/fused_linear_cross_entropy.h: CrossEntropyGemm) for what its epilogue
+  // computes: bf16, no bias, no statistics or label smoothing; TMA reads 16-byte aligned rows.
+  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  const bool own = hidden.is_cuda() && hidden.scalar_type() == at::kBFloat16 && !with_bias && !o.stats &&
+                   o.label_smoothing == 0 && !entropy_scale.defined() && aligned(hidden) && aligned(weight) &&
+                   rs::cross_entropy_gemm(hidden.device().index(), cols);
+  const int64_t ld = own ? rs::cross_entropy_gemm_ld(vocab) : vocab;
+  const int64_t step = own && !grad ? rs::cross_entropy_gemm_forward_rows(rows, vocab, o.chunk_bytes)
+                                    : rs::cross_entropy_chunk_rows(rows, ld * hidden.element_size(), f32_sum,
+                                                                   cast ? vocab * cols * weight_in.element_size() : 0,
+                                                                   o.chunk_bytes);
+  at::Tensor exps, product, scaled, factor;
+  const auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+  if (own) {
+    if (grad) exps = at::empty({std::min(step, rows), ld}, hidden.options());
+    factor = at::empty({std::min(step, rows)}, hidden.options().dtype(at::kFloat));
+    if (need_h) product = at::empty({std::min(step, rows), cols}, hidden.options().dtype(at::kFloat));
+    if (need_w) scaled = at::empty({std::min(step, rows), cols}, hidden.options());
+  }
   for (int64_t start = 0; start < rows; start += step) {
     const int64_t n = std::min(step, rows - start);
     const auto h = hidden.narrow(0, start, n);
+    const bool first = start == 0;
+    if (own) {
+      CrossEntropyGemm p{.hidden = h.data_ptr(), .weight = weight.data_ptr(), .target = target.data_ptr<int64_t>() + start,
+                         .exps = ptr(exps), .loss = part(row_loss, start), .factor = factor.data_ptr<float>(),
+                         .count = o.reduction == Reduction::Mean ? count.data_ptr<int64_t>() : nullptr,
+                         .row_scale = static_cast<const float*>(part(row_scale, start)), .rows = n, .cols = cols,
+                         .vocab = vocab, .ld = ld, .ignore_index = o.ignore_index, .logit_scale = o.logit_scale,
+                         .temperature = o.temperature, .softcap = o.softcap, .z_loss = o.z_loss, .grad = grad,
+                         .stage = FLCE_GEMM_LOGITS};
+      launch(h, p);
+      if (!grad) continue;
+      // d(loss)/d(logits) = factor * exps, row by row.
+      const auto e = exps.narrow(0, 0, n).narrow(1, 0, vocab);
+      auto prod = need_h ? product.narrow(0, 0, n) : at::Tensor();
+      auto sc = need_w ? scaled.narrow(0, 0, n) : at::Tensor();
+      if (need_h) add_product(prod, e, weight, true);
+      p.stage = FLCE_GEMM_SCALE;
+      p.product = need_h ? prod.data_ptr<float>() : nullptr;
+      p.grad_hidden = need_h ? grad_hidden.narrow(0, start, n).data_ptr() : nullptr;
+      p.scaled = ptr(sc);
+      launch(h, p);
+      if (need_w) add_product(acc_w, e.t(), sc, first);
+      continue;
+    }
     const auto logits = with_bias ? at::addmm(bias, h, weight.t()) : at::mm(h, weight.t());
     launch(logits, CrossEntropyChunk{.logits = logits.data_ptr(), .target = target.data_ptr<int64_t>() + start,
                                      .loss = part(row_loss, start),
@@ -202,7 +246,6 @@ Result run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::T
                                      .z_loss = o.z_loss, .label_smoothing = o.label_smoothing, .dtype = dtype_code(kOp, {"logits", logits}), .grad = grad});
     if (!grad) continue;
     // `logits` now holds d(loss)/d(logits) of the chunk's rows.
-    const bool first = start == 0;
     if (need_h) {
       auto out = grad_hidden.narrow(0, start, n);
       at::mm_out(out, logits, weight);
@@ -213,6 +256,7 @@ Result run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::T
       first ? acc_b.copy_(s) : acc_b.add_(s);
     }
   }
+  exps = product = scaled = factor = at::Tensor();  // freed before the weight gradient's cast below
   if (rows == 0) {  // no chunk ran
     if (need_w) acc_w.zero_();
     if (need_b) acc_b.zero_();
