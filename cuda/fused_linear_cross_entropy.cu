@@ -335,11 +335,6 @@ constexpr float kFlushSum = 18446744073709551616.f;                  // 2^64: a 
 
 __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -550,7 +545,7 @@ __device__ __forceinline__ void target_logits(const CrossEntropyGemm &p) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) dot = fmaf(to_f32(a.v[i]), to_f32(b.v[i]), dot);
   }
-  dot = warp_sum(dot);
+  dot = warp_group_sum(dot, 32);
   if (lane == 0) {
     const float s = p.softcap > 0 ? (float)(p.softcap / p.temperature) * tanhf(dot * (float)(p.logit_scale / p.softcap))
                                   : dot * (float)(p.logit_scale / p.temperature);
@@ -569,7 +564,7 @@ __device__ __forceinline__ float2 row_total(const CrossEntropyGemm &p, int64_t r
     top = fmaxf(top, v.x);
     sum += v.y;
   }
-  return make_float2(warp_max(top), warp_sum(sum));
+  return make_float2(warp_max(top), warp_group_sum(sum, 32));
 }
 
 // Rows whose sum reached 2^64 (or is not finite) take their max as the reference and flag their tile.

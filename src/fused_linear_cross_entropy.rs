@@ -159,8 +159,8 @@ impl Launch for GradScale {
 /// Scratch of the Hopper path, bytes from its start: partial sums, target logits, references, row sums,
 /// repair flags.
 fn gemm_scratch(p: &CrossEntropyGemm) -> ([i64; 5], i64) {
-    let tiles = |n: i64, tile: u32| geometry::ceil_div(n, tile as i64);
-    let sizes = [p.rows * gemm_partial_bytes(p.vocab), p.rows * 4, p.rows * 4, p.rows * 4, (tiles(p.rows, FLCE_GEMM_TILE_M) + 1) * 4];
+    let row_tiles = geometry::ceil_div(p.rows, FLCE_GEMM_TILE_M as i64);
+    let sizes = [p.rows * gemm_partial_bytes(p.vocab), p.rows * 4, p.rows * 4, p.rows * 4, (row_tiles + 1) * 4];
     let mut at = [0; 5];
     let mut end = 0;
     for (a, size) in at.iter_mut().zip(sizes) {
