@@ -541,8 +541,9 @@ def test_cuda_gemm_path_falls_back_for_rows_tma_cannot_read():
 @needs_hopper
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
 def test_cuda_gemm_path_repairs_rows_beyond_its_range(softcap):
-    """Logits near +-1e4 (before softcap) and targets at the row's minimum: losses in the thousands, far
-    beyond the reference's range (~66), so these rows take the repair (their max as reference)."""
+    """Logits near +-1e4 and targets at the row's minimum: without softcap, losses in the thousands, far
+    beyond the reference's range (~66), so these rows take the repair (their max as reference); with
+    softcap 30 the scaled logits stay within +-30 (no repair) and tanh saturates."""
     n, hdim, vocab = 512, 128, 5003
     h, w, _, t = make(n, hdim, vocab, torch.bfloat16, "cuda", bias=False)
     with torch.no_grad():
