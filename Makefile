@@ -18,13 +18,15 @@ PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvi
 
 .PHONY: setup build wheel install test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-sft bench-profile bench-fsdp clean
 
-# Project-local virtualenv with the pins, and libclang for bindgen.
+# Project-local virtualenv with the pins, and libclang for bindgen. The pins take ~5.5 GiB installed and
+# pip's cache would keep a second copy of their wheels; a fresh CI disk has run out of space on that.
 setup: $(VENV)/.ready
 $(VENV)/.ready:
 	@ldconfig -p | grep -Eq 'libclang(-[0-9.]+)?\.so' || (apt-get update -qq && apt-get install -y -qq libclang-dev)
+	@df -h . $${TMPDIR:-/tmp} | sed 's/^/disk: /'
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q $(PINS)
+	$(VENV)/bin/pip install -q --no-cache-dir --upgrade pip
+	$(VENV)/bin/pip install -q --no-cache-dir $(PINS)
 	touch $@
 
 # Tests, benchmarks and the main job import the installed package, as users do: a file the wheel lacks
