@@ -57,13 +57,13 @@ COMMON = dict(max_steps=3, logging_steps=1, report_to="none", save_strategy="no"
 
 def trainer(kind, family, tmp_path, lora=False, **config):
     model, tok = mini(family, "cpu", torch.float32), tokenizer()
+    peft = {}
     if lora:  # PEFT adapters on the seven projections, through TRL's peft_config
         from peft import LoraConfig
-        config["peft_config"] = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=[
+        peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     ref = dict(ref_model=mini(family, "cpu", torch.float32).eval())  # the policy's start
     args = dict(COMMON, output_dir=str(tmp_path), **config)
-    peft = {"peft_config": args.pop("peft_config")} if "peft_config" in args else {}
     if kind == "sft":
         return trl.SFTTrainer(model, args=trl.SFTConfig(max_length=64, **args), train_dataset=dataset("sft"),
                               processing_class=tok, **peft)
