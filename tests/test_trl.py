@@ -83,6 +83,8 @@ def trainer(kind, family, tmp_path, lora=False, **config):
 
 def logged(kind, family, tmp_path, **config):
     t = trainer(kind, family, tmp_path, **config)
+    # LoRA adapters are in the trained model exactly when the case asks for them.
+    assert config.get("lora", False) == any("lora_" in name for name, _ in t.model.named_parameters())
     t.train()
     skip = ("runtime", "per_second", "time", "epoch", "total_flos", "train_loss")
     return [{k: v for k, v in e.items() if isinstance(v, (int, float)) and not any(s in k for s in skip)}
