@@ -1,5 +1,7 @@
 """torch.ops.bastile.fused_linear_log_probs against plain torch in fp64 (log_softmax of the scaled logits)
 and against TRL's own head (trl.kernels.ChunkedLogProbFunction)."""
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,8 +35,7 @@ def reference(h, w, t, b=None, ignore_index=-100, temperature=1.0, logit_scale=1
 
 
 def samples(device):
-    def call(*args, **kwargs):
-        return sample(device, *args, **kwargs)
+    call = partial(sample, device)
 
     several = chunks(5, 40, 4)  # chunks of 5 rows at vocab 40, of 3 at vocab 56
     return [call(12, 16, 40, chunk_bytes=several), call(19, 24, 56, seed=1, chunk_bytes=several),
