@@ -15,11 +15,14 @@ bwd_op = torch.ops.bastile.fused_linear_cross_entropy_backward
 flce = bastile.fused_linear_cross_entropy
 
 
-def eager(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0, label_smoothing=0.0):
-    """HF's expression (logits in the inputs' dtype, loss in f32), with softcap and z-loss in plain torch and
-    F.cross_entropy's label smoothing. With f64 inputs it is the fp64 reference."""
+def eager(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0, label_smoothing=0.0,
+          logit_scale=1.0):
+    """HF's expression (logits in the inputs' dtype, loss in f32), with the logit scale (Granite's division by
+    logits_scaling), softcap and z-loss in plain torch and F.cross_entropy's label smoothing. With f64 inputs it
+    is the fp64 reference."""
     z = F.linear(h, w, b)
     z = z.double() if z.dtype == torch.float64 else z.float()
+    z = z * logit_scale
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     loss = F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
@@ -59,12 +62,12 @@ def chunks(rows, vocab, elem_bytes):
 
 
 def reference(h, w, t, b=None, ignore_index=-100, reduction="mean", softcap=0.0, z_loss=0.0, fp32_weight_grad=True,
-              chunk_bytes=0, label_smoothing=0.0):
+              chunk_bytes=0, label_smoothing=0.0, logit_scale=1.0):
     """eager with the op's signature. A mean over no counted target is 0, as the op defines it
     (F.cross_entropy's is NaN): the sum's, gradients included."""
     if reduction == "mean" and not (t != ignore_index).any():
         reduction = "sum"
-    return eager(h, w, t, b, ignore_index, reduction, softcap, z_loss, label_smoothing)
+    return eager(h, w, t, b, ignore_index, reduction, softcap, z_loss, label_smoothing, logit_scale)
 
 
 def sample(device, n, hdim, vocab, bias=True, seed=0, frozen="", **kwargs):
@@ -83,18 +86,20 @@ def samples(device):
     several = chunks(5, 40, 4)  # chunks of 5 rows at vocab 40, of 3 at vocab 56
     return [call(12, 16, 40, chunk_bytes=several), call(19, 24, 56, seed=1, chunk_bytes=several),
             call(10, 8, 30, bias=False, seed=2, reduction="sum", softcap=5.0, z_loss=1e-3),
+            call(10, 8, 30, bias=False, seed=7, logit_scale=0.125),
             call(9, 8, 20, seed=3, frozen="wb", chunk_bytes=chunks(4, 20, 4)),
             call(9, 8, 20, seed=4, frozen="h", fp32_weight_grad=False, softcap=3.0, z_loss=1e-3, label_smoothing=0.2),
             call(11, 8, 25, seed=5, reduction="none", chunk_bytes=chunks(4, 25, 4), label_smoothing=0.1),
-            call(7, 8, 20, bias=False, seed=6, frozen="w", reduction="none", softcap=3.0, z_loss=1e-3)]
+            call(7, 8, 20, bias=False, seed=6, frozen="w", reduction="none", softcap=3.0, z_loss=1e-3, logit_scale=3.0)]
 
 
 def gradcheck_samples():
     """Chunks of 3, 3 and 1 rows, with and without softcap and z-loss."""
     h, w, b, t = make(7, 5, 11, dtype=torch.float64, ignored=0.3)
     return [((h, w, t, b), dict(reduction=reduction, softcap=softcap, z_loss=z_loss, label_smoothing=eps,
-                                chunk_bytes=chunks(3, 11, 8)))
-            for reduction in ("mean", "sum", "none") for softcap, z_loss, eps in [(0.0, 0.0, 0.0), (2.0, 0.1, 0.15)]]
+                                logit_scale=scale, chunk_bytes=chunks(3, 11, 8)))
+            for reduction in ("mean", "sum", "none")
+            for softcap, z_loss, eps, scale in [(0.0, 0.0, 0.0, 1.0), (2.0, 0.1, 0.15, 0.4)]]
 
 
 def empty(device):
@@ -122,6 +127,8 @@ BAD = [
      "softcap must be"),
     (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), label_smoothing=1.5),
      "label_smoothing must be in"),
+    (lambda: op(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), logit_scale=float("inf")),
+     "logit_scale must be finite"),
     (lambda: op(torch.randint(0, 3, (4, 8)), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)),
      "hidden must be float32"),
     (lambda: bwd_op(torch.ones(2), torch.randn(3), torch.randn(3), torch.randn(0)), "grad_loss must be a 0-dim"),
@@ -141,9 +148,11 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3, torch.float16: 8e-4}
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("softcap,z_loss,label_smoothing", [(0.0, 0.0, 0.0), (3.0, 1e-3, 0.0), (0.0, 0.0, 0.1)])
+@pytest.mark.parametrize("softcap,z_loss,label_smoothing,logit_scale",
+                         [(0.0, 0.0, 0.0, 1.0), (3.0, 1e-3, 0.0, 1.0), (0.0, 0.0, 0.1, 1.0), (0.0, 0.0, 0.0, 1 / 16),
+                          (3.0, 0.0, 0.0, 4.0)])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, label_smoothing, reduction):
+def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, label_smoothing, logit_scale, reduction):
     """Loss and gradients; with reduction "none", the row losses and the gradients of their sum weighted by
     random upstream gradients (the backward's recomputation)."""
     n, hdim, vocab = 50, 64, 300
@@ -152,7 +161,8 @@ def test_matches_hf_and_fp64(device, dtype, softcap, z_loss, label_smoothing, re
 
     def weighted(loss):
         return loss if reduction != "none" else (loss * upstream.to(loss.dtype)).sum()
-    kw = dict(reduction=reduction, softcap=softcap, z_loss=z_loss, label_smoothing=label_smoothing)
+    kw = dict(reduction=reduction, softcap=softcap, z_loss=z_loss, label_smoothing=label_smoothing,
+              logit_scale=logit_scale)
     loss = op(h, w, t, b, **kw, chunk_bytes=chunks(16, vocab, torch.finfo(dtype).bits // 8))  # 16, 16, 16, 2 rows
     assert loss.dtype == torch.float32 and loss.shape == ((n,) if reduction == "none" else ())
     ours = (loss, *grads(weighted(loss), (h, w, b)))
@@ -517,6 +527,16 @@ def test_cuda_gemm_path_matches_fp64(vocab, softcap, z_loss, reduction):
     assert own_gemm_ran(lambda: op(h, w, t, **kw).sum().backward())
     # Several chunks, the last ragged (and one row tile of 128 partly outside the chunk).
     against_fp64(h, w, t, chunk_bytes=chunks(200, vocab, 2), **kw)
+
+
+@needs_hopper
+@pytest.mark.parametrize("logit_scale,softcap", [(1 / 16, 0.0), (2.0, 30.0)])
+def test_cuda_gemm_path_logit_scale(logit_scale, softcap):
+    """Granite's head divides the logits by logits_scaling: the Hopper path's epilogue scales them."""
+    h, w, _, t = make(300, 256, 5003, torch.bfloat16, "cuda", bias=False)
+    kw = dict(logit_scale=logit_scale, softcap=softcap)
+    assert own_gemm_ran(lambda: op(h, w, t, **kw).backward())
+    against_fp64(h, w, t, chunk_bytes=chunks(200, 5003, 2), **kw)
 
 
 @needs_hopper

@@ -53,7 +53,7 @@ struct Options {
 };
 
 Options options(int64_t ignore_index, c10::string_view reduction, double softcap, double z_loss,
-                bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing = 0.0) {
+                bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing = 0.0, double logit_scale = 1.0) {
   TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none",
               "bastile.fused_linear_cross_entropy: reduction must be \"mean\", \"sum\" or \"none\", got \"",
               reduction, "\"");
@@ -66,7 +66,9 @@ Options options(int64_t ignore_index, c10::string_view reduction, double softcap
   const auto r = reduction == "mean" ? Reduction::Mean : reduction == "sum" ? Reduction::Sum : Reduction::None;
   TORCH_CHECK(label_smoothing >= 0 && label_smoothing <= 1,
               "bastile.fused_linear_cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
-  return {ignore_index, r, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing};
+  TORCH_CHECK(std::isfinite(logit_scale), "bastile.fused_linear_cross_entropy: logit_scale must be finite, got ",
+              logit_scale);
+  return {ignore_index, r, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing, logit_scale};
 }
 
 bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -296,14 +298,15 @@ struct FlceForwardOp {
   static constexpr const char* schema =
       "fused_linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
       "int ignore_index=-100, str reduction=\"mean\", float softcap=0.0, float z_loss=0.0, "
-      "bool fp32_weight_grad=True, int chunk_bytes=0, float label_smoothing=0.0, "
+      "bool fp32_weight_grad=True, int chunk_bytes=0, float label_smoothing=0.0, float logit_scale=1.0, "
       "bool[3] grad_mask=[True, True, True]) -> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)";
 
   static Four kernel(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
                      double softcap, double z_loss, bool fp32_weight_grad, int64_t chunk_bytes,
-                     double label_smoothing, Mask mask) {
-    const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing);
+                     double label_smoothing, double logit_scale, Mask mask) {
+    const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing,
+                           logit_scale);
     TORCH_CHECK(o.reduction != Reduction::None || !(mask[0] || mask[1] || mask[2]),
                 "bastile.fused_linear_cross_entropy_forward: reduction \"none\" forms no gradients in the forward ",
                 "(their upstream gradients differ by row): fused_linear_cross_entropy_rows_backward makes them");
@@ -316,14 +319,15 @@ struct FlceRowsBackwardOp {
   static constexpr const char* schema =
       "fused_linear_cross_entropy_rows_backward(Tensor grad_rows, Tensor hidden, Tensor weight, Tensor target, "
       "Tensor? bias=None, int ignore_index=-100, float softcap=0.0, float z_loss=0.0, bool fp32_weight_grad=True, "
-      "int chunk_bytes=0, float label_smoothing=0.0, bool[3] grad_mask=[True, True, True]) -> "
-      "(Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)";
+      "int chunk_bytes=0, float label_smoothing=0.0, float logit_scale=1.0, bool[3] grad_mask=[True, True, True]) "
+      "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)";
 
   static Three kernel(
       const at::Tensor& grad_rows, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
       const std::optional<at::Tensor>& bias, int64_t ignore_index, double softcap, double z_loss,
-      bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing, Mask mask) {
-    const auto o = options(ignore_index, "none", softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing);
+      bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing, double logit_scale, Mask mask) {
+    const auto o = options(ignore_index, "none", softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing,
+                           logit_scale);
     TORCH_CHECK(grad_rows.is_floating_point() && grad_rows.sym_sizes() == target.sym_sizes(),
                 "bastile.fused_linear_cross_entropy_rows_backward: grad_rows must be floating with target's shape ",
                 target.sym_sizes(), ", got ", grad_rows.scalar_type(), " of shape ", grad_rows.sym_sizes());
@@ -376,21 +380,22 @@ struct FlceOp {
   static constexpr const char* schema =
       "fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
       "int ignore_index=-100, str reduction=\"mean\", float softcap=0.0, float z_loss=0.0, "
-      "bool fp32_weight_grad=True, int chunk_bytes=0, float label_smoothing=0.0) -> Tensor";
+      "bool fp32_weight_grad=True, int chunk_bytes=0, float label_smoothing=0.0, float logit_scale=1.0) -> Tensor";
 
   // Nothing to differentiate: the loss alone, with no gradient GEMMs or buffers.
   static at::Tensor kernel(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                            const std::optional<at::Tensor>& bias, int64_t ignore_index, c10::string_view reduction,
                            double softcap, double z_loss, bool fp32_weight_grad, int64_t chunk_bytes,
-                           double label_smoothing) {
-    const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing);
+                           double label_smoothing, double logit_scale) {
+    const auto o = options(ignore_index, reduction, softcap, z_loss, fp32_weight_grad, chunk_bytes, label_smoothing,
+                           logit_scale);
     return run(hidden, weight, target, bias, o, {false, false, false}).loss;
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& target, const std::optional<at::Tensor>& bias, int64_t ignore_index,
                             c10::string_view reduction, double softcap, double z_loss, bool fp32_weight_grad,
-                            int64_t chunk_bytes, double label_smoothing) {
+                            int64_t chunk_bytes, double label_smoothing, double logit_scale) {
     const Mask mask{hidden.requires_grad(), weight.requires_grad(), has(bias) && bias->requires_grad()};
     save_mask(ctx, mask);
     if (reduction == "none") {  // the backward makes the logits again
@@ -398,11 +403,13 @@ struct FlceOp {
       auto& d = ctx->saved_data;
       d["ignore_index"] = ignore_index, d["softcap"] = softcap, d["z_loss"] = z_loss;
       d["fp32_weight_grad"] = fp32_weight_grad, d["chunk_bytes"] = chunk_bytes, d["label_smoothing"] = label_smoothing;
+      d["logit_scale"] = logit_scale;
       return call<FlceOp>(hidden, weight, target, bias, ignore_index, reduction, softcap, z_loss, fp32_weight_grad,
-                          chunk_bytes, label_smoothing);
+                          chunk_bytes, label_smoothing, logit_scale);
     }
     auto [loss, gh, gw, gb] = call<FlceForwardOp>(hidden, weight, target, bias, ignore_index, reduction, softcap,
-                                                  z_loss, fp32_weight_grad, chunk_bytes, label_smoothing, mask);
+                                                  z_loss, fp32_weight_grad, chunk_bytes, label_smoothing, logit_scale,
+                                                  mask);
     ctx->save_for_backward({gh, gw, gb});
     return loss;
   }
@@ -415,7 +422,8 @@ struct FlceOp {
       const std::optional<at::Tensor> bias = saved[3].defined() ? std::optional(saved[3]) : std::nullopt;
       g = call<FlceRowsBackwardOp>(grads[0], saved[0], saved[1], saved[2], bias, d["ignore_index"].toInt(),
                                    d["softcap"].toDouble(), d["z_loss"].toDouble(), d["fp32_weight_grad"].toBool(),
-                                   d["chunk_bytes"].toInt(), d["label_smoothing"].toDouble(), mask);
+                                   d["chunk_bytes"].toInt(), d["label_smoothing"].toDouble(),
+                                   d["logit_scale"].toDouble(), mask);
     } else {
       g = scale_formed(saved, grads[0]);
     }
