@@ -1,18 +1,24 @@
 // Rotary position embedding with HF semantics (apply_rotary_pos_emb), q and k in one launch.
 //
-// Forward, i < D/2, h = D/2:  out[i]   = x[i]*cos[i]     - x[i+h]*sin[i]
-//                             out[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h]
+// A head's first rot elements (rot: cos and sin's width) form h = rot/2 pairs (x1, x2), rotated with
+// tables (c1, c2, s1, s2):
+//   half-split (rotate_half):  x1 = x[i],  x2 = x[i+h],  c1 = cos[i], c2 = cos[i+h], s alike,  i < h
+//   interleaved (GLM-4):       x1 = x[2j], x2 = x[2j+1], c1 = c2 = cos[j], s1 = s2 = sin[j],  j < h
+// Forward:                    out1 = x1*c1 - x2*s1,  out2 = x2*c2 + x1*s2
 // Backward (the transposed rotation):
-//                             out[i]   = g[i]*cos[i]     + g[i+h]*sin[i+h]
-//                             out[i+h] = g[i+h]*cos[i+h] - g[i]*sin[i]
-// Each product is rounded to promote(in, cos) and then to the output dtype, and the sum to the output
-// dtype, as HF's eager ops (and their autograd) round; products are never fused into FMAs. With one
-// 16-bit dtype throughout, that is packed math on element pairs (common.cuh: pair_t).
+//                             out1 = g1*c1 + g2*s2,  out2 = g2*c2 - g1*s1
+// The other head_dim - rot elements pass through in the output dtype (HF's partial rotary
+// concatenates them), backward as forward. Each product is rounded to promote(in, cos) and then to the
+// output dtype, and the sum to the output dtype, as HF's eager ops (and their autograd) round; products
+// are never fused into FMAs. With one 16-bit dtype throughout, that is packed math on element pairs
+// (common.cuh: pair_t).
 //
-// A token (b, s) is handled by pair_threads x head_lanes threads: a thread loads the cos/sin vectors
-// of its pair (i, i+h) once and rotates that pair in every head_lanes-th head of q and k (one index
-// space), loading up to ROPE_HEADS_AT_ONCE heads before it stores any. Strides are int64 and arbitrary
-// (HF's q and k are transposed views); Rust picks vec so that every access is aligned.
+// A token (b, s) is handled by pair_threads x head_lanes threads: a thread takes items of a head, each
+// two V-element vectors: V pairs (x[i..] and x[i+h..], or interleaved the 2V elements x[2j..] split
+// into their even and odd elements) or, past the pairs, 2V passed elements. It loads an item's cos/sin
+// vectors once and does that item in every head_lanes-th head of q and k (one index space), loading up
+// to ROPE_HEADS_AT_ONCE heads before it stores any. Strides are int64 and arbitrary (HF's q and k are
+// transposed views); Rust picks vec so that every access is aligned.
 #include "common.cuh"
 #include "rope.h"
 
@@ -89,15 +95,50 @@ __device__ __forceinline__ T *head(int h, int q_heads, T *q, int64_t q_stride, T
   return h < q_heads ? q + h * q_stride : k + (h - q_heads) * k_stride;
 }
 
+// The even and the odd elements of the 2V consecutive elements (a, b), in place: an interleaved item's
+// pairs as rotate_pair's (x1, x2). Register moves only, as every index is known after unrolling.
+template <class T, int V> __device__ __forceinline__ void deinterleave(Pack<T, V> &a, Pack<T, V> &b) {
+  Pack<T, V> even, odd;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    even.v[e] = 2 * e < V ? a.v[2 * e] : b.v[2 * e - V];
+    odd.v[e] = 2 * e + 1 < V ? a.v[2 * e + 1] : b.v[2 * e + 1 - V];
+  }
+  a = even;
+  b = odd;
+}
+
+// The inverse of deinterleave.
+template <class T, int V> __device__ __forceinline__ void interleave(Pack<T, V> &even, Pack<T, V> &odd) {
+  Pack<T, V> a, b;
+#pragma unroll
+  for (int k = 0; k < 2 * V; ++k) (k < V ? a.v[k] : b.v[k - V]) = (k % 2 ? odd : even).v[k / 2];
+  even = a;
+  odd = b;
+}
+
+// x in O: exact, as O is I or wider.
+template <class O, class I, int V> __device__ __forceinline__ Pack<O, V> convert(const Pack<I, V> &x) {
+  if constexpr (std::is_same_v<I, O>) {
+    return x;
+  } else {
+    Pack<O, V> y;
+#pragma unroll
+    for (int e = 0; e < V; ++e) y.v[e] = from_f32<O>(to_f32(x.v[e]));
+    return y;
+  }
+}
+
 template <class I, class C, class O, bool kBackward, int V>
 __device__ __forceinline__ void rotate(const Rope &p) {
   const int per_token = p.pair_threads * p.head_lanes, tokens_per_block = blockDim.x / per_token;
   const int t = threadIdx.x % per_token, slot = threadIdx.x / per_token;
-  const int first_pair = t % p.pair_threads, lane = t / p.pair_threads, lanes = p.head_lanes;
+  const int first_item = t % p.pair_threads, lane = t / p.pair_threads, lanes = p.head_lanes;
   // A token's heads are q's then k's, one index space; lane takes heads lane, lane + lanes, ...
   // Head counts fit in 32 bits (src/rope.rs checks).
   const int q_heads = (int)p.q_heads, heads = q_heads + (int)p.k_heads;
-  const int64_t half = p.head_dim / 2, pairs = half / V, tokens = p.batch * p.seq;
+  const int64_t half = p.rot / 2, pairs = half / V, items = pairs + (p.head_dim - p.rot) / (2 * V);
+  const int64_t tokens = p.batch * p.seq;
 
   for (int64_t tok = (int64_t)blockIdx.x * tokens_per_block + slot; tok < tokens;
        tok += (int64_t)gridDim.x * tokens_per_block) {
@@ -106,28 +147,43 @@ __device__ __forceinline__ void rotate(const Rope &p) {
     const C *ct = token_of<const C>(p.cos, b, s), *st = token_of<const C>(p.sin, b, s);
     const I *qx = token_of<const I>(p.q, b, s), *kx = token_of<const I>(p.k, b, s);
     O *qy = token_of<O>(p.q_out, b, s), *ky = token_of<O>(p.k_out, b, s);
-    for (int64_t j = first_pair; j < pairs; j += p.pair_threads) {
-      const int64_t i = j * V;
-      const Tables<C, V> tab{load<V>(ct + i), load<V>(ct + half + i), load<V>(st + i), load<V>(st + half + i)};
+    for (int64_t j = first_item; j < items; j += p.pair_threads) {
+      // Item j: pairs j*V.. of the head, or past them 2V passed elements. Both kinds load and store with the
+      // same instructions, so a warp that holds both does not run them one after the other (a loop of their
+      // own for the passed elements made half-rotated heads 1.3x slower on an H100). Below, the offsets of
+      // the item's two vectors and of the pairs' tables, which are loaded unconditionally (loads under a
+      // branch were issued late: 5-8% slower) and by a passed item too, unused.
+      const bool rotated = j < pairs;
+      const int64_t i = rotated ? j * V : 0, t2 = p.interleaved ? i : i + half;
+      const int64_t e1 = !rotated ? p.rot + (j - pairs) * 2 * V : p.interleaved ? 2 * i : i;
+      const int64_t e2 = rotated && !p.interleaved ? i + half : e1 + V;
+      const Tables<C, V> tab{load<V>(ct + i), load<V>(ct + t2), load<V>(st + i), load<V>(st + t2)};
       for (int h0 = lane; h0 < heads; h0 += lanes * ROPE_HEADS_AT_ONCE) {
         Pack<I, V> x1[ROPE_HEADS_AT_ONCE], x2[ROPE_HEADS_AT_ONCE];
 #pragma unroll
         for (int u = 0; u < ROPE_HEADS_AT_ONCE; ++u) {
           const int h = h0 + u * lanes;
           if (h >= heads) break;
-          const I *x = head(h, q_heads, qx, p.q.head_stride, kx, p.k.head_stride) + i;
-          x1[u] = load<V>(x);
-          x2[u] = load<V>(x + half);
+          const I *x = head(h, q_heads, qx, p.q.head_stride, kx, p.k.head_stride);
+          x1[u] = load<V>(x + e1);
+          x2[u] = load<V>(x + e2);
         }
 #pragma unroll
         for (int u = 0; u < ROPE_HEADS_AT_ONCE; ++u) {
           const int h = h0 + u * lanes;
           if (h >= heads) break;
-          O *y = head(h, q_heads, qy, p.q_out.head_stride, ky, p.k_out.head_stride) + i;
+          O *y = head(h, q_heads, qy, p.q_out.head_stride, ky, p.k_out.head_stride);
           Pack<O, V> o1, o2;
-          rotate_pair<I, C, O, kBackward, V>(x1[u], x2[u], tab, o1, o2);
-          store_pack(y, o1);
-          store_pack(y + half, o2);
+          if (rotated) {
+            if (p.interleaved) deinterleave(x1[u], x2[u]);
+            rotate_pair<I, C, O, kBackward, V>(x1[u], x2[u], tab, o1, o2);
+            if (p.interleaved) interleave(o1, o2);
+          } else {
+            o1 = convert<O>(x1[u]);
+            o2 = convert<O>(x2[u]);
+          }
+          store_pack(y + e1, o1);
+          store_pack(y + e2, o2);
         }
       }
     }

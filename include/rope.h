@@ -27,11 +27,18 @@ typedef struct Rope {
   int64_t q_heads;
   int64_t k_heads;
   int64_t head_dim; /* even */
+  /* Each head's first rot elements (cos and sin's width: even, 0 < rot <= head_dim) are rotated, the
+   * rest pass through in the output dtype (HF's partial rotary). The rotated pairs: (i, i + rot / 2)
+   * with cos and sin at i and i + rot / 2 (rotate_half), or where interleaved is nonzero (2j, 2j + 1),
+   * both with cos and sin at j (GLM). */
+  int64_t rot;
+  int32_t interleaved;
   int32_t in_dtype;
   int32_t cs_dtype;  /* of cos and sin */
   int32_t out_dtype;
   /* Launch geometry, chosen by Rust: vec elements per access; pair_threads x head_lanes threads per
-   * token, each rotating vector pairs (i, i + head_dim / 2) of every head_lanes-th head;
+   * token, each taking every pair_threads-th item of a head (rot / (2 vec) items of vec pairs, then
+   * (head_dim - rot) / (2 vec) items of 2 vec passed elements) in every head_lanes-th head;
    * block / (pair_threads * head_lanes) tokens per block. */
   int32_t vec;
   int32_t pair_threads;

@@ -24,7 +24,9 @@ fn dtypes(p: &Rope) -> Result<(BastileDType, BastileDType, BastileDType)> {
 }
 
 /// Elements per access: 16 bytes of the widest dtype involved (8 only for 16-bit pairs of one dtype,
-/// the kernels that exist), halved until every pointer, stride and half head is a multiple of it.
+/// the kernels that exist), halved until every pointer and stride and the pairs (`rot / 2`) are
+/// multiples of it, and the passed elements (`head_dim - rot`) of twice it: the kernel's items, two
+/// vectors each, never straddle the two parts of a head, in either layout of the pairs.
 fn vector(p: &Rope, i: BastileDType, c: BastileDType, o: BastileDType) -> i64 {
     let mut vec = 16 / i.size().max(c.size()).max(o.size()) as i64;
     if vec == 8 && i != c {
@@ -35,19 +37,20 @@ fn vector(p: &Rope, i: BastileDType, c: BastileDType, o: BastileDType) -> i64 {
         geometry::aligned(t.data, v as usize * d.size())
             && [t.batch_stride, t.seq_stride, t.head_stride].iter().all(|s| s % v == 0)
     };
-    while vec > 1 && !((p.head_dim / 2) % vec == 0 && tensors.iter().all(|&(t, d)| fits(vec, t, d))) {
+    let items_fit = |v: i64| (p.rot / 2) % v == 0 && (p.head_dim - p.rot) % (2 * v) == 0;
+    while vec > 1 && !(items_fit(vec) && tensors.iter().all(|&(t, d)| fits(vec, t, d))) {
         vec /= 2;
     }
     vec
 }
 
-/// `p` with `vec`, `pair_threads`, `head_lanes` and `block` filled in: a token's threads cover its vector
-/// pairs once, and each lane takes up to [`HEADS_AT_ONCE`] heads a round (one load of the cos/sin vectors
-/// serves them all).
+/// `p` with `vec`, `pair_threads`, `head_lanes` and `block` filled in: a token's threads cover a head's
+/// items (vector pairs, then pairs of passed vectors) once, and each lane takes up to [`HEADS_AT_ONCE`]
+/// heads a round (one load of the cos/sin vectors serves them all).
 fn with_geometry(mut p: Rope, vec: i64) -> Rope {
-    let pairs = (p.head_dim / 2 / vec).max(1);
+    let items = (p.rot / 2 / vec + (p.head_dim - p.rot) / (2 * vec)).max(1);
     let heads = (p.q_heads + p.k_heads).max(1);
-    let pair_threads = pairs.min(MAX_PAIR_THREADS);
+    let pair_threads = items.min(MAX_PAIR_THREADS);
     let head_lanes = geometry::ceil_div(heads, HEADS_AT_ONCE).min(BLOCK / pair_threads);
     let per_token = pair_threads * head_lanes;
     p.vec = vec as i32;
@@ -131,23 +134,28 @@ unsafe fn rotate_cpu<I: Element, C: Element, M: Element, O: Element>(p: &Rope, b
     cpu::parallel_for((p.batch * p.seq) as usize, cpu::GRAIN.div_ceil(token_elements), |tokens| {
         let p = shared.get();
         for tok in tokens.map(|t| t as i64) {
-            let (b, s, half) = (tok / p.seq, tok % p.seq, p.head_dim / 2);
+            let (b, s, half) = (tok / p.seq, tok % p.seq, p.rot / 2);
             let table = |t: &RopeTensor, e: i64| (*(t.data as *const C).add(at(t, b, s, 0, e))).to_f64();
             let heads = (0..p.q_heads).map(|h| (&p.q, &p.q_out, h)).chain((0..p.k_heads).map(|h| (&p.k, &p.k_out, h)));
             for (src, dst, h) in heads {
                 let (x, y) = (src.data as *const I, dst.data as *mut O);
-                for e in 0..half {
-                    let (c1, c2) = (table(&p.cos, e), table(&p.cos, e + half));
-                    let (s1, s2) = (table(&p.sin, e), table(&p.sin, e + half));
-                    let x1 = (*x.add(at(src, b, s, h, e))).to_f64();
-                    let x2 = (*x.add(at(src, b, s, h, e + half))).to_f64();
+                for j in 0..half {
+                    // The pair's elements, and the table entries of the second.
+                    let (e1, e2, t2) = if p.interleaved != 0 { (2 * j, 2 * j + 1, j) } else { (j, j + half, j + half) };
+                    let (c1, c2) = (table(&p.cos, j), table(&p.cos, t2));
+                    let (s1, s2) = (table(&p.sin, j), table(&p.sin, t2));
+                    let x1 = (*x.add(at(src, b, s, h, e1))).to_f64();
+                    let x2 = (*x.add(at(src, b, s, h, e2))).to_f64();
                     let (o1, o2) = if backward {
                         (term(x1, c1) + term(x2, s2), term(x2, c2) - term(x1, s1))
                     } else {
                         (term(x1, c1) - term(x2, s1), term(x2, c2) + term(x1, s2))
                     };
-                    *y.add(at(dst, b, s, h, e)) = O::from_f64(o1);
-                    *y.add(at(dst, b, s, h, e + half)) = O::from_f64(o2);
+                    *y.add(at(dst, b, s, h, e1)) = O::from_f64(o1);
+                    *y.add(at(dst, b, s, h, e2)) = O::from_f64(o2);
+                }
+                for e in p.rot..p.head_dim {
+                    *y.add(at(dst, b, s, h, e)) = O::from_f64((*x.add(at(src, b, s, h, e))).to_f64());
                 }
             }
         }
@@ -169,6 +177,10 @@ mod tests {
         q_heads: usize,
         k_heads: usize,
         dim: usize,
+        /// Rotated elements of each head, cos/sin's width.
+        rot: usize,
+        /// GLM's pairs (2j, 2j + 1) (else rotate_half's (i, i + rot / 2)).
+        interleaved: bool,
         /// cos/sin differ per batch row (else one table broadcast over the batch).
         per_batch: bool,
         /// q/k stored [batch, seq, heads, dim] and seen as [batch, heads, seq, dim] (HF's views).
@@ -185,38 +197,50 @@ mod tests {
         }
     }
 
-    /// Exact rotation of one head vector: forward R(θ) x, backward R(θ)^T g, with R built from the
-    /// (possibly unrelated) cos and sin halves as HF's formula defines it.
-    fn reference(x: &[f64], c: &[f64], s: &[f64], backward: bool) -> Vec<f64> {
-        let n = x.len();
-        let h = n / 2;
-        // Matrix of the forward: out[i] = sum_j m[i][j] x[j].
-        let mut m = vec![vec![0.0; n]; n];
+    /// The forward as a matrix on a head of `n` elements, out[i] = sum_j m[i][j] x[j], from the (possibly
+    /// unrelated) cos and sin as HF's formulas define it: `x * cos + rotate_half(x) * sin` on the first
+    /// rot = cos.len() elements, the rest passed (Phi-3's torch.cat); interleaved, GLM's rotate_half and
+    /// its tables' first half repeated twice each. The backward is its transpose.
+    fn forward_matrix(n: usize, c: &[f64], s: &[f64], interleaved: bool) -> Vec<Vec<f64>> {
+        let (rot, h) = (c.len(), c.len() / 2);
+        let table = |t: &[f64], i: usize| if interleaved { t[i / 2] } else { t[i] };
+        // rotate_half(x)[i] = sum_j r[i][j] x[j].
+        let mut r = vec![vec![0.0; rot]; rot];
         for i in 0..h {
-            m[i][i] = c[i];
-            m[i][i + h] = -s[i];
-            m[i + h][i + h] = c[i + h];
-            m[i + h][i] = s[i + h];
+            let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + h) };
+            r[a][b] = -1.0;
+            r[b][a] = 1.0;
         }
-        (0..n).map(|i| (0..n).map(|j| if backward { m[j][i] } else { m[i][j] } * x[j]).sum()).collect()
+        let mut m = vec![vec![0.0; n]; n];
+        for i in 0..n {
+            if i >= rot {
+                m[i][i] = 1.0;
+                continue;
+            }
+            m[i][i] = table(c, i);
+            for j in 0..rot {
+                m[i][j] += table(s, i) * r[i][j];
+            }
+        }
+        m
     }
 
     fn check<I: Element, C: Element>(id: BastileDType, cd: BastileDType, sh: &Shape, backward: bool) {
         let od = if backward { id } else { promote(id, cd) };
-        let (b, s, d) = (sh.batch, sh.seq, sh.dim);
+        let (b, s, d, rot) = (sh.batch, sh.seq, sh.dim, sh.rot);
         let tb = if sh.per_batch { b } else { 1 };
         let q: Vec<I> = cast(&noise(b * s * sh.q_heads * d, 1, 2.0));
         let k: Vec<I> = cast(&noise(b * s * sh.k_heads * d, 2, 2.0));
-        let cos: Vec<C> = cast(&noise(tb * s * d, 3, 2.0));
-        let sin: Vec<C> = cast(&noise(tb * s * d, 4, 2.0));
+        let cos: Vec<C> = cast(&noise(tb * s * rot, 3, 2.0));
+        let sin: Vec<C> = cast(&noise(tb * s * rot, 4, 2.0));
         let nan = |n| vec![f64::NAN; n];
         crate::with_dtypes!(od, od, |O, _W, _Y| {
             let mut qo: Vec<O> = cast(&nan(q.len()));
             let mut ko: Vec<O> = cast(&nan(k.len()));
             let table = |data: *const C| RopeTensor {
                 data: data as *mut _,
-                batch_stride: if sh.per_batch { (s * d) as i64 } else { 0 },
-                seq_stride: d as i64,
+                batch_stride: if sh.per_batch { (s * rot) as i64 } else { 0 },
+                seq_stride: rot as i64,
                 head_stride: 0,
             };
             let p = Rope {
@@ -232,6 +256,8 @@ mod tests {
                 q_heads: sh.q_heads as i64,
                 k_heads: sh.k_heads as i64,
                 head_dim: d as i64,
+                rot: rot as i64,
+                interleaved: sh.interleaved as i32,
                 in_dtype: id as i32,
                 cs_dtype: cd as i32,
                 out_dtype: od as i32,
@@ -240,7 +266,7 @@ mod tests {
             };
             p.cpu().unwrap();
             // Each result is a sum of two products, each rounded at most three times, then rounded:
-            // a few units of the output dtype relative to the terms' size.
+            // a few units of the output dtype relative to the terms' size (a passed element is exact).
             let tol = 8.0 * unit(od).max(unit(promote(id, cd)));
             let (qf, kf, cf, sf) = (widen(&q), widen(&k), widen(&cos), widen(&sin));
             let (qof, kof) = (widen(&qo), widen(&ko));
@@ -249,19 +275,20 @@ mod tests {
             {
                 for bi in 0..b as i64 {
                     for si in 0..s as i64 {
-                        let row = ((if sh.per_batch { bi } else { 0 }) * s as i64 + si) as usize * d;
-                        let (c, sn) = (&cf[row..row + d], &sf[row..row + d]);
+                        let row = ((if sh.per_batch { bi } else { 0 }) * s as i64 + si) as usize * rot;
+                        let m = forward_matrix(d, &cf[row..row + rot], &sf[row..row + rot], sh.interleaved);
+                        let entry = |i: usize, j: usize| if backward { m[j][i] } else { m[i][j] };
                         for h in 0..heads as i64 {
                             let xv: Vec<f64> = (0..d as i64).map(|e| x[at(tin, bi, si, h, e)]).collect();
-                            let want = reference(&xv, c, sn, backward);
                             for e in 0..d {
                                 let got = out[at(tout, bi, si, h, e as i64)];
-                                let scale = xv.iter().zip(c).map(|(a, b)| (a * b).abs()).fold(1e-30, f64::max)
-                                    + xv.iter().zip(sn).map(|(a, b)| (a * b).abs()).fold(0.0, f64::max);
+                                let want: f64 = (0..d).map(|j| entry(e, j) * xv[j]).sum();
+                                let scale: f64 = (0..d).map(|j| (entry(e, j) * xv[j]).abs()).sum();
                                 assert!(
-                                    (got - want[e]).abs() <= tol * scale,
-                                    "{id:?}/{cd:?} backward={backward} b={bi} s={si} h={h} e={e}: {got} vs {}",
-                                    want[e]
+                                    (got - want).abs() <= tol * scale,
+                                    "{id:?}/{cd:?} {rot}/{d} interleaved={} backward={backward} b={bi} s={si} \
+                                     h={h} e={e}: {got} vs {want}",
+                                    sh.interleaved
                                 );
                             }
                         }
@@ -272,11 +299,28 @@ mod tests {
     }
 
     fn shapes() -> Vec<Shape> {
+        let shape = |batch, seq, q_heads, k_heads, dim, rot, interleaved, per_batch, transposed| Shape {
+            batch,
+            seq,
+            q_heads,
+            k_heads,
+            dim,
+            rot,
+            interleaved,
+            per_batch,
+            transposed,
+        };
         vec![
-            Shape { batch: 2, seq: 5, q_heads: 4, k_heads: 2, dim: 8, per_batch: true, transposed: true },
-            Shape { batch: 1, seq: 3, q_heads: 1, k_heads: 1, dim: 2, per_batch: false, transposed: false },
-            Shape { batch: 3, seq: 4, q_heads: 2, k_heads: 1, dim: 128, per_batch: false, transposed: true },
-            Shape { batch: 2, seq: 2, q_heads: 3, k_heads: 0, dim: 6, per_batch: true, transposed: false },
+            shape(2, 5, 4, 2, 8, 8, false, true, true),
+            shape(1, 3, 1, 1, 2, 2, false, false, false),
+            shape(3, 4, 2, 1, 128, 128, false, false, true),
+            shape(2, 2, 3, 0, 6, 6, false, true, false),
+            // Partial (Phi-4-mini's 96 of 128), interleaved (GLM-4's 64 of 128, and full), odd tails.
+            shape(2, 3, 4, 2, 128, 96, false, true, true),
+            shape(2, 3, 4, 2, 128, 64, true, false, true),
+            shape(1, 4, 2, 1, 16, 16, true, true, false),
+            shape(2, 2, 3, 1, 10, 4, false, false, false),
+            shape(2, 2, 3, 1, 10, 2, true, true, true),
         ]
     }
 
@@ -312,6 +356,7 @@ mod tests {
             seq: 1,
             q_heads: 1,
             head_dim: 2,
+            rot: 2,
             in_dtype: BASTILE_BF16 as i32,
             cs_dtype: BASTILE_BF16 as i32,
             out_dtype: BASTILE_BF16 as i32,
@@ -340,6 +385,7 @@ mod tests {
             cos: t(64, 128),
             sin: t(1024, 128),
             head_dim: 128,
+            rot: 128,
             ..Default::default()
         };
         assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 8);
@@ -351,35 +397,59 @@ mod tests {
         assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 1);
         p.cos.data = 64 as *mut _;
         p.head_dim = 72; // half a head is 36 elements
+        p.rot = 72;
         assert_eq!(vector(&p, BASTILE_F16, BASTILE_F16, BASTILE_F16), 4);
+        // Partial: the pairs (rot / 2) are whole vectors and the passed elements whole items of two, in
+        // either layout.
+        (p.head_dim, p.rot, p.k.seq_stride) = (128, 96, 1024);
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 8);
+        p.interleaved = 1;
+        p.rot = 64;
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 8);
+        p.rot = 120; // 60 pairs
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 4);
+        p.rot = 124; // 4 elements passed
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 2);
+        (p.head_dim, p.rot) = (104, 96); // 48 pairs, but 8 passed elements: one item of two 4-element vectors
+        assert_eq!(vector(&p, BASTILE_BF16, BASTILE_BF16, BASTILE_BF16), 4);
     }
 
     #[test]
     fn plan_covers_pairs_and_heads() {
-        for (dim, q_heads, k_heads, vec) in
-            [(128, 16, 8, 8), (128, 32, 8, 8), (64, 1, 1, 8), (256, 16, 8, 4), (6, 3, 0, 1), (4096, 2, 2, 1)]
-        {
-            let p = Rope { head_dim: dim, q_heads, k_heads, ..Default::default() };
+        for (dim, rot, q_heads, k_heads, vec) in [
+            (128, 128, 16, 8, 8),
+            (128, 128, 32, 8, 8),
+            (64, 64, 1, 1, 8),
+            (256, 256, 16, 8, 4),
+            (6, 6, 3, 0, 1),
+            (4096, 4096, 2, 2, 1),
+            (128, 64, 32, 2, 8),
+            (128, 2, 4, 4, 2),
+        ] {
+            let p = Rope { head_dim: dim, rot, q_heads, k_heads, ..Default::default() };
             let p = with_geometry(p, vec);
             let (pt, lanes, block) = (p.pair_threads as i64, p.head_lanes as i64, p.block as i64);
             assert!(
                 pt >= 1 && lanes >= 1 && block <= BLOCK && block % (pt * lanes) == 0,
-                "{dim} {q_heads} {k_heads}: {pt} {lanes} {block}"
+                "{dim} {rot} {q_heads} {k_heads}: {pt} {lanes} {block}"
             );
-            assert!(pt <= (dim / 2 / vec).max(1) && lanes <= (q_heads + k_heads).max(1));
+            assert!(pt <= (rot / 2 / vec + (dim - rot) / 2 / vec).max(1) && lanes <= (q_heads + k_heads).max(1));
         }
         // Qwen3-style GQA at head_dim 128: 6 lanes of 4 heads, two tokens per 96-thread block.
-        let p = with_geometry(Rope { head_dim: 128, q_heads: 16, k_heads: 8, ..Default::default() }, 8);
+        let p = with_geometry(Rope { head_dim: 128, rot: 128, q_heads: 16, k_heads: 8, ..Default::default() }, 8);
         assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 6, 96));
         // 40 heads: 10 lanes, one token per block.
         let p = with_geometry(Rope { q_heads: 32, ..p }, 8);
         assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 10, 80));
         // Two heads: one lane, 16 tokens per block.
-        let p = with_geometry(Rope { head_dim: 128, q_heads: 1, k_heads: 1, ..Default::default() }, 8);
+        let p = with_geometry(Rope { head_dim: 128, rot: 128, q_heads: 1, k_heads: 1, ..Default::default() }, 8);
         assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 1, 128));
         // Many heads of a long head dim: lanes capped by the block, the rest in rounds.
-        let p = with_geometry(Rope { head_dim: 4096, q_heads: 64, k_heads: 64, ..Default::default() }, 8);
+        let p = with_geometry(Rope { head_dim: 4096, rot: 4096, q_heads: 64, k_heads: 64, ..Default::default() }, 8);
         assert_eq!((p.pair_threads, p.head_lanes, p.block), (128, 2, 256));
+        // GLM-4-9B (half the head rotated, 32/2 heads): 4 items of pairs and 4 of passed elements a head.
+        let p = with_geometry(Rope { head_dim: 128, rot: 64, q_heads: 32, k_heads: 2, ..Default::default() }, 8);
+        assert_eq!((p.pair_threads, p.head_lanes, p.block), (8, 9, 72));
     }
 
     #[test]
@@ -393,7 +463,8 @@ mod tests {
     fn every_launch_has_a_kernel() {
         let dts = [BASTILE_F32, BASTILE_F16, BASTILE_BF16];
         for (i, c) in dts.iter().flat_map(|&i| dts.iter().map(move |&c| (i, c))) {
-            let p = Rope { q: RopeTensor { data: 4096 as *mut _, ..Default::default() }, head_dim: 128, ..Default::default() };
+            let q = RopeTensor { data: 4096 as *mut _, ..Default::default() };
+            let p = Rope { q, head_dim: 128, rot: 128, ..Default::default() };
             let widest = vector(&Rope { q_out: p.q, k_out: p.q, k: p.q, cos: p.q, sin: p.q, ..p }, i, c, promote(i, c));
             for backward in [0, 1] {
                 for vec in (0..4).map(|k| 1 << k).filter(|&v| v <= widest) {
@@ -402,7 +473,7 @@ mod tests {
                 }
             }
         }
-        let p = with_geometry(Rope { head_dim: 128, backward: 1, ..Default::default() }, 1);
+        let p = with_geometry(Rope { head_dim: 128, rot: 128, backward: 1, ..Default::default() }, 1);
         assert_eq!(Rope::KERNELS[Rope::find(&tags(&p, BASTILE_F16, BASTILE_F32)).unwrap()].1, "rope_bwd_f16_f32_v1");
     }
 }

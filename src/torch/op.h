@@ -81,15 +81,24 @@ inline void check_same_shape(const char* op, Named a, Named b) {
               " must have the same shape, got ", a.t.sym_sizes(), " and ", b.t.sym_sizes());
 }
 
-// The rotary tables cos and sin: one dtype and shape, [seq, dim], [1, seq, dim] or [batch, seq, dim].
+// The rotary tables cos and sin: one dtype and shape, [seq, w], [1, seq, w] or [batch, seq, w] with w = dim, or
+// with `partial` any even w = rot <= dim, positive unless the heads are empty (a head's first rot elements
+// rotate).
 inline void check_tables(const char* op, const at::Tensor& cos, const at::Tensor& sin, const c10::SymInt& batch,
-                         const c10::SymInt& seq, const c10::SymInt& dim) {
+                         const c10::SymInt& seq, const c10::SymInt& dim, bool partial = false) {
   check_same_dtype(op, {"cos", cos}, {"sin", sin});
   check_same_shape(op, {"cos", cos}, {"sin", sin});
-  TORCH_CHECK((cos.dim() == 2 || cos.dim() == 3) && cos.sym_size(-1) == dim && cos.sym_size(-2) == seq &&
-                  (cos.dim() == 2 || cos.sym_size(0) == 1 || cos.sym_size(0) == batch),
-              "bastile.", op, ": cos and sin must have shape [seq, head_dim], [1, seq, head_dim] or [batch, seq, ",
-              "head_dim] with batch, seq, head_dim = ", batch, ", ", seq, ", ", dim, ", got ", cos.sym_sizes());
+  const char* w = partial ? "rot" : "head_dim";
+  TORCH_CHECK((cos.dim() == 2 || cos.dim() == 3) && (partial || cos.sym_size(-1) == dim) &&
+                  cos.sym_size(-2) == seq && (cos.dim() == 2 || cos.sym_size(0) == 1 || cos.sym_size(0) == batch),
+              "bastile.", op, ": cos and sin must have shape [seq, ", w, "], [1, seq, ", w, "] or [batch, seq, ", w,
+              "] with batch, seq, head_dim = ", batch, ", ", seq, ", ", dim, ", got ", cos.sym_sizes());
+  if (partial) {
+    const c10::SymInt& rot = cos.sym_size(-1);
+    TORCH_CHECK(rot % 2 == 0 && rot <= dim && (rot > 0 || dim == 0), "bastile.", op,
+                ": the rotary width rot (cos and sin's last dim) must be even with 0 < rot <= head_dim, got rot = ",
+                rot, " for head_dim = ", dim);
+  }
 }
 
 // t, or a contiguous copy where its last stride is not 1: the kernels read rows with unit stride and take
