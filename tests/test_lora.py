@@ -17,19 +17,25 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import bastile
 from bastile import lora
 from conftest import needs_cuda
+from bastile.families import FAMILIES as TRAITS
 from test_families import mini
 from test_qwen3_training import assert_params_close, batches, train
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe"]  # qwen2: q/k/v with bias
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss"]  # qwen2: q/k/v with bias
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
 LR = 1e-3
 STEPS = 20  # of one batch: adapters alone learn it within them, so the losses compared are not constants
 
 
 def targets(family):
-    """All seven projections; Qwen3-MoE's attention only (PEFT would also wrap its experts' parameters,
-    which are not projections of a patched MLP)."""
-    return SEVEN[:4] if family == "qwen3_moe" else SEVEN
+    """Every linear projection of the attention and the dense MLP (Phi-3's and GLM-4's fused ones); the MoE
+    families' attention only (PEFT would also wrap their experts' parameters, which are not projections of a
+    patched MLP)."""
+    t = TRAITS[family]
+    attention = ["qkv_proj", "o_proj"] if t.attention.fused_qkv else SEVEN[:4]
+    mlp = ["gate_up_proj", "down_proj"] if t.mlp.fused_gate_up else SEVEN[4:]
+    return attention + ([] if t.mlp.experts else mlp)
 
 
 def with_lora(model, seed=1, **config):
@@ -68,10 +74,8 @@ def test_training_matches_peft_cpu_fp32(family, dropout):
     ref_losses = train_seeded(ref, data)
     bastile.apply(model=model)
     report = bastile.lora_modules(model)
-    attention = [n for n in report if n.rsplit(".", 1)[-1] in SEVEN[:4]]
-    mlp = [n for n in report if n.rsplit(".", 1)[-1] in SEVEN[4:]]
-    assert attention and all(report[n] == "fused" for n in attention), report
-    assert all(report[n] == "fused" for n in mlp) and (mlp or family == "qwen3_moe"), report
+    assert {n.rsplit(".", 1)[-1] for n in report} == set(targets(family)), report
+    assert set(report.values()) == {"fused"}, report
     losses = train_seeded(model, data)
     assert_losses_close(losses, ref_losses, 1e-5, family)
     assert_params_close(adapters(model), adapters(ref), 5e-4)

@@ -45,41 +45,45 @@ def test_bastile_ops_names_modules_only():
         assert getattr(getattr(bastile.ops, op), op) is getattr(bastile, op)
 
 
-def test_apply_moe_is_the_gpt_oss_experts_activation():
-    names = bastile.apply(rms_norm=True, moe=True, rope=True, swiglu=False)
-    assert "geglu_gpt_oss" in names and not any(n.startswith("swiglu_") for n in names)
-    assert modeling_gpt_oss.GptOssExperts._apply_gate is bastile.hf.gpt_oss_apply_gate
+def test_kernel_keywords_are_aliases_of_roles():
+    """The keywords of earlier releases keep working: moe and geglu (GPT-OSS's experts' activation) and swiglu
+    name the MLP role, rms_norm the norms, rope the attention, fused_linear_cross_entropy the head."""
+    names = bastile.apply(rms_norm=True, moe=True, rope=True)
+    assert {"mlp_gpt_oss", "norm_qwen3", "attention_llama"} <= set(names)
+    assert modeling_gpt_oss.GptOssExperts._apply_gate is bastile.hf.geglu_apply_gate
     bastile.reset()
-    assert "geglu_gpt_oss" not in bastile.apply(moe=False)
-    assert "geglu_gpt_oss" in bastile.apply(geglu=True, moe=True)
-    with pytest.raises(ValueError, match="geglu=True and moe=False disagree"):
+    assert "mlp_gpt_oss" not in bastile.apply(moe=False)
+    bastile.reset()
+    assert not any(n.startswith(("norm_", "head_")) for n in bastile.apply(rms_norm=False, fused_linear_cross_entropy=False))
+    assert "mlp_gpt_oss" in bastile.apply(geglu=True, moe=True)
+    with pytest.raises(ValueError, match=r"\{'geglu': True, 'moe': False\} disagree"):
         bastile.apply(geglu=True, moe=False)
 
 
 def test_reset_all_then_by_name():
     bastile.apply()
-    assert "rms_norm_qwen3" in bastile.reset()
-    assert bastile.reset(["rms_norm_qwen3"]) == []  # not active: harmless, as applying twice is
+    assert "norm_qwen3" in bastile.reset()
+    assert bastile.reset(["norm_qwen3"]) == []  # not active: harmless, as applying twice is
     assert modeling_qwen3.Qwen3RMSNorm.forward is HF_NORM
 
 
 def test_reset_a_name_given_twice_restores_it_once():
     bastile.apply(families=["qwen3"])
-    assert bastile.reset(["rms_norm_qwen3", "rms_norm_qwen3"]) == ["rms_norm_qwen3"]
+    assert bastile.reset(["norm_qwen3", "rms_norm_qwen3"]) == ["norm_qwen3"]  # the second is its alias
     assert modeling_qwen3.Qwen3RMSNorm.forward is HF_NORM
 
 
 def test_reset_an_unknown_name_restores_nothing():
     bastile.apply(families=["qwen3"])
-    with pytest.raises(ValueError, match=r"bastile.reset: unknown patches \['rms_norm_qwen4'\]; the patches are: "):
-        bastile.reset(["rms_norm_qwen3", "rms_norm_qwen4"])
-    assert "rms_norm_qwen3" in bastile.get_patched_ops()
+    with pytest.raises(ValueError, match=r"bastile.reset: unknown patches \['norm_qwen4'\]; the patches are: "):
+        bastile.reset(["norm_qwen3", "norm_qwen4"])
+    assert "norm_qwen3" in bastile.get_patched_ops()
     assert modeling_qwen3.Qwen3RMSNorm.forward is bastile.hf.rms_norm_forward
 
 
 def test_apply_takes_one_family_by_name():
     names = bastile.apply(families="qwen3", log_probs=False)
-    assert names == ["decoder_qwen3", "rms_norm_qwen3", "swiglu_qwen3", "rope_qwen3", "fused_linear_cross_entropy_qwen3"]
+    assert names == ["norm_qwen3", "mlp_qwen3", "attention_qwen3", "decoder_qwen3", "head_qwen3"]
     assert bastile.get_patched_ops() == sorted(names)
 
 

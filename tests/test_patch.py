@@ -9,17 +9,18 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import bastile
+from bastile.families import Mlp
 from conftest import CUDA, DEVICES, TRAINER_PATCHES
 
-OPS = ["decoder", "rms_norm", "swiglu", "rope", "fused_linear_cross_entropy"]
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral"]
+ROLES = ["norm", "mlp", "attention", "decoder", "head"]
 # What the patches replace, read before any test patches anything.
 TARGETS = {
     (modeling_qwen3.Qwen3RMSNorm, "forward"), (modeling_qwen3.Qwen3MLP, "forward"),
     (modeling_qwen3.Qwen3Attention, "forward"), (modeling_qwen3.Qwen3ForCausalLM, "forward"),
     (modeling_llama.LlamaRMSNorm, "forward"), (modeling_llama.LlamaMLP, "forward"),
-    (modeling_llama, "apply_rotary_pos_emb"), (modeling_llama.LlamaForCausalLM, "forward"),
+    (modeling_llama.LlamaAttention, "forward"), (modeling_llama.LlamaForCausalLM, "forward"),
     (modeling_qwen3.Qwen3Model, "forward"), (modeling_llama.LlamaModel, "forward"),
+    (modeling_qwen3.Qwen3DecoderLayer, "forward"), (modeling_llama.LlamaDecoderLayer, "forward"),
 }
 ORIGINALS = {(owner, attr): owner.__dict__[attr] for owner, attr in TARGETS}
 
@@ -42,74 +43,75 @@ def tiny_llama(seed=0):
 
 def test_apply_reset_round_trip_restores_original_objects():
     names = bastile.apply()
-    moe = ["decoder_qwen3_moe", "rms_norm_qwen3_moe", "swiglu_qwen3_moe", "rope_qwen3_moe",
-           "fused_linear_cross_entropy_qwen3_moe", "decoder_gpt_oss", "rms_norm_gpt_oss", "rope_gpt_oss",
-           "fused_linear_cross_entropy_gpt_oss", "geglu_gpt_oss"]
-    assert sorted(names) == sorted([f"{op}_{fam}" for op in OPS for fam in FAMILIES] + moe + TRAINER_PATCHES)
+    assert sorted(names) == sorted([f"{role}_{fam}" for role in ROLES for fam in bastile.supported_families()]
+                                   + TRAINER_PATCHES)
     assert bastile.get_patched_ops() == sorted(names)
     for owner, attr in TARGETS:
         assert owner.__dict__[attr] is not ORIGINALS[owner, attr], (owner, attr)
     assert bastile.apply() == names  # twice is harmless
-    assert bastile.reset(["rope_llama"]) == ["rope_llama"]
-    assert modeling_llama.__dict__["apply_rotary_pos_emb"] is ORIGINALS[modeling_llama, "apply_rotary_pos_emb"]
-    assert "rope_llama" not in bastile.get_patched_ops()
+    assert bastile.reset(["attention_llama"]) == ["attention_llama"]
+    assert modeling_llama.LlamaAttention.__dict__["forward"] is ORIGINALS[modeling_llama.LlamaAttention, "forward"]
+    assert "attention_llama" not in bastile.get_patched_ops()
+    assert bastile.reset(["rope_qwen3"]) == ["attention_qwen3"]  # the kernel-named alias of earlier releases
+    assert modeling_qwen3.Qwen3Attention.__dict__["forward"] is ORIGINALS[modeling_qwen3.Qwen3Attention, "forward"]
     bastile.reset()
     assert bastile.get_patched_ops() == []
     for (owner, attr), original in ORIGINALS.items():
         assert owner.__dict__[attr] is original, (owner, attr)
 
 
-# swiglu_qwen3_moe has two targets: the experts' gate and the dense MLP of mlp_only layers.
-MOE_SWIGLU = [(modeling_qwen3_moe.Qwen3MoeExperts, "_apply_gate"), (modeling_qwen3_moe.Qwen3MoeMLP, "forward")]
-MOE_ORIGINALS = {t: t[0].__dict__[t[1]] for t in MOE_SWIGLU}
+# mlp_qwen3_moe has two targets: the dense MLP of mlp_only layers and the experts' gate.
+MOE_MLP = [(modeling_qwen3_moe.Qwen3MoeMLP, "forward"), (modeling_qwen3_moe.Qwen3MoeExperts, "_apply_gate")]
+MOE_ORIGINALS = {t: t[0].__dict__[t[1]] for t in MOE_MLP}
+ONLY_MLP = dict(norm=False, attention=False, head=False, decoder=False, log_probs=False)
 
 
-def test_multi_target_op_applies_and_resets_as_one_name():
-    assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False, fused_linear_cross_entropy=False,
-                         decoder=False, log_probs=False) == ["swiglu_qwen3_moe"]
-    assert bastile.get_patched_ops() == ["swiglu_qwen3_moe"]
+def replacement(name, target):
+    return next(p.replacement for p in bastile.patch.PATCHES if p.name == name and p.target == target)
+
+
+def test_multi_target_role_applies_and_resets_as_one_name():
+    assert bastile.apply(families=["qwen3_moe"], **ONLY_MLP) == ["mlp_qwen3_moe"]
+    assert bastile.get_patched_ops() == ["mlp_qwen3_moe"]
     assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is bastile.hf.swiglu_apply_gate
-    assert modeling_qwen3_moe.Qwen3MoeMLP.forward is bastile.hf.swiglu_mlp_forward
-    assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False, fused_linear_cross_entropy=False,
-                         decoder=False, log_probs=False) == ["swiglu_qwen3_moe"]  # twice is harmless
-    assert bastile.reset(["swiglu_qwen3_moe"]) == ["swiglu_qwen3_moe"]
+    assert modeling_qwen3_moe.Qwen3MoeMLP.forward is replacement("mlp_qwen3_moe", "Qwen3MoeMLP.forward")
+    assert bastile.apply(families=["qwen3_moe"], **ONLY_MLP) == ["mlp_qwen3_moe"]  # twice is harmless
+    assert bastile.reset(["mlp_qwen3_moe"]) == ["mlp_qwen3_moe"]
     for (owner, attr), original in MOE_ORIGINALS.items():
         assert owner.__dict__[attr] is original, (owner, attr)
     assert bastile.get_patched_ops() == []
 
 
-def test_multi_target_op_missing_one_target(monkeypatch):
+def test_multi_target_role_missing_one_target(monkeypatch):
     """With a model, a missing target refuses the whole call; without, the targets present are patched
     under the one name and reset restores exactly them."""
-    monkeypatch.delattr(modeling_qwen3_moe, "Qwen3MoeMLP")
-
-    class Moe:
-        class config:
-            model_type = "qwen3_moe"
-
-    with pytest.raises(RuntimeError, match=r"swiglu_qwen3_moe \(Qwen3MoeMLP.forward\)"):
-        bastile.apply(model=Moe())
+    from test_families import mini
+    model = mini("qwen3_moe", "cpu", torch.float32)
+    monkeypatch.delattr(modeling_qwen3_moe.Qwen3MoeExperts, "_apply_gate")
+    with pytest.raises(RuntimeError, match=r"mlp_qwen3_moe \(Qwen3MoeExperts._apply_gate\)"):
+        bastile.apply(model=model)
     assert bastile.get_patched_ops() == []
-    assert modeling_qwen3_moe.Qwen3MoeExperts.__dict__["_apply_gate"] is MOE_ORIGINALS[MOE_SWIGLU[0]]
-    assert bastile.apply(families=["qwen3_moe"], rms_norm=False, rope=False, fused_linear_cross_entropy=False,
-                         decoder=False, log_probs=False) == ["swiglu_qwen3_moe"]
-    assert len(bastile.patch._active["swiglu_qwen3_moe"]) == 1
-    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is bastile.hf.swiglu_apply_gate
+    assert modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"] is MOE_ORIGINALS[MOE_MLP[0]]
+    assert bastile.apply(families=["qwen3_moe"], **ONLY_MLP) == ["mlp_qwen3_moe"]
+    assert len(bastile.patch._active["mlp_qwen3_moe"]) == 1
+    assert modeling_qwen3_moe.Qwen3MoeMLP.forward is replacement("mlp_qwen3_moe", "Qwen3MoeMLP.forward")
     bastile.reset()
     monkeypatch.undo()
     for (owner, attr), original in MOE_ORIGINALS.items():
         assert owner.__dict__[attr] is original, (owner, attr)
 
 
-def test_apply_selects_ops_and_model_and_rejects_unknown():
+def test_apply_selects_roles_and_model_and_rejects_unknown():
     model = tiny_qwen3()
-    assert bastile.apply(model=model, swiglu=False, fused_linear_cross_entropy=False, decoder=False) == [
-        "rms_norm_qwen3", "rope_qwen3"] + TRAINER_PATCHES
-    assert bastile.apply(rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False, geglu=False,
-                         decoder=False) == TRAINER_PATCHES
+    assert bastile.apply(model=model, mlp=False, head=False, decoder=False) == [
+        "norm_qwen3", "attention_qwen3"] + TRAINER_PATCHES
+    assert bastile.apply(norm=False, mlp=False, attention=False, head=False, decoder=False) == TRAINER_PATCHES
     bastile.reset(TRAINER_PATCHES)
+    # the kernel-named keywords of earlier releases select their roles
     assert bastile.apply(families=["llama"], rms_norm=False, decoder=False, log_probs=False) == [
-        "swiglu_llama", "rope_llama", "fused_linear_cross_entropy_llama"]
+        "mlp_llama", "attention_llama", "head_llama"]
+    with pytest.raises(ValueError, match="disagree, but they name one role, 'mlp'"):
+        bastile.apply(swiglu=True, geglu=False)
 
     class Other:
         class config:
@@ -119,8 +121,16 @@ def test_apply_selects_ops_and_model_and_rejects_unknown():
         bastile.apply(model=Other())
     with pytest.raises(ValueError, match="unknown families"):
         bastile.apply(families=["gpt2"])
-    assert bastile.get_patched_ops() == ["fused_linear_cross_entropy_llama", "rms_norm_qwen3", "rope_llama",
-                                         "rope_qwen3", "swiglu_llama"]
+    assert bastile.get_patched_ops() == ["attention_llama", "attention_qwen3", "head_llama", "mlp_llama", "norm_qwen3"]
+
+
+def test_turning_one_role_off_leaves_the_others():
+    """Roles are disjoint: each keyword switches its own targets only (the attention keeps its LoRA nodes
+    and varlen kernel whatever the MLP or norms do, and the other way round)."""
+    for role in ROLES:
+        names = bastile.apply(families="llama", log_probs=False, **{role: False})
+        assert sorted(names) == sorted(f"{r}_llama" for r in ROLES if r != role)
+        bastile.reset()
 
 
 def same_loss_and_grads(make, device, apply_before_build, **apply_kw):
@@ -160,7 +170,7 @@ def test_tiny_qwen3_same_loss_and_gradients(device, apply_before_build):
 @pytest.mark.parametrize("device", DEVICES)
 def test_tiny_llama_same_loss_and_gradients(device):
     same_loss_and_grads(tiny_llama, device, True)
-    assert modeling_llama.apply_rotary_pos_emb.__module__ == "bastile.hf"
+    assert modeling_llama.LlamaAttention.forward.__module__ == "bastile.hf"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -312,7 +322,7 @@ def test_mlp_recomputes_the_activation_instead_of_saving_it(device):
         return out, grads, {(t.numel(), t.data_ptr()) for t in saved}
 
     unfused = lambda m, x: m.down_proj(bastile.swiglu(m.gate_proj(x), m.up_proj(x)))
-    out, grads, saved = run(bastile.hf.swiglu_mlp_forward)
+    out, grads, saved = run(bastile.hf.mlp_forward(Mlp()))
     ref_out, ref_grads, ref_saved = run(unfused)
     assert torch.equal(out, ref_out)
     for a, b in zip(grads, ref_grads):

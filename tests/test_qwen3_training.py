@@ -78,8 +78,7 @@ def run_pair(device, dtype, steps, micro, ignore_fraction):
     data = batches(steps, micro, 2, 64, device, ignore_fraction)
     model = copy.deepcopy(ref)
     ref_losses = train(ref, data)
-    assert bastile.apply(model=model, log_probs=False) == [
-        f"{op}_qwen3" for op in ("decoder", "rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")]
+    assert bastile.apply(model=model, log_probs=False) == [f"{role}_qwen3" for role in bastile.patch.ROLES]
     losses = train(model, data)
     bastile.reset()
     return ref, ref_losses, model, losses

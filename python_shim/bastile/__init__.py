@@ -1,7 +1,7 @@
 """Bastile: fused CUDA kernels for LLM fine-tuning.
 
     import bastile
-    bastile.apply()        # patch HF Qwen3/Llama/Qwen2/Mistral before or after building the model
+    bastile.apply()        # patch the supported HF families (families.py) before or after building the model
 """
 from . import data, ops
 from ._library import PATH as library_path

@@ -1,12 +1,15 @@
-"""Replacements for HF forward functions, written against the HF code they replace (transformers 5.x).
+"""Replacements for HF forward functions (transformers 5.x), shared by every family and specialised by the
+family's traits (families.py): each factory takes a Family and returns the forward for its classes.
 
 Each keeps its HF signature and falls back to HF's own math where a Bastile op does not apply (another
-activation, a wrapped LM head, a custom loss), so a patched model always computes what HF would.
+activation, a wrapped LM head, a custom loss), so a patched model always computes what HF would. Which other
+roles of the family run Bastile's forwards is asked of `runs(role)`, which patch.py passes in.
 """
 import dataclasses
 import functools
 import sys
 import warnings
+from typing import Callable
 
 import torch
 from torch import nn
@@ -16,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import lora, varlen
+from .families import Family, Layout, Mlp, Norm, QkNorm, Window
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.geglu import geglu
 from .ops.qk_norm_rope import qk_norm_rope
@@ -23,89 +27,284 @@ from .ops.rms_norm import rms_norm
 from .ops.rope import rope
 from .ops.swiglu import swiglu
 
+Runs = Callable[[str], bool]
+
+
+def hf_attr(family: Family, name: str):
+    """`name` from the family's HF modeling module (imported already: its classes are what call this)."""
+    return getattr(sys.modules[family.module], name)
+
+
+# ------------------------------------------------------------------------------------------------ norm
+
 
 def rms_norm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def rms_norm_cast_after_weight_forward(self, hidden_states):
-    """GptOssRMSNorm: the weight multiplies before the result is rounded to the input's dtype."""
+    """GptOssRMSNorm, Olmo2RMSNorm: the weight multiplies before the result is rounded to the input's dtype."""
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_after_weight=True)
 
+
+NORM_FORWARDS = {Norm.CAST_THEN_WEIGHT: rms_norm_forward, Norm.WEIGHT_THEN_CAST: rms_norm_cast_after_weight_forward}
+
+
+# ------------------------------------------------------------------------------------------------ MLP
 
 _SILU = (nn.SiLU, SiLUActivation)
 
 
-def swiglu_mlp_why_not(self):
-    """None when swiglu_mlp_forward runs this MLP through its fused ops and nodes, else why not."""
-    return None if isinstance(self.act_fn, _SILU) else f"activation {type(self.act_fn).__name__} is not SiLU"
+def mlp_why_not(traits: Mlp) -> Callable:
+    """The function of a dense MLP module that says why its projections are not fused: None when they are."""
+    act = traits.activation
+
+    def why_not(mlp):
+        f = getattr(mlp, act)
+        return None if isinstance(f, _SILU) else f"activation {type(f).__name__} is not SiLU"
+    return why_not
 
 
-def swiglu_mlp_forward(self, x):
-    """`down(act(gate(x)) * up(x))` with the activation and product fused when the activation is SiLU,
-    and the down projection fused with them so that the activation is not kept for the backward. PEFT
-    LoRA adapters on the projections run in fused nodes (lora.py); anything else is called as a module."""
-    if swiglu_mlp_why_not(self) is not None:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-    gate, up = lora.project(x, self.gate_proj, self.up_proj)
-    if getattr(self, "_bastile_checkpointed", False):
-        # Its layer is recomputed in the backward (gradient checkpointing, told by decoder_forward), which
-        # stops once the last tensor the backward needs is saved: the down projection's input, for a plain
-        # down projection, which is then never run again; the fused node would run it (and the activation
-        # once more in its backward), and its memory saving lasts one layer's backward only.
-        (out,) = lora.project(swiglu(gate, up), self.down_proj)
-        return out
-    return lora.swiglu_down(gate, up, self.down_proj)
+def mlp_forward(traits: Mlp):
+    """The dense MLP's forward, `down(act(gate(x)) * up(x))` (gate and up from one gate_up_proj where the
+    family fuses them, gate first), with the activation and product fused when the activation is SiLU and
+    the down projection fused with them, so that the activation is not kept for the backward. PEFT LoRA
+    adapters on the projections run in fused nodes (lora.py); anything else is called as a module.
+    `keep_activation` (a checkpointed layer, see layer_forward) keeps it instead."""
+    why_not, fused, act = mlp_why_not(traits), traits.fused_gate_up, traits.activation
+
+    def forward(self, x, keep_activation=False):
+        if why_not(self) is not None:  # HF's own
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1) if fused else (self.gate_proj(x), self.up_proj(x))
+            return self.down_proj(getattr(self, act)(gate) * up)
+        if fused:
+            gate, up = lora.project(x, self.gate_up_proj)[0].chunk(2, dim=-1)
+        else:
+            gate, up = lora.project(x, self.gate_proj, self.up_proj)
+        if keep_activation:
+            (out,) = lora.project(swiglu(gate, up), self.down_proj)
+            return out
+        return lora.swiglu_down(gate, up, self.down_proj)
+    return forward
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    return rope(q, k, cos, sin, unsqueeze_dim)
+def swiglu_apply_gate(self, gate_up):
+    """The experts' gating of transformers' grouped/batched expert implementations (`_apply_gate`):
+    act(gate) * up of the halves of gate_up, fused when the activation is SiLU."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if isinstance(self.act_fn, _SILU):
+        return swiglu(gate, up)
+    return self.act_fn(gate) * up
 
 
-def _hf(module_of, name):
-    """`name` from the HF module that defines module_of's class (imported already, since it is)."""
-    return getattr(sys.modules[type(module_of).__module__], name)
+def geglu_apply_gate(self, gate_up):
+    """GptOssExperts._apply_gate: clamped, interleaved GEGLU of gate_up in one kernel."""
+    return geglu(gate_up, self.alpha, self.limit)
 
 
-def attention_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
-                      **kwargs):
-    """The attention forward of Llama, Qwen2, Mistral, Qwen3 and Qwen3-MoE (theirs differ only in the
-    sliding window they pass and Qwen3's q/k norms): q/k/v through one fused node and o through another
-    where PEFT LoRA adapters wrap them (lora.py), and Qwen3's q_norm, k_norm and rotation in one op."""
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    cos, sin = position_embeddings
-    q, k, v = (t.view(hidden_shape) for t in lora.project(hidden_states, self.q_proj, self.k_proj, self.v_proj))
-    if not hasattr(self, "q_norm"):
-        query_states, key_states = _hf(self, "apply_rotary_pos_emb")(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    elif self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
-        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
-        query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
-    else:  # one eps per launch: norms with different eps go separately
-        query_states, key_states = rope(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
-    value_states = v.transpose(1, 2)
+APPLY_GATES = {"swiglu": swiglu_apply_gate, "geglu": geglu_apply_gate}
 
-    # Llama passes none, Mistral its config's, Qwen2/Qwen3 their layer's (None on full-attention layers)
-    sliding_window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
-    dropout = 0.0 if not self.training else self.attention_dropout
-    if past_key_values is None and dropout == 0.0 and kwargs.get("cu_seq_lens_q") is not None:
-        # a packed batch: the varlen kernel; HF's mask, where it made one, goes unused
-        tokens = (t.transpose(1, 2).reshape(-1, t.shape[1], self.head_dim)
-                  for t in (query_states, key_states, value_states))
-        attn_output = varlen.attention(*tokens, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], self.scaling,
-                                       sliding_window).view(*input_shape, -1)
-        attn_weights = None
-    else:
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                    _hf(self, "eager_attention_forward"))
-        attn_output, attn_weights = attention_interface(
-            self, query_states, key_states, value_states, attention_mask, dropout=dropout,
-            scaling=self.scaling, sliding_window=sliding_window, **kwargs)
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    (out,) = lora.project(attn_output, self.o_proj)
-    return out, attn_weights
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+def _rotate(family: Family, q, k, cos, sin):
+    """HF's rotation of q and k ([batch, heads, seq, head_dim]) in the family's layout."""
+    r = family.rotary
+    if r.layout is Layout.HALF_TABLES:  # the half-split rotation with the half-width tables repeated
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    q_out, k_out = rope(q, k, cos, sin, interleaved=r.layout is Layout.INTERLEAVED)
+    return (q_out.to(q.dtype), k_out.to(k.dtype)) if r.cast_back else (q_out, k_out)
+
+
+def _window(family: Family, attention):
+    w = family.attention.window
+    if w is Window.NONE:
+        return None
+    return attention.config.sliding_window if w is Window.CONFIG else attention.sliding_window
+
+
+def _query_scale(family: Family, attention, q, position_ids):
+    """Ministral 3's position-dependent scale of the rotated queries, as HF computes it."""
+    rope_parameters = attention.config.rope_parameters
+    scale = hf_attr(family, "get_llama_4_attn_scale")(position_ids, rope_parameters.get("llama_4_scaling_beta"),
+                                                  rope_parameters.get("original_max_position_embeddings"))
+    return q * scale.to(q.dtype)
+
+
+def attention_forward(family: Family):
+    """The family's attention forward: q/k/v (one qkv_proj or three projections) through one fused node
+    and o through another where PEFT LoRA adapters wrap them (lora.py), q/k norms per head with the
+    rotation in one op (qk_norm_rope) or over the whole width (rms_norm), the rotation in the family's
+    layout (none on NoPE layers), and the attention: the varlen kernel on packed batches (varlen.py), else
+    HF's attention interface with the family's sliding window and sinks. The rest is HF's (cache update)."""
+    a, r, weight_then_cast = family.attention, family.rotary, family.norm is Norm.WEIGHT_THEN_CAST
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        if a.fused_qkv:
+            (qkv,) = lora.project(hidden_states, self.qkv_proj)
+            kv = self.config.num_key_value_heads * self.head_dim
+            q, k, v = qkv.split([qkv.shape[-1] - 2 * kv, kv, kv], dim=-1)
+        else:
+            q, k, v = lora.project(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        if a.qk_norm is QkNorm.FULL_WIDTH:
+            q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, weight_then_cast)
+            k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, weight_then_cast)
+        q, k, v = (t.view(hidden_shape) for t in (q, k, v))
+        cos, sin = position_embeddings
+        rotates = r.layer_flag is None or getattr(self, r.layer_flag)
+        if a.qk_norm is QkNorm.PER_HEAD and rotates and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
+            query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
+        else:  # one eps per qk_norm_rope launch: norms with different eps go separately
+            if a.qk_norm is QkNorm.PER_HEAD:
+                q, k = self.q_norm(q), self.k_norm(k)
+            query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
+            if rotates:
+                query_states, key_states = _rotate(family, query_states, key_states, cos, sin)
+        if a.query_scale:
+            query_states = _query_scale(family, self, query_states, kwargs.pop("position_ids"))
+        value_states = v.transpose(1, 2)
+
+        window = _window(family, self)
+        dropout = 0.0 if not self.training else self.attention_dropout
+        if not a.sinks and past_key_values is None and dropout == 0.0 and kwargs.get("cu_seq_lens_q") is not None:
+            # a packed batch: the varlen kernel; HF's mask, where it made one, goes unused
+            tokens = (t.transpose(1, 2).reshape(-1, t.shape[1], self.head_dim)
+                      for t in (query_states, key_states, value_states))
+            attn_output = varlen.attention(*tokens, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], self.scaling,
+                                           window).view(*input_shape, -1)
+            attn_weights = None
+        else:
+            if past_key_values is not None:
+                key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                        hf_attr(family, "eager_attention_forward"))
+            if a.sinks:
+                kwargs["s_aux"] = self.sinks
+            attn_output, attn_weights = attention_interface(
+                self, query_states, key_states, value_states, attention_mask, dropout=dropout, scaling=self.scaling,
+                sliding_window=window, **kwargs)
+            attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        (out,) = lora.project(attn_output, self.o_proj)
+        return out, attn_weights
+    return forward
+
+
+def _runs_varlen(family: Family, runs: Runs, decoder) -> bool:
+    """Whether the decoder's attention layers take a packed batch to the varlen kernel: Bastile's attention
+    runs them, and it has neither sinks nor dropout."""
+    return (runs("attention") and not family.attention.sinks
+            and (not decoder.training or not decoder.config.attention_dropout))
+
+
+# ------------------------------------------------------------------------------------------------ decoder layer
+
+
+def layer_forward(family: Family, runs: Runs):
+    """The decoder layer: each sublayer between the family's norms, added to the residual stream through the
+    family's dropout and multiplier. A gradient-checkpointed layer's dense MLP (Bastile's) keeps its
+    activation: the recomputation stops once the last tensor the backward needs is saved, the down
+    projection's input for a plain down projection, which then never runs again; the fused node would run it
+    (and the activation once more in its backward), and its memory saving lasts one layer's backward only."""
+    res, router_scores, dense = family.residual, family.mlp.router_scores, family.mlp.dense
+
+    def norm(self, name, x):
+        return x if name is None else getattr(self, name)(x)
+
+    def add(self, residual, out, branch):
+        if res.dropout is not None:
+            out = getattr(self, res.dropout[branch])(out)
+        if res.multiplier is not None:
+            out = out * getattr(self, res.multiplier)
+        return residual + out
+
+    def forward(self, hidden_states, **kwargs):
+        residual = hidden_states
+        out, _ = self.self_attn(hidden_states=norm(self, res.attention_in, hidden_states), **kwargs)
+        hidden_states = add(self, residual, norm(self, res.attention_out, out), 0)
+        residual = hidden_states
+        x = norm(self, res.mlp_in, hidden_states)
+        if (dense and self.gradient_checkpointing and self.training and runs("mlp")
+                and type(self.mlp) is hf_attr(family, family.prefix + "MLP") and "forward" not in vars(self.mlp)):
+            out = self.mlp(x, keep_activation=True)  # Bastile's forward (mlp_forward)
+        else:
+            out = self.mlp(x)
+        if router_scores:
+            out, _ = out
+        return add(self, residual, norm(self, res.mlp_out, out), 1)
+    return forward
+
+
+# ------------------------------------------------------------------------------------------------ decoder
+
+
+_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def _masks(family, runs, decoder, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+           kwargs):
+    """(attention_mask, input_ids, inputs_embeds, kwargs) to call the decoder's HF forward with.
+
+    A call with no padding mask, no positions and no cache attends causally in every layer, which SDPA does
+    itself with `is_causal`. HF finds that out only outside tracing, after a host sync on the positions (its
+    packed-sequence check); under torch.compile it builds the [seq, seq] mask instead, and SDPA's masked
+    kernels are ~3x slower in the backward. Decoders with `config.layer_types` take prepared masks per layer
+    type; all-full-attention ones get {"full_attention": None}, which says it without the positions.
+
+    A batch that may be packed (positions, no padding mask, no cache):
+    - where the attention runs varlen (_runs_varlen), the varlen kwargs (varlen.KEYS) if the collator did not
+      give them, and in decoders that take prepared masks, none: Bastile's attention ignores HF's;
+    - elsewhere, a decoder that takes prepared masks gets HF's masks made with the position ids. GPT-OSS's
+      makes them without, so that its packed rows attend across their sequences."""
+    config = decoder.config
+    layer_types = config.layer_types if "layer_types" in family.config else None
+    if attention_mask is not None or past_key_values is not None or use_cache:
+        return attention_mask, input_ids, inputs_embeds, kwargs
+    if position_ids is None:
+        if config._attn_implementation == "sdpa" and set(layer_types or ()) == {"full_attention"}:
+            attention_mask = {"full_attention": None}
+        return attention_mask, input_ids, inputs_embeds, kwargs
+    if _runs_varlen(family, runs, decoder):
+        if kwargs.get("cu_seq_lens_q") is None:
+            batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
+        if kwargs.get("cu_seq_lens_q") is not None and layer_types:
+            attention_mask = dict.fromkeys(layer_types)
+    elif layer_types:
+        if inputs_embeds is None:
+            input_ids, inputs_embeds = None, decoder.get_input_embeddings()(input_ids)
+        attention_mask = {t: _MASKS[t](config=config, inputs_embeds=inputs_embeds, attention_mask=None,
+                                       past_key_values=None, position_ids=position_ids) for t in set(layer_types)}
+    return attention_mask, input_ids, inputs_embeds, kwargs
+
+
+def decoder_forward(family: Family, runs: Runs, check: Callable):
+    """A decoder's forward (XModel.forward, which causal LMs and TRL's fused head call) around HF's: the
+    masks of `_masks`, and no cache in training unless asked for. HF's decoder makes one whenever
+    config.use_cache says so, training included, and with one it does not look for the restarting position
+    ids of packed rows: their sequences would attend to one another. `check(model)` runs on each model's
+    first call (families.check: a model built after apply() is checked there)."""
+    def wrap(forward):
+        @functools.wraps(forward)
+        def wrapper(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    inputs_embeds=None, use_cache=None, **kwargs):
+            check(self)
+            if use_cache is None:
+                use_cache = False if self.training else self.config.use_cache
+            attention_mask, input_ids, inputs_embeds, kwargs = _masks(
+                family, runs, self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                use_cache, kwargs)
+            return forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                           **kwargs)
+        return wrapper
+    return wrap
+
+
+# ------------------------------------------------------------------------------------------------ head
 
 
 def _fused_loss_applies(model, labels) -> bool:
@@ -130,101 +329,7 @@ def _fused_loss_applies(model, labels) -> bool:
     return usable
 
 
-def _causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                    **_):
-    """HF's ForCausalLMLoss (labels shifted left, the last position ignored) without the logits."""
-    if shift_labels is None:
-        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    head = model.get_output_embeddings()
-    return fused_linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
-        bias=head.bias, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
-        softcap=getattr(model.config, "final_logit_softcapping", None))
-
-
-def _logits_and_loss(model, hidden_states, labels, logits_to_keep, kwargs):
-    """HF's head and loss of a causal LM: the fused linear cross-entropy (no logits) when training with
-    labels, else HF's own `lm_head` and `loss_function`."""
-    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    hidden_states = hidden_states[:, slice_indices, :]
-    if _fused_loss_applies(model, labels):
-        return None, _causal_lm_loss(model, hidden_states, labels, **kwargs)
-    logits = model.lm_head(hidden_states)
-    loss = None
-    if labels is not None:
-        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
-    return logits, loss
-
-
-def _runs_varlen(decoder) -> bool:
-    """Whether `attention_forward` runs the decoder's attention and would take a packed batch to the varlen
-    kernel (it has no dropout)."""
-    layers = getattr(decoder, "layers", None)
-    return (bool(layers) and type(layers[0].self_attn).forward is attention_forward
-            and (not decoder.training or not decoder.config.attention_dropout))
-
-
-_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-
-
-def _masks(decoder, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs):
-    """(attention_mask, input_ids, inputs_embeds, kwargs) to call the decoder's HF forward with.
-
-    A call with no padding mask, no positions and no cache attends causally in every layer, which SDPA does
-    itself with `is_causal`. HF finds that out only outside tracing, after a host sync on the positions (its
-    packed-sequence check); under torch.compile it builds the [seq, seq] mask instead, and SDPA's masked
-    kernels are ~3x slower in the backward. Decoders with `config.layer_types` take prepared masks per layer
-    type; all-full-attention ones get {"full_attention": None}, which says it without the positions.
-
-    A batch that may be packed (positions, no padding mask, no cache):
-    - where `attention_forward` runs, the varlen kwargs (varlen.KEYS) if the collator did not give them,
-      and in decoders that take prepared masks, none: `attention_forward` ignores HF's;
-    - elsewhere, a decoder that takes prepared masks gets HF's masks made with the position ids. GPT-OSS's
-      makes them without, so that its packed rows attend across their sequences."""
-    config = decoder.config
-    layer_types = getattr(config, "layer_types", None)
-    if attention_mask is not None or past_key_values is not None or use_cache:
-        return attention_mask, input_ids, inputs_embeds, kwargs
-    if position_ids is None:
-        if config._attn_implementation == "sdpa" and set(layer_types or ()) == {"full_attention"}:
-            attention_mask = {"full_attention": None}
-        return attention_mask, input_ids, inputs_embeds, kwargs
-    if _runs_varlen(decoder):
-        if kwargs.get("cu_seq_lens_q") is None:
-            batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-            kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
-        if kwargs.get("cu_seq_lens_q") is not None and layer_types:
-            attention_mask = dict.fromkeys(layer_types)
-    elif layer_types and set(layer_types) <= set(_MASKS):
-        if inputs_embeds is None:
-            input_ids, inputs_embeds = None, decoder.get_input_embeddings()(input_ids)
-        attention_mask = {t: _MASKS[t](config=config, inputs_embeds=inputs_embeds, attention_mask=None,
-                                       past_key_values=None, position_ids=position_ids) for t in set(layer_types)}
-    return attention_mask, input_ids, inputs_embeds, kwargs
-
-
-def decoder_forward(forward):
-    """A decoder's forward (XModel.forward, which causal LMs and TRL's fused head call) around HF's
-    `forward`: the masks of `_masks`, and no cache in training unless asked for. HF's decoder makes one
-    whenever config.use_cache says so, training included, and with one it does not look for the restarting
-    position ids of packed rows: their sequences would attend to one another. It also tells each layer's MLP
-    whether the layer is checkpointed (swiglu_mlp_forward)."""
-    @functools.wraps(forward)
-    def wrapper(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, **kwargs):
-        if use_cache is None:
-            use_cache = False if self.training else self.config.use_cache
-        for layer in getattr(self, "layers", ()):
-            if (mlp := getattr(layer, "mlp", None)) is not None:
-                mlp._bastile_checkpointed = self.training and getattr(layer, "gradient_checkpointing", False)
-        attention_mask, input_ids, inputs_embeds, kwargs = _masks(
-            self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
-        return forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    return wrapper
-
-
-def _no_cache_for_a_loss(use_cache, labels):
+def no_cache_for_a_loss(use_cache, labels):
     """use_cache for the decoder: False for a loss (labels given) unless asked for. In evaluation HF's
     decoder makes a cache by default (as in training: see decoder_forward), and with one its packed rows
     attend across their sequences; a forward that computes a loss needs none (generate passes no labels)."""
@@ -248,58 +353,63 @@ def hf_tuple(forward):
     return wrapper
 
 
-@hf_tuple
-def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+def causal_lm_forward(family: Family, check: Callable):
     """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
-    and `logits` is None. Otherwise (inference, generation, evaluation) it is HF's forward."""
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                         use_cache=_no_cache_for_a_loss(use_cache, labels), **kwargs)
-    logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
-    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    (HF's ForCausalLMLoss: labels shifted left, the last position ignored; the family's logit divisor as its
+    logit scale) and `logits` is None. Otherwise (inference, generation, evaluation, a hooked head, a custom
+    loss) it is HF's head and loss. MoE families add the router's load-balancing loss as HF adds it and
+    return the router logits."""
+    divisor, moe = family.head.logit_divisor, family.head.router_aux_loss
 
-
-@hf_tuple
-def moe_causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                          inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
-                          logits_to_keep=0, **kwargs):
-    """causal_lm_forward of a mixture-of-experts model (Qwen3-MoE, GPT-OSS): the router's load-balancing
-    loss is added as HF adds it, and the router logits are returned."""
-    if output_router_logits is None:
-        output_router_logits = self.config.output_router_logits
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                         use_cache=_no_cache_for_a_loss(use_cache, labels),
-                         output_router_logits=output_router_logits, **kwargs)
-    logits, loss = _logits_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
-    aux_loss = None
-    if output_router_logits:
-        aux_loss = _hf(self, "load_balancing_loss_func")(outputs.router_logits, self.num_experts,
-                                                         self.num_experts_per_tok, attention_mask)
+    def head_and_loss(self, hidden_states, labels, logits_to_keep, kwargs):
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        hidden = hidden_states[:, slice_indices, :]
+        scale = 1.0 if divisor is None else 1.0 / getattr(self.config, divisor)
+        if _fused_loss_applies(self, labels):
+            return None, _fused_loss(self, hidden, labels, scale, **kwargs)
+        logits = self.lm_head(hidden)
+        if divisor is not None:
+            logits = logits / getattr(self.config, divisor)
+        loss = None
         if labels is not None:
-            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    return _hf(self, "MoeCausalLMOutputWithPast")(
-        loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states, attentions=outputs.attentions, router_logits=outputs.router_logits)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return logits, loss
+
+    @hf_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, output_router_logits=None,
+                **kwargs):
+        check(self)
+        if moe:
+            if output_router_logits is None:
+                output_router_logits = self.config.output_router_logits
+            kwargs["output_router_logits"] = output_router_logits
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                             use_cache=no_cache_for_a_loss(use_cache, labels), **kwargs)
+        kwargs.pop("output_router_logits", None)
+        logits, loss = head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
+        if not moe:
+            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                          hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        aux_loss = None
+        if output_router_logits:
+            aux_loss = hf_attr(family, "load_balancing_loss_func")(outputs.router_logits, self.num_experts,
+                                                               self.num_experts_per_tok, attention_mask)
+            if labels is not None:
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+        return hf_attr(family, "MoeCausalLMOutputWithPast")(
+            loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions, router_logits=outputs.router_logits)
+    return forward
 
 
-def swiglu_apply_gate(self, gate_up):
-    """The experts' gating of transformers' grouped/batched expert implementations (`_apply_gate`):
-    act(gate) * up of the halves of gate_up, fused when the activation is SiLU."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    if isinstance(self.act_fn, _SILU):
-        return swiglu(gate, up)
-    return self.act_fn(gate) * up
-
-
-def gpt_oss_apply_gate(self, gate_up):
-    """GptOssExperts._apply_gate: clamped, interleaved GEGLU of gate_up in one kernel."""
-    return geglu(gate_up, self.alpha, self.limit)
-
-
-def half_split_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """GPT-OSS's rotation: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos and sin of
-    head_dim / 2; the rotate-half rotation with cos and sin repeated, which the rope op computes."""
-    return rope(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), unsqueeze_dim)
+def _fused_loss(model, hidden, labels, logit_scale, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                **_):
+    """HF's ForCausalLMLoss without the logits."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = model.get_output_embeddings()
+    return fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
+        bias=head.bias, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, logit_scale=logit_scale)

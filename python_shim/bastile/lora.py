@@ -306,20 +306,19 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.
     return _SwiGLUDown.apply(gate.to(c), up.to(c), weight, bias, A, B, scale, p)
 
 
-def report(model: nn.Module, fused_forwards: dict) -> dict:
-    """{qualified name: "fused" or why not} for every PEFT LoRA layer of `model`; `fused_forwards` maps the
-    forward functions that run their module's projections through this module's nodes to a function of
-    the module that says why they do not for that module (None: they always do)."""
+def report(model: nn.Module, fused_parents: dict) -> dict:
+    """{qualified name: "fused" or why not} for every PEFT LoRA layer of `model`; `fused_parents` maps the
+    module classes whose (patched) forwards run their projections through this module's nodes to a
+    function of the module that says why they do not for that module (None: they always do)."""
     layer = getattr(sys.modules.get("peft.tuners.lora.layer"), "LoraLayer", None)
     out = {}
     for name, module in model.named_modules():
         if layer is None or not isinstance(module, layer):
             continue
         parent = model.get_submodule(name.rpartition(".")[0])
-        forward = type(parent).forward
-        if forward not in fused_forwards:
+        if type(parent) not in fused_parents:
             out[name] = f"inside {type(parent).__name__}, whose forward bastile.apply() has not patched"
             continue
-        parent_why_not = fused_forwards[forward]
+        parent_why_not = fused_parents[type(parent)]
         out[name] = (parent_why_not and parent_why_not(parent)) or why_not(module) or "fused"
     return out

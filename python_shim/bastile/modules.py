@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from . import hf
+from .families import Mlp
 
 
 class BastileRMSNorm(nn.Module):
@@ -36,4 +37,4 @@ class BastileSwiGLUMLP(nn.Module):
             raise ValueError(f"BastileSwiGLUMLP: hidden_act must be silu, got {config.hidden_act!r}")
         self.act_fn = nn.SiLU()
 
-    forward = hf.swiglu_mlp_forward
+    forward = hf.mlp_forward(Mlp())

@@ -1,18 +1,35 @@
 """bastile.apply(): swaps HF forward functions for Bastile ones, and puts them back.
 
-Patches are declared in FAMILIES: for each HF model_type, its modeling module and, per op, the
-attribute to replace there and its replacement (or a Wrap, whose factory makes the replacement from the
-original), or a list of such pairs where the op has several targets in the family (PATCHES lists them one
-row per target). A patch name `<op>_<family>` stands for all targets of that op in that family: apply()
-returns it once and reset() restores them all. Adding a family is one entry. TRAINERS does the same for
-trainer libraries (TRL), whose patches apply whatever the model.
+Patches are named by role: what part of a model they replace, the same in every family.
+- norm: the RMSNorms
+- mlp: the dense MLP and the MoE experts' activation
+- attention: the attention (projections, q/k norms, rotation, varlen attention on packed batches)
+- decoder: the decoder (masks, cache, the packed batch's bounds) and its layers (norms and residuals)
+- head: the causal LM's head and loss (the fused linear cross-entropy)
+Which class attribute a role replaces in a family, and with what, follows from the family's traits
+(families.py); the forwards are hf.py's, made for the family. A patch name `<role>_<family>` stands for
+all targets of that role in that family: apply() returns it once and reset() restores them all. TRAINERS
+does the same for trainer libraries (TRL), whose patches apply whatever the model.
+
+The keywords of earlier releases name kernels; they stay as aliases of the role their kernel served:
+rms_norm -> norm, swiglu and geglu (and moe, geglu's first name) -> mlp, rope -> attention,
+fused_linear_cross_entropy -> head. Patch names made of them (`rope_llama`) are accepted by reset().
 """
 import importlib
 import importlib.util
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+import torch
+
 from . import heads, hf, lora
+from .families import FAMILIES, Family, Unsupported, check
+
+ROLES = ("norm", "mlp", "attention", "decoder", "head")
+ALIASES = {"rms_norm": "norm", "swiglu": "mlp", "geglu": "mlp", "moe": "mlp", "rope": "attention",
+           "fused_linear_cross_entropy": "head"}
+
 
 @dataclass(frozen=True)
 class Wrap:
@@ -22,65 +39,56 @@ class Wrap:
 
 @dataclass(frozen=True)
 class Patch:
-    op: str           # keyword of apply() that selects it
-    family: str       # HF model_type
+    role: str         # keyword of apply() that selects it
+    family: str       # HF model_type, or a trainer library
     module: str       # module holding the target
     target: str       # "Class.attribute" or "function"
     replacement: Callable | Wrap
 
     @property
     def name(self) -> str:
-        return f"{self.op}_{self.family}"
+        return f"{self.role}_{self.family}"
 
 
-def _dense(prefix: str) -> Dict[str, tuple]:
-    """What a Llama-like decoder's classes map to: op -> (target, replacement)."""
+# name -> [(owner, attribute, original value as found in owner.__dict__), ...], one per target
+_active: Dict[str, list] = {}
+
+# Models already checked against their family's traits (families.check).
+_checked: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _check(model) -> None:
+    """families.check on a model's first patched forward: a model built after apply() is checked there.
+    Skipped while torch.compile traces (the check is Python bookkeeping, not part of the graph)."""
+    if torch.compiler.is_compiling() or model in _checked:
+        return
+    try:
+        check(model)
+    except Unsupported as e:
+        raise Unsupported(f"{e}: its classes are patched, and bastile.reset() restores HF's forwards") from None
+    _checked.add(model)
+
+
+def _runs(family: str) -> Callable[[str], bool]:
+    return lambda role: f"{role}_{family}" in _active
+
+
+def _targets(f: Family) -> Dict[str, list]:
+    """role -> [(target, replacement), ...] of a family, from its traits."""
+    p, runs = f.prefix, _runs(f.model_type)
+    mlp = [(f"{p}MLP.forward", hf.mlp_forward(f.mlp))] if f.mlp.dense else []
+    mlp += [(f"{p}Experts._apply_gate", hf.APPLY_GATES[f.mlp.experts])] if f.mlp.experts else []
     return {
-        "decoder": (f"{prefix}Model.forward", DECODER),
-        "rms_norm": (f"{prefix}RMSNorm.forward", hf.rms_norm_forward),
-        "swiglu": (f"{prefix}MLP.forward", hf.swiglu_mlp_forward),
-        # the attention forward runs the projections through lora.project and rotates with the
-        # module's apply_rotary_pos_emb, which this patch also replaces
-        "rope": [("apply_rotary_pos_emb", hf.apply_rotary_pos_emb),
-                 (f"{prefix}Attention.forward", hf.attention_forward)],
-        "fused_linear_cross_entropy": (f"{prefix}ForCausalLM.forward", hf.causal_lm_forward),
+        "norm": [(f"{p}RMSNorm.forward", hf.NORM_FORWARDS[f.norm])],
+        "mlp": mlp,
+        "attention": [(f"{p}Attention.forward", hf.attention_forward(f))],
+        "decoder": [(f"{p}Model.forward", Wrap(hf.decoder_forward(f, runs, _check))),
+                    (f"{p}DecoderLayer.forward", hf.layer_forward(f, runs))],
+        "head": [(f"{p}ForCausalLM.forward", hf.causal_lm_forward(f, _check))],
     }
 
 
-# The decoders' forward: masks that SDPA needs none of, and packed batches (hf.decoder_forward).
-DECODER = Wrap(hf.decoder_forward)
-
-# model_type -> (HF modeling module, op -> (target, replacement) or [(target, replacement), ...]).
-FAMILIES: Dict[str, tuple] = {
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3",
-              {**_dense("Qwen3"), "rope": ("Qwen3Attention.forward", hf.attention_forward)}),
-    "llama": ("transformers.models.llama.modeling_llama", _dense("Llama")),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", _dense("Qwen2")),
-    "mistral": ("transformers.models.mistral.modeling_mistral", _dense("Mistral")),
-    # Experts go through transformers' grouped/batched implementations (grouped_mm is the default),
-    # which call `_apply_gate`. The "eager" one (config experts_implementation="eager") stays HF's: it is
-    # the original Qwen3MoeExperts.forward, held in a closure by transformers' dispatching wrapper (no
-    # attribute to replace), and it computes `self.act_fn(gate) * up` inline, where act_fn is a per-instance
-    # module whose product with up happens outside it. Layers in mlp_only_layers (or off the
-    # decoder_sparse_step) are dense Qwen3MoeMLP, a SwiGLU MLP.
-    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", {
-        "decoder": ("Qwen3MoeModel.forward", DECODER),
-        "rms_norm": ("Qwen3MoeRMSNorm.forward", hf.rms_norm_forward),
-        "swiglu": [("Qwen3MoeExperts._apply_gate", hf.swiglu_apply_gate),
-                   ("Qwen3MoeMLP.forward", hf.swiglu_mlp_forward)],
-        "rope": ("Qwen3MoeAttention.forward", hf.attention_forward),
-        "fused_linear_cross_entropy": ("Qwen3MoeForCausalLM.forward", hf.moe_causal_lm_forward),
-    }),
-    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", {
-        "decoder": ("GptOssModel.forward", DECODER),
-        "rms_norm": ("GptOssRMSNorm.forward", hf.rms_norm_cast_after_weight_forward),
-        "rope": ("apply_rotary_pos_emb", hf.half_split_apply_rotary_pos_emb),
-        "fused_linear_cross_entropy": ("GptOssForCausalLM.forward", hf.moe_causal_lm_forward),
-        "geglu": ("GptOssExperts._apply_gate", hf.gpt_oss_apply_gate),
-    }),
-}
-
-# library -> (module, op -> targets), as in FAMILIES. A library that is installed but lacks a target is an
+# library -> (module, role -> targets), as in a family's. A library that is installed but lacks a target is an
 # error at apply(): its internals moved, and Bastile must not guess.
 TRAINERS: Dict[str, tuple] = {
     # TRL's fused LM head (heads.py): its per-token function, its choice of positions, and SFT's loss.
@@ -92,18 +100,16 @@ TRAINERS: Dict[str, tuple] = {
 }
 
 PATCHES: List[Patch] = [
-    Patch(op, family, module, target, replacement)
-    for family, (module, per_op) in {**FAMILIES, **TRAINERS}.items()
-    for op, targets in per_op.items()
-    for target, replacement in (targets if isinstance(targets, list) else [targets])
+    Patch(role, name, module, target, replacement)
+    for name, (module, per_role) in {**{f.model_type: (f.module, _targets(f)) for f in FAMILIES.values()},
+                                     **TRAINERS}.items()
+    for role, targets in per_role.items()
+    for target, replacement in targets
 ]
-
-# name -> [(owner, attribute, original value as found in owner.__dict__), ...], one per target
-_active: Dict[str, list] = {}
 
 
 def _resolve(patch: Patch):
-    """(owner object, attribute name) of a patch target, or None where transformers lacks it."""
+    """(owner object, attribute name) of a patch target, or None where the library lacks it."""
     try:
         owner = importlib.import_module(patch.module)
     except ImportError:
@@ -120,38 +126,48 @@ def supported_families() -> List[str]:
     return sorted(FAMILIES)
 
 
-def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_linear_cross_entropy: bool = True,
-          geglu: Optional[bool] = None, model=None, families: Optional[Sequence[str]] = None,
-          moe: Optional[bool] = None, decoder: bool = True, log_probs: bool = True) -> List[str]:
-    """Patches the selected ops for the given families (all supported ones by default, one family by
-    name, or the family of `model`, an HF model instance). Works before or after the model is built,
-    since it replaces class attributes and module functions. Returns the names `<op>_<family>` of the
-    patches active from this call, e.g. ['rms_norm_qwen3', 'swiglu_qwen3', ...]. Applying twice is
-    harmless. `moe` is the original name of `geglu` (GPT-OSS's experts' activation, on by default).
-    `decoder` is the decoders' forward: no mask where SDPA needs none, and packed batches (varlen bounds
-    for the patched attention, or masks made with the position ids). `log_probs` is TRL's fused LM head
-    (its trainers' per-token log-probabilities) on Bastile's fused_linear_log_probs, whatever the model,
-    where TRL is installed (trl==1.16; another TRL whose internals differ is an error here)."""
-    if geglu is not None and moe is not None and geglu != moe:
-        raise ValueError(f"bastile.apply: geglu={geglu} and moe={moe} disagree, but they name one patch "
-                         "(moe is geglu's original name)")
-    selected = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope,
-                "fused_linear_cross_entropy": fused_linear_cross_entropy,
-                "geglu": next((v for v in (geglu, moe) if v is not None), True), "decoder": decoder,
-                "log_probs": log_probs}
+def _selected(given: Dict[str, Optional[bool]]) -> Dict[str, bool]:
+    """role -> on, from apply()'s role keywords and their aliases: the names of one role must agree."""
+    out = {}
+    for role in (*ROLES, "log_probs"):
+        names = [role] + [a for a, r in ALIASES.items() if r == role]
+        values = {n: given[n] for n in names if given.get(n) is not None}
+        if len(set(values.values())) > 1:
+            raise ValueError(f"bastile.apply: {values} disagree, but they name one role, {role!r} (the others are "
+                             "its aliases)")
+        out[role] = next(iter(values.values()), True)
+    return out
+
+
+def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention: Optional[bool] = None,
+          decoder: Optional[bool] = None, head: Optional[bool] = None, log_probs: Optional[bool] = None, model=None,
+          families: Optional[Sequence[str]] = None, rms_norm: Optional[bool] = None, swiglu: Optional[bool] = None,
+          rope: Optional[bool] = None, fused_linear_cross_entropy: Optional[bool] = None,
+          geglu: Optional[bool] = None, moe: Optional[bool] = None) -> List[str]:
+    """Patches the selected roles (all by default) for the given families (all supported ones, one family
+    by name, or the family of `model`, an HF model instance, after checking that the model is what its
+    family's traits declare). Works before or after the model is built, since it replaces class attributes
+    and module functions; a model built afterwards is checked on its first forward. Returns the names
+    `<role>_<family>` of the patches active from this call, e.g. ['norm_qwen3', 'mlp_qwen3', ...]. Applying
+    twice is harmless. `log_probs` is TRL's fused LM head (its trainers' per-token log-probabilities) on
+    Bastile's fused_linear_log_probs, whatever the model, where TRL is installed (trl==1.16; another TRL
+    whose internals differ is an error here). The kernel-named keywords of earlier releases are aliases
+    (patch.ALIASES)."""
+    selected = _selected(dict(norm=norm, mlp=mlp, attention=attention, decoder=decoder, head=head,
+                              log_probs=log_probs, rms_norm=rms_norm, swiglu=swiglu, rope=rope,
+                              fused_linear_cross_entropy=fused_linear_cross_entropy, geglu=geglu, moe=moe))
     if model is not None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in supported_families():
-            raise ValueError(f"bastile.apply: model type {model_type!r} is not supported; "
-                             f"supported: {', '.join(supported_families())}")
-        families = [model_type]
+        try:
+            families = [check(model).model_type]
+        except Unsupported as e:
+            raise Unsupported(f"{e}: nothing was patched") from None
     elif families is not None:
         families = [families] if isinstance(families, str) else list(families)
-        unknown = sorted(set(families) - set(supported_families()))
+        unknown = sorted(set(families) - set(FAMILIES))
         if unknown:
             raise ValueError(f"bastile.apply: unknown families {unknown}; supported: {', '.join(supported_families())}")
     chosen = [p for p in PATCHES
-              if selected.get(p.op) and (families is None or p.family in families or p.family in TRAINERS)]
+              if selected[p.role] and (families is None or p.family in families or p.family in TRAINERS)]
     # Resolve everything first, so that a missing target leaves nothing half-patched.
     by_name: Dict[str, list] = {}
     for p in chosen:
@@ -162,12 +178,13 @@ def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_l
         if moved:
             p = found[0][0]
             raise RuntimeError(f"bastile.apply: the installed {p.family} lacks {moved}, the targets of {name}; "
-                               f"pass {p.op}=False to keep its own")
+                               f"pass {p.role}=False to keep its own")
     if model is not None:
         missing = [f"{name} ({p.target})" for name, found in by_name.items() for p, t in found
                    if t is None and p.family not in TRAINERS]
         if missing:
             raise RuntimeError(f"bastile.apply: this transformers lacks the targets of {missing}")
+        _checked.add(model)
     # Replacements are made (and a Wrap's factory may refuse its original) before anything is patched.
     todo = {}
     for name, found in by_name.items():
@@ -182,13 +199,21 @@ def apply(rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_l
     return [name for name, found in by_name.items() if name in _active]
 
 
+def _canonical(name: str) -> str:
+    """A patch name with an alias's prefix (`rope_llama`) as its role's (`attention_llama`)."""
+    for alias, role in ALIASES.items():
+        if name.startswith(alias + "_") and name[len(alias) + 1:] in FAMILIES:
+            return f"{role}_{name[len(alias) + 1:]}"
+    return name
+
+
 def reset(names: Optional[Sequence[str]] = None) -> List[str]:
     """Restores the originals of the named patches (all by default); returns the names restored. As
     applying twice is, resetting a patch that is not active, or naming one twice, is harmless; an unknown
     name raises before anything is restored."""
     if names is None:
         names = list(_active)
-    names = list(dict.fromkeys([names] if isinstance(names, str) else names))
+    names = list(dict.fromkeys(_canonical(n) for n in ([names] if isinstance(names, str) else names)))
     known = {p.name for p in PATCHES}
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -207,7 +232,14 @@ def lora_modules(model) -> Dict[str, str]:
     """{qualified name: "fused", or why PEFT's own forward runs it} for every PEFT LoRA layer of `model`
     (adapters on other modules than the patched attention's and MLP's projections, DoRA, several active
     adapters, LoRA bias, quantized base layers... keep PEFT's path)."""
-    return lora.report(model, {hf.attention_forward: None, hf.swiglu_mlp_forward: hf.swiglu_mlp_why_not})
+    fused = {}
+    for f in FAMILIES.values():
+        runs = _runs(f.model_type)
+        if runs("attention"):
+            fused[hf.hf_attr(f, f.prefix + "Attention")] = None
+        if runs("mlp") and f.mlp.dense:
+            fused[hf.hf_attr(f, f.prefix + "MLP")] = hf.mlp_why_not(f.mlp)
+    return lora.report(model, fused)
 
 
 def get_patched_ops() -> List[str]:

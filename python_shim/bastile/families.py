@@ -1,0 +1,224 @@
+"""What each supported model family is, declared once as data, and the check that a model is what its
+family declares.
+
+A family (an HF `model_type`) is its traits: how its RMSNorm rounds, what its attention does around the
+projections (fused q/k/v, q/k norms per head or over the whole width, the rotary layout, NoPE layers, the
+sliding-window source, a position-dependent query scale, sinks), its MLP (separate or fused gate/up, MoE
+experts), the norms and multipliers around each sublayer, and its head (a logit scale, the router's
+auxiliary loss). The shared forwards in hf.py read these traits; nothing there probes a module to guess
+what it is. `check(model)` refuses, naming the module or config key, a model that carries anything the
+traits do not declare (a subclass of a patched class, a config key the family's code does not have in the
+transformers release the traits were written against, a trait value out of range), before anything runs.
+"""
+from dataclasses import dataclass
+from enum import Enum
+from typing import Dict, FrozenSet, Optional, Tuple
+
+
+class Norm(Enum):
+    """Where an RMSNorm rounds to the input's dtype: before the weight multiplies (Llama:
+    weight * to(x.dtype)(n)) or after (OLMo 2, GPT-OSS: to(x.dtype)(weight * n))."""
+    CAST_THEN_WEIGHT = "cast, then weight"
+    WEIGHT_THEN_CAST = "weight, then cast"
+
+
+class QkNorm(Enum):
+    """RMSNorm of q and k before the rotation: none, per head over head_dim (Qwen3), or over the whole
+    projection width before the heads are split (OLMo 2)."""
+    NONE = "none"
+    PER_HEAD = "per head"
+    FULL_WIDTH = "full width"
+
+
+class Window(Enum):
+    """Where the attention's sliding window comes from: none, the config's `sliding_window` (Mistral), or
+    the attention module's `sliding_window`, set per layer from config.layer_types (Qwen2)."""
+    NONE = "none"
+    CONFIG = "config"
+    LAYER = "layer"
+
+
+class Layout(Enum):
+    """Which elements a rotation pairs: (i, i + rot/2) with tables as wide as the rotated part (Llama), the
+    same with tables half as wide (GPT-OSS), or (2j, 2j + 1) with the first half of the tables (GLM-4)."""
+    HALF_SPLIT = "half split"
+    HALF_TABLES = "half split, half-width tables"
+    INTERLEAVED = "interleaved"
+
+
+@dataclass(frozen=True)
+class Rotary:
+    layout: Layout = Layout.HALF_SPLIT
+    # The tables may be narrower than the head: only their width is rotated (Phi-3's and GLM-4's
+    # partial_rotary_factor); elsewhere a partial factor is refused.
+    partial: bool = False
+    # The attention module's boolean attribute saying whether its layer rotates (SmolLM3's NoPE layers).
+    layer_flag: Optional[str] = None
+    # The tables are f32 and the rotated q, k are cast back to their input dtype (OLMo 2 and 3).
+    cast_back: bool = False
+
+
+@dataclass(frozen=True)
+class Attention:
+    fused_qkv: bool = False             # one qkv_proj (Phi-3) instead of q_proj, k_proj, v_proj
+    qk_norm: QkNorm = QkNorm.NONE
+    window: Window = Window.NONE
+    query_scale: bool = False           # Ministral 3: q *= 1 + beta * log(1 + floor(position / original max))
+    sinks: bool = False                 # GPT-OSS: learned sinks, HF's eager attention only
+
+
+@dataclass(frozen=True)
+class Mlp:
+    dense: bool = True                  # `<prefix>MLP` is a SwiGLU MLP (in MoE families: the dense layers')
+    fused_gate_up: bool = False         # one gate_up_proj, gate first (Phi-3, GLM-4)
+    activation: str = "act_fn"          # the dense MLP's activation module
+    experts: Optional[str] = None       # the experts' activation: "swiglu" or "geglu" (GPT-OSS's clamped one)
+    router_scores: bool = False         # the MoE block returns (hidden, router scores) (GPT-OSS)
+
+
+@dataclass(frozen=True)
+class Residual:
+    """The decoder layer: the norms (attributes of the layer, None where there is none) before and after
+    each sublayer, then `residual + dropout(out) * multiplier`."""
+    attention_in: Optional[str] = "input_layernorm"
+    attention_out: Optional[str] = None
+    mlp_in: Optional[str] = "post_attention_layernorm"
+    mlp_out: Optional[str] = None
+    multiplier: Optional[str] = None    # the layer's attribute (Granite's residual_multiplier)
+    dropout: Optional[Tuple[str, str]] = None  # the layer's dropout modules after attention and MLP (Phi-3)
+
+
+PRE_NORM = Residual()
+SANDWICH = Residual(attention_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm")
+POST_NORM = Residual(attention_in=None, attention_out="post_attention_layernorm", mlp_in=None,
+                     mlp_out="post_feedforward_layernorm")
+
+
+@dataclass(frozen=True)
+class Head:
+    logit_divisor: Optional[str] = None  # config key: logits = lm_head(h) / config.<key> (Granite)
+    router_aux_loss: bool = False        # MoE: the router's load-balancing loss is added to the loss
+
+
+# Config keys every supported family's code reads (beyond PretrainedConfig's own): head_dim through
+# getattr where its config class has no such field.
+_SHARED = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+    "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "rope_parameters",
+    "attention_dropout",
+})
+_MOE = frozenset({"num_experts_per_tok", "num_local_experts", "output_router_logits", "router_aux_loss_coef"})
+_PER_LAYER = frozenset({"layer_types", "sliding_window"})  # a window on the layers config.layer_types says
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    module: str                          # the transformers modeling module
+    prefix: str                          # of its class names: <prefix>RMSNorm, <prefix>Attention, ...
+    config: FrozenSet[str]               # config keys its code reads, beyond _SHARED
+    norm: Norm = Norm.CAST_THEN_WEIGHT
+    attention: Attention = Attention()
+    rotary: Rotary = Rotary()
+    mlp: Mlp = Mlp()
+    residual: Residual = PRE_NORM
+    head: Head = Head()
+
+    @property
+    def keys(self) -> FrozenSet[str]:
+        return _SHARED | self.config
+
+
+def _family(model_type: str, prefix: str, config, **traits) -> Family:
+    return Family(model_type, f"transformers.models.{model_type}.modeling_{model_type}", prefix, frozenset(config),
+                  **traits)
+
+
+FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
+    _family("qwen3", "Qwen3", {"attention_bias", "max_window_layers", "use_sliding_window"} | _PER_LAYER,
+            attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER)),
+    _family("llama", "Llama", {"attention_bias", "mlp_bias", "pretraining_tp"}),
+    _family("qwen2", "Qwen2", {"max_window_layers", "use_sliding_window"} | _PER_LAYER,
+            attention=Attention(window=Window.LAYER)),
+    _family("mistral", "Mistral", {"sliding_window"}, attention=Attention(window=Window.CONFIG)),
+    # Layers in mlp_only_layers (or off the decoder_sparse_step) have a dense Qwen3MoeMLP.
+    _family("qwen3_moe", "Qwen3Moe",
+            {"attention_bias", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
+             "norm_topk_prob", "sliding_window", "use_sliding_window"} | _MOE,
+            attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER), mlp=Mlp(experts="swiglu"),
+            head=Head(router_aux_loss=True)),
+    # GptOssMLP is the MoE block (router and experts), not a dense MLP.
+    _family("gpt_oss", "GptOss", {"attention_bias"} | _PER_LAYER | _MOE,
+            norm=Norm.WEIGHT_THEN_CAST, attention=Attention(window=Window.LAYER, sinks=True),
+            rotary=Rotary(layout=Layout.HALF_TABLES), mlp=Mlp(dense=False, experts="geglu", router_scores=True),
+            head=Head(router_aux_loss=True)),
+]}
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class Unsupported(ValueError):
+    """A model, or a part of one, that its family's traits do not declare."""
+
+
+def family_of(model) -> Family:
+    """The family of an HF model (by config.model_type), or Unsupported."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise Unsupported(f"bastile: model type {model_type!r} is not supported; "
+                          f"supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type]
+
+
+def _check_config(family: Family, config) -> None:
+    from transformers import PretrainedConfig
+    keys = set(config.to_dict()) - set(PretrainedConfig().to_dict())
+    unknown = sorted(keys - family.keys)
+    if unknown:
+        raise Unsupported(f"bastile: config of {family.model_type} has {unknown}, which Bastile's "
+                          f"{family.model_type} traits do not declare (a newer transformers, or a flag added to "
+                          "the config)")
+    rope = config.rope_parameters or {}
+    tables = rope.values() if set(rope) <= set(LAYER_TYPES) and rope else [rope]
+    for t in tables:
+        factor = (t or {}).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if factor not in (None, 1.0) and not family.rotary.partial:
+            raise Unsupported(f"bastile: {family.model_type} with partial_rotary_factor={factor}: Bastile's "
+                              f"{family.model_type} traits rotate whole heads")
+    if "layer_types" in family.config:
+        types = set(config.layer_types or ())
+        if not types <= set(LAYER_TYPES):
+            raise Unsupported(f"bastile: {family.model_type} layer_types {sorted(types - set(LAYER_TYPES))} "
+                              f"are not among {list(LAYER_TYPES)}")
+
+
+def _classes(family: Family, module) -> list:
+    """The family's HF classes that Bastile's forwards replace or call into."""
+    names = ["RMSNorm", "Attention", "DecoderLayer", "Model", "ForCausalLM"]
+    names += ["MLP"] if family.mlp.dense else []
+    names += ["Experts"] if family.mlp.experts else []
+    return [getattr(module, family.prefix + n) for n in names]
+
+
+def _wrapper_of(t: type, cls: type) -> bool:
+    """Whether t is the class torch.distributed makes to wrap cls in place (FSDP2's FSDP<cls>): its own
+    wrapper's methods over cls, none of the model's."""
+    return len(t.__bases__) == 2 and t.__bases__[1] is cls and t.__bases__[0].__module__.startswith("torch.distributed")
+
+
+def check(model) -> Family:
+    """The model's family, after checking that the model is what the family declares; Unsupported, naming
+    what is not, otherwise. Checks the config (declared keys, rotation and layer types in range) and every
+    module: none may be a subclass of a class whose forward Bastile replaces or calls into (its overrides
+    and attributes would be skipped or misread)."""
+    import importlib
+    family = family_of(model)
+    _check_config(family, model.config)
+    classes = _classes(family, importlib.import_module(family.module))
+    for name, module in model.named_modules():
+        for cls in classes:
+            if isinstance(module, cls) and type(module) is not cls and not _wrapper_of(type(module), cls):
+                raise Unsupported(f"bastile: {name or 'the model'} is a {type(module).__qualname__}, a subclass "
+                                  f"of {cls.__name__} that Bastile's {family.model_type} traits do not declare")
+    return family
