@@ -18,11 +18,11 @@ import bastile
 from bastile import lora
 from conftest import needs_cuda
 from bastile.families import FAMILIES as TRAITS
-from test_families import mini
+from test_families import NEW, mini
 from test_qwen3_training import assert_params_close, batches, train
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss"]  # qwen2: q/k/v with bias
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss", *NEW]  # qwen2, glm4: q/k/v with bias
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
 LR = 1e-3
 STEPS = 20  # of one batch: adapters alone learn it within them, so the losses compared are not constants

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bastile
-from test_families import mini
+from test_families import NEW, mini
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -118,7 +118,9 @@ def head_calls(monkeypatch):
 CASES = [("sft", "qwen3", dict(loss_type="nll")), ("sft", "llama", dict(loss_type="nll", packing=True)),
          ("sft", "qwen3", dict(loss_type="nll", lora=True)),
          ("sft", "qwen3", dict(loss_type="dft")), ("sft", "llama", dict(loss_type="dft", packing=True)),
-         ("dpo", "qwen3", {}), ("kto", "llama", {}), ("grpo", "qwen3", {}), ("rloo", "llama", {})]
+         ("dpo", "qwen3", {}), ("kto", "llama", {}), ("grpo", "qwen3", {}), ("rloo", "llama", {}),
+         # TRL's head on each newer family (Granite's: TRL scales the logits by 1 / logits_scaling)
+         *[("sft", family, dict(loss_type="nll")) for family in NEW]]
 
 
 @pytest.mark.parametrize("kind,family,config", CASES, ids=[f"{k}-{f}-{'-'.join(map(str, c.values()))}"

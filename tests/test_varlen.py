@@ -111,6 +111,12 @@ VARIANTS = {
     "qwen3_moe": ("qwen3_moe", dict(output_router_logits=False)),
     # attention sinks: HF's eager attention with masks made by Bastile (not varlen); HF's own are wrong
     "gpt_oss": ("gpt_oss", dict(output_router_logits=False)),
+    "mixtral_window": ("mixtral", dict(output_router_logits=False, sliding_window=4)),
+    "phi3_window": ("phi3", dict(resid_pdrop=0.0, sliding_window=4)),  # dropout: other masks in each run
+    "smollm3_window": ("smollm3", dict(sliding_window=4)),
+    "ministral3_window": ("ministral3", dict(sliding_window=4)),
+    "olmo3_window": ("olmo3", dict(sliding_window=4)),
+    **{family: (family, {}) for family in ("granite", "olmo2", "glm4")},
 }
 
 

@@ -153,6 +153,36 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             norm=Norm.WEIGHT_THEN_CAST, attention=Attention(window=Window.LAYER, sinks=True),
             rotary=Rotary(layout=Layout.HALF_TABLES), mlp=Mlp(dense=False, experts="geglu", router_scores=True),
             head=Head(router_aux_loss=True)),
+    _family("mixtral", "Mixtral", {"sliding_window", "router_jitter_noise"} | _MOE,
+            attention=Attention(window=Window.CONFIG), mlp=Mlp(dense=False, experts="swiglu"),
+            head=Head(router_aux_loss=True)),
+    # Phi-3, Phi-3.5 and Phi-4(-mini): fused projections, partial rotary (rope_parameters'
+    # partial_rotary_factor), dropout on the residual branches.
+    _family("phi3", "Phi3", {"embd_pdrop", "original_max_position_embeddings", "resid_pdrop", "sliding_window"},
+            attention=Attention(fused_qkv=True, window=Window.CONFIG), rotary=Rotary(partial=True),
+            mlp=Mlp(fused_gate_up=True, activation="activation_fn"),
+            residual=Residual(dropout=("resid_attn_dropout", "resid_mlp_dropout"))),
+    _family("smollm3", "SmolLM3",
+            {"attention_bias", "mlp_bias", "no_rope_layer_interval", "no_rope_layers", "use_sliding_window"}
+            | _PER_LAYER,
+            attention=Attention(window=Window.LAYER), rotary=Rotary(layer_flag="use_rope")),
+    # attention_multiplier is the attention's scaling and embedding_multiplier scales the embeddings in
+    # HF's decoder forward, which Bastile's wraps.
+    _family("granite", "Granite",
+            {"attention_bias", "attention_multiplier", "embedding_multiplier", "logits_scaling", "mlp_bias",
+             "residual_multiplier"},
+            residual=Residual(multiplier="residual_multiplier"), head=Head(logit_divisor="logits_scaling")),
+    _family("ministral3", "Ministral3", {"sliding_window"},
+            attention=Attention(window=Window.CONFIG, query_scale=True)),
+    _family("olmo2", "Olmo2", {"attention_bias"}, norm=Norm.WEIGHT_THEN_CAST,
+            attention=Attention(qk_norm=QkNorm.FULL_WIDTH), rotary=Rotary(cast_back=True), residual=POST_NORM),
+    _family("olmo3", "Olmo3", {"attention_bias"} | _PER_LAYER, norm=Norm.WEIGHT_THEN_CAST,
+            attention=Attention(qk_norm=QkNorm.FULL_WIDTH, window=Window.LAYER), rotary=Rotary(cast_back=True),
+            residual=POST_NORM),
+    # partial_rotary_factor is read from rope_parameters (the top-level key is its legacy spelling).
+    _family("glm4", "Glm4", {"attention_bias", "partial_rotary_factor"},
+            rotary=Rotary(layout=Layout.INTERLEAVED, partial=True),
+            mlp=Mlp(fused_gate_up=True, activation="activation_fn"), residual=SANDWICH),
 ]}
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
