@@ -34,16 +34,12 @@ only what is left, so a 10-minute device call always returns its CSV; what did n
 import argparse
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-from common import (QWEN3, environment, grouped_bars, markdown, out_dir, pyplot, qwen3, read_csv, use_device,
-                    write_csv)
+from common import (QWEN3, child_process, environment, grouped_bars, markdown, out_dir, pyplot, qwen3, read_csv,
+                    use_device, write_csv)
 
 MODES = ("hf", "liger", "compile", "bastile", "bastile_compile")
 RUN_ORDER = ("hf", "bastile", "liger", "compile", "bastile_compile")  # a budget cut drops compile modes first
@@ -171,23 +167,9 @@ def child(args) -> dict:
 
 def run_child(args, model: str, seq: int, batch: int, mode: str, timeout: float):
     """(result dict, the child's output)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--model", model, "--seq", str(seq),
-           "--batch", str(batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-           "--seed", str(args.seed), "--lora", str(args.lora)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's session: it and its compile workers
-        except ProcessLookupError:
-            pass
-        out, _ = proc.communicate()
-        return {"status": f"timeout ({timeout:.0f} s)"}, out
-    for line in reversed(out.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):]), out
-    return {"status": f"error: exit {proc.returncode}, no result"}, out
+    return child_process([str(Path(__file__).resolve()), "--mode", mode, "--model", model, "--seq", str(seq),
+                          "--batch", str(batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                          "--device", args.device, "--seed", str(args.seed), "--lora", str(args.lora)], timeout)
 
 
 def num(x):

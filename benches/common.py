@@ -3,8 +3,12 @@ the kernel cases' runner, Qwen3 configurations, tables and charts."""
 import argparse
 import csv
 import importlib.metadata
+import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -428,3 +432,23 @@ def train_steps(model, opt, batches, warmup: int, device, sync):
     sync(device)
     elapsed = time.perf_counter() - t0
     return losses, elapsed, torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")
+
+
+def child_process(argv, timeout: float):
+    """Runs `python argv...` in its own process session; (the dict of its last `RESULT {json}` line, its
+    output). A child past `timeout` seconds is killed with its compile workers: {"status": "timeout (N s)"}."""
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        return {"status": f"timeout ({timeout:.0f} s)"}, out
+    for line in reversed(out.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):]), out
+    return {"status": f"error: exit {proc.returncode}, no result"}, out

@@ -1,0 +1,246 @@
+"""The newer families end to end: tokens/s, peak memory and losses of HF, HF + Liger and HF + Bastile training
+the same model on the same tokens, each mode in its own process.
+
+    python benches/bench_families.py                               # every model of MODELS, three modes
+    python benches/bench_families.py --models phi3-mini,glm4-9b --modes hf,bastile
+    python benches/bench_families.py --models phi4-mini --profile  # and one step under torch.profiler per mode
+    python benches/bench_families.py --smoke                       # tiny configs on the CPU: checks the script only
+
+Models (MODELS): random init from the published configs (sizes, vocabularies, rotary and window settings,
+multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention. A model that fits one H100
+for a full fine-tune trains all its weights (fused AdamW, lr 1e-5); the others train PEFT LoRA r=16 (alpha
+32, no dropout, adapters in PEFT's fp32) on every linear projection of the attention and dense MLP (the MoE
+families' attention only), AdamW over the adapters. Mixtral-8x7B keeps 8 of its 32 layers (the whole model
+is 94 GB of bf16 weights). Labels = input ids. Modes: hf, liger (Liger Kernel's apply function for the
+model type, its defaults, fused linear cross-entropy included, before the model is built), bastile
+(bastile.apply()). --steps steps (default 10), the first --warmup (3) not timed; peak GiB =
+torch.cuda.max_memory_allocated over the child. Writes families.csv and .log under $OUT or bench-results/.
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+from bench_profile import category, kernel_times
+from common import child_process, environment, markdown, out_dir, train_steps, use_device, write_csv
+
+MODES = ("hf", "liger", "bastile")
+LORA = 16
+LR = 1e-5
+
+# name -> (model_type, config class, model class, config, LoRA targets or None for a full fine-tune, seq, batch)
+MODELS = {
+    "mixtral-8x7b-8l": ("mixtral", "MixtralConfig", "MixtralForCausalLM",
+                        dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+                             num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-5),
+                        ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
+    "phi3-mini": ("phi3", "Phi3Config", "Phi3ForCausalLM",
+                  dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096, sliding_window=2047,
+                       rms_norm_eps=1e-5, pad_token_id=32000, bos_token_id=1, eos_token_id=32000),
+                  ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 4096, 1),
+    "phi4-mini": ("phi3", "Phi3Config", "Phi3ForCausalLM",
+                  dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+                       num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
+                       sliding_window=262144, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
+                       pad_token_id=199999, bos_token_id=199999, eos_token_id=199999),
+                  None, 4096, 1),
+    "smollm3-3b": ("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM",
+                   dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                        num_key_value_heads=4, vocab_size=128256, max_position_embeddings=65536,
+                        no_rope_layer_interval=4, tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5e6},
+                        pad_token_id=128004, bos_token_id=128000, eos_token_id=128012),
+                   None, 4096, 1),
+    "granite-3.3-2b": ("granite", "GraniteConfig", "GraniteForCausalLM",
+                       dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=40, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=49159, max_position_embeddings=131072,
+                            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                            logits_scaling=8.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e7},
+                            pad_token_id=0, bos_token_id=0, eos_token_id=0),
+                       None, 4096, 2),
+    "ministral3-8b": ("ministral3", "Ministral3Config", "Ministral3ForCausalLM", {},  # the config's defaults
+                      ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
+    "olmo2-1b": ("olmo2", "Olmo2Config", "Olmo2ForCausalLM",
+                 dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+                      num_key_value_heads=16, vocab_size=100352, max_position_embeddings=4096,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                      pad_token_id=100277, bos_token_id=None, eos_token_id=100257),
+                 None, 4096, 2),
+    "olmo3-7b": ("olmo3", "Olmo3Config", "Olmo3ForCausalLM",
+                 dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=100278, max_position_embeddings=65536, sliding_window=4096,
+                      layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 8,
+                      pad_token_id=100277, bos_token_id=None, eos_token_id=100257),
+                 ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
+    "glm4-9b": ("glm4", "Glm4Config", "Glm4ForCausalLM",
+                dict(hidden_size=4096, intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32,
+                     num_key_value_heads=2, head_dim=128, vocab_size=151552, attention_bias=True,
+                     max_position_embeddings=32768,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                     pad_token_id=151329, eos_token_id=151329),
+                ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"], 4096, 1),
+}
+
+# --smoke: each model at a tiny width, on the CPU.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512, head_dim=16, moe_intermediate_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def build(mode, name, device, smoke):
+    model_type, config_cls, model_cls, config, targets, _, _ = MODELS[name]
+    if mode == "liger":
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+        if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise LookupError(f"no Liger Kernel for {model_type}")
+        MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]()
+    if mode == "bastile":
+        import bastile
+        bastile.apply()
+    import transformers
+    cfg_cls = getattr(transformers, config_cls)
+    if smoke:
+        config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
+        config.pop("layer_types", None)
+    cfg = cfg_cls(**config, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = getattr(transformers, model_cls)._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if targets:
+        from peft import LoraConfig, get_peft_model
+        net = get_peft_model(net, LoraConfig(r=LORA, lora_alpha=2 * LORA, lora_dropout=0.0, target_modules=targets))
+    net.train()
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR, fused=device == "cuda")
+    return net, opt, cfg.vocab_size
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def child(args) -> dict:
+    _, _, _, _, targets, seq, batch = MODELS[args.model]
+    seq, batch = (64, 2) if args.smoke else (seq, batch)
+    result = {"model": args.model, "mode": args.mode, "work": f"LoRA r{LORA}" if targets else "full",
+              "seq": seq, "batch": batch}
+    try:
+        result["env"] = environment()
+        net, opt, vocab = build(args.mode, args.model, args.device, args.smoke)
+        gen = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, vocab, (batch, seq), generator=gen).to(args.device) for _ in range(args.steps)]
+        losses, elapsed, peak = train_steps(net, opt, data, args.warmup, args.device, sync)
+        result.update(status="ok", tokens_per_s=batch * seq * (args.steps - args.warmup) / elapsed,
+                      peak_alloc_GiB=peak, losses=[l.item() for l in losses])
+        if args.profile:
+            result["profile"] = profile_step(net, opt, data[-1], args.device)
+    except torch.OutOfMemoryError:
+        result["status"] = "OOM"
+    except (ImportError, LookupError) as e:
+        result["status"] = f"skipped: {e}"
+    except Exception as e:  # noqa: BLE001
+        result["status"] = "error: " + " ".join(f"{type(e).__name__}: {e}".split())[:300]
+    return result
+
+
+def profile_step(net, opt, ids, device) -> dict:
+    """One more step under torch.profiler: GPU milliseconds per category (bench_profile.py's) and the top
+    kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_steps(net, opt, [ids], 0, device, sync)
+    times = kernel_times(prof, device == "cuda")
+    cats = {}
+    for name, (us, _) in times.items():
+        cats[category(name)] = cats.get(category(name), 0.0) + us / 1e3
+    top = sorted(times.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"categories_ms": {c: round(ms, 2) for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_ms": [(name[:90], round(us / 1e3, 2), calls) for name, (us, calls) in top]}
+
+
+def row(result, name, mode):
+    losses = result.get("losses") or []
+    return {"model": name, "mode": mode, "work": result.get("work", ""),
+            "seq x batch": f"{result.get('seq', '')} x {result.get('batch', '')}", "status": result["status"],
+            "tokens/s": f"{result['tokens_per_s']:.0f}" if "tokens_per_s" in result else "",
+            "peak GiB": f"{result['peak_alloc_GiB']:.2f}" if "peak_alloc_GiB" in result else "",
+            "loss first": f"{losses[0]:.4f}" if losses else "", "loss last": f"{losses[-1]:.4f}" if losses else "",
+            "losses": " ".join(f"{l:.5f}" for l in losses)}
+
+
+def versus(rows):
+    """Bastile's tokens/s over HF's and Liger's, and its last loss against HF's, per model."""
+    out = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        by = {r["mode"]: r for r in rows if r["model"] == name and r["status"] == "ok"}
+        if "bastile" not in by:
+            continue
+        b = by["bastile"]
+        ratio = lambda m: f"{float(b['tokens/s']) / float(by[m]['tokens/s']):.2f}x" if m in by else "-"
+        loss = (f"{(float(b['loss last']) - float(by['hf']['loss last'])) / float(by['hf']['loss last']):+.3%}"
+                if "hf" in by else "-")
+        out.append({"model": name, "vs HF": ratio("hf"), "vs Liger": ratio("liger"), "last loss vs HF": loss})
+    return out
+
+
+def parent(args):
+    names = args.models.split(",") if args.models else list(MODELS)
+    modes = args.modes.split(",")
+    rows, log, env = [], [], ""
+    t0 = time.perf_counter()
+    for name in names:
+        for mode in modes:
+            left = args.budget_s - (time.perf_counter() - t0) if args.budget_s else math.inf
+            if left < 30:
+                result, out = {"status": "not run (budget)"}, ""
+            else:
+                argv = [__file__, "--mode", mode, "--model", name, "--steps", str(args.steps), "--warmup",
+                        str(args.warmup), "--device", args.device] + (["--smoke"] if args.smoke else []) + (
+                            ["--profile"] if args.profile else [])
+                result, out = child_process(argv, min(args.timeout, left))
+            rows.append(row(result, name, mode))
+            log.append(f"===== {name} {mode}: {result['status']}\n{out}")
+            r = rows[-1]
+            print(f"{name} {mode}: {result['status']} {r['tokens/s']} tokens/s, peak {r['peak GiB']} GiB, "
+                  f"losses {r['losses']}", flush=True)
+            if "profile" in result:
+                print(f"  GPU ms by category: {result['profile']['categories_ms']}", flush=True)
+                for kernel, ms, calls in result["profile"]["top_ms"]:
+                    print(f"    {ms:9.2f} ms {calls:5d}x {kernel}", flush=True)
+            env = result.get("env") or env
+            write_csv(out_dir() / "families.csv", rows)
+            (out_dir() / "families.log").write_text("\n".join(log))
+    print(env, flush=True)
+    print(markdown(rows, [c for c in rows[0] if c != "losses"]))
+    print(markdown(versus(rows), ["model", "vs HF", "vs Liger", "last loss vs HF"]), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", help="comma-separated names of MODELS (default: all)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per child")
+    ap.add_argument("--budget-s", type=float, default=0, help="seconds for the whole run (0: none)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny configs, 4 steps, on the CPU")
+    ap.add_argument("--profile", action="store_true", help="also profile one step: GPU time by category, top kernels")
+    ap.add_argument("--mode", choices=MODES, help="(internal) run one mode in this process and print its RESULT line")
+    ap.add_argument("--model", help="(internal, with --mode)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.device = 4, 1, "cpu"
+    use_device(args.device)
+    if args.mode:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+    else:
+        parent(args)
+
+
+if __name__ == "__main__":
+    main()
