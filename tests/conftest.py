@@ -30,6 +30,9 @@ class Contract:
     bad: list[tuple[Callable[[], object], str]]
     # float64 CPU calls for gradcheck, where the samples in float64 would not do.
     gradcheck_samples: Callable[[], list[Sample]] | None = None
+    # False for an op of frozen inputs (no autograd node): the autograd tests leave it out, and a tensor
+    # argument that requires grad makes its backward raise.
+    differentiable: bool = True
 
 
 # What apply() patches in trainer libraries whatever the model (patch.TRAINERS), where they are installed.
