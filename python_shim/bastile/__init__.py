@@ -7,6 +7,7 @@ from . import data, ops
 from ._library import PATH as library_path
 from ._library import VERSION as __version__
 from .modules import BastileRMSNorm, BastileSwiGLUMLP
+from .ops.dequantize_4bit import dequantize_4bit
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.fused_linear_log_probs import fused_linear_log_probs
 from .ops.geglu import geglu
@@ -19,4 +20,4 @@ from .runtime import clear_autotune_cache, warmup_all_kernels
 
 __all__ = ["apply", "reset", "get_patched_ops", "lora_modules", "supported_families", "warmup_all_kernels",
            "clear_autotune_cache", "data", "ops", "rms_norm", "swiglu", "rope", "qk_norm_rope",
-           "fused_linear_cross_entropy", "fused_linear_log_probs", "geglu", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
+           "fused_linear_cross_entropy", "fused_linear_log_probs", "geglu", "dequantize_4bit", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
