@@ -14,7 +14,7 @@ export BASTILE_PYTHON := $(abspath $(PY))
 # Versions the library is built and tested against (torch matches the GPU machine's build).
 PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
         nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0 \
-        peft==0.21.2 trl==1.16.0 datasets==5.2.0
+        peft==0.21.2 trl==1.16.0 datasets==5.2.0 bitsandbytes==0.50.2
 
 .PHONY: setup build wheel install test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-families bench-sft bench-profile bench-fsdp clean
 

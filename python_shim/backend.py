@@ -22,6 +22,8 @@ PACKAGE = ROOT / "python_shim" / "bastile"
 LIBRARY = "libbastile.so"
 # The patched forwards follow this transformers release's modeling code (tests pin it).
 TRANSFORMERS = "transformers==5.17.*"
+# The 4-bit layout and arithmetic bastile.dequantize_4bit reproduces (tests pin 0.50.2).
+BITSANDBYTES = "bitsandbytes>=0.50,<0.51"
 
 
 def _crate() -> dict:
@@ -61,6 +63,8 @@ def _metadata(crate: dict, version: str, torch_release: str) -> str:
         "Requires-Python: >=3.10\n",
         f"Requires-Dist: torch=={torch_release}.*\n",
         f"Requires-Dist: {TRANSFORMERS}\n",
+        "Provides-Extra: qlora\n",  # 4-bit base layers in the fused LoRA nodes
+        f"Requires-Dist: {BITSANDBYTES}; extra == \"qlora\"\n",
         "Description-Content-Type: text/markdown\n\n",
         (ROOT / "README.md").read_text(),
     ])

@@ -110,6 +110,9 @@ _SHARED = frozenset({
 })
 _MOE = frozenset({"num_experts_per_tok", "num_local_experts", "output_router_logits", "router_aux_loss_coef"})
 _PER_LAYER = frozenset({"layer_types", "sliding_window"})  # a window on the layers config.layer_types says
+# Quantization methods (config.quantization_config) that change linear layers only: those run as their modules
+# do, bitsandbytes' 4-bit ones under LoRA inside the fused nodes (lora.py).
+QUANTIZATION = frozenset({"bitsandbytes"})
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,15 @@ def family_of(model) -> Family:
 def _check_config(family: Family, config) -> None:
     from transformers import PretrainedConfig
     keys = set(config.to_dict()) - set(PretrainedConfig().to_dict())
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                  else getattr(quantization, "quant_method", None))
+        method = getattr(method, "value", method)  # an enum in transformers' quantization configs
+        if method not in QUANTIZATION:
+            raise Unsupported(f"bastile: {family.model_type} quantized with {method!r}: Bastile knows "
+                              f"{sorted(QUANTIZATION)} only")
+        keys.discard("quantization_config")
     unknown = sorted(keys - family.keys)
     if unknown:
         raise Unsupported(f"bastile: config of {family.model_type} has {unknown}, which Bastile's "

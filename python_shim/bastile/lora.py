@@ -11,6 +11,11 @@ expects. A node saves its input and the [tokens, rank] products. A dropout mask 
 (one per adapter) and regenerated in the backward from the RNG state it came from, as
 torch.utils.checkpoint does, so no mask is kept.
 
+A base layer may be a bitsandbytes 4-bit Linear4bit (QLoRA, NF4 or FP4, nested scales or not): its weight
+is dequantized by bastile.dequantize_4bit, bit for bit as bitsandbytes does, into a buffer that lives for
+one GEMM, in the forward and again in the backward (never kept, never saved); a node's 4-bit weights
+dequantize in one launch.
+
 The MLP's down projection is fused with the SwiGLU before it (for plain and LoRA projections alike): the
 activation, as large as gate, is recomputed in the backward instead of being saved.
 
@@ -18,18 +23,43 @@ Anything else runs its module as before: `why_not` says which projections and wh
 reports it for a model).
 """
 import sys
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .ops.dequantize_4bit import dequantize_4bit
 from .ops.swiglu import swiglu
 
 
 def _lora_linear():
     """PEFT's lora.Linear class, or None when PEFT is not imported (then no module is one)."""
     return getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
+
+
+def _bnb(name: str):
+    """A class of bitsandbytes.nn (Linear4bit, Params4bit, Linear8bitLt), or None when bitsandbytes is not
+    imported (then no module is one)."""
+    return getattr(sys.modules.get("bitsandbytes.nn.modules"), name, None)
+
+
+def _lora_classes() -> tuple:
+    """PEFT's LoRA layers whose base a node can read: lora.Linear and, with bitsandbytes, its Linear4bit."""
+    return tuple(c for c in (_lora_linear(), getattr(sys.modules.get("peft.tuners.lora.bnb"), "Linear4bit", None))
+                 if c is not None)
+
+
+def _why_not_4bit(base: nn.Module) -> Optional[str]:
+    """None when a bitsandbytes Linear4bit's weight can be dequantized here, else why not."""
+    state = getattr(base.weight, "quant_state", None)
+    if state is None:
+        return "4-bit weight not quantized yet (still on the CPU before .to(device)?)"
+    if getattr(state, "packing_format_for_cpu", False):
+        return "4-bit weight repacked for bitsandbytes' CPU inference kernels"
+    if len(state.shape) != 2:
+        return f"4-bit weight of shape {tuple(state.shape)}"
+    return None
 
 
 def hooked(module: nn.Module) -> bool:
@@ -50,7 +80,9 @@ def why_not(module: nn.Module) -> Optional[str]:
         if _trainable(module):
             return "trainable nn.Linear (a full fine-tune has no adapter to fuse)"
         return "forward hooked or replaced" if hooked(module) else None
-    if type(module) is not _lora_linear():
+    if type(getattr(module, "base_layer", module)) is _bnb("Linear8bitLt"):
+        return "LLM.int8 base layer (bitsandbytes Linear8bitLt): not fused"
+    if type(module) not in _lora_classes():
         return f"{type(module).__name__} is not a PEFT lora.Linear"
     if module.disable_adapters:
         return "adapters disabled"
@@ -65,8 +97,11 @@ def why_not(module: nn.Module) -> Optional[str]:
         return f"{type(module.lora_variant[name]).__name__} (e.g. DoRA) variant"
     if module.lora_bias[name]:
         return "LoRA bias"
-    if type(base) is not nn.Linear:
-        return f"base layer is {type(base).__name__}, not nn.Linear"
+    if type(base) is _bnb("Linear4bit"):
+        if (why := _why_not_4bit(base)) is not None:
+            return why
+    elif type(base) is not nn.Linear:
+        return f"base layer is {type(base).__name__}, not nn.Linear or bitsandbytes Linear4bit"
     if _trainable(base):
         return "trainable base layer"
     if not isinstance(module.lora_dropout[name], (nn.Identity, nn.Dropout)):
@@ -76,24 +111,56 @@ def why_not(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _parts(module: nn.Module) -> tuple:
-    """(weight, bias, A, B, scaling, dropout p) of an eligible module; A, B None for a plain linear."""
+class _Parts(NamedTuple):
+    """What a node reads of an eligible module. weight: a dense tensor, or a 4-bit Params4bit; A, B None for
+    a plain linear; dtype: the dtype its base computes in outside autocast (None: the input's)."""
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    A: Optional[torch.Tensor]
+    B: Optional[torch.Tensor]
+    scaling: float
+    p: float
+    dtype: Optional[torch.dtype]
+
+
+def _parts(module: nn.Module) -> _Parts:
     if type(module) is nn.Linear:
-        return module.weight, module.bias, None, None, 0.0, 0.0
+        return _Parts(module.weight, module.bias, None, None, 0.0, 0.0, module.weight.dtype)
     name = next(a for a in module.active_adapters if a in module.lora_A)
     drop = module.lora_dropout[name]
     p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
-    return (module.base_layer.weight, module.base_layer.bias, module.lora_A[name].weight, module.lora_B[name].weight,
-            float(module.scaling[name]), p)
+    base = module.base_layer
+    # bitsandbytes casts the input to its compute dtype, which it takes from the first input when unset.
+    dtype = base.weight.dtype if type(base) is nn.Linear else base.compute_dtype
+    return _Parts(base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
+                  float(module.scaling[name]), p, dtype)
 
 
-def _node_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
-    """The dtype a node computes in: autocast's, else x's. None where a weight's dtype differs from x's
-    outside autocast: HF's linear raises there, so the modules are called to raise it."""
+def _node_dtype(x: torch.Tensor, dtypes: Sequence[Optional[torch.dtype]]) -> Optional[torch.dtype]:
+    """The dtype a node computes in: autocast's, else x's. None where a base computes in another dtype
+    than x's outside autocast: HF's linear raises there, and bitsandbytes' rounds the input and the output
+    through its compute dtype, so the modules are called."""
     kind = x.device.type
     if torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
-    return x.dtype if all(w.dtype == x.dtype for w in weights) else None
+    return x.dtype if all(d in (None, x.dtype) for d in dtypes) else None
+
+
+def _dense(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> List[torch.Tensor]:
+    """The base weights in `dtype`: dense ones cast (those already in it as they are), 4-bit ones dequantized
+    together in one launch, as bitsandbytes does (into their quant_state's dtype, then cast; straight into
+    `dtype` where that rounds the same: from float32 or into it)."""
+    params4bit, groups = _bnb("Params4bit"), {}
+    for i, w in enumerate(weights):
+        if params4bit is not None and type(w) is params4bit:
+            groups.setdefault(w.quant_state.dtype, []).append(i)
+    out = list(weights)
+    for kept, group in groups.items():
+        rows = [weights[i].quant_state.shape[0] for i in group]
+        into = dtype if kept in (dtype, torch.float32) else kept
+        for i, w in zip(group, dequantize_4bit(*(weights[i] for i in group), dtype=into).split(rows)):
+            out[i] = w
+    return [_cast(w, dtype) for w in out]
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -211,13 +278,15 @@ class _Projections(torch.autograd.Function):
         As, Bs = [projections[i][2] for i in adapted], [projections[i][3] for i in adapted]
         adapters = _Adapters(As, Bs, [ps[i] for i in adapted], [scales[i] for i in adapted])
         with torch.autocast(x.device.type, enabled=False):
-            outs = [F.linear(x, _cast(w, c), None if b is None else _cast(b, c)) for w, b, _, _ in projections]
+            weights = _dense([w for w, _, _, _ in projections], c)
+            outs = [F.linear(x, w, None if b is None else _cast(b, c)) for w, (_, b, _, _) in zip(weights, projections)]
             a, bs = adapters.weights(As, Bs, c)
             xa = adapters.forward(x, a)
             for i, part, b in zip(adapted, xa.split(adapters.ranks, 1), bs):
                 _addmm_(outs[i], part, b.t())
         ctx.adapters, ctx.adapted = adapters, adapted
-        # The base weights as they are: a copy cast for autocast would be kept as large as the weights.
+        # The base weights as they are: a copy cast for autocast (or dequantized) would be kept as large as
+        # the weights.
         ctx.save_for_backward(x, xa, a, *bs, *(w for w, _, _, _ in projections))
         return tuple(outs)
 
@@ -228,8 +297,7 @@ class _Projections(torch.autograd.Function):
         bs, weights = rest[:len(adapted)], rest[len(adapted):]
         grad_x = None
         if ctx.needs_input_grad[0]:
-            for g, w in zip(grads, weights):
-                w = _cast(w, x.dtype)
+            for g, w in zip(grads, _dense(weights, x.dtype)):
                 grad_x = g.mm(w) if grad_x is None else _addmm_(grad_x, g, w)
         adapter_grads = adapters.backward(x, xa, a, bs, [grads[i] for i in adapted], grad_x)
         out = [None] * (4 * len(grads))
@@ -243,11 +311,11 @@ def project(x: torch.Tensor, *modules: nn.Module) -> List[torch.Tensor]:
     them carries a LoRA adapter; the others are called as modules."""
     parts = [_parts(m) if why_not(m) is None else None for m in modules]
     group = [p for p in parts if p is not None]
-    c = _node_dtype(x, [p[0] for p in group])
-    if c is None or all(p[2] is None for p in group):  # a dtype mismatch, or no adapter to fuse
+    c = _node_dtype(x, [p.dtype for p in group])
+    if c is None or all(p.A is None for p in group):  # a dtype mismatch, or no adapter to fuse
         return [m(x) for m in modules]
     flat = x.to(c).reshape(-1, x.shape[-1])
-    outs = iter(_Projections.apply(flat, [p[4] for p in group], [p[5] for p in group],
+    outs = iter(_Projections.apply(flat, [p.scaling for p in group], [p.p for p in group],
                                    *(t for p in group for t in p[:4])))
     return [next(outs).view(*x.shape[:-1], -1) if p is not None else m(x) for m, p in zip(modules, parts)]
 
@@ -261,7 +329,7 @@ class _SwiGLUDown(torch.autograd.Function):
         c = gate.dtype
         with torch.autocast(gate.device.type, enabled=False):
             act = swiglu(gate, up)
-            out = F.linear(act, _cast(weight, c), None if bias is None else _cast(bias, c))
+            out = F.linear(act, _dense([weight], c)[0], None if bias is None else _cast(bias, c))
             ha = adapters = a = b = None
             if A is not None:
                 flat = act.reshape(-1, act.shape[-1])
@@ -284,7 +352,7 @@ class _SwiGLUDown(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[3]:
             grad_bias = flat_grad.sum(0, dtype=bias.dtype)
         grad_gate = grad_up = None
-        grad_act = grad.matmul(_cast(weight, gate.dtype)) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
+        grad_act = grad.matmul(_dense([weight], gate.dtype)[0]) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
         if ctx.adapters is not None:
             flat_grad_act = None if grad_act is None else grad_act.view(-1, grad_act.shape[-1])
             ((dA, dB),) = ctx.adapters.backward(flat_act, ha, a, [b], [flat_grad], flat_grad_act)
@@ -299,8 +367,8 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.
     plain = type(down) is nn.Linear and not hooked(down)
     if not plain and why_not(down) is not None:
         return down(swiglu(gate, up))
-    weight, bias, A, B, scale, p = _parts(down)
-    c = _node_dtype(gate, [weight])
+    weight, bias, A, B, scale, p, dtype = _parts(down)
+    c = _node_dtype(gate, [dtype])
     if c is None:
         return down(swiglu(gate, up))
     return _SwiGLUDown.apply(gate.to(c), up.to(c), weight, bias, A, B, scale, p)
