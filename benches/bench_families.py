@@ -16,14 +16,10 @@ model type, its defaults, fused linear cross-entropy included, before the model 
 (bastile.apply()). --steps steps (default 10), the first --warmup (3) not timed; peak GiB =
 torch.cuda.max_memory_allocated over the child. Writes families.csv and .log under $OUT or bench-results/.
 """
-import argparse
-import json
-import math
-import time
 
 import torch
 from bench_profile import category, kernel_times
-from common import child_process, environment, markdown, out_dir, train_steps, use_device, write_csv
+from common import environment, markdown, modes_main, modes_parser, run_modes, train_steps
 
 MODES = ("hf", "liger", "bastile")
 LORA = 16
@@ -189,57 +185,24 @@ def versus(rows):
 
 def parent(args):
     names = args.models.split(",") if args.models else list(MODELS)
-    modes = args.modes.split(",")
-    rows, log, env = [], [], ""
-    t0 = time.perf_counter()
-    for name in names:
-        for mode in modes:
-            left = args.budget_s - (time.perf_counter() - t0) if args.budget_s else math.inf
-            if left < 30:
-                result, out = {"status": "not run (budget)"}, ""
-            else:
-                argv = [__file__, "--mode", mode, "--model", name, "--steps", str(args.steps), "--warmup",
-                        str(args.warmup), "--device", args.device] + (["--smoke"] if args.smoke else []) + (
-                            ["--profile"] if args.profile else [])
-                result, out = child_process(argv, min(args.timeout, left))
-            rows.append(row(result, name, mode))
-            log.append(f"===== {name} {mode}: {result['status']}\n{out}")
-            r = rows[-1]
-            print(f"{name} {mode}: {result['status']} {r['tokens/s']} tokens/s, peak {r['peak GiB']} GiB, "
-                  f"losses {r['losses']}", flush=True)
-            if "profile" in result:
-                print(f"  GPU ms by category: {result['profile']['categories_ms']}", flush=True)
-                for kernel, ms, calls in result["profile"]["top_ms"]:
-                    print(f"    {ms:9.2f} ms {calls:5d}x {kernel}", flush=True)
-            env = result.get("env") or env
-            write_csv(out_dir() / "families.csv", rows)
-            (out_dir() / "families.log").write_text("\n".join(log))
+    extra = (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
+
+    def show(result):
+        if "profile" in result:
+            print(f"  GPU ms by category: {result['profile']['categories_ms']}", flush=True)
+            for kernel, ms, calls in result["profile"]["top_ms"]:
+                print(f"    {ms:9.2f} ms {calls:5d}x {kernel}", flush=True)
+    rows, env = run_modes(__file__, args, names, args.modes.split(","), row, "families", extra, show=show)
     print(env, flush=True)
     print(markdown(rows, [c for c in rows[0] if c != "losses"]))
     print(markdown(versus(rows), ["model", "vs HF", "vs Liger", "last loss vs HF"]), flush=True)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = modes_parser(__doc__, MODES, timeout=240)
     ap.add_argument("--models", help="comma-separated names of MODELS (default: all)")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=240, help="seconds per child")
-    ap.add_argument("--budget-s", type=float, default=0, help="seconds for the whole run (0: none)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--smoke", action="store_true", help="tiny configs, 4 steps, on the CPU")
     ap.add_argument("--profile", action="store_true", help="also profile one step: GPU time by category, top kernels")
-    ap.add_argument("--mode", choices=MODES, help="(internal) run one mode in this process and print its RESULT line")
-    ap.add_argument("--model", help="(internal, with --mode)")
-    args = ap.parse_args()
-    if args.smoke:
-        args.steps, args.warmup, args.device = 4, 1, "cpu"
-    use_device(args.device)
-    if args.mode:
-        print("RESULT " + json.dumps(child(args)), flush=True)
-    else:
-        parent(args)
+    modes_main(ap.parse_args(), child, parent)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import argparse
 import csv
 import importlib.metadata
 import json
+import math
 import os
 import signal
 import statistics
@@ -452,3 +453,62 @@ def child_process(argv, timeout: float):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):]), out
     return {"status": f"error: exit {proc.returncode}, no result"}, out
+
+
+def run_modes(script: str, args, names, modes, row, stem: str, extra=(), prepare=None, show=None):
+    """Runs `script --mode M --model N` (with args' steps, warmup and device, and `extra`) in a child
+    process per model and mode, within args.budget_s (0: none) and args.timeout per child; row(result, name,
+    mode) makes each result's row. prepare(name) runs before a model's children, show(result) after each
+    printed line. Writes <stem>.csv and .log under out_dir() as it goes; returns the rows and the last
+    environment line."""
+    rows, log, env = [], [], ""
+    t0 = time.perf_counter()
+    for name in names:
+        if prepare:
+            prepare(name)
+        for mode in modes:
+            left = args.budget_s - (time.perf_counter() - t0) if args.budget_s else math.inf
+            if left < 30:
+                result, out = {"status": "not run (budget)"}, ""
+            else:
+                argv = [script, "--mode", mode, "--model", name, "--steps", str(args.steps), "--warmup",
+                        str(args.warmup), "--device", args.device, *extra]
+                result, out = child_process(argv, min(args.timeout, left))
+            rows.append(row(result, name, mode))
+            log.append(f"===== {name} {mode}: {result['status']}\n{out}")
+            r = rows[-1]
+            print(f"{name} {mode}: {result['status']} {r['tokens/s']} tokens/s, peak {r['peak GiB']} GiB, "
+                  f"losses {r['losses']}", flush=True)
+            if show:
+                show(result)
+            env = result.get("env") or env
+            write_csv(out_dir() / f"{stem}.csv", rows)
+            (out_dir() / f"{stem}.log").write_text("\n".join(log))
+    return rows, env
+
+
+def modes_parser(doc: str, modes, timeout: float) -> argparse.ArgumentParser:
+    """The options of a script that runs each mode in a child (run_modes); the script adds its own."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--modes", default=",".join(modes))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds per child")
+    ap.add_argument("--budget-s", type=float, default=0, help="seconds for the whole run (0: none)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny configs, 4 steps, on the CPU")
+    ap.add_argument("--mode", choices=modes, help="(internal) run one mode in this process and print its RESULT line")
+    ap.add_argument("--model", help="(internal, with --mode)")
+    return ap
+
+
+def modes_main(args, child, parent):
+    """A run_modes script's entry: the child's RESULT line with --mode, else the parent."""
+    if args.smoke:
+        args.steps, args.warmup, args.device = 4, 1, "cpu"
+    use_device(args.device)
+    if args.mode:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+    else:
+        parent(args)
+
