@@ -3,7 +3,7 @@
 # Here (Rust toolchain, no GPU needed):  setup, build, wheel, install, test, train
 # On a GPU machine with the wheel built here in target/wheels (no Rust needed, system python with torch):
 #   make gpu-test bench PY=python3 NO_BUILD=1
-#   make bench-kernels | bench-e2e PART=1 | bench-families | bench-sft | bench-profile  PY=python3 NO_BUILD=1 [ARGS='...']
+#   make bench-kernels | bench-e2e PART=1 | bench-families | bench-qlora | bench-sft | bench-profile  PY=python3 NO_BUILD=1 [ARGS='...']
 #   make bench-fsdp PY=python3 NO_BUILD=1          (Qwen3-1.7B under FSDP2 on every GPU)
 
 VENV ?= .venv
@@ -16,7 +16,7 @@ PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvi
         nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0 \
         peft==0.21.2 trl==1.16.0 datasets==5.2.0 bitsandbytes==0.50.2
 
-.PHONY: setup build wheel install test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-families bench-sft bench-profile bench-fsdp clean
+.PHONY: setup build wheel install test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-families bench-qlora bench-sft bench-profile bench-fsdp clean
 
 # Project-local virtualenv with the pins, and libclang for bindgen. The pins take ~5.5 GiB installed and
 # pip's cache would keep a second copy of their wheels; a fresh CI disk has run out of space on that.
@@ -94,6 +94,11 @@ bench-e2e: install
 # HF, Liger, Bastile (ARGS='--models phi3-mini,glm4-9b' for some).
 bench-families: install
 	$(PY) benches/bench_families.py $(ARGS)
+
+# QLoRA (4-bit bitsandbytes bases, PEFT LoRA r16): HF, Liger, Bastile; and the dequantization kernel against
+# bitsandbytes' (bitsandbytes and liger-kernel installed).
+bench-qlora: install
+	$(PY) benches/bench_qlora.py $(ARGS)
 
 # TRL's SFTTrainer on packed mixed-length data: TRL, + Liger, + Bastile, Bastile's loader (trl, datasets and
 # liger-kernel installed; ARGS='--padded' adds padded batches).
