@@ -110,6 +110,21 @@ def test_kbit_preparation_checkpointing_and_saved_adapters(reentrant, tmp_path):
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_saved_tensor_hooks_leave_4bit_weights_alone(tmp_path):
+    """Under saved-tensor hooks that copy what is saved (as torch's save_on_cpu does from a GPU, or activation
+    offloading), the nodes still read the 4-bit weights they were given: a copy would be a plain uint8 tensor
+    without its quant_state."""
+    ref = qlora(quantized("qwen3", tmp_path))
+    model = qlora(quantized("qwen3", tmp_path))
+    bastile.apply(model=model)
+    data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)
+    want = first_grads(ref, data)
+    copy = lambda t: torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    with torch.autograd.graph.saved_tensors_hooks(copy, lambda t: t):
+        got = first_grads(model, data)
+    assert_params_close(got, want, 1e-3)
+
+
 def test_trl_sft_on_a_4bit_model_with_packing(tmp_path):
     """TRL's SFTTrainer(peft_config=...) on a 4-bit model (TRL prepares it for k-bit training), packed rows:
     the logs of TRL alone."""

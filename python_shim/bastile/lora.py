@@ -146,13 +146,31 @@ def _node_dtype(x: torch.Tensor, dtypes: Sequence[Optional[torch.dtype]]) -> Opt
     return x.dtype if all(d in (None, x.dtype) for d in dtypes) else None
 
 
+def _is_4bit(weight: torch.Tensor) -> bool:
+    params4bit = _bnb("Params4bit")
+    return params4bit is not None and type(weight) is params4bit
+
+
+def _saving(ctx, weights: Sequence[torch.Tensor]) -> list:
+    """The base weights to save_for_backward: the dense ones as they are (a copy cast for autocast, or
+    dequantized, would be kept as large as the weights); the 4-bit ones stay on ctx by reference instead,
+    since a saved-tensor hook's copy of one would lose its quant_state (they are frozen parameters)."""
+    ctx.quantized = {i: w for i, w in enumerate(weights) if _is_4bit(w)}
+    return [None if i in ctx.quantized else w for i, w in enumerate(weights)]
+
+
+def _saved(ctx, weights: Sequence[Optional[torch.Tensor]]) -> list:
+    """The base weights `_saving` split, back together."""
+    return [ctx.quantized.get(i, w) for i, w in enumerate(weights)]
+
+
 def _dense(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> List[torch.Tensor]:
     """The base weights in `dtype`: dense ones cast (those already in it as they are), 4-bit ones dequantized
     together in one launch, as bitsandbytes does (into their quant_state's dtype, then cast; straight into
     `dtype` where that rounds the same: from float32 or into it)."""
-    params4bit, groups = _bnb("Params4bit"), {}
+    groups = {}
     for i, w in enumerate(weights):
-        if params4bit is not None and type(w) is params4bit:
+        if _is_4bit(w):
             groups.setdefault(w.quant_state.dtype, []).append(i)
     out = list(weights)
     for kept, group in groups.items():
@@ -285,16 +303,14 @@ class _Projections(torch.autograd.Function):
             for i, part, b in zip(adapted, xa.split(adapters.ranks, 1), bs):
                 _addmm_(outs[i], part, b.t())
         ctx.adapters, ctx.adapted = adapters, adapted
-        # The base weights as they are: a copy cast for autocast (or dequantized) would be kept as large as
-        # the weights.
-        ctx.save_for_backward(x, xa, a, *bs, *(w for w, _, _, _ in projections))
+        ctx.save_for_backward(x, xa, a, *bs, *_saving(ctx, [w for w, _, _, _ in projections]))
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         adapters, adapted = ctx.adapters, ctx.adapted
         x, xa, a, *rest = ctx.saved_tensors
-        bs, weights = rest[:len(adapted)], rest[len(adapted):]
+        bs, weights = rest[:len(adapted)], _saved(ctx, rest[len(adapted):])
         grad_x = None
         if ctx.needs_input_grad[0]:
             for g, w in zip(grads, _dense(weights, x.dtype)):
@@ -338,12 +354,13 @@ class _SwiGLUDown(torch.autograd.Function):
                 ha = adapters.forward(flat, a)
                 _addmm_(out.view(-1, out.shape[-1]), ha, b.t())
         ctx.adapters = adapters
-        ctx.save_for_backward(gate, up, weight, bias, a, b, ha)
+        ctx.save_for_backward(gate, up, *_saving(ctx, [weight]), bias, a, b, ha)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         gate, up, weight, bias, a, b, ha = ctx.saved_tensors
+        (weight,) = _saved(ctx, [weight])
         act = swiglu(gate, up)
         flat_grad, flat_act = grad.reshape(-1, grad.shape[-1]), act.reshape(-1, act.shape[-1])
         grad_weight = grad_bias = dA = dB = None
