@@ -1,7 +1,31 @@
-/* Parameter block of cuda/fused_linear_cross_entropy.cu: the cross-entropy pass over one chunk of
- * logits. The GEMMs around it (logits = hidden @ weight^T + bias, and the gradients) are ATen's. */
+/* Parameter blocks of cuda/fused_linear_cross_entropy.cu: the cross-entropy pass over one chunk of
+ * logits, with ATen's GEMMs around it (logits = hidden @ weight^T + bias, and the gradients), or on Hopper
+ * the logits GEMM of our own whose epilogue does the pass; and the plan of a fused head's call. */
 #pragma once
 #include "bastile.h"
+
+/* The plan of one call of a fused head (fused_linear_cross_entropy, fused_linear_log_probs: the driver in
+ * src/torch/fused_head.cpp), decided by Rust (src/fused_linear_cross_entropy.rs): which path runs, the
+ * rows of each chunk and the size of the chunk's buffers. The caller fills the call's fields. */
+typedef struct HeadPlan {
+  int64_t rows;
+  int64_t cols;
+  int64_t vocab;
+  int64_t element_bytes; /* of hidden, in which the GEMMs run */
+  int64_t cast_bytes;    /* of the weight gradient's final cast copy (an f32 sum to the weight's dtype); 0: none */
+  int64_t chunk_bytes;   /* the op's budget for a chunk's logits; 0: Rust's default */
+  int32_t device;        /* CUDA device index; -1: CPU */
+  int32_t grad;          /* some gradient is formed */
+  int32_t f32_sum;       /* the weight gradient is summed in f32 */
+  int32_t gemm_fits;     /* what the Hopper path computes (CrossEntropyGemm: bf16, no bias, statistics, label
+                            smoothing or entropy gradient) with 16-byte aligned hidden and weight */
+  /* Chosen by Rust: */
+  int32_t gemm;          /* the Hopper path runs; else cuBLAS logits and the rows kernel (CrossEntropyChunk) */
+  int64_t ld;            /* row stride of a chunk's logits (exps on the Hopper path) */
+  int64_t step;          /* rows of each chunk but the last */
+  int64_t buffer_rows;   /* rows of the Hopper path's chunk buffers (exps, factor, product, scaled) */
+} HeadPlan;
+#define HEAD_PLAN_DECISION
 
 typedef struct CrossEntropyChunk {
   void *logits;          /* [rows, vocab] with row stride ld, `dtype`; overwritten with the gradient

@@ -1,9 +1,10 @@
 //! The one bridge between the C++ torch layer and Rust. A parameter block crosses it as the id build.rs
 //! gave its type (`Block<P>::id` in C++) and a pointer to it; `for_block` turns the id back into the
-//! type, whose [`Launch`] impl plans or runs it. Every entry runs under [`guard`], so a Rust panic
+//! type, whose [`Launch`] impl plans or runs it, and `for_decision` a decision block's, whose [`Decide`]
+//! impl fills in its answer. Nothing here knows an op. Every entry runs under [`guard`], so a Rust panic
 //! becomes an error, which cxx throws as a C++ exception and torch raises as RuntimeError. The other way,
 //! the CPU kernels reach torch's thread pool (src/cpu.rs).
-use crate::kernels::{for_block, Launch, Plan, Visit};
+use crate::kernels::{for_block, for_decision, Decide, Launch, Plan, Visit, VisitDecision};
 use std::ffi::c_void;
 
 #[cxx::bridge(namespace = "bastile::rs")]
@@ -18,11 +19,8 @@ mod bridge {
         unsafe fn launch(plan: Box<Plan>, scratch: *mut u8, stream: usize) -> Result<()>;
         /// The CPU kernel of the parameter block at `params`.
         unsafe fn run_cpu(block: u32, params: *const u8) -> Result<()>;
-        /// Rows of each chunk of the fused cross-entropy (src/fused_linear_cross_entropy.rs).
-        fn cross_entropy_chunk_rows(rows: i64, row_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64;
-        fn cross_entropy_gemm(device: i32, cols: i64) -> bool;
-        fn cross_entropy_gemm_ld(vocab: i64) -> i64;
-        fn cross_entropy_gemm_forward_rows(rows: i64, vocab: i64, budget: i64) -> i64;
+        /// Completes the decision block at `params`, whose type has id `block`, with Rust's answer.
+        unsafe fn decide(block: u32, params: *mut u8) -> Result<()>;
         fn torch_version() -> &'static str;
         /// Loads every kernel module on a CUDA device ahead of the first launch.
         fn warmup(device: i32) -> Result<()>;
@@ -99,20 +97,20 @@ unsafe fn run_cpu(block: u32, params: *const u8) -> Result<(), String> {
     guard(|| for_block(block, Cpu(params))?)
 }
 
-fn cross_entropy_chunk_rows(rows: i64, row_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
-    crate::fused_linear_cross_entropy::chunk_rows(rows, row_bytes, f32_sum, cast_bytes, budget)
+struct DecideAt(*mut u8);
+impl VisitDecision for DecideAt {
+    type Out = Result<(), String>;
+    fn visit<P: Decide>(self) -> Self::Out {
+        // SAFETY: the id came with a block of this type, which is written back whole.
+        let mut p: P = unsafe { block(self.0) };
+        p.decide()?;
+        unsafe { std::ptr::write_unaligned(self.0.cast(), p) };
+        Ok(())
+    }
 }
 
-fn cross_entropy_gemm(device: i32, cols: i64) -> bool {
-    crate::fused_linear_cross_entropy::gemm_supported(device, cols)
-}
-
-fn cross_entropy_gemm_ld(vocab: i64) -> i64 {
-    crate::fused_linear_cross_entropy::gemm_ld(vocab)
-}
-
-fn cross_entropy_gemm_forward_rows(rows: i64, vocab: i64, budget: i64) -> i64 {
-    crate::fused_linear_cross_entropy::gemm_forward_rows(rows, vocab, budget)
+unsafe fn decide(block: u32, params: *mut u8) -> Result<(), String> {
+    guard(|| for_decision(block, DecideAt(params))?)
 }
 
 fn torch_version() -> &'static str {

@@ -9,15 +9,16 @@
 //! `(1 - eps) onehot + eps / vocab`.
 //! On request (`stats`), the row's entropy H, log(sum p^2), mean of s and whether the target is s's first
 //! maximum: what TRL's per-token heads report. Ignored rows (target == ignore_index) get loss, stats and
-//! gradient 0. The GEMMs around the pass are ATen's
-//! (`src/torch/fused_linear_cross_entropy.cpp`), over chunks of rows sized here ([`chunk_rows`]).
+//! gradient 0. The GEMMs around the pass are ATen's, or on Hopper the logits GEMM is our own
+//! ([`CrossEntropyGemm`]); the driver of both heads (`src/torch/fused_head.cpp`) runs the chunks of rows
+//! that [`HeadPlan`] decides here.
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
 use crate::elementwise::Elementwise;
 use crate::geometry;
-use crate::kernels::{self, Launch, Plan, Tag};
+use crate::kernels::{self, Decide, Launch, Plan, Tag};
 use crate::params::{
-    BastileDType, CrossEntropyChunk, CrossEntropyGemm, GradScale, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
+    BastileDType, CrossEntropyChunk, CrossEntropyGemm, GradScale, HeadPlan, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
     FLCE_CACHED_SOFTCAP_STATS, FLCE_CACHED_STATS, FLCE_GEMM_MAX_STAGES, FLCE_GEMM_ROW_BLOCK, FLCE_GEMM_SCALE,
     FLCE_GEMM_THREADS, FLCE_GEMM_TILE_K, FLCE_GEMM_TILE_M, FLCE_GEMM_TILE_N, FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
 };
@@ -42,7 +43,7 @@ const CHUNK_ALIGN: i64 = 128;
 /// row, under 4% of its exps) are not counted: fewer rows would mean one more pass over the f32 weight-gradient sum,
 /// which costs more (H100, 8192 x 4096: 1.3 ms). `f32_sum`: the weight gradient is summed in
 /// f32; `cast_bytes`: the size of that sum's final cast copy (0 when none).
-pub fn chunk_rows(rows: i64, row_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
+fn chunk_rows(rows: i64, row_bytes: i64, f32_sum: bool, cast_bytes: i64, budget: i64) -> i64 {
     let budget = if budget > 0 { budget } else { (if f32_sum { CHUNK_BYTES_F32_SUM } else { CHUNK_BYTES }).max(cast_bytes) };
     let mut n = (budget / row_bytes).max(1);
     if n >= CHUNK_ALIGN {
@@ -53,7 +54,7 @@ pub fn chunk_rows(rows: i64, row_bytes: i64, f32_sum: bool, cast_bytes: i64, bud
 
 /// Columns of the Hopper path's exps rows: whole 16-byte vectors, so that each pair the epilogue stores
 /// is in the row.
-pub fn gemm_ld(vocab: i64) -> i64 {
+fn gemm_ld(vocab: i64) -> i64 {
     geometry::ceil_div(vocab, 8) * 8
 }
 
@@ -65,18 +66,33 @@ fn gemm_partial_bytes(vocab: i64) -> i64 {
 /// Rows of each chunk on the Hopper path without gradients: no exps are written, so the budget (as in
 /// [`chunk_rows`]) holds only the partial sums. (Capping the chunk's hidden at 32 MiB, to keep it in L2, was
 /// within noise on an H100: 8192 x 4096, one forward, 14.66 ms as one chunk, 14.58 ms as two.)
-pub fn gemm_forward_rows(rows: i64, vocab: i64, budget: i64) -> i64 {
+fn gemm_forward_rows(rows: i64, vocab: i64, budget: i64) -> i64 {
     chunk_rows(rows, gemm_partial_bytes(vocab), false, 0, budget)
 }
 
-/// Whether the Hopper path runs on `device` for hidden size `cols` (bf16; the C++ layer checks the
-/// options): compute capability 9.0, whole 16-byte rows for TMA, and not turned off by
+/// Whether the Hopper path runs on `device` for hidden size `cols` (what it computes is the caller's
+/// `gemm_fits`): compute capability 9.0, whole 16-byte rows for TMA, and not turned off by
 /// `BASTILE_CROSS_ENTROPY_GEMM=cublas` (the earlier path: cuBLAS logits and a pass over them).
-pub fn gemm_supported(device: i32, cols: i64) -> bool {
-    if cols <= 0 || cols % 8 != 0 || std::env::var("BASTILE_CROSS_ENTROPY_GEMM").is_ok_and(|v| v == "cublas") {
-        return false;
+fn gemm_supported(device: i32, cols: i64) -> bool {
+    cols > 0
+        && cols % 8 == 0
+        && !std::env::var("BASTILE_CROSS_ENTROPY_GEMM").is_ok_and(|v| v == "cublas")
+        && crate::driver::device(device).is_ok_and(|d| d.capability() == (9, 0))
+}
+
+impl Decide for HeadPlan {
+    fn decide(&mut self) -> Result<()> {
+        let gemm = self.gemm_fits != 0 && self.device >= 0 && gemm_supported(self.device, self.cols);
+        self.gemm = gemm.into();
+        self.ld = if gemm { gemm_ld(self.vocab) } else { self.vocab };
+        self.step = if gemm && self.grad == 0 {
+            gemm_forward_rows(self.rows, self.vocab, self.chunk_bytes)
+        } else {
+            chunk_rows(self.rows, self.ld * self.element_bytes, self.f32_sum != 0, self.cast_bytes, self.chunk_bytes)
+        };
+        self.buffer_rows = self.step.min(self.rows);
+        Ok(())
     }
-    crate::driver::device(device).is_ok_and(|d| d.capability() == (9, 0))
 }
 
 /// Threads of a block: sized so that short rows do not leave most threads idle.
@@ -655,6 +671,22 @@ mod tests {
         assert_eq!(chunk_rows(50, 300 * 4, true, 0, 16 * 300 * 4), 16);
         assert_eq!(chunk_rows(50, 300 * 4, true, 0, 1), 1);
         assert_eq!(chunk_rows(100_000, 1000 * 2, false, 0, 1000 * 2 * 300), 256);
+    }
+
+    /// On the CPU (and off Hopper) the cuBLAS path, its chunks sized by the logits' bytes; the plan sizes
+    /// the Hopper path's buffers by the rows a chunk takes.
+    #[test]
+    fn head_plan_off_hopper() {
+        let vocab = 151936;
+        let mut p = HeadPlan { rows: 8192, cols: 1024, vocab, element_bytes: 2, device: -1, grad: 1, gemm_fits: 1, ..Default::default() };
+        p.decide().unwrap();
+        assert_eq!((p.gemm, p.ld, p.step, p.buffer_rows), (0, vocab, 768, 768));
+        let mut p = HeadPlan { rows: 100, f32_sum: 1, cast_bytes: vocab * 4096 * 2, ..p };
+        p.decide().unwrap();
+        assert_eq!((p.gemm, p.step, p.buffer_rows), (0, 100, 100));
+        let mut p = HeadPlan { rows: 50, cols: 300, vocab: 1000, element_bytes: 4, chunk_bytes: 16 * 4000, ..p };
+        p.decide().unwrap();
+        assert_eq!((p.ld, p.step), (1000, 16));
     }
 
     #[test]

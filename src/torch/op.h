@@ -143,6 +143,13 @@ void launch(const at::Tensor& on, const P& p) {
   rust([&] { rs::launch(std::move(plan), memory, current_stream(on)); });
 }
 
+// Decision block p with Rust's answer in its "chosen by Rust" fields.
+template <class P>
+P decide(P p) {
+  rust([&] { rs::decide(Block<P>::id, reinterpret_cast<uint8_t*>(&p)); });
+  return p;
+}
+
 // ------------------------------------------------------------------------------------------ registration
 
 template <class Spec>
