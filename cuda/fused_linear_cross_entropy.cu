@@ -328,9 +328,10 @@ namespace {
 
 using namespace bastile::sm90;
 
-constexpr int kTileM = FLCE_GEMM_TILE_M, kTileN = FLCE_GEMM_TILE_N, kTileK = FLCE_GEMM_TILE_K;
-constexpr uint32_t kHiddenBytes = kTileM * kTileK * sizeof(bf16);
-constexpr uint32_t kStageBytes = kHiddenBytes + kTileN * kTileK * sizeof(bf16);  // a hidden and a weight box
+constexpr int kTileM = FLCE_GEMM_TILE_M, kTileN = FLCE_GEMM_TILE_N;
+static_assert(kTileM == kGemmTileM && kTileN == kGemmTileN && FLCE_GEMM_TILE_K == kGemmTileK &&
+                  FLCE_GEMM_THREADS == kGemmThreads,
+              "the header's GEMM geometry (which Rust reads) is gemm_bf16_tn's");
 constexpr float kFlushSum = 18446744073709551616.f;                  // 2^64: a row at or above is repaired
 
 __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -452,76 +453,10 @@ __device__ __forceinline__ void epilogue(const CrossEntropyGemm &p, float (&acc)
 }
 
 template <bool CAP> __device__ __forceinline__ void logits_gemm(const CrossEntropyGemm &p) {
-#if BASTILE_SM90
-  const Tiles tiles(p);
-  if (tiles.none()) return;
-  __shared__ uint64_t full[FLCE_GEMM_MAX_STAGES], empty[FLCE_GEMM_MAX_STAGES];
-  extern __shared__ unsigned char gemm_shared[];
-  // 128-byte swizzling repeats every 1024 bytes: stages start on such a boundary (Rust asks 1 KiB more).
-  unsigned char *base = gemm_shared + ((1024 - shared_address(gemm_shared) % 1024) % 1024);
-  const int stages = p.stages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      barrier_init(&full[s], 1);
-      barrier_init(&empty[s], 2);  // both consumers
-    }
-    barrier_init_fence();
-  }
-  __syncthreads();
-  const int steps = (int)ceil_div(p.cols, kTileK);
-  const int group = threadIdx.x / 128, t = threadIdx.x % 128;
-  int s = 0;
-  uint32_t phase = 0;
-  if (group == 0) {
-    // The producer: one thread loads every stage of every tile of this block, in the walk's order.
-    release_registers<40>();
-    if (t != 0) return;
-    for (int64_t tile = blockIdx.x; tile < tiles.count; tile += gridDim.x) {
-      if (tiles.skip(tile)) continue;
-      const int32_t y_hidden = (int32_t)((tile % tiles.row_tiles) * kTileM);
-      const int32_t y_weight = (int32_t)((tile / tiles.row_tiles) * kTileN);
-      for (int k = 0; k < steps; ++k) {
-        wait(&empty[s], phase ^ 1);
-        unsigned char *stage = base + s * kStageBytes;
-        arrive_expect(&full[s], kStageBytes);
-        tma_load(stage, &p.hidden_map, &full[s], k * kTileK, y_hidden);
-        tma_load(stage + kHiddenBytes, &p.weight_map, &full[s], k * kTileK, y_weight);
-        if (++s == stages) s = 0, phase ^= 1;
-      }
-    }
-    return;
-  }
-  // The consumers: warp group 1 takes the tile's rows 0-63, group 2 rows 64-127.
-  set_registers<232>();
-  const int me = group - 1;
-  for (int64_t tile = blockIdx.x; tile < tiles.count; tile += gridDim.x) {
-    if (tiles.skip(tile)) continue;
-    float acc[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    int last = -1;
-    for (int k = 0; k < steps; ++k) {
-      wait(&full[s], phase);
-      const unsigned char *stage = base + s * kStageBytes;
-      mma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk)
-        mma_bf16_m64n256k16(acc, descriptor(stage + me * 64 * 128 + kk * 32), descriptor(stage + kHiddenBytes + kk * 32));
-      mma_commit();
-      // The previous stage's products are done: its buffers go back to the producer.
-      mma_wait<1>();
-      if (last >= 0 && t == 0) arrive(&empty[last]);
-      last = s;
-      if (++s == stages) s = 0, phase ^= 1;
-    }
-    mma_wait<0>();
-    fence_operands(acc);
-    if (t == 0) arrive(&empty[last]);
-    epilogue<CAP>(p, acc, tile % tiles.row_tiles, tile / tiles.row_tiles, me, t);
-  }
-#else
-  __trap();
-#endif
+  gemm_bf16_tn<FLCE_GEMM_MAX_STAGES>(&p.hidden_map, &p.weight_map, p.cols, p.stages, Tiles(p),
+                                     [&](float (&acc)[128], int64_t m, int64_t n, int group, int t) {
+                                       epilogue<CAP>(p, acc, m, n, group, t);
+                                     });
 }
 
 // Per row: s_t = softcap(logit_scale * <hidden, weight[t]>) / temperature (f32 products and sums) and the

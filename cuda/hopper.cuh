@@ -1,6 +1,7 @@
-// Hopper (sm_90a) building blocks for our own GEMMs: mbarriers, TMA tile loads, WGMMA and register
-// reallocation between warp groups. Only code compiled for sm_90a may call them (the callers check
-// BASTILE_SM90 and trap elsewhere); Rust launches those kernels on compute capability 9.0 only.
+// Hopper (sm_90a) building blocks for our own GEMMs: mbarriers, TMA tile loads, WGMMA, register
+// reallocation between warp groups, and the persistent GEMM mainloop that a kernel gives its epilogue
+// (gemm_bf16_tn). Only code compiled for sm_90a may call the instructions (the callers check BASTILE_SM90 and
+// trap elsewhere); Rust launches those kernels on compute capability 9.0 only.
 #pragma once
 #include <stdint.h>
 
@@ -83,6 +84,94 @@ __device__ __forceinline__ void mma_bf16_m64n256k16(float (&d)[128], uint64_t a,
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, accumulate, 1, 1, 0, 0;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(a), "l"(b), "r"(1));
+}
+
+// gemm_bf16_tn's output tile, rows and columns, and the K step of one pipeline stage (64 bf16 are one
+// 128-byte swizzle row); a stage holds an A box and a B box.
+constexpr int kGemmTileM = 128, kGemmTileN = 256, kGemmTileK = 64;
+constexpr uint32_t kGemmBytesA = kGemmTileM * kGemmTileK * 2;
+constexpr uint32_t kGemmStageBytes = kGemmBytesA + kGemmTileN * kGemmTileK * 2;
+constexpr int kGemmThreads = 384;
+
+// The persistent, warp-specialised GEMM A B^T of bf16 K-major operands, A [M, k] and B [N, k] (row-major,
+// through TMA maps with boxes of kGemmTileK x kGemmTileM and kGemmTileK x kGemmTileN), by blocks of
+// kGemmThreads: warp group 0's first thread loads the stages of every tile of its block, groups 1 and 2 each
+// multiply 64 rows of the tile and hand their f32 accumulators (mma_bf16_m64n256k16's layout) to
+// `epilogue(acc, row_tile, col_tile, group (0 or 1), thread in group)`, while the producer runs on into the
+// next tile. `walk` says which output tiles a launch computes: `count` of them, row tiles fastest
+// (`row_tiles` to a column), skipping `skip(tile)`, none at all where `none()`. Dynamic shared memory:
+// `stages` (2 to MaxStages) stages of kGemmStageBytes, plus 1 KiB to align them.
+template <int MaxStages, class Walk, class Epilogue>
+__device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_map, int64_t k_size, int stages,
+                                             const Walk &walk, Epilogue &&epilogue) {
+#if BASTILE_SM90
+  if (walk.none()) return;
+  __shared__ uint64_t full[MaxStages], empty[MaxStages];
+  extern __shared__ unsigned char gemm_shared[];
+  // 128-byte swizzling repeats every 1024 bytes: stages start on such a boundary.
+  unsigned char *base = gemm_shared + ((1024 - shared_address(gemm_shared) % 1024) % 1024);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      barrier_init(&full[s], 1);
+      barrier_init(&empty[s], 2);  // both consumers
+    }
+    barrier_init_fence();
+  }
+  __syncthreads();
+  const int steps = (int)((k_size + kGemmTileK - 1) / kGemmTileK);
+  const int group = threadIdx.x / 128, t = threadIdx.x % 128;
+  int s = 0;
+  uint32_t phase = 0;
+  if (group == 0) {
+    // The producer: one thread loads every stage of every tile of this block, in the walk's order.
+    release_registers<40>();
+    if (t != 0) return;
+    for (int64_t tile = blockIdx.x; tile < walk.count; tile += gridDim.x) {
+      if (walk.skip(tile)) continue;
+      const int32_t y_a = (int32_t)((tile % walk.row_tiles) * kGemmTileM);
+      const int32_t y_b = (int32_t)((tile / walk.row_tiles) * kGemmTileN);
+      for (int k = 0; k < steps; ++k) {
+        wait(&empty[s], phase ^ 1);
+        unsigned char *stage = base + s * kGemmStageBytes;
+        arrive_expect(&full[s], kGemmStageBytes);
+        tma_load(stage, a_map, &full[s], k * kGemmTileK, y_a);
+        tma_load(stage + kGemmBytesA, b_map, &full[s], k * kGemmTileK, y_b);
+        if (++s == stages) s = 0, phase ^= 1;
+      }
+    }
+    return;
+  }
+  // The consumers: warp group 1 takes the tile's rows 0-63, group 2 rows 64-127.
+  set_registers<232>();
+  const int me = group - 1;
+  for (int64_t tile = blockIdx.x; tile < walk.count; tile += gridDim.x) {
+    if (walk.skip(tile)) continue;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    int last = -1;
+    for (int k = 0; k < steps; ++k) {
+      wait(&full[s], phase);
+      const unsigned char *stage = base + s * kGemmStageBytes;
+      mma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kGemmTileK / 16; ++kk)
+        mma_bf16_m64n256k16(acc, descriptor(stage + me * 64 * 128 + kk * 32), descriptor(stage + kGemmBytesA + kk * 32));
+      mma_commit();
+      // The previous stage's products are done: its buffers go back to the producer.
+      mma_wait<1>();
+      if (last >= 0 && t == 0) arrive(&empty[last]);
+      last = s;
+      if (++s == stages) s = 0, phase ^= 1;
+    }
+    mma_wait<0>();
+    fence_operands(acc);
+    if (t == 0) arrive(&empty[last]);
+    epilogue(acc, tile % walk.row_tiles, tile / walk.row_tiles, me, t);
+  }
+#else
+  __trap();
+#endif
 }
 
 }  // namespace bastile::sm90

@@ -148,8 +148,9 @@ typedef struct CrossEntropyGemm {
 #define FLCE_GEMM_LOGITS 0
 #define FLCE_GEMM_SCALE 1
 /* A block's output tile, rows and columns, and the K step of one pipeline stage (64 bf16 are one 128-byte
- * swizzle row). A block is one producer warp group and two consumers, each taking 64 rows of the tile
- * (one m64n256k16 WGMMA a k16 step); the producer runs on into the next tile during their epilogue.
+ * swizzle row): the geometry of cuda/hopper.cuh's gemm_bf16_tn, which runs the epilogue above. A block is one
+ * producer warp group and two consumers, each taking 64 rows of the tile (one m64n256k16 WGMMA a k16 step);
+ * the producer runs on into the next tile during their epilogue.
  * 128 x 256 reads 48 KiB of operands per 4.2 MFLOP: 128 x 128 tiles (half the reuse) ran at ~360
  * TFLOP/s on an H100, bound by L2 bandwidth. */
 #define FLCE_GEMM_TILE_M 128
