@@ -70,14 +70,18 @@ fn gemm_forward_rows(rows: i64, vocab: i64, budget: i64) -> i64 {
     chunk_rows(rows, gemm_partial_bytes(vocab), false, 0, budget)
 }
 
+/// Whether `BASTILE_CROSS_ENTROPY_GEMM=cublas` turns the Hopper path off (the earlier path: cuBLAS logits
+/// and a pass over them), read once, at the first fused head's call on CUDA: a process runs one path.
+fn cublas_only() -> bool {
+    static CUBLAS: std::sync::LazyLock<bool> =
+        std::sync::LazyLock::new(|| std::env::var("BASTILE_CROSS_ENTROPY_GEMM").is_ok_and(|v| v == "cublas"));
+    *CUBLAS
+}
+
 /// Whether the Hopper path runs on `device` for hidden size `cols` (what it computes is the caller's
-/// `gemm_fits`): compute capability 9.0, whole 16-byte rows for TMA, and not turned off by
-/// `BASTILE_CROSS_ENTROPY_GEMM=cublas` (the earlier path: cuBLAS logits and a pass over them).
+/// `gemm_fits`): compute capability 9.0, whole 16-byte rows for TMA, and not turned off ([`cublas_only`]).
 fn gemm_supported(device: i32, cols: i64) -> bool {
-    cols > 0
-        && cols % 8 == 0
-        && !std::env::var("BASTILE_CROSS_ENTROPY_GEMM").is_ok_and(|v| v == "cublas")
-        && crate::driver::device(device).is_ok_and(|d| d.capability() == (9, 0))
+    cols > 0 && cols % 8 == 0 && !cublas_only() && crate::driver::device(device).is_ok_and(|d| d.capability() == (9, 0))
 }
 
 impl Decide for HeadPlan {

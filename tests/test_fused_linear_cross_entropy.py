@@ -1,4 +1,7 @@
 """torch.ops.bastile.fused_linear_cross_entropy against HF's eager loss and an fp64 reference."""
+import os
+import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -478,7 +481,7 @@ def test_cuda_graph_capture_has_no_host_sync(bias):
 
 # ---------------------------------------------------------------- the Hopper path (our GEMM with the softmax epilogue)
 # bf16 without bias on compute capability 9.0 runs our own logits GEMM (include/fused_linear_cross_entropy.h:
-# CrossEntropyGemm); BASTILE_CROSS_ENTROPY_GEMM=cublas takes the cuBLAS path instead.
+# CrossEntropyGemm); BASTILE_CROSS_ENTROPY_GEMM=cublas, read once a process, takes the cuBLAS path instead.
 
 needs_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                                   reason="the GEMM path runs on compute capability 9.0")
@@ -577,8 +580,20 @@ def test_cuda_gemm_path_repairs_rows_beyond_its_range(softcap):
     against_fp64(h, w, t, softcap=softcap, reduction="none")
 
 
+# The loss and gradients of the saved inputs, in a process whose environment asks for the cuBLAS path.
+CUBLAS_CHILD = """
+import sys, torch, bastile
+from test_fused_linear_cross_entropy import grads, op, own_gemm_ran
+h, w, t = torch.load(sys.argv[1])
+h, w = h.requires_grad_(), w.requires_grad_()
+out = []
+assert not own_gemm_ran(lambda: out.append(op(h, w, t)))
+torch.save((out[0], *grads(out[0], (h, w))), sys.argv[2])
+"""
+
+
 @needs_hopper
-def test_cuda_gemm_path_is_deterministic_and_agrees_with_the_cublas_path(monkeypatch):
+def test_cuda_gemm_path_is_deterministic_and_agrees_with_the_cublas_path(tmp_path):
     h, w, _, t = make(1000, 512, QWEN3_VOCAB, torch.bfloat16, "cuda", bias=False)
 
     def run():
@@ -587,10 +602,23 @@ def test_cuda_gemm_path_is_deterministic_and_agrees_with_the_cublas_path(monkeyp
 
     first, again = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    monkeypatch.setenv("BASTILE_CROSS_ENTROPY_GEMM", "cublas")
-    assert not own_gemm_ran(lambda: run())
-    for a, b in zip(first, run()):
+    torch.save((h.detach(), w.detach(), t), tmp_path / "inputs.pt")
+    p = subprocess.run([sys.executable, "-c", CUBLAS_CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+                       env={**os.environ, "BASTILE_CROSS_ENTROPY_GEMM": "cublas"}, cwd=os.path.dirname(__file__),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    for a, b in zip(first, torch.load(tmp_path / "out.pt")):
         assert rel_err(a, b) < 5e-3
+
+
+@needs_hopper
+def test_cuda_gemm_choice_is_read_once_a_process(monkeypatch):
+    """BASTILE_CROSS_ENTROPY_GEMM is read at the first call, not on every call: setting it later changes
+    nothing."""
+    h, w, _, t = make(300, 256, 5000, torch.bfloat16, "cuda", bias=False)
+    assert own_gemm_ran(lambda: op(h, w, t).backward())
+    monkeypatch.setenv("BASTILE_CROSS_ENTROPY_GEMM", "cublas")
+    assert own_gemm_ran(lambda: op(h, w, t).backward())
 
 
 @needs_cuda
