@@ -189,6 +189,28 @@ def test_packed_row_matches_masked_path_and_sequences_alone(variant, use_cache, 
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["positions", "cu_seq_lens"])
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2_window"])
+def test_a_layer_that_cannot_run_varlen_keeps_its_mask(variant, given, monkeypatch):
+    """One rule decides varlen or masked, for the decoder and for each attention: where one layer's attention
+    cannot run varlen (dropout in training, set on that module alone), the decoder keeps HF's masks, which that
+    layer attends through, within each sequence. The other layers run the varlen kernel where the collator
+    gave the bounds; from positions alone the decoder does not read them, and every layer takes the masks."""
+    family, overrides = VARIANTS[variant]
+    ref = mini(family, "cpu", torch.float32, **overrides).train()
+    ref.model.layers[0].self_attn.attention_dropout = 1e-12  # dropout whose draws change nothing
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    seqs, batch = _packed_inputs((7, 12, 5, 9))
+    if not given:
+        batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    attention_calls = _counting(monkeypatch, "attention")
+    loss = model(**batch).loss
+    assert len(attention_calls) == (model.config.num_hidden_layers - 1 if given else 0)
+    bastile.reset()
+    torch.testing.assert_close(loss, _alone(ref, seqs), rtol=1e-5, atol=0)
+
+
 def test_packed_training_matches_unpacked_20_steps():
     """A mini Qwen3 trained 20 AdamW steps on packed rows (Bastile, varlen) and on the same sequences as
     padded rows (HF, attention mask): the same per-step losses, each the mean over the step's predicted

@@ -170,7 +170,7 @@ def attention_forward(family: Family):
 
         window = _window(family, self)
         dropout = 0.0 if not self.training else self.attention_dropout
-        if not a.sinks and past_key_values is None and dropout == 0.0 and kwargs.get("cu_seq_lens_q") is not None:
+        if past_key_values is None and kwargs.get("cu_seq_lens_q") is not None and _varlen(family, self):
             # a packed batch: the varlen kernel; HF's mask, where it made one, goes unused
             tokens = (t.transpose(1, 2).reshape(-1, t.shape[1], self.head_dim)
                       for t in (query_states, key_states, value_states))
@@ -193,11 +193,17 @@ def attention_forward(family: Family):
     return forward
 
 
+def _varlen(family: Family, attention) -> bool:
+    """Whether Bastile's attention, in the attention module given, takes a packed batch (without a cache) to
+    the varlen kernel: the family has no sinks, and the module no dropout in training. The one rule: the
+    decoder drops HF's masks only where it holds for every layer (_runs_varlen)."""
+    return not family.attention.sinks and not (attention.training and attention.attention_dropout)
+
+
 def _runs_varlen(family: Family, runs: Runs, decoder) -> bool:
-    """Whether the decoder's attention layers take a packed batch to the varlen kernel: Bastile's attention
-    runs them, and it has neither sinks nor dropout."""
-    return (runs("attention") and not family.attention.sinks
-            and (not decoder.training or not decoder.config.attention_dropout))
+    """Whether every attention layer of the decoder takes a packed batch to the varlen kernel: Bastile's
+    attention runs them, and _varlen holds for each."""
+    return runs("attention") and all(_varlen(family, layer.self_attn) for layer in decoder.layers)
 
 
 # ------------------------------------------------------------------------------------------------ decoder layer
