@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -207,6 +208,14 @@ def _runs_varlen(family: Family, runs: Runs, decoder) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ decoder layer
+
+
+def checkpointed(forward):
+    """A decoder layer's forward as transformers makes its own. Newer releases (5.23) wrap each
+    GradientCheckpointingLayer subclass's forward in the checkpointing when the class is made (earlier ones
+    checkpoint in __call__, and this returns `forward` itself): a forward set on the class afterwards gets
+    the same wrapper, from the same code, through a subclass made for it."""
+    return type("Checkpointed", (GradientCheckpointingLayer,), {"forward": forward}).forward
 
 
 def layer_forward(family: Family, runs: Runs):

@@ -83,7 +83,7 @@ def _targets(f: Family) -> Dict[str, list]:
         "mlp": mlp,
         "attention": [(f"{p}Attention.forward", hf.attention_forward(f))],
         "decoder": [(f"{p}Model.forward", Wrap(hf.decoder_forward(f, runs, _check))),
-                    (f"{p}DecoderLayer.forward", hf.layer_forward(f, runs))],
+                    (f"{p}DecoderLayer.forward", hf.checkpointed(hf.layer_forward(f, runs)))],
         "head": [(f"{p}ForCausalLM.forward", hf.causal_lm_forward(f, _check))],
     }
 
