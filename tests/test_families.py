@@ -156,6 +156,22 @@ def test_training_matches_hf_cpu_fp32(family):
                         {n: p for n, p in ref.named_parameters() if not n.endswith(noise or "\0")}, 5e-4)
 
 
+def test_gpt_oss_gate_follows_its_module():
+    """GPT-OSS's experts' GEGLU alpha and limit: config keys in newer transformers (swiglu_alpha,
+    swiglu_limit), which its modules take; Bastile's gate reads the modules, so it computes what HF's does
+    with either release."""
+    data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * STEPS
+    ref = mini("gpt_oss", "cpu", torch.float32, swiglu_alpha=1.25, swiglu_limit=0.5)
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    losses, grads = train(model, data)
+    bastile.reset()
+    ref_losses, ref_grads = train(ref, data)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_matches_hf_and_reset_restores(family):
     ref = mini(family, "cpu", torch.float32).eval()

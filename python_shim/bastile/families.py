@@ -151,8 +151,9 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
              "norm_topk_prob", "sliding_window", "use_sliding_window"} | _MOE,
             attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER), mlp=Mlp(experts="swiglu"),
             head=Head(router_aux_loss=True)),
-    # GptOssMLP is the MoE block (router and experts), not a dense MLP.
-    _family("gpt_oss", "GptOss", {"attention_bias"} | _PER_LAYER | _MOE,
+    # GptOssMLP is the MoE block (router and experts), not a dense MLP. Its experts' GEGLU alpha and limit
+    # are module attributes, which the patched gate reads (transformers 5.23 sets them from swiglu_*).
+    _family("gpt_oss", "GptOss", {"attention_bias", "swiglu_alpha", "swiglu_limit"} | _PER_LAYER | _MOE,
             norm=Norm.WEIGHT_THEN_CAST, attention=Attention(window=Window.LAYER, sinks=True),
             rotary=Rotary(layout=Layout.HALF_TABLES), mlp=Mlp(dense=False, experts="geglu", router_scores=True),
             head=Head(router_aux_loss=True)),
