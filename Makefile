@@ -11,12 +11,17 @@ PY ?= $(VENV)/bin/python
 WHEELS := target/wheels
 export BASTILE_PYTHON := $(abspath $(PY))
 
+# The transformers releases the patches are tested against, oldest and newest (python_shim/bastile/versions.py).
+TRANSFORMERS_RANGE := $(shell python3 python_shim/bastile/versions.py)
+OLDEST := $(word 1,$(TRANSFORMERS_RANGE))
+NEWEST := $(word 2,$(TRANSFORMERS_RANGE))
 # Versions the library is built and tested against (torch matches the GPU machine's build).
-PINS := torch==2.11.0 transformers==5.17.0 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
-        nvidia-cuda-crt==13.0.88 pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0 \
-        peft==0.21.2 trl==1.16.0 datasets==5.2.0 bitsandbytes==0.50.2
+TOOLS := pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0 peft==0.21.2 trl==1.16.0 datasets==5.2.0 \
+         bitsandbytes==0.50.2
+PINS := torch==2.11.0 transformers==$(OLDEST) 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
+        nvidia-cuda-crt==13.0.88 $(TOOLS)
 
-.PHONY: setup build wheel install test cargo-test pytest train gpu-test bench bench-kernels bench-e2e bench-families bench-qlora bench-sft bench-profile bench-fsdp clean
+.PHONY: setup build wheel install test cargo-test pytest pytest-newest train gpu-test bench bench-kernels bench-e2e bench-families bench-qlora bench-sft bench-profile bench-fsdp clean
 
 # Project-local virtualenv with the pins, and libclang for bindgen. The pins take ~5.5 GiB installed and
 # pip's cache would keep a second copy of their wheels; a fresh CI disk has run out of space on that.
@@ -57,7 +62,15 @@ cargo-test: build
 pytest: install
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
-test: cargo-test pytest
+# The same build and suite with the newest tested transformers in front of the pinned one.
+NEWEST_SITE := $(VENV)/transformers-$(NEWEST)
+$(NEWEST_SITE)/.ready: | setup
+	$(PY) -m pip install -q --no-cache-dir --no-deps --target $(NEWEST_SITE) transformers==$(NEWEST)
+	touch $@
+pytest-newest: install $(NEWEST_SITE)/.ready
+	PYTHONPATH=$(abspath $(NEWEST_SITE))$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest tests -q -p no:cacheprovider
+
+test: cargo-test pytest pytest-newest
 
 train: install
 	$(PY) benches/train_qwen3.py

@@ -20,8 +20,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python_shim" / "bastile"
 LIBRARY = "libbastile.so"
-# The patched forwards follow this transformers release's modeling code (tests pin it).
-TRANSFORMERS = "transformers==5.17.*"
+
+def _transformers() -> str:
+    """The tested transformers releases (bastile/versions.py) up to the next major one: apply() warns above
+    the newest tested."""
+    tested = {}
+    exec((PACKAGE / "versions.py").read_text(), tested)
+    oldest = tested["TRANSFORMERS_OLDEST"]
+    return f"transformers>={oldest},<{int(oldest.split('.')[0]) + 1}"
+
 # The 4-bit layout and arithmetic bastile.dequantize_4bit reproduces (tests pin 0.50.2).
 BITSANDBYTES = "bitsandbytes>=0.50,<0.51"
 
@@ -62,7 +69,7 @@ def _metadata(crate: dict, version: str, torch_release: str) -> str:
         f"License: {crate['license']}\n",
         "Requires-Python: >=3.10\n",
         f"Requires-Dist: torch=={torch_release}.*\n",
-        f"Requires-Dist: {TRANSFORMERS}\n",
+        f"Requires-Dist: {_transformers()}\n",
         "Provides-Extra: qlora\n",  # 4-bit base layers in the fused LoRA nodes
         f"Requires-Dist: {BITSANDBYTES}; extra == \"qlora\"\n",
         "Description-Content-Type: text/markdown\n\n",

@@ -94,3 +94,11 @@ def test_the_installed_package_carries_its_library_and_torch():
     assert package != ROOT / "python_shim" / "bastile" and (package.parent / f"bastile-{dist_version}.dist-info").is_dir()
     assert Path(library) == package / "libbastile.so"
     assert f"torch=={MAJOR}.{MINOR}.*" in requires.split(";")
+    # Installs beside every tested transformers, without changing it, up to the next major release.
+    from packaging.requirements import Requirement
+    from bastile.versions import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST
+    spec = next(Requirement(r) for r in requires.split(";") if r.startswith("transformers")).specifier
+    major, minor = map(int, TRANSFORMERS_OLDEST.split(".")[:2])
+    for version, ok in [(TRANSFORMERS_OLDEST, True), (TRANSFORMERS_NEWEST, True), (f"{major}.99.1", True),
+                        (f"{major}.{minor - 1}.9", False), (f"{major + 1}.0.0", False)]:
+        assert spec.contains(version) is ok, (str(spec), version)

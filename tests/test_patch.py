@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
@@ -99,6 +100,28 @@ def test_multi_target_role_missing_one_target(monkeypatch):
     monkeypatch.undo()
     for (owner, attr), original in MOE_ORIGINALS.items():
         assert owner.__dict__[attr] is original, (owner, attr)
+
+
+def test_transformers_outside_the_tested_range(monkeypatch, recwarn):
+    """Below the tested releases apply() refuses before patching; above them it patches and warns once per
+    release; within them (a patch release of the newest too) it is silent."""
+    from bastile.versions import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST
+    major, minor = map(int, TRANSFORMERS_OLDEST.split(".")[:2])
+    monkeypatch.setattr(transformers, "__version__", f"{major}.{minor - 1}.3")
+    with pytest.raises(RuntimeError, match=rf"transformers {major}\.{minor - 1}\.3 is older .*nothing was patched"):
+        bastile.apply()
+    assert bastile.get_patched_ops() == []
+    newest_major, newest_minor = map(int, TRANSFORMERS_NEWEST.split(".")[:2])
+    for within in (TRANSFORMERS_OLDEST, f"{newest_major}.{newest_minor}.9.dev0"):
+        monkeypatch.setattr(transformers, "__version__", within)
+        assert bastile.apply(families="qwen3", **ONLY_MLP) == ["mlp_qwen3"]
+    assert not [w for w in recwarn if "bastile" in str(w.message)]
+    newer = f"{newest_major}.{newest_minor + 1}.0"
+    monkeypatch.setattr(transformers, "__version__", newer)
+    assert bastile.apply(families="qwen3", **ONLY_MLP) == ["mlp_qwen3"]
+    assert bastile.apply(families="llama", **ONLY_MLP) == ["mlp_llama"]
+    warned = [str(w.message) for w in recwarn if "bastile" in str(w.message)]
+    assert len(warned) == 1 and f"transformers {newer} is newer" in warned[0], warned
 
 
 def test_apply_selects_roles_and_model_and_rejects_unknown():

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+import transformers
 
-from . import heads, hf, lora
+from . import heads, hf, lora, versions
 from .families import FAMILIES, Family, Unsupported, check
 
 ROLES = ("norm", "mlp", "attention", "decoder", "head")
@@ -153,6 +154,7 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
     Bastile's fused_linear_log_probs, whatever the model, where TRL is installed (trl==1.16; another TRL
     whose internals differ is an error here). The kernel-named keywords of earlier releases are aliases
     (patch.ALIASES)."""
+    versions.check_transformers(transformers.__version__)
     selected = _selected(dict(norm=norm, mlp=mlp, attention=attention, decoder=decoder, head=head,
                               log_probs=log_probs, rms_norm=rms_norm, swiglu=swiglu, rope=rope,
                               fused_linear_cross_entropy=fused_linear_cross_entropy, geglu=geglu, moe=moe))
