@@ -4,7 +4,8 @@
 //   y         = (u + 1) * g * s
 //   grad_gate = dy * (u + 1) * s * (1 + alpha * g * (1 - s))   where gate <= L, else 0
 //   grad_up   = dy * g * s                                      where -L <= up <= L, else 0
-// (torch's clamp backward passes the gradient at the bounds themselves). Math in f32, every result
+// with the bounds themselves inside where the running torch's clamp backward passes the gradient there
+// (p.at_limit), outside where it stops it. Math in f32, every result
 // rounded once to T: HF rounds after each op in T, so these are closer to the exact values. The
 // backward recomputes s from the saved gate_up instead of saving an activation.
 //
@@ -23,6 +24,7 @@ constexpr int U = GEGLU_UNROLL;
 
 struct Gate {
   float alpha, limit;
+  bool at_limit;  // the gradient passes at the bounds
 
   // NaN passes through both clamps, as in torch.
   __device__ __forceinline__ float gate(float g) const { return g > limit ? limit : g; }
@@ -39,14 +41,15 @@ struct Gate {
   __device__ __forceinline__ void backward(float dy, float g, float u, float &dg, float &du) const {
     const float gc = gate(g), s = sigmoid(alpha * gc);
     // Written so that a NaN input fails the test and gets 0, as torch's where(mask, grad, 0) gives.
-    dg = g <= limit ? dy * (up(u) + 1.f) * (s * (1.f + alpha * gc * (1.f - s))) : 0.f;
-    du = u >= -limit && u <= limit ? dy * (gc * s) : 0.f;
+    const bool g_in = at_limit ? g <= limit : g < limit, u_in = at_limit ? u >= -limit && u <= limit : u > -limit && u < limit;
+    dg = g_in ? dy * (up(u) + 1.f) * (s * (1.f + alpha * gc * (1.f - s))) : 0.f;
+    du = u_in ? dy * (gc * s) : 0.f;
   }
 };
 
-template <class T> __device__ __forceinline__ Gate gate_of(double alpha, double limit) {
+template <class T> __device__ __forceinline__ Gate gate_of(double alpha, double limit, bool at_limit = true) {
   // Through f32 to T, as c10's Scalar conversion goes.
-  return Gate{(float)alpha, round_to<T>((float)limit)};
+  return Gate{(float)alpha, round_to<T>((float)limit), at_limit};
 }
 
 // The 2V elements of gate_up behind V pairs, as the two vectors they are loaded in.
@@ -81,7 +84,7 @@ template <class T, int V> __device__ __forceinline__ void backward(const GegluBa
   const T *__restrict__ grad_y = static_cast<const T *>(p.grad_y);
   const T *__restrict__ x = static_cast<const T *>(p.gate_up);
   T *__restrict__ dx = static_cast<T *>(p.grad_gate_up);
-  const Gate f = gate_of<T>(p.alpha, p.limit);
+  const Gate f = gate_of<T>(p.alpha, p.limit, p.at_limit != 0);
   Pack<T, V> dy[U];
   Pairs<T, V> in[U];
   for_each_vector<V, U>(

@@ -30,4 +30,6 @@ typedef struct GegluBackward {
   double alpha;
   double limit;
   int32_t dtype;
+  int32_t at_limit;    /* nonzero: the gradient passes where gate or up equals a limit (torch's clamp through
+                          2.11); zero: it stops there too (newer torch: the minimum-norm subgradient) */
 } GegluBackward;

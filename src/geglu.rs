@@ -11,16 +11,18 @@ crate::elementwise_launch! { Elementwise { block: GEGLU_BLOCK, unroll: GEGLU_UNR
     GegluBackward: Bwd(grad_y, gate_up, grad_gate_up) => backward_cpu;
 }
 
-/// alpha and the limit as T's clamp applies it.
+/// alpha and the limit as T's clamp applies it, and whether the gradient passes at the limit itself
+/// (`GegluBackward::at_limit`).
 #[derive(Clone, Copy)]
 struct Gate {
     alpha: f64,
     limit: f64,
+    at_limit: bool,
 }
 
 impl Gate {
-    fn new<T: Element>(alpha: f64, limit: f64) -> Self {
-        Gate { alpha, limit: T::round(limit) }
+    fn new<T: Element>(alpha: f64, limit: f64, at_limit: bool) -> Self {
+        Gate { alpha, limit: T::round(limit), at_limit }
     }
 
     // Comparisons in this order keep a NaN, as torch's clamp does (f64::min would drop it).
@@ -46,8 +48,9 @@ impl Gate {
     fn backward(self, dy: f64, g: f64, u: f64) -> (f64, f64) {
         let (gc, l) = (self.gate(g), self.limit);
         let s = self.sigmoid(gc);
-        let dg = if g <= l { dy * (self.up(u) + 1.0) * (s * (1.0 + self.alpha * gc * (1.0 - s))) } else { 0.0 };
-        let du = if u >= -l && u <= l { dy * (gc * s) } else { 0.0 };
+        let (g_in, u_in) = if self.at_limit { (g <= l, u >= -l && u <= l) } else { (g < l, u > -l && u < l) };
+        let dg = if g_in { dy * (self.up(u) + 1.0) * (s * (1.0 + self.alpha * gc * (1.0 - s))) } else { 0.0 };
+        let du = if u_in { dy * (gc * s) } else { 0.0 };
         (dg, du)
     }
 }
@@ -55,7 +58,7 @@ impl Gate {
 unsafe fn forward_cpu<T: Element>(p: &GegluForward) {
     let n = p.n as usize;
     let (x, y) = (cpu::slice::<T>(p.gate_up, 2 * n), Disjoint::new(cpu::slice_mut::<T>(p.y, n)));
-    let f = Gate::new::<T>(p.alpha, p.limit);
+    let f = Gate::new::<T>(p.alpha, p.limit, true);
     cpu::parallel_for(n, cpu::GRAIN, |r| {
         // SAFETY (here and below): the ranges of parallel_for do not overlap.
         for (y, gu) in y.part(r.clone()).iter_mut().zip(x[2 * r.start..2 * r.end].chunks_exact(2)) {
@@ -68,7 +71,7 @@ unsafe fn backward_cpu<T: Element>(p: &GegluBackward) {
     let n = p.n as usize;
     let (dy, x) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate_up, 2 * n));
     let dx = Disjoint::new(cpu::slice_mut::<T>(p.grad_gate_up, 2 * n));
-    let f = Gate::new::<T>(p.alpha, p.limit);
+    let f = Gate::new::<T>(p.alpha, p.limit, p.at_limit != 0);
     cpu::parallel_for(n, cpu::GRAIN, |r| {
         let pairs = 2 * r.start..2 * r.end;
         for ((d, gu), dy) in dx.part(pairs.clone()).chunks_exact_mut(2).zip(x[pairs].chunks_exact(2)).zip(&dy[r]) {
@@ -93,20 +96,22 @@ mod tests {
 
     /// Exact (y, grad_gate, grad_up) in f64 from another formula than the kernels': sig(x) =
     /// exp(-ln(1 + e^-x)), d/dg [g sig(a g)] = sig(a g) + a g sig(a g) sig(-a g), clamps by f64::clamp
-    /// and the masks as ranges. `limit` must be representable in the dtype under test.
-    fn reference(dy: f64, g: f64, u: f64, alpha: f64, limit: f64) -> (f64, f64, f64) {
+    /// and the masks as ranges, closed where the gradient passes `at_limit`. `limit` must be representable
+    /// in the dtype under test.
+    fn reference(dy: f64, g: f64, u: f64, alpha: f64, limit: f64, at_limit: bool) -> (f64, f64, f64) {
         let sig = |x: f64| (-(-x).exp().ln_1p()).exp();
         let gc = g.min(limit);
         let glu = gc * sig(alpha * gc);
         let dglu = sig(alpha * gc) + alpha * gc * sig(alpha * gc) * sig(-alpha * gc);
         let uc = u.clamp(-limit, limit);
-        let dg = if (f64::NEG_INFINITY..=limit).contains(&g) { dy * (uc + 1.0) * dglu } else { 0.0 };
-        let du = if (-limit..=limit).contains(&u) { dy * glu } else { 0.0 };
+        let inside = |x: f64, lo: f64| if at_limit { (lo..=limit).contains(&x) } else { x > lo && x < limit };
+        let dg = if inside(g, f64::NEG_INFINITY) { dy * (uc + 1.0) * dglu } else { 0.0 };
+        let du = if inside(u, -limit) { dy * glu } else { 0.0 };
         ((uc + 1.0) * glu, dg, du)
     }
 
     /// Runs both CPU kernels on (gate, up, dy) of T and returns (y, grad_gate_up).
-    fn run<T: Element>(dt: BastileDType, gu: &[T], dy: &[T], alpha: f64, limit: f64) -> (Vec<T>, Vec<T>) {
+    fn run<T: Element>(dt: BastileDType, gu: &[T], dy: &[T], alpha: f64, limit: f64, at_limit: bool) -> (Vec<T>, Vec<T>) {
         let n = dy.len();
         let (mut y, mut dx) = (vec![T::from_f64(f64::NAN); n], vec![T::from_f64(f64::NAN); 2 * n]);
         let (n, dtype) = (n as i64, dt as i32);
@@ -121,6 +126,7 @@ mod tests {
             alpha,
             limit,
             dtype,
+            at_limit: at_limit.into(),
         };
         b.cpu().unwrap();
         (y, dx)
@@ -129,11 +135,17 @@ mod tests {
     /// Checks every result against [`reference`] on the same (rounded) inputs: rounded once (through
     /// f32 for 16-bit types), so within `unit` (T's unit roundoff) relative, and `tiny` absolute.
     fn check<T: Element>(dt: BastileDType, gu: &[T], dy: &[T], unit: f64, tiny: f64) {
-        let (y, dx) = run(dt, gu, dy, ALPHA, LIMIT);
+        for at_limit in [true, false] {
+            check_rule(dt, gu, dy, unit, tiny, at_limit);
+        }
+    }
+
+    fn check_rule<T: Element>(dt: BastileDType, gu: &[T], dy: &[T], unit: f64, tiny: f64, at_limit: bool) {
+        let (y, dx) = run(dt, gu, dy, ALPHA, LIMIT, at_limit);
         let tol = |r: f64| 1.01 * unit * r.abs() + tiny;
         for i in 0..dy.len() {
             let (g, u, d) = (gu[2 * i].to_f64(), gu[2 * i + 1].to_f64(), dy[i].to_f64());
-            let (ry, rdg, rdu) = reference(d, g, u, ALPHA, LIMIT);
+            let (ry, rdg, rdu) = reference(d, g, u, ALPHA, LIMIT, at_limit);
             for (what, got, want) in [("y", y[i], ry), ("grad_gate", dx[2 * i], rdg), ("grad_up", dx[2 * i + 1], rdu)] {
                 let err = (got.to_f64() - want).abs();
                 assert!(err <= tol(want), "{dt:?} pair {i}: {what} = {} but exact {want} (g={g}, u={u}, dy={d})",
@@ -169,8 +181,8 @@ mod tests {
 
     #[test]
     fn clamp_edges() {
-        // Exactly at the limits (the gradient passes), just beyond them in every dtype (it stops),
-        // and far beyond: large gates saturate the sigmoid, large negative ones zero it.
+        // Exactly at the limits (the gradient passes or not, by the rule), just beyond them in every dtype
+        // (it stops), and far beyond: large gates saturate the sigmoid, large negative ones zero it.
         let above = 7.0 + 2f64.powi(-5);
         let below = 7.0 - 2f64.powi(-5);
         let gates = [7.0, -7.0, above, below, -above, -below, 20.0, -20.0, 100.0, -100.0, 0.0, -0.75];
@@ -179,16 +191,20 @@ mod tests {
         let gu: Vec<f64> = pairs.iter().flat_map(|&(g, u)| [g, u]).collect();
         let dy: Vec<f64> = (0..pairs.len()).map(|i| [1.0, -0.5, 2.25][i % 3]).collect();
         check_all(&gu, &dy);
-        let (y, dx) = run::<f32>(BASTILE_F32, &cast(&gu), &cast(&dy), ALPHA, LIMIT);
-        for (i, &(g, u)) in pairs.iter().enumerate() {
-            if g < -50.0 {
-                continue; // sigmoid(alpha * g) underflows f32: every result is 0
-            }
-            assert_eq!(dx[2 * i] == 0.0, g > 7.0 || u == -1.0, "grad_gate at gate {g}, up {u}: {}", dx[2 * i]);
-            assert_eq!(dx[2 * i + 1] == 0.0, u.abs() > 7.0 || g == 0.0, "grad_up at gate {g}, up {u}: {}", dx[2 * i + 1]);
-            if g >= 7.0 {
-                // Every gate from the limit up gives the y of gate 7 (gates[0]) with the same up.
-                assert_eq!(y[i], y[i % ups.len()], "y at gate {g}, up {u}");
+        for at_limit in [true, false] {
+            let (y, dx) = run::<f32>(BASTILE_F32, &cast(&gu), &cast(&dy), ALPHA, LIMIT, at_limit);
+            let out = |x: f64| if at_limit { x > 7.0 } else { x >= 7.0 };
+            for (i, &(g, u)) in pairs.iter().enumerate() {
+                if g < -50.0 {
+                    continue; // sigmoid(alpha * g) underflows f32: every result is 0
+                }
+                assert_eq!(dx[2 * i] == 0.0, out(g) || u == -1.0, "grad_gate at gate {g}, up {u}: {}", dx[2 * i]);
+                assert_eq!(dx[2 * i + 1] == 0.0, out(u.abs()) || g == 0.0, "grad_up at gate {g}, up {u}: {}",
+                           dx[2 * i + 1]);
+                if g >= 7.0 {
+                    // Every gate from the limit up gives the y of gate 7 (gates[0]) with the same up.
+                    assert_eq!(y[i], y[i % ups.len()], "y at gate {g}, up {u}");
+                }
             }
         }
     }
@@ -200,8 +216,8 @@ mod tests {
         let v = <bf16 as Element>::from_f64;
         let pairs = [(7.09375, 0.0), (7.125, 7.09375), (-7.125, -7.09375), (0.5, -7.125)];
         let gu: Vec<bf16> = pairs.iter().flat_map(|&(g, u)| [v(g), v(u)]).collect();
-        let (y, dx) = run::<bf16>(BASTILE_BF16, &gu, &[v(1.0); 4], ALPHA, 7.1);
-        let exact: Vec<bf16> = pairs.iter().map(|&(g, u)| v(reference(1.0, g, u, ALPHA, 7.09375).0)).collect();
+        let (y, dx) = run::<bf16>(BASTILE_BF16, &gu, &[v(1.0); 4], ALPHA, 7.1, true);
+        let exact: Vec<bf16> = pairs.iter().map(|&(g, u)| v(reference(1.0, g, u, ALPHA, 7.09375, true).0)).collect();
         assert_eq!(y, exact);
         let passed: Vec<bool> = dx.iter().map(|d| d.to_f64() != 0.0).collect();
         assert_eq!(passed, [true, true, false, true, true, true, true, false]);
@@ -210,7 +226,7 @@ mod tests {
     #[test]
     fn nan_propagates_forward_and_is_masked_backward() {
         let nan = f64::NAN;
-        let (y, dx) = run::<f32>(BASTILE_F32, &[nan as f32, 1.0, 1.0, nan as f32], &[1.0, 1.0], ALPHA, LIMIT);
+        let (y, dx) = run::<f32>(BASTILE_F32, &[nan as f32, 1.0, 1.0, nan as f32], &[1.0, 1.0], ALPHA, LIMIT, false);
         assert!(y[0].is_nan() && y[1].is_nan());
         // torch: where(gate <= L, NaN, 0) = 0 for the NaN gate, and NaN through up's mask.
         assert_eq!(dx[0], 0.0);

@@ -1,7 +1,8 @@
 // torch.ops.bastile.geglu: GPT-OSS's clamped GLU (cuda/geglu.cu) of gate_up [..., 2I], gate at even and up
 // at odd positions of the last dim, into y [..., I]. The kernels read the pairs flat, so a non-contiguous
 // gate_up is made contiguous first. Autograd saves only gate_up: the backward recomputes the sigmoid.
-// Autocast leaves it alone, as it leaves HF's clamps, sigmoid and products.
+// Autocast leaves it alone, as it leaves HF's clamps, sigmoid and products. Its gradient at the clamps' bounds
+// follows the running torch's clamp (clamp_passes_at_bounds).
 #include <cmath>
 
 #include "op.h"
@@ -25,6 +26,21 @@ void check(const char* op, const at::Tensor& x, double limit) {
               ": limit is NaN, with which HF's clamp of up makes every output NaN; inf clamps nothing");
 }
 
+// Whether the running torch's clamp passes the gradient at its bounds themselves (through 2.11) or stops it
+// there too (newer releases, pytorch/pytorch#184574: the minimum-norm subgradient). The op's gradient is that
+// of HF's expression under the torch it runs in, so torch's autograd is asked, once, outside whatever mode
+// (tracing, inference, no_grad, below autograd) the first call runs in.
+bool clamp_passes_at_bounds() {
+  static const bool passes = [] {
+    const c10::impl::ForceDispatchKeyGuard plain(c10::default_included_set, c10::default_excluded_set);
+    const c10::InferenceMode not_inference(false);
+    const at::AutoGradMode grad(true);
+    const auto x = at::ones({1}, at::kDouble).requires_grad_();
+    return torch::autograd::grad({x.clamp_max(1.0)}, {x})[0].item<double>() == 1.0;
+  }();
+  return passes;
+}
+
 struct GegluBackwardOp {
   static constexpr const char* schema = "geglu_backward(Tensor grad_y, Tensor gate_up, float alpha, float limit) -> Tensor";
 
@@ -42,7 +58,7 @@ struct GegluBackwardOp {
     const auto dy = grad_y.contiguous(), x = gate_up.contiguous();
     launch(x, GegluBackward{.grad_y = dy.data_ptr(), .gate_up = x.data_ptr(), .grad_gate_up = grad_gate_up.data_ptr(),
                             .n = dy.numel(), .alpha = alpha, .limit = limit,
-                            .dtype = dtype_code(op, {"gate_up", x})});
+                            .dtype = dtype_code(op, {"gate_up", x}), .at_limit = clamp_passes_at_bounds()});
     return grad_gate_up;
   }
 };
