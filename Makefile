@@ -1,6 +1,6 @@
 # Bastile. `make train` runs the main job, `make test` the tests; both set up what they need.
 #
-# Here (Rust toolchain, no GPU needed):  setup, build, wheel, install, test, train
+# Here (Rust toolchain, no GPU needed):  setup, build, wheel, install, test, train, test-latest
 # On a GPU machine with the wheel built here in target/wheels (no Rust needed, system python with torch):
 #   make gpu-test bench PY=python3 NO_BUILD=1
 #   make bench-kernels | bench-e2e PART=1 | bench-families | bench-qlora | bench-sft | bench-profile  PY=python3 NO_BUILD=1 [ARGS='...']
@@ -20,8 +20,11 @@ TOOLS := pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0 peft==0
          bitsandbytes==0.50.2
 PINS := torch==2.11.0 transformers==$(OLDEST) 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
         nvidia-cuda-crt==13.0.88 $(TOOLS)
+# The newest releases (make test-latest): torch with the CUDA compiler of its CUDA release, the newest tested
+# transformers.
+LATEST := torch==2.15.0 'cuda-toolkit[nvcc,cccl]==13.2.2' transformers==$(NEWEST) $(TOOLS)
 
-.PHONY: setup build wheel install test cargo-test pytest pytest-newest train gpu-test bench bench-kernels bench-e2e bench-families bench-qlora bench-sft bench-profile bench-fsdp clean
+.PHONY: setup build wheel install test cargo-test pytest pytest-newest test-latest train gpu-test bench bench-kernels bench-e2e bench-families bench-qlora bench-sft bench-profile bench-fsdp clean
 
 # Project-local virtualenv with the pins, and libclang for bindgen. The pins take ~5.5 GiB installed and
 # pip's cache would keep a second copy of their wheels; a fresh CI disk has run out of space on that.
@@ -71,6 +74,22 @@ pytest-newest: install $(NEWEST_SITE)/.ready
 	PYTHONPATH=$(abspath $(NEWEST_SITE))$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest tests -q -p no:cacheprovider
 
 test: cargo-test pytest pytest-newest
+
+# Bastile built from source against the newest torch and transformers (its own virtualenv and target
+# directory), then cargo test and the suite: run before each release (README, "Versions").
+LATEST_VENV := .venv-latest
+LATEST_PY := $(LATEST_VENV)/bin/python
+$(LATEST_VENV)/.ready:
+	python3 -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install -q --no-cache-dir --upgrade pip
+	$(LATEST_VENV)/bin/pip install -q --no-cache-dir $(LATEST)
+	touch $@
+test-latest: $(LATEST_VENV)/.ready
+	rm -rf target/latest/wheels
+	export BASTILE_PYTHON=$(abspath $(LATEST_PY)) CARGO_TARGET_DIR=target/latest PATH=$(abspath $(LATEST_VENV))/bin:$$PATH; \
+	set -e; cargo test --release; $(LATEST_PY) -m pip wheel -q --no-build-isolation --no-deps -w target/latest/wheels .
+	$(LATEST_PY) -m pip install -q --no-deps --force-reinstall target/latest/wheels/bastile-*.whl
+	$(LATEST_PY) -m pytest tests -q -p no:cacheprovider
 
 train: install
 	$(PY) benches/train_qwen3.py
