@@ -1,6 +1,7 @@
 // RMSNorm with HF semantics, statistics in f32, n = x * rsqrt(mean(x^2) + eps):
 //   Llama/Qwen3 (CW = false): y = w * to_x_dtype(n), y in promote(x, w)
 //   GPT-OSS (CW = true, "cast after weight"): y = to_x_dtype(w * n), the product in f32
+//   Gemma (CW = true, weight_offset 1): y = to_x_dtype((1 + w) * n), the sum and product in f32
 // Both have the same grad_x; the weight gradient sums dy * n with n rounded as the forward used it.
 //
 // A row is handled by `group` threads (geometry from Rust). With per_thread = K > 0 each thread keeps
@@ -54,8 +55,8 @@ template <int K> constexpr bool kLookahead = K <= 4;
 
 // One row share: y = w * n for the K packs this lane holds, n = x * r rounded as the weight multiplies it.
 template <class X, class W, class Y, int V, int K, bool CW>
-__device__ __forceinline__ void scale_share(const Pack<X, V> (&xv)[K], const W *w, Y *yr, float r, int lane, int G,
-                                            int64_t nvec) {
+__device__ __forceinline__ void scale_share(const Pack<X, V> (&xv)[K], const W *w, float offset, Y *yr, float r,
+                                            int lane, int G, int64_t nvec) {
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t j = lane + k * G;
@@ -73,7 +74,7 @@ __device__ __forceinline__ void scale_share(const Pack<X, V> (&xv)[K], const W *
     } else {
       float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * normed<X, CW>(to_f32(xv[k].v[i]), r);
+      for (int i = 0; i < V; ++i) o[i] = (to_f32(wv.v[i]) + offset) * normed<X, CW>(to_f32(xv[k].v[i]), r);
       store<V>(yr + j * V, o);
     }
   }
@@ -116,7 +117,7 @@ __device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
       if (rstd && lane == 0) rstd[row] = r;
 #pragma unroll
       for (int k = 0; k < K; ++k) opaque(xv[q][k]);
-      scale_share<X, W, Y, V, K, CW>(xv[q], w, y + row * cols, r, lane, G, nvec);
+      scale_share<X, W, Y, V, K, CW>(xv[q], w, p.weight_offset, y + row * cols, r, lane, G, nvec);
     }
   }
 }
@@ -153,7 +154,7 @@ __device__ __forceinline__ void forward_stream(const RmsNormForward &p) {
       const Pack<W, V> wv = load<V>(w + j * V);
       float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) o[i] = to_f32(wv.v[i]) * normed<X, CW>(to_f32(xv.v[i]), r);
+      for (int i = 0; i < V; ++i) o[i] = (to_f32(wv.v[i]) + p.weight_offset) * normed<X, CW>(to_f32(xv.v[i]), r);
       store<V>(y + row * cols + j * V, o);
     }
   }
@@ -204,7 +205,7 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
       if (live && lane + k * G < nvec) {
         const Pack<W, V> wv = load<V>(w + (lane + k * G) * V);
 #pragma unroll
-        for (int i = 0; i < V; ++i) dot += to_f32(gv[k].v[i]) * to_f32(wv.v[i]) * to_f32(xv[k].v[i]);
+        for (int i = 0; i < V; ++i) dot += to_f32(gv[k].v[i]) * (to_f32(wv.v[i]) + p.weight_offset) * to_f32(xv[k].v[i]);
       }
     dot = group_sum(dot, G);
     if (live) {
@@ -223,7 +224,7 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           const float xf = to_f32(xv[k].v[i]), g = to_f32(gv[k].v[i]);
-          o[i] = r * g * to_f32(wv.v[i]) - xf * c;
+          o[i] = r * g * (to_f32(wv.v[i]) + p.weight_offset) - xf * c;
           acc[k][i] += g * normed<X, CW>(xf, r);
         }
         store<V>(gx + row * cols + j * V, o);
@@ -287,7 +288,7 @@ __device__ __forceinline__ void backward_stream(const RmsNormBackward &p) {
       const Pack<Y, V> gv = load<V>(gr + j * V);
       const Pack<W, V> wv = load<V>(w + j * V);
 #pragma unroll
-      for (int i = 0; i < V; ++i) dot += to_f32(gv.v[i]) * to_f32(wv.v[i]) * to_f32(xv.v[i]);
+      for (int i = 0; i < V; ++i) dot += to_f32(gv.v[i]) * (to_f32(wv.v[i]) + p.weight_offset) * to_f32(xv.v[i]);
     }
     dot = group_sum(dot, G);
     if (!live) continue;
@@ -301,7 +302,7 @@ __device__ __forceinline__ void backward_stream(const RmsNormBackward &p) {
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float xf = to_f32(xv.v[i]), g = to_f32(gv.v[i]);
-        o[i] = r * g * to_f32(wv.v[i]) - xf * c;
+        o[i] = r * g * (to_f32(wv.v[i]) + p.weight_offset) - xf * c;
         own[j * V + i] += g * normed<X, CW>(xf, r);
       }
       store<V>(gx + row * cols + j * V, o);

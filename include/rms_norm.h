@@ -1,6 +1,7 @@
 /* Parameter blocks of cuda/rms_norm.cu. cast_after_weight (0 or 1) picks the rounding: 0 is
  * Llama's y = w * to_x_dtype(n) in promote(x_dtype, w_dtype), 1 is GPT-OSS's y = to_x_dtype(w * n)
- * in x_dtype, the product in f32; n = x * rstd. */
+ * in x_dtype, the product in f32; n = x * rstd. weight_offset is added to the weight in f32 (Gemma's
+ * (1 + w): 1), with cast_after_weight only. */
 #pragma once
 #include "bastile.h"
 
@@ -16,6 +17,7 @@ typedef struct RmsNormForward {
   int32_t w_dtype;
   int32_t y_dtype;
   int32_t cast_after_weight;
+  float weight_offset;
   RowGeometry geo;
 } RmsNormForward;
 
@@ -34,6 +36,7 @@ typedef struct RmsNormBackward {
   int32_t w_dtype;
   int32_t y_dtype;
   int32_t cast_after_weight;
+  float weight_offset;
   RowGeometry geo;
 } RmsNormBackward;
 

@@ -1,7 +1,8 @@
 //! RMSNorm: CUDA launchers for `cuda/rms_norm.cu` and the CPU kernels (the reference the GPU is
 //! tested against). With `n = x * rsqrt(mean(x^2) + eps)`, statistics in f32 (f64 for f64 input):
 //! HF `LlamaRMSNorm`/`Qwen3RMSNorm` compute `y = w * to_x_dtype(n)` in `promote(x, w)`, and with
-//! `cast_after_weight` HF `GptOssRMSNorm` computes `y = to_x_dtype(w * n)`, the product in f32.
+//! `cast_after_weight` HF `GptOssRMSNorm` computes `y = to_x_dtype(w * n)`, the product in f32; Gemma's
+//! `(1 + w)` is that with a `weight_offset` of 1, added to the weight in f32.
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
 use crate::geometry;
@@ -19,7 +20,7 @@ fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
 macro_rules! on_dtypes {
     ($p:expr, $kernel:ident) => {{
         let (xd, wd) = dtypes($p.x_dtype, $p.w_dtype)?;
-        let after_weight = casts_after_weight($p.cast_after_weight)?;
+        let after_weight = casts_after_weight($p.cast_after_weight, $p.weight_offset)?;
         // SAFETY: the C++ layer checked shapes and dtypes of every pointer in the block.
         crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
             if after_weight {
@@ -32,11 +33,21 @@ macro_rules! on_dtypes {
     }};
 }
 
-fn casts_after_weight(flag: i32) -> Result<bool> {
-    match flag {
-        0 => Ok(false),
-        1 => Ok(true),
+fn casts_after_weight(flag: i32, weight_offset: f32) -> Result<bool> {
+    match (flag, weight_offset) {
+        (0, o) if o != 0.0 => Err(format!("bastile.rms_norm: weight_offset {o} needs cast_after_weight")),
+        (0, _) => Ok(false),
+        (1, _) => Ok(true),
         _ => Err(format!("bastile.rms_norm: cast_after_weight must be 0 or 1, got {flag}")),
+    }
+}
+
+/// The weight as it multiplies: plus the offset, the sum at the statistics' precision.
+fn weight_value(w: f64, offset: f32, f64_stats: bool) -> f64 {
+    match (offset, f64_stats) {
+        (0.0, _) => w,
+        (o, false) => <f32 as Element>::round(w + o as f64),
+        (o, true) => w + o as f64,
     }
 }
 
@@ -83,7 +94,7 @@ fn tags(dir: Tag, after_weight: bool, x: BastileDType, w: BastileDType, geo: &Ro
 impl Launch for RmsNormForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
-        let after_weight = casts_after_weight(self.cast_after_weight)?;
+        let after_weight = casts_after_weight(self.cast_after_weight, self.weight_offset)?;
         let y = BastileDType::from_raw(self.y_dtype)?;
         let mut p = *self;
         p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
@@ -113,7 +124,7 @@ impl Launch for RmsNormBackward {
     /// which the reduce kernel folds.
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
-        let after_weight = casts_after_weight(self.cast_after_weight)?;
+        let after_weight = casts_after_weight(self.cast_after_weight, self.weight_offset)?;
         let y = BastileDType::from_raw(self.y_dtype)?;
         let mut p = *self;
         p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
@@ -150,6 +161,7 @@ unsafe fn forward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormForward, af
     let y = Disjoint::new(cpu::slice_mut::<Y>(p.y, rows * cols));
     let f64_stats = X::DTYPE.stats() == BastileDType::BASTILE_F64;
     let eps = p.eps;
+    let w: Vec<f64> = w.iter().map(|v| weight_value(v.to_f64(), p.weight_offset, f64_stats)).collect();
     let mut rstd = vec![0f64; rows];
     let rstd_rows = Disjoint::new(&mut rstd);
     cpu::parallel_for(rows, cpu::GRAIN.div_ceil(cols.max(1)), |range| {
@@ -160,8 +172,8 @@ unsafe fn forward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormForward, af
             let ss: f64 = xr.iter().map(|v| v.to_f64() * v.to_f64()).sum();
             let r = 1.0 / (ss / cols as f64 + eps).sqrt();
             *rs = if f64_stats { r } else { <f32 as Element>::round(r) };
-            for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(w) {
-                *yv = Y::from_f64(wv.to_f64() * normed::<X>(xv.to_f64(), *rs, after_weight, f64_stats));
+            for ((yv, xv), wv) in yr.iter_mut().zip(xr).zip(&w) {
+                *yv = Y::from_f64(*wv * normed::<X>(xv.to_f64(), *rs, after_weight, f64_stats));
             }
         }
     });
@@ -189,6 +201,7 @@ unsafe fn backward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, 
     } else {
         cpu::slice::<f32>(p.rstd, rows).iter().map(|&r| r as f64).collect()
     };
+    let wf: Vec<f64> = w.iter().map(|v| weight_value(v.to_f64(), p.weight_offset, f64_stats)).collect();
     // Chunking depends on the shape alone, so the weight gradient's summation order (and value)
     // does not depend on the thread count.
     let chunk = rows.div_ceil(256).max(16);
@@ -199,11 +212,11 @@ unsafe fn backward_cpu<X: Element, W: Element, Y: Element>(p: &RmsNormBackward, 
         let gxc = gx.part(chunk_rows.start * cols..chunk_rows.end * cols);
         for (gxr, row) in gxc.chunks_mut(cols).zip(chunk_rows) {
             let (xr, gr, r) = (&x[row * cols..][..cols], &gy[row * cols..][..cols], rstd[row]);
-            let dot: f64 = xr.iter().zip(gr).zip(w).map(|((xv, g), wv)| g.to_f64() * wv.to_f64() * xv.to_f64()).sum();
+            let dot: f64 = xr.iter().zip(gr).zip(&wf).map(|((xv, g), wv)| g.to_f64() * wv * xv.to_f64()).sum();
             let c3 = r * r * r * dot / cols as f64;
             for j in 0..cols {
                 let (xv, g) = (xr[j].to_f64(), gr[j].to_f64());
-                gxr[j] = X::from_f64(r * g * w[j].to_f64() - xv * c3);
+                gxr[j] = X::from_f64(r * g * wf[j] - xv * c3);
                 dw[j] += g * normed::<X>(xv, r, after_weight, f64_stats);
             }
         }
@@ -273,17 +286,20 @@ mod tests {
         eps: f64,
         yd: BastileDType,
         after_weight: bool,
+        weight_offset: f32,
     ) -> RmsNormForward {
         let (x_dtype, w_dtype, y_dtype) = (X::DTYPE as i32, W::DTYPE as i32, yd as i32);
         let (rows, cols) = ((x.len() / w.len()) as i64, w.len() as i64);
         let (x, weight, cast_after_weight) = (x.as_ptr().cast(), w.as_ptr().cast(), after_weight as i32);
-        RmsNormForward { x, weight, y, rstd, rows, cols, eps, x_dtype, w_dtype, y_dtype, cast_after_weight, ..Default::default() }
+        RmsNormForward { x, weight, y, rstd, rows, cols, eps, x_dtype, w_dtype, y_dtype, cast_after_weight, weight_offset,
+                         ..Default::default() }
     }
 
     /// Runs forward and backward of the CPU kernels for one dtype pair and checks them against the
-    /// f64 references on the same (rounded) inputs.
+    /// f64 references on the same (rounded) inputs, the weight there plus `offset` exactly.
     /// `Y` is the output type: promote(X, W), or X when the cast comes after the weight.
-    fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize, after_weight: bool) {
+    fn check<X: Element, W: Element, Y: Element>(xd: BastileDType, wd: BastileDType, rows: usize, cols: usize,
+                                                 after_weight: bool, offset: f32) {
         let eps = 1e-6;
         // Four unit roundoffs of the coarsest dtype involved: each result is rounded at most twice.
         let yd = out_dtype(xd, wd, after_weight);
@@ -291,10 +307,11 @@ mod tests {
         let x: Vec<X> = cast(&noise(rows * cols, 1, 2.0));
         let w: Vec<W> = cast(&noise(cols, 2, 2.0));
         let gy: Vec<Y> = cast(&noise(rows * cols, 3, 2.0));
-        let (xf, wf, gf) = (widen(&x), widen(&w), widen(&gy));
+        let (xf, gf) = (widen(&x), widen(&gy));
+        let wf: Vec<f64> = widen(&w).iter().map(|v| v + offset as f64).collect();
         let mut y = vec![Y::from_f64(f64::NAN); rows * cols];
         let mut rstd = vec![0f64; rows]; // large enough for f32 or f64 statistics
-        let mut p = forward_block(&x, &w, y.as_mut_ptr().cast(), rstd.as_mut_ptr().cast(), eps, yd, after_weight);
+        let mut p = forward_block(&x, &w, y.as_mut_ptr().cast(), rstd.as_mut_ptr().cast(), eps, yd, after_weight, offset);
         p.cpu().unwrap();
         let err = rel_err(&widen(&y), &reference_forward(&xf, &wf, cols, eps));
         assert!(err < tol, "{xd:?}/{wd:?}/{after_weight} {rows}x{cols}: forward error {err}");
@@ -314,6 +331,7 @@ mod tests {
             w_dtype: wd as i32,
             y_dtype: p.y_dtype,
             cast_after_weight: p.cast_after_weight,
+            weight_offset: offset,
             ..Default::default()
         };
         b.cpu().unwrap();
@@ -339,20 +357,26 @@ mod tests {
     #[test]
     fn cpu_kernels_match_f64_reference() {
         for &(rows, cols) in &[(1, 1), (7, 3), (33, 128), (5, 1000), (3, 2560)] {
-            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols, false);
-            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols, false);
-            check::<f16, f16, f16>(BASTILE_F16, BASTILE_F16, rows, cols, false);
-            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols, false);
-            check::<bf16, f32, f32>(BASTILE_BF16, BASTILE_F32, rows, cols, false);
-            check::<f32, bf16, f32>(BASTILE_F32, BASTILE_BF16, rows, cols, false);
-            check::<f16, bf16, f32>(BASTILE_F16, BASTILE_BF16, rows, cols, false);
+            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols, false, 0.0);
+            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols, false, 0.0);
+            check::<f16, f16, f16>(BASTILE_F16, BASTILE_F16, rows, cols, false, 0.0);
+            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols, false, 0.0);
+            check::<bf16, f32, f32>(BASTILE_BF16, BASTILE_F32, rows, cols, false, 0.0);
+            check::<f32, bf16, f32>(BASTILE_F32, BASTILE_BF16, rows, cols, false, 0.0);
+            check::<f16, bf16, f32>(BASTILE_F16, BASTILE_BF16, rows, cols, false, 0.0);
             // Cast after weight (GPT-OSS): y and grad_y in x's dtype.
-            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols, true);
-            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols, true);
-            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols, true);
-            check::<bf16, f32, bf16>(BASTILE_BF16, BASTILE_F32, rows, cols, true);
-            check::<f16, f32, f16>(BASTILE_F16, BASTILE_F32, rows, cols, true);
-            check::<f32, bf16, f32>(BASTILE_F32, BASTILE_BF16, rows, cols, true);
+            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols, true, 0.0);
+            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols, true, 0.0);
+            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols, true, 0.0);
+            check::<bf16, f32, bf16>(BASTILE_BF16, BASTILE_F32, rows, cols, true, 0.0);
+            check::<f16, f32, f16>(BASTILE_F16, BASTILE_F32, rows, cols, true, 0.0);
+            check::<f32, bf16, f32>(BASTILE_F32, BASTILE_BF16, rows, cols, true, 0.0);
+            // Gemma's (1 + w).
+            check::<f64, f64, f64>(BASTILE_F64, BASTILE_F64, rows, cols, true, 1.0);
+            check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, rows, cols, true, 1.0);
+            check::<bf16, bf16, bf16>(BASTILE_BF16, BASTILE_BF16, rows, cols, true, 1.0);
+            check::<f16, f16, f16>(BASTILE_F16, BASTILE_F16, rows, cols, true, 1.0);
+            check::<bf16, f32, bf16>(BASTILE_BF16, BASTILE_F32, rows, cols, true, 1.0);
         }
     }
 
@@ -365,7 +389,7 @@ mod tests {
         for after_weight in [false, true] {
             let yd = out_dtype(BASTILE_BF16, BASTILE_F32, after_weight);
             let mut y = vec![0f32; rows * cols]; // f32 output, or bf16 in its first half
-            let p = forward_block(&x, &w, y.as_mut_ptr().cast(), std::ptr::null_mut(), eps, yd, after_weight);
+            let p = forward_block(&x, &w, y.as_mut_ptr().cast(), std::ptr::null_mut(), eps, yd, after_weight, 0.0);
             p.cpu().unwrap();
             let got: Vec<f32> = if after_weight {
                 unsafe { cpu::slice::<bf16>(p.y, rows * cols) }.iter().map(|v| v.to_f32()).collect()
@@ -385,10 +409,30 @@ mod tests {
         }
     }
 
+    /// Gemma's RMSNorm as torch computes it: n and (1 + w) in f32, their product rounded once to x's dtype.
+    #[test]
+    fn offset_rounds_where_gemma_does() {
+        let (rows, cols, eps) = (3, 64, 1e-6f64);
+        let x: Vec<bf16> = cast(&noise(rows * cols, 6, 3.0));
+        let w: Vec<bf16> = cast(&noise(cols, 7, 0.5));
+        let mut y = vec![bf16::from_f32(f32::NAN); rows * cols];
+        forward_block(&x, &w, y.as_mut_ptr().cast(), std::ptr::null_mut(), eps, BASTILE_BF16, true, 1.0).cpu().unwrap();
+        for (row, xr) in x.chunks(cols).enumerate() {
+            let ss: f64 = xr.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>() / cols as f64;
+            let r = (1.0 / (ss + eps).sqrt()) as f32;
+            for j in 0..cols {
+                let want = bf16::from_f32(xr[j].to_f32() * r * (1.0 + w[j].to_f32()));
+                assert_eq!(y[row * cols + j], want, "({row},{j})");
+            }
+        }
+        let p = forward_block(&x, &w, y.as_mut_ptr().cast(), std::ptr::null_mut(), eps, BASTILE_BF16, false, 1.0);
+        assert!(p.cpu().unwrap_err().contains("weight_offset 1 needs cast_after_weight"));
+    }
+
     #[test]
     fn weight_gradient_is_deterministic_and_sums_all_rows() {
         // Many rows, so that the reduction spans many parallel chunks.
-        check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, 4099, 16, false);
+        check::<f32, f32, f32>(BASTILE_F32, BASTILE_F32, 4099, 16, false, 0.0);
     }
 
     #[test]

@@ -1,9 +1,11 @@
 """torch.ops.bastile.rms_norm against HF's RMSNorm and an fp64 reference, in both roundings:
-Llama/Qwen3's (default) and GPT-OSS's (cast_after_weight=True: the weight multiplies before the cast)."""
+Llama/Qwen3's (default) and GPT-OSS's (cast_after_weight=True: the weight multiplies before the cast), and
+Gemma's (1 + weight) (weight_offset=1 with cast_after_weight)."""
 import types
 
 import pytest
 import torch
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -16,6 +18,13 @@ EPS = 1e-6
 
 HF_FORWARD = Qwen3RMSNorm.forward  # taken before any test patches it
 HF_GPT_OSS_FORWARD = GptOssRMSNorm.forward
+HF_GEMMA_FORWARD = Gemma3RMSNorm.forward
+
+
+def hf_gemma_rms_norm(x, w, eps=EPS):
+    """HF's Gemma3RMSNorm.forward: to(x.dtype)((1 + weight) * n), in float32."""
+    return HF_GEMMA_FORWARD(types.SimpleNamespace(weight=w, eps=eps, _norm=lambda t: Gemma3RMSNorm._norm(
+        types.SimpleNamespace(eps=eps), t)), x)
 
 
 def hf_rms_norm(x, w, eps=EPS, cast_after_weight=False):
@@ -39,7 +48,8 @@ def samples(device):
         w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(device).requires_grad_()
         return (x, w, eps, cast_after_weight), {}
 
-    return [call((4, 3, 16)), call((7, 5, 24)), call((5, 33), 1e-5, True), call((8,), seed=1)]
+    gemma = lambda shape: (call(shape, cast_after_weight=True, seed=2)[0] + (1.0,), {})
+    return [call((4, 3, 16)), call((7, 5, 24)), call((5, 33), 1e-5, True), call((8,), seed=1), gemma((6, 20))]
 
 
 def empty(device):
@@ -63,6 +73,7 @@ BAD = [
     # With cast_after_weight, grad_y has x's dtype, not promote(x, weight).
     (lambda: torch.ops.bastile.rms_norm_backward(f32(4, 8), f32(4, 8).bfloat16(), f32(8), f32(4), True),
      "grad_y must be BFloat16"),
+    (lambda: op(f32(4, 8), f32(8), EPS, False, 1.0), "rms_norm: weight_offset 1 needs cast_after_weight=True"),
 ]
 
 CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf_rms_norm, bad=BAD)
@@ -157,6 +168,40 @@ def test_cast_after_weight_f64_reference_from_hf_expression():
     gx, gw = torch.autograd.grad(y, (x, w), g)
     rgx, rgw = torch.autograd.grad(ref, (x64, w64), g.double())
     assert rel_err(y, ref) < 1e-6 and rel_err(gx, rgx) < 1e-6 and rel_err(gw, rgw) < 1e-6
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
+])
+@pytest.mark.parametrize("device", DEVICES)
+def test_offset_matches_hf_gemma(x_dtype, w_dtype, device):
+    """Gemma's (1 + w): HF's to its last rounding, forward and gradients, and the fp64 value of its expression."""
+    x = (3 * torch.randn(16, 640, device=device)).to(x_dtype).requires_grad_()
+    w = (0.5 * torch.randn(640, device=device)).to(w_dtype).requires_grad_()  # Gemma's weights are near 0
+    y = op(x, w, EPS, True, 1.0)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = hf_gemma_rms_norm(x2, w2)
+    assert y.dtype == ref.dtype == x_dtype
+    torch.testing.assert_close(y, ref, rtol=2 * ulp_of(x_dtype) + 2 ** -21, atol=0)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
+    assert gx.dtype == x_dtype and gw.dtype == w_dtype
+    assert rel_err(gx, rgx) < 2 * ulp_of(x_dtype) + 1e-6 and rel_err(gw, rgw) < 2 * ulp_of(w_dtype) + 1e-6
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    exact = (1 + w64) * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
+    egx, egw = torch.autograd.grad(exact, (x64, w64), g.double())
+    tol = 4 * ulp_of(x_dtype, w_dtype) + 1e-6
+    assert rel_err(y, exact) < tol and rel_err(gx, egx) < tol and rel_err(gw, egw) < tol
+
+
+def test_offset_patch_replaces_gemma_rms_norm():
+    m = Gemma3RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = torch.randn(2, 3, 64).bfloat16()
+    torch.testing.assert_close(bastile.hf.rms_norm_offset_forward(m, x), HF_GEMMA_FORWARD(m, x), rtol=2 ** -7, atol=0)
 
 
 def test_cast_after_weight_patch_replaces_gpt_oss_rms_norm():
@@ -278,6 +323,27 @@ def test_cuda_rows_beyond_int32_elements():
     # The weight gradient sums every row; compare with a float64 sum over all of them.
     n = (x.float() * rstd.unsqueeze(-1)).to(torch.bfloat16).double()
     assert rel_err(gw, (y.double() * n).sum(0)) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("cols", [1152, 2560, 1001, 21504])  # Gemma 3 1B's and 4B's widths, unaligned, streamed
+def test_cuda_offset_matches_cpu_and_hf_gemma(dtype, cols):
+    rows = max(3, min(600, 2 ** 20 // cols))
+    x = (3 * torch.randn(rows, cols)).to(dtype)
+    w = (0.5 * torch.randn(cols)).to(dtype)
+    g = torch.randn(rows, cols).to(dtype)
+    y, rstd = torch.ops.bastile.rms_norm_forward(x, w, EPS, True, 1.0)
+    gx, gw = torch.ops.bastile.rms_norm_backward(g, x, w, rstd, True, 1.0)
+    xc, wc, gc = x.cuda(), w.cuda(), g.cuda()
+    poison_cuda_allocator(64 * rows * cols)
+    yc, rstdc = torch.ops.bastile.rms_norm_forward(xc, wc, EPS, True, 1.0)
+    poison_cuda_allocator(64 * rows * cols)
+    gxc, gwc = torch.ops.bastile.rms_norm_backward(gc, xc, wc, rstdc, True, 1.0)
+    ftol, gtol = TOL[dtype]
+    torch.testing.assert_close(yc.cpu(), y, rtol=ftol, atol=1e-5)
+    assert rel_err(gxc, gx) < gtol and rel_err(gwc, gw) < gtol
+    torch.testing.assert_close(yc, hf_gemma_rms_norm(xc, wc), rtol=ftol, atol=1e-5)
 
 
 @needs_cuda
