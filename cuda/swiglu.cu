@@ -1,8 +1,9 @@
-// SwiGLU with the roundings of HF's `act_fn(gate_proj(x)) * up_proj(x)` in the inputs' dtype T:
-//   y         = T(s * u)                                  with s = T(silu(g)), math in f32
+// A gated activation with the roundings of HF's `act_fn(gate_proj(x)) * up_proj(x)` in the inputs' dtype T:
+//   y         = T(s * u)                  with s = T(act(g)), math in f32
 //   grad_up   = T(dy * s)
-//   grad_gate = T(T(dy * u) * sig(g) * (1 + g * (1 - sig(g))))
-// The backward recomputes sig(g) from the saved inputs instead of saving an activation.
+//   grad_gate = T(T(dy * u) * act'(g))    as torch's silu_backward / gelu_backward(approximate="tanh")
+// act is SiLU, g * sig(g), or GELU-tanh, g/2 * (1 + tanh(b * (g + k g^3))) with b = sqrt(2/pi), k = 0.044715.
+// The backward recomputes act(g) from the saved inputs instead of saving an activation.
 //
 // Memory-bound and elementwise: each thread loads SWIGLU_UNROLL 16-byte vectors of every input
 // before it computes and stores any (bytes in flight), in a grid-stride loop with 64-bit indices.
@@ -17,16 +18,33 @@ namespace {
 
 constexpr int U = SWIGLU_UNROLL;
 
-template <class T> __device__ __forceinline__ float forward_value(float g, float u) {
-  return round_to<T>(g * sigmoid(g)) * u;
+constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kKappa = 0.044715f;
+
+__device__ __forceinline__ float act(float g, int32_t kind) {
+  if (kind == SWIGLU_GELU_TANH) return 0.5f * g * (1.f + tanhf(kBeta * (g + kKappa * (g * g * g))));
+  return g * sigmoid(g);
+}
+
+template <class T> __device__ __forceinline__ float forward_value(float g, float u, int32_t kind) {
+  return round_to<T>(act(g, kind)) * u;
+}
+
+// dy is the product's gradient rounded to T, d = dy * act'(g) in the order torch's backward kernels take.
+__device__ __forceinline__ float act_grad(float dy, float g, int32_t kind) {
+  if (kind == SWIGLU_GELU_TANH) {
+    const float g2 = g * g, t = tanhf(kBeta * (g + kKappa * (g2 * g)));
+    const float left = 0.5f * g, right = 1.f + t;
+    return dy * (0.5f * right + left * (1.f - t * t) * (kBeta * (1.f + 3.f * kKappa * g2)));
+  }
+  const float sig = sigmoid(g);
+  return dy * sig * (1.f + g * (1.f - sig));
 }
 
 template <class T>
-__device__ __forceinline__ void backward_value(float dy, float g, float u, float &dg, float &du) {
-  const float sig = sigmoid(g);
-  du = dy * round_to<T>(g * sig);
-  // torch's silu_backward: dy * sig * (1 + g * (1 - sig)), with dy = the product's gradient, rounded to T.
-  dg = round_to<T>(dy * u) * sig * (1.f + g * (1.f - sig));
+__device__ __forceinline__ void backward_value(float dy, float g, float u, int32_t kind, float &dg, float &du) {
+  du = dy * round_to<T>(act(g, kind));
+  dg = act_grad(round_to<T>(dy * u), g, kind);
 }
 
 template <class T, int V> __device__ __forceinline__ void forward(const SwigluForward &p) {
@@ -48,18 +66,18 @@ template <class T, int V> __device__ __forceinline__ void forward(const SwigluFo
 #pragma unroll
           for (int j = 0; j < V / 2; ++j) {
             const float a = to_f32(g[k].v[2 * j]), b = to_f32(g[k].v[2 * j + 1]);
-            pair(o, j) = __hmul2_rn(to_pair<T>(a * sigmoid(a), b * sigmoid(b)), pair(u[k], j));
+            pair(o, j) = __hmul2_rn(to_pair<T>(act(a, p.activation), act(b, p.activation)), pair(u[k], j));
           }
           store_pack(y + i * V, o);
         } else {
           float o[V];
 #pragma unroll
-          for (int j = 0; j < V; ++j) o[j] = forward_value<T>(to_f32(g[k].v[j]), to_f32(u[k].v[j]));
+          for (int j = 0; j < V; ++j) o[j] = forward_value<T>(to_f32(g[k].v[j]), to_f32(u[k].v[j]), p.activation);
           store<V>(y + i * V, o);
         }
       });
   const int64_t t = tail_index<V>(p.n);
-  if (t >= 0) y[t] = from_f32<T>(forward_value<T>(to_f32(gate[t]), to_f32(up[t])));
+  if (t >= 0) y[t] = from_f32<T>(forward_value<T>(to_f32(gate[t]), to_f32(up[t]), p.activation));
 }
 
 template <class T, int V> __device__ __forceinline__ void backward(const SwigluBackward &p) {
@@ -81,14 +99,14 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
         float dg[V], du[V];
 #pragma unroll
         for (int j = 0; j < V; ++j)
-          backward_value<T>(to_f32(dy[k].v[j]), to_f32(g[k].v[j]), to_f32(u[k].v[j]), dg[j], du[j]);
+          backward_value<T>(to_f32(dy[k].v[j]), to_f32(g[k].v[j]), to_f32(u[k].v[j]), p.activation, dg[j], du[j]);
         store<V>(grad_gate + i * V, dg);
         store<V>(grad_up + i * V, du);
       });
   const int64_t t = tail_index<V>(p.n);
   if (t >= 0) {
     float dg, du;
-    backward_value<T>(to_f32(grad_y[t]), to_f32(gate[t]), to_f32(up[t]), dg, du);
+    backward_value<T>(to_f32(grad_y[t]), to_f32(gate[t]), to_f32(up[t]), p.activation, dg, du);
     grad_gate[t] = from_f32<T>(dg);
     grad_up[t] = from_f32<T>(du);
   }

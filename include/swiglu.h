@@ -1,5 +1,6 @@
-/* Parameter blocks of cuda/swiglu.cu: y = silu(gate) * up elementwise, over n elements of one dtype
- * (every tensor contiguous, same dtype; f64 on CPU only). */
+/* Parameter blocks of cuda/swiglu.cu: y = act(gate) * up elementwise, over n elements of one dtype
+ * (every tensor contiguous, same dtype; f64 on CPU only), act SiLU (SwiGLU) or GELU with the tanh
+ * approximation (Gemma's GEGLU, HF's gelu_pytorch_tanh). */
 #pragma once
 #include "bastile.h"
 
@@ -12,6 +13,10 @@
 #define SWIGLU_BLOCK 256
 #define SWIGLU_UNROLL 1
 
+/* The gate's activation (`activation` of the blocks). */
+#define SWIGLU_SILU 0
+#define SWIGLU_GELU_TANH 1
+
 /* swiglu_<fwd|bwd>_<dtype>_<vec|scalar>. */
 #define SWIGLU_FORWARD_KERNELS(K) BASTILE_ELEMENTWISE_KERNELS(K, fwd)
 #define SWIGLU_BACKWARD_KERNELS(K) BASTILE_ELEMENTWISE_KERNELS(K, bwd)
@@ -22,6 +27,7 @@ typedef struct SwigluForward {
   void *y;          /* [n] */
   int64_t n;
   int32_t dtype;
+  int32_t activation; /* SWIGLU_SILU or SWIGLU_GELU_TANH */
 } SwigluForward;
 
 typedef struct SwigluBackward {
@@ -32,4 +38,5 @@ typedef struct SwigluBackward {
   void *grad_up;      /* [n] */
   int64_t n;
   int32_t dtype;
+  int32_t activation;
 } SwigluBackward;

@@ -41,17 +41,20 @@ impl Elementwise {
 /// all their tensors: each `Block: dir(pointers...) => cpu_kernel;` launches `<op>_<dir>_<dtype>_<access>`
 /// over the block's `n` with the `Elementwise` shape given first (16-byte vectors when every pointer
 /// allows them), and on the CPU runs `cpu_kernel::<T>`, an `unsafe fn(&Block)` generic over the element
-/// type.
+/// type. `Block: dir(pointers...) if valid => cpu_kernel;` first checks the block's other fields with
+/// `valid(&Block) -> Result<()>` on either device.
 #[macro_export]
 macro_rules! elementwise_launch {
-    ($shape:expr, $($block:ident: $dir:ident($($ptr:ident),+) => $cpu:ident;)+) => {$(
+    ($shape:expr, $($block:ident: $dir:ident($($ptr:ident),+) $(if $valid:ident)? => $cpu:ident;)+) => {$(
         impl $crate::kernels::Launch for $block {
             fn plan(&self, dev: &'static $crate::driver::Device) -> $crate::driver::Result<$crate::kernels::Plan> {
+                $($valid(self)?;)?
                 let dt = $crate::params::BastileDType::from_raw(self.dtype)?;
                 $shape.plan(dev, *self, $crate::kernels::Tag::$dir, dt, &[$(self.$ptr),+], self.n)
             }
 
             fn cpu(&self) -> $crate::driver::Result<()> {
+                $($valid(self)?;)?
                 let dt = $crate::params::BastileDType::from_raw(self.dtype)?;
                 // SAFETY: the C++ layer checked that every pointer holds the block's elements of `dt`.
                 $crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { $cpu::<T>(self) });

@@ -1,20 +1,69 @@
-//! SwiGLU (HF `Qwen3MLP`'s `act_fn(gate_proj(x)) * up_proj(x)`; the formulas and their roundings are in
-//! `cuda/swiglu.cu`): the launches of its kernels and the CPU kernels, the reference the GPU is tested
-//! against.
+//! Gated activations (HF `Qwen3MLP`'s and `Gemma3MLP`'s `act_fn(gate_proj(x)) * up_proj(x)` with SiLU or
+//! GELU-tanh; the formulas and their roundings are in `cuda/swiglu.cu`): the launches of its kernels and
+//! the CPU kernels, the reference the GPU is tested against.
 use crate::cpu::{self, Disjoint, Element};
+use crate::driver::Result;
 use crate::elementwise::Elementwise;
-use crate::params::{SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_UNROLL};
+use crate::params::{SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_GELU_TANH, SWIGLU_SILU, SWIGLU_UNROLL};
 
 crate::elementwise_launch! { Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL },
-    SwigluForward: Fwd(gate, up, y) => forward_cpu;
-    SwigluBackward: Bwd(grad_y, gate, up, grad_gate, grad_up) => backward_cpu;
+    SwigluForward: Fwd(gate, up, y) if forward_valid => forward_cpu;
+    SwigluBackward: Bwd(grad_y, gate, up, grad_gate, grad_up) if backward_valid => backward_cpu;
+}
+
+fn forward_valid(p: &SwigluForward) -> Result<()> {
+    Activation::of(p.activation).map(drop)
+}
+
+fn backward_valid(p: &SwigluBackward) -> Result<()> {
+    Activation::of(p.activation).map(drop)
 }
 
 fn sigmoid(g: f64) -> f64 {
     1.0 / (1.0 + (-g).exp())
 }
 
+const BETA: f64 = 0.7978845608028654; // sqrt(2 / pi)
+const KAPPA: f64 = 0.044715;
+
+#[derive(Clone, Copy)]
+enum Activation {
+    Silu,
+    GeluTanh,
+}
+
+impl Activation {
+    fn of(code: i32) -> Result<Self> {
+        match code as u32 {
+            SWIGLU_SILU => Ok(Self::Silu),
+            SWIGLU_GELU_TANH => Ok(Self::GeluTanh),
+            _ => Err(format!("bastile.swiglu: unknown activation code {code}")),
+        }
+    }
+
+    fn value(self, g: f64) -> f64 {
+        match self {
+            Self::Silu => g * sigmoid(g),
+            Self::GeluTanh => 0.5 * g * (1.0 + (BETA * (g + KAPPA * g * g * g)).tanh()),
+        }
+    }
+
+    fn derivative(self, g: f64) -> f64 {
+        match self {
+            Self::Silu => {
+                let sig = sigmoid(g);
+                sig * (1.0 + g * (1.0 - sig))
+            }
+            Self::GeluTanh => {
+                let t = (BETA * (g + KAPPA * g * g * g)).tanh();
+                0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * BETA * (1.0 + 3.0 * KAPPA * g * g)
+            }
+        }
+    }
+}
+
 unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
+    let act = Activation::of(p.activation).expect("forward_valid");
     let n = p.n as usize;
     let (g, u) = (cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
     let y = Disjoint::new(cpu::slice_mut::<T>(p.y, n));
@@ -22,12 +71,13 @@ unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
         // SAFETY (here and below): the ranges of parallel_for do not overlap.
         for ((y, g), u) in y.part(r.clone()).iter_mut().zip(&g[r.clone()]).zip(&u[r]) {
             let g = g.to_f64();
-            *y = T::from_f64(T::round(g * sigmoid(g)) * u.to_f64());
+            *y = T::from_f64(T::round(act.value(g)) * u.to_f64());
         }
     });
 }
 
 unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
+    let act = Activation::of(p.activation).expect("backward_valid");
     let n = p.n as usize;
     let (dy, g, u) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
     let (dg, du) = (Disjoint::new(cpu::slice_mut::<T>(p.grad_gate, n)), Disjoint::new(cpu::slice_mut::<T>(p.grad_up, n)));
@@ -35,9 +85,8 @@ unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
         let inputs = dy[r.clone()].iter().zip(&g[r.clone()]).zip(&u[r.clone()]);
         for ((dg, du), ((dy, g), u)) in dg.part(r.clone()).iter_mut().zip(du.part(r).iter_mut()).zip(inputs) {
             let (dy, g, u) = (dy.to_f64(), g.to_f64(), u.to_f64());
-            let sig = sigmoid(g);
-            *du = T::from_f64(dy * T::round(g * sig));
-            *dg = T::from_f64(T::round(dy * u) * sig * (1.0 + g * (1.0 - sig)));
+            *du = T::from_f64(dy * T::round(act.value(g)));
+            *dg = T::from_f64(T::round(dy * u) * act.derivative(g));
         }
     });
 }
@@ -51,41 +100,55 @@ mod tests {
     use half::{bf16, f16};
     use BastileDType::*;
 
-    /// Exact values in f64 with no intermediate rounding, from another formula than the kernels':
-    /// sig(g) = exp(-ln(1 + e^-g)) and d silu / dg = sig(g) + silu(g) * sig(-g).
-    fn reference(dy: f64, g: f64, u: f64) -> (f64, f64, f64) {
+    /// Exact values in f64 with no intermediate rounding, from other formulas than the kernels':
+    /// sig(g) = exp(-ln(1 + e^-g)), silu(g) = g sig(g) with d/dg = sig(g) + silu(g) sig(-g), and
+    /// gelu_tanh(g) = g sig(2z), z = b (g + k g^3), with d/dg = sig(2z) + g sig(2z) sig(-2z) 2 dz/dg.
+    /// Also the sizes of the terms the kernels' GELU-tanh formula cancels (g/2 (1 + tanh z) for g << 0),
+    /// which bound its error: none for SiLU.
+    fn reference(activation: u32, dy: f64, g: f64, u: f64) -> ([f64; 3], [f64; 3]) {
         let sig = |x: f64| (-(-x).exp().ln_1p()).exp();
-        let silu = g * sig(g);
-        (silu * u, dy * u * (sig(g) + silu * sig(-g)), dy * silu)
+        if activation == SWIGLU_SILU {
+            let (a, da) = (g * sig(g), sig(g) + g * sig(g) * sig(-g));
+            return ([a * u, dy * u * da, dy * a], [0.0; 3]);
+        }
+        let dz = BETA * (1.0 + 3.0 * KAPPA * g * g);
+        let z2 = 2.0 * BETA * (g + KAPPA * g.powi(3));
+        let (a, da) = (g * sig(z2), sig(z2) + g * sig(z2) * sig(-z2) * 2.0 * dz);
+        ([a * u, dy * u * da, dy * a], [(g * u).abs(), (dy * u).abs() * (1.0 + (g * dz).abs()), (dy * g).abs()])
     }
 
     /// Runs both CPU kernels on (g, u, dy) of T and returns (y, grad_gate, grad_up).
-    fn run<T: Element>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
-        let (n, dtype) = (g.len() as i64, T::DTYPE as i32);
+    fn run<T: Element>(activation: u32, g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let (n, dtype, activation) = (g.len() as i64, T::DTYPE as i32, activation as i32);
         let nan = || vec![T::from_f64(f64::NAN); g.len()];
         let (mut y, mut dg, mut du) = (nan(), nan(), nan());
-        SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, dtype }.cpu().unwrap();
+        SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, dtype, activation }
+            .cpu()
+            .unwrap();
         let (gate, up, grad_y) = (g.as_ptr().cast(), u.as_ptr().cast(), dy.as_ptr().cast());
         let (grad_gate, grad_up) = (dg.as_mut_ptr().cast(), du.as_mut_ptr().cast());
-        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, n, dtype }.cpu().unwrap();
+        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, n, dtype, activation }.cpu().unwrap();
         (y, dg, du)
     }
 
     /// Runs both CPU kernels on `n` elements of T and checks every element against [`reference`] on
     /// the same (rounded) inputs. Each result is rounded at most twice: `unit` is T's unit roundoff,
     /// `tiny` the absolute error of results near T's underflow.
-    fn check<T: Element>(dt: BastileDType, n: usize, unit: f64, tiny: f64) {
+    fn check<T: Element>(activation: u32, dt: BastileDType, n: usize, unit: f64, tiny: f64) {
         let g: Vec<T> = cast(&noise(n, 1, 12.0));
         let u: Vec<T> = cast(&noise(n, 2, 3.0));
         let dy: Vec<T> = cast(&noise(n, 3, 3.0));
-        let (y, dg, du) = run(&g, &u, &dy);
-        let tol = |r: f64| 2.5 * unit * r.abs() + tiny;
+        let (y, dg, du) = run(activation, &g, &u, &dy);
+        // f64 arithmetic (2^-53) on the cancelled terms, then at most two roundings to T, the first of a
+        // GELU near T's underflow (`tiny`) then multiplied.
+        let tol = |r: f64, terms: f64| 2.5 * unit * r.abs() + (4.0 * 2f64.powi(-53) + tiny) * terms + tiny;
         for i in 0..n {
-            let (ry, rdg, rdu) = reference(dy[i].to_f64(), g[i].to_f64(), u[i].to_f64());
-            for (what, got, want) in [("y", y[i], ry), ("grad_gate", dg[i], rdg), ("grad_up", du[i], rdu)] {
-                let err = (got.to_f64() - want).abs();
-                assert!(err <= tol(want), "{dt:?} n={n} element {i}: {what} = {} but exact {want} (g={}, u={}, dy={})",
-                        got.to_f64(), g[i].to_f64(), u[i].to_f64(), dy[i].to_f64());
+            let (want, terms) = reference(activation, dy[i].to_f64(), g[i].to_f64(), u[i].to_f64());
+            for (k, (what, got)) in [("y", y[i]), ("grad_gate", dg[i]), ("grad_up", du[i])].into_iter().enumerate() {
+                let err = (got.to_f64() - want[k]).abs();
+                assert!(err <= tol(want[k], terms[k]),
+                        "{dt:?} activation {activation} n={n} element {i}: {what} = {} but exact {} (g={}, u={}, dy={})",
+                        got.to_f64(), want[k], g[i].to_f64(), u[i].to_f64(), dy[i].to_f64());
             }
         }
     }
@@ -93,12 +156,14 @@ mod tests {
     #[test]
     fn cpu_kernels_match_f64_reference() {
         // Sizes around a thread's least share, so that every boundary case runs.
-        for n in [0, 1, 7, 1000, cpu::GRAIN, 2 * cpu::GRAIN + 3] {
-            // f64: exp and ln round at every step of the reference (|g| < 12), far below f32's 2^-24.
-            check::<f64>(BASTILE_F64, n, 2f64.powi(-44), 0.0);
-            check::<f32>(BASTILE_F32, n, 2f64.powi(-24), 1e-40);
-            check::<f16>(BASTILE_F16, n, 2f64.powi(-11), 2f64.powi(-24));
-            check::<bf16>(BASTILE_BF16, n, 2f64.powi(-8), 1e-40);
+        for activation in [SWIGLU_SILU, SWIGLU_GELU_TANH] {
+            for n in [0, 1, 7, 1000, cpu::GRAIN, 2 * cpu::GRAIN + 3] {
+                // f64: exp and ln round at every step of the reference (|g| < 12), far below f32's 2^-24.
+                check::<f64>(activation, BASTILE_F64, n, 2f64.powi(-44), 0.0);
+                check::<f32>(activation, BASTILE_F32, n, 2f64.powi(-24), 1e-40);
+                check::<f16>(activation, BASTILE_F16, n, 2f64.powi(-11), 2f64.powi(-24));
+                check::<bf16>(activation, BASTILE_BF16, n, 2f64.powi(-8), 1e-40);
+            }
         }
     }
 
@@ -107,7 +172,7 @@ mod tests {
         // Inputs where every output of torch's bf16 autograd of F.silu(g) * u (the values asserted)
         // differs from the exact result rounded once (y -0.54296875, grad_gate 0.75390625,
         // grad_up -0.4296875).
-        let (y, dg, du) = run(&[bf16::from_f32(0.75)], &[bf16::from_f32(-1.0625)], &[bf16::from_f32(-0.84375)]);
+        let (y, dg, du) = run(SWIGLU_SILU, &[bf16::from_f32(0.75)], &[bf16::from_f32(-1.0625)], &[bf16::from_f32(-0.84375)]);
         assert_eq!((y[0].to_f32(), dg[0].to_f32(), du[0].to_f32()), (-0.5390625, 0.7578125, -0.427734375));
     }
 
@@ -115,5 +180,11 @@ mod tests {
     fn bad_dtype_code_is_an_error() {
         let p = SwigluForward { dtype: 9, n: 1, ..Default::default() };
         assert!(p.cpu().unwrap_err().contains("unknown dtype"));
+    }
+
+    #[test]
+    fn bad_activation_code_is_an_error() {
+        let p = SwigluBackward { dtype: BASTILE_F32 as i32, activation: 7, n: 1, ..Default::default() };
+        assert_eq!(p.cpu().unwrap_err(), "bastile.swiglu: unknown activation code 7");
     }
 }

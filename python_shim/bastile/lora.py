@@ -337,14 +337,15 @@ def project(x: torch.Tensor, *modules: nn.Module) -> List[torch.Tensor]:
 
 
 class _SwiGLUDown(torch.autograd.Function):
-    """down(swiglu(gate, up)) keeping gate and up only: the activation is recomputed in the backward.
-    Without an adapter the gradients are those of the two ops in sequence, bit for bit."""
+    """down(swiglu(gate, up, activation)) keeping gate and up only: the activation is recomputed in the
+    backward. Without an adapter the gradients are those of the two ops in sequence, bit for bit."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, A, B, scale, p):
+    def forward(ctx, gate, up, weight, bias, A, B, scale, p, activation):
         c = gate.dtype
+        ctx.activation = activation
         with torch.autocast(gate.device.type, enabled=False):
-            act = swiglu(gate, up)
+            act = swiglu(gate, up, activation)
             out = F.linear(act, _dense([weight], c)[0], None if bias is None else _cast(bias, c))
             ha = adapters = a = b = None
             if A is not None:
@@ -361,7 +362,7 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up, weight, bias, a, b, ha = ctx.saved_tensors
         (weight,) = _saved(ctx, [weight])
-        act = swiglu(gate, up)
+        act = swiglu(gate, up, ctx.activation)
         flat_grad, flat_act = grad.reshape(-1, grad.shape[-1]), act.reshape(-1, act.shape[-1])
         grad_weight = grad_bias = dA = dB = None
         if ctx.needs_input_grad[2]:
@@ -374,21 +375,21 @@ class _SwiGLUDown(torch.autograd.Function):
             flat_grad_act = None if grad_act is None else grad_act.view(-1, grad_act.shape[-1])
             ((dA, dB),) = ctx.adapters.backward(flat_act, ha, a, [b], [flat_grad], flat_grad_act)
         if grad_act is not None:
-            grad_gate, grad_up = torch.ops.bastile.swiglu_backward(grad_act, gate, up)
-        return grad_gate, grad_up, grad_weight, grad_bias, dA, dB, None, None
+            grad_gate, grad_up = torch.ops.bastile.swiglu_backward(grad_act, gate, up, ctx.activation)
+        return grad_gate, grad_up, grad_weight, grad_bias, dA, dB, None, None, None
 
 
-def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module) -> torch.Tensor:
-    """down(swiglu(gate, up)) for a plain nn.Linear or an eligible LoRA-wrapped one, the activation
-    recomputed in the backward; any other module is called on the activation."""
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Module, activation: str = "silu") -> torch.Tensor:
+    """down(swiglu(gate, up, activation)) for a plain nn.Linear or an eligible LoRA-wrapped one, the
+    activation recomputed in the backward; any other module is called on the activation."""
     plain = type(down) is nn.Linear and not hooked(down)
     if not plain and why_not(down) is not None:
-        return down(swiglu(gate, up))
+        return down(swiglu(gate, up, activation))
     weight, bias, A, B, scale, p, dtype = _parts(down)
     c = _node_dtype(gate, [dtype])
     if c is None:
-        return down(swiglu(gate, up))
-    return _SwiGLUDown.apply(gate.to(c), up.to(c), weight, bias, A, B, scale, p)
+        return down(swiglu(gate, up, activation))
+    return _SwiGLUDown.apply(gate.to(c), up.to(c), weight, bias, A, B, scale, p, activation)
 
 
 def report(model: nn.Module, fused_parents: dict) -> dict:

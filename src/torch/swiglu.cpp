@@ -1,6 +1,6 @@
-// torch.ops.bastile.swiglu: y = silu(gate) * up (cuda/swiglu.cu). Autograd saves gate and up only: the
-// backward recomputes the sigmoid, so no activation is stored. Autocast leaves it alone, as it leaves HF's
-// activation and product.
+// torch.ops.bastile.swiglu: y = act(gate) * up with act "silu" or "gelu_tanh" (cuda/swiglu.cu). Autograd saves
+// gate and up only: the backward recomputes the activation, so none is stored. Autocast leaves it alone, as it
+// leaves HF's activation and product.
 #include "op.h"
 
 namespace bastile {
@@ -17,44 +17,55 @@ void check(const char* op, const at::Tensor& gate, std::initializer_list<Named> 
   check_device(op, {"gate", gate}, others);
 }
 
+int32_t activation_code(const char* op, c10::string_view activation) {
+  if (activation == "silu") return SWIGLU_SILU;
+  if (activation == "gelu_tanh") return SWIGLU_GELU_TANH;
+  TORCH_CHECK(false, "bastile.", op, ": activation must be \"silu\" or \"gelu_tanh\", got \"", activation, "\"");
+}
+
 struct SwigluBackwardOp {
-  static constexpr const char* schema = "swiglu_backward(Tensor grad_y, Tensor gate, Tensor up) -> (Tensor, Tensor)";
+  static constexpr const char* schema = "swiglu_backward(Tensor grad_y, Tensor gate, Tensor up, str activation=\"silu\") -> (Tensor, Tensor)";
 
   static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& grad_y, const at::Tensor& gate,
-                                                   const at::Tensor& up) {
+                                                   const at::Tensor& up, c10::string_view activation) {
     check("swiglu_backward", gate, {{"up", up}, {"grad_y", grad_y}});
+    const int32_t act = activation_code("swiglu_backward", activation);
     auto grad_gate = at::empty_symint(gate.sym_sizes(), gate.options());
     auto grad_up = at::empty_symint(gate.sym_sizes(), gate.options());
     if (gate.is_meta() || gate.numel() == 0) return {grad_gate, grad_up};
     const auto dy = grad_y.contiguous(), g = gate.contiguous(), u = up.contiguous();
     launch(g, SwigluBackward{.grad_y = dy.data_ptr(), .gate = g.data_ptr(), .up = u.data_ptr(),
                              .grad_gate = grad_gate.data_ptr(), .grad_up = grad_up.data_ptr(), .n = g.numel(),
-                             .dtype = dtype_code("swiglu_backward", {"gate", g})});
+                             .dtype = dtype_code("swiglu_backward", {"gate", g}), .activation = act});
     return {grad_gate, grad_up};
   }
 };
 
 struct SwigluOp {
-  static constexpr const char* schema = "swiglu(Tensor gate, Tensor up) -> Tensor";
+  static constexpr const char* schema = "swiglu(Tensor gate, Tensor up, str activation=\"silu\") -> Tensor";
 
-  static at::Tensor kernel(const at::Tensor& gate, const at::Tensor& up) {
+  static at::Tensor kernel(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
     check("swiglu", gate, {{"up", up}});
+    const int32_t act = activation_code("swiglu", activation);
     auto y = at::empty_symint(gate.sym_sizes(), gate.options());
     if (gate.is_meta() || gate.numel() == 0) return y;
     const auto g = gate.contiguous(), u = up.contiguous();
     launch(g, SwigluForward{.gate = g.data_ptr(), .up = u.data_ptr(), .y = y.data_ptr(), .n = y.numel(),
-                            .dtype = dtype_code("swiglu", {"gate", g})});
+                            .dtype = dtype_code("swiglu", {"gate", g}), .activation = act});
     return y;
   }
 
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                            c10::string_view activation) {
     ctx->save_for_backward({gate, up});
-    return call<SwigluOp>(gate, up);
+    ctx->saved_data["activation"] = std::string(activation);
+    return call<SwigluOp>(gate, up, activation);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto [grad_gate, grad_up] = call<SwigluBackwardOp>(grads[0], saved[0], saved[1]);
+    auto [grad_gate, grad_up] =
+        call<SwigluBackwardOp>(grads[0], saved[0], saved[1], ctx->saved_data["activation"].toStringRef());
     return {grad_gate, grad_up};
   }
 };

@@ -1,15 +1,17 @@
-"""SwiGLU (HF's `act_fn(gate) * up` with SiLU): `swiglu`, and `BastileSwiGLUMLP`, the MLP built on it."""
+"""Gated activations (HF's `act_fn(gate) * up` with SiLU, or GELU-tanh as Gemma's MLP): `swiglu`, and
+`BastileSwiGLUMLP`, the MLP built on it."""
 import torch
 
 from .. import _library  # noqa: F401  (loads the ops)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """HF's SwiGLU `act_fn(gate) * up` with act_fn = SiLU (Qwen3MLP), in the inputs' dtype: silu(gate) is
-    computed in float32 and rounded to that dtype, then multiplied by up in float32 and rounded again.
-    gate and up must have the same shape, dtype and device. The backward recomputes silu from the
-    saved gate and up, so no activation is kept for it."""
-    return torch.ops.bastile.swiglu(gate, up)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """HF's `act_fn(gate) * up` with act_fn SiLU (`"silu"`, Qwen3MLP's SwiGLU) or GELU with the tanh
+    approximation (`"gelu_tanh"`, HF's gelu_pytorch_tanh: Gemma's GEGLU), in the inputs' dtype:
+    act_fn(gate) is computed in float32 and rounded to that dtype, then multiplied by up in float32 and
+    rounded again. gate and up must have the same shape, dtype and device. The backward recomputes the
+    activation from the saved gate and up, so none is kept for it."""
+    return torch.ops.bastile.swiglu(gate, up, activation)
 
 
 def __getattr__(name):
