@@ -9,6 +9,7 @@ gives HF's tokens, and reset() restores HF's forwards. CUDA (bf16): losses withi
 Refusals: a model carrying what its family's traits do not declare is refused before anything is patched.
 """
 import copy
+import inspect
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bastile
 from bastile.families import FAMILIES as TRAITS, Unsupported
-from conftest import needs_cuda
+from conftest import needs_cuda, rel_err
 from test_qwen3_training import assert_params_close, batches
 
 COMMON = dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -64,9 +65,24 @@ CONFIGS = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM",
              dict(intermediate_size=256, num_hidden_layers=3, head_dim=32, attention_bias=True,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, **IDS)),
+    # (1 + w) norms, GELU-tanh MLPs, embeddings scaled by sqrt(hidden)
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=256, head_dim=32, **IDS)),
+    # sandwich norms, sliding and full layers, attention and final-logit softcaps (HF applies the attention's
+    # in its eager attention only), a query scale other than head_dim's
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(intermediate_size=256, num_hidden_layers=4, head_dim=32, sliding_window=WINDOW,
+                    layer_types=ALTERNATING, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0, attn_implementation="eager", **IDS)),
+    # (1 + w) q/k norms, RoPE bases per layer type (the full layers' linearly scaled)
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(intermediate_size=256, num_hidden_layers=4, head_dim=32, sliding_window=WINDOW,
+                         layer_types=ALTERNATING, query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
+                         **IDS)),
 }
 FAMILIES = list(CONFIGS)
-NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "glm4"]
+NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "glm4", "gemma", "gemma2", "gemma3_text"]
 # Qwen3's own training tests use a larger model (test_qwen3_training.py); this one is for the other tests.
 MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}
 LR = 2e-3
@@ -98,7 +114,8 @@ class Dispatched(TorchDispatchMode):
 def expected_ops(family):
     """The ops a patched training step of the family must run: its norms, rotation, MLP (or experts') and head."""
     t = TRAITS[family]
-    attention = "qk_norm_rope" if t.attention.qk_norm.name == "PER_HEAD" else "rope"
+    fused_qk = t.attention.qk_norm.name == "PER_HEAD" and t.norm.name == "CAST_THEN_WEIGHT"
+    attention = "qk_norm_rope" if fused_qk else "rope"
     mlp = "geglu" if t.mlp.experts == "geglu" else "swiglu"
     return {"rms_norm", attention, mlp, "fused_linear_cross_entropy"}
 
@@ -208,7 +225,8 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
     h = torch.randn(2, 40, COMMON["hidden_size"], generator=g).bfloat16()
     layer = model.model.layers[0]
     positions = torch.arange(40)[None].expand(2, -1)
-    tables = (model.model.rotary_emb(h, positions, model.config.layer_types[0]) if family == "olmo3"
+    per_type = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
+    tables = (model.model.rotary_emb(h, positions, model.config.layer_types[0]) if per_type
               else model.model.rotary_emb(h, positions))
     kw = dict(attention_mask=None, position_ids=positions, position_embeddings=tables)
     norms = [m for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]
@@ -266,7 +284,101 @@ def test_mini_models_have_the_traits_the_tests_rely_on():
     assert olmo2.model.layers[0].self_attn.q_norm.weight.shape == (COMMON["hidden_size"],)  # the whole width
 
 
+def gemma3_multimodal(seed=0):
+    """Gemma3ForConditionalGeneration with the gemma3_text mini as its language model and a one-layer SigLIP
+    tower: a 28x28 image is 16 patches, pooled to 4 image tokens (id IMAGE)."""
+    _, _, text = MINI["gemma3_text"]
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**{**COMMON, **text}),
+        vision_config=transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=2, image_size=28, patch_size=7),
+        mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=IMAGE - 1, eoi_token_index=IMAGE + 1)
+    cfg.text_config._attn_implementation = cfg._attn_implementation = "sdpa"
+    return transformers.Gemma3ForConditionalGeneration(cfg).train()
+
+
+IMAGE = 600  # above the ids batches() draws
+
+
+def multimodal_batch(image: bool):
+    """(inputs, labels): two rows of 48 tokens, the first with 4 image tokens at 5..8 when `image`."""
+    ((ids, labels),) = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
+    inputs = dict(input_ids=ids.clone())
+    if image:
+        inputs["input_ids"][0, 5:9] = IMAGE
+        inputs["token_type_ids"] = (inputs["input_ids"] == IMAGE).long()
+        inputs["pixel_values"] = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(4))
+        labels = labels.masked_fill(inputs["input_ids"] == IMAGE, -100)
+    return inputs, labels
+
+
+@pytest.mark.parametrize("image", [False, True])
+def test_gemma3_multimodal_training_matches_hf_cpu_fp32(image):
+    """The language model of Gemma 3's multimodal model runs Bastile's forwards and head; the vision tower is
+    HF's. Text-only and image+text batches: the losses of 6 AdamW steps and every first-step gradient (the
+    vision tower's and projector's included) as HF's."""
+    inputs, labels = multimodal_batch(image)
+
+    def run(model):
+        torch.manual_seed(7)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses, first = [], None
+        for _ in range(STEPS):
+            loss = model(**inputs, labels=labels).loss
+            loss.backward()
+            if first is None:
+                first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, first
+
+    ref_losses, ref_grads = run(gemma3_multimodal())
+    model = gemma3_multimodal()
+    assert sorted(bastile.apply(model=model, log_probs=False)) == sorted(
+        f"{role}_gemma3_text" for role in bastile.patch.ROLES)
+    with Dispatched() as seen:
+        out = model(**inputs, labels=labels)
+    assert {"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"} <= seen.ops and out.logits is None
+    losses, grads = run(model)
+    assert losses == pytest.approx(ref_losses, rel=1e-5) and ref_losses[-1] < ref_losses[0]
+    assert grads.keys() == ref_grads.keys() and any(n.startswith("model.vision_tower") for n in grads) == image
+    # In norm: the projector's (zero-initialised) weight gets large gradients of mixed sign, whose small
+    # elements carry the summation-order noise of the large ones.
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g) < 1e-5, name
+
+
+def test_gemma3_multimodal_generation_matches_hf():
+    ref = gemma3_multimodal().eval()
+    inputs, _ = multimodal_batch(image=True)
+    inputs = {k: v[:1, :12] if k != "pixel_values" else v for k, v in inputs.items()}
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = ref.generate(**inputs, **kw)
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model, log_probs=False)
+    torch.testing.assert_close(model.generate(**inputs, **kw), expected, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- refusals
+
+
+def test_bidirectional_gemma_is_refused_before_patching():
+    model = mini("gemma3_text", "cpu", torch.float32)
+    model.config.use_bidirectional_attention = True
+    with pytest.raises(Unsupported, match=r"gemma3_text with \['use_bidirectional_attention'\] set.*nothing was "
+                                          "patched"):
+        bastile.apply(model=model)
+    assert bastile.get_patched_ops() == []
+
+
+def test_undeclared_multimodal_config_key_is_refused():
+    model = gemma3_multimodal()
+    model.config.audio_config = {}
+    with pytest.raises(Unsupported, match=r"config of gemma3 has \['audio_config'\]"):
+        bastile.apply(model=model)
+    assert bastile.get_patched_ops() == []
 
 
 def test_undeclared_config_key_is_refused_before_patching():

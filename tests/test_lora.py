@@ -141,12 +141,12 @@ def _peft_variants():
         proj.base_layer.load_state_dict(old.state_dict())
         proj.base_layer.requires_grad_(False)
 
-    def gelu(m):  # an MLP the patched forward runs as HF's (no SwiGLU): its projections are modules
+    def gelu(m):  # an MLP the patched forward runs as HF's (exact GELU): its projections are modules
         for layer in m.base_model.model.model.layers:
             layer.mlp.act_fn = nn.GELU()
 
     return [
-        ("gelu_mlp", {}, gelu, "activation GELU is not SiLU"),
+        ("gelu_mlp", {}, gelu, "activation GELU is neither SiLU nor GELU-tanh"),
         ("dora", dict(use_dora=True), None, "variant"),
         ("lora_bias", dict(lora_bias=True), None, "LoRA bias"),
         ("two_adapters", {}, two, "2 active adapters"),

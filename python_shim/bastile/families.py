@@ -17,9 +17,11 @@ from typing import Dict, FrozenSet, Optional, Tuple
 
 class Norm(Enum):
     """Where an RMSNorm rounds to the input's dtype: before the weight multiplies (Llama:
-    weight * to(x.dtype)(n)) or after (OLMo 2, GPT-OSS: to(x.dtype)(weight * n))."""
+    weight * to(x.dtype)(n)) or after (OLMo 2, GPT-OSS: to(x.dtype)(weight * n)); Gemma's multiplies by
+    (1 + weight) in float32, then rounds, and keeps its epsilon in `eps`."""
     CAST_THEN_WEIGHT = "cast, then weight"
     WEIGHT_THEN_CAST = "weight, then cast"
+    OFFSET_THEN_CAST = "1 + weight, then cast"
 
 
 class QkNorm(Enum):
@@ -65,6 +67,7 @@ class Attention:
     window: Window = Window.NONE
     query_scale: bool = False           # Ministral 3: q *= 1 + beta * log(1 + floor(position / original max))
     sinks: bool = False                 # GPT-OSS: learned sinks, HF's eager attention only
+    softcap: bool = False               # Gemma 2: the module's attn_logit_softcapping goes to HF's attention
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class Residual:
 
 PRE_NORM = Residual()
 SANDWICH = Residual(attention_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm")
+GEMMA = Residual(attention_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
+                 mlp_out="post_feedforward_layernorm")
 POST_NORM = Residual(attention_in=None, attention_out="post_attention_layernorm", mlp_in=None,
                      mlp_out="post_feedforward_layernorm")
 
@@ -97,7 +102,20 @@ POST_NORM = Residual(attention_in=None, attention_out="post_attention_layernorm"
 @dataclass(frozen=True)
 class Head:
     logit_divisor: Optional[str] = None  # config key: logits = lm_head(h) / config.<key> (Granite)
+    softcap: Optional[str] = None        # config key: logits = c * tanh(logits / c), c = config.<key> (Gemma 2, 3)
     router_aux_loss: bool = False        # MoE: the router's load-balancing loss is added to the loss
+
+
+@dataclass(frozen=True)
+class Multimodal:
+    """A multimodal model whose language model is the family's decoder (its text_config the family's
+    config): <prefix><head> holds that decoder, and an lm_head Bastile's head replaces; its vision tower
+    stays HF's."""
+    model_type: str
+    config: FrozenSet[str]              # its config keys, beyond PretrainedConfig's
+    inputs: Tuple[str, ...]             # what its forward takes beyond a causal LM's, for its inner model
+    head: str = "ForConditionalGeneration"
+    output: str = "CausalLMOutputWithPast"
 
 
 # Config keys every supported family's code reads (beyond PretrainedConfig's own): head_dim through
@@ -127,15 +145,24 @@ class Family:
     mlp: Mlp = Mlp()
     residual: Residual = PRE_NORM
     head: Head = Head()
+    decoder: str = "Model"               # <prefix><decoder>: the decoder's class
+    off: FrozenSet[str] = frozenset()    # config flags the forwards assume off (a bidirectional attention)
+    multimodal: Optional[Multimodal] = None
 
     @property
     def keys(self) -> FrozenSet[str]:
         return _SHARED | self.config
 
 
-def _family(model_type: str, prefix: str, config, **traits) -> Family:
-    return Family(model_type, f"transformers.models.{model_type}.modeling_{model_type}", prefix, frozenset(config),
-                  **traits)
+def _family(model_type: str, prefix: str, config, module: Optional[str] = None, **traits) -> Family:
+    module = module or model_type
+    return Family(model_type, f"transformers.models.{module}.modeling_{module}", prefix, frozenset(config), **traits)
+
+
+# Gemma 2 and 3: sliding and global layers (their RoPE bases per layer type in rope_parameters), sandwich norms,
+# attention scaled by query_pre_attn_scalar, the logits softcapped by final_logit_softcapping.
+_GEMMA2 = {"attention_bias", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
+           "query_pre_attn_scalar", "use_bidirectional_attention"} | _PER_LAYER
 
 
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
@@ -187,7 +214,25 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     _family("glm4", "Glm4", {"attention_bias", "partial_rotary_factor"},
             rotary=Rotary(layout=Layout.INTERLEAVED, partial=True),
             mlp=Mlp(fused_gate_up=True, activation="activation_fn"), residual=SANDWICH),
+    # Gemma's embeddings are scaled by sqrt(hidden_size) in HF's embedding module, which stays HF's.
+    _family("gemma", "Gemma", {"attention_bias", "use_bidirectional_attention"}, norm=Norm.OFFSET_THEN_CAST,
+            off=frozenset({"use_bidirectional_attention"})),
+    _family("gemma2", "Gemma2", _GEMMA2, norm=Norm.OFFSET_THEN_CAST,
+            attention=Attention(window=Window.LAYER, softcap=True), residual=GEMMA,
+            head=Head(softcap="final_logit_softcapping"), off=frozenset({"use_bidirectional_attention"})),
+    # Gemma 3's attention takes no softcap (attn_logit_softcapping is read, never applied, in HF's code), and
+    # its q/k norms are Gemma norms. Gemma3ForConditionalGeneration (model type gemma3) holds the same decoder.
+    _family("gemma3_text", "Gemma3", _GEMMA2 | {"_sliding_window_pattern"}, module="gemma3",
+            norm=Norm.OFFSET_THEN_CAST, attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER),
+            residual=GEMMA, head=Head(softcap="final_logit_softcapping"), decoder="TextModel",
+            off=frozenset({"use_bidirectional_attention"}),
+            multimodal=Multimodal("gemma3", frozenset({"boi_token_index", "eoi_token_index", "image_token_index", "initializer_range",
+                                                       "mm_tokens_per_image", "text_config", "tie_word_embeddings",
+                                                       "vision_config"}),
+                                  inputs=("pixel_values", "token_type_ids", "mm_encoder_outputs"))),
 ]}
+# Multimodal model types -> the family of their language model.
+MULTIMODAL: Dict[str, Family] = {f.multimodal.model_type: f for f in FAMILIES.values() if f.multimodal}
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -197,17 +242,25 @@ class Unsupported(ValueError):
 
 
 def family_of(model) -> Family:
-    """The family of an HF model (by config.model_type), or Unsupported."""
+    """The family of an HF model (by config.model_type; a multimodal one's is its language model's), or
+    Unsupported."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in FAMILIES:
+    family = FAMILIES.get(model_type) or MULTIMODAL.get(model_type)
+    if family is None:
         raise Unsupported(f"bastile: model type {model_type!r} is not supported; "
-                          f"supported: {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[model_type]
+                          f"supported: {', '.join(sorted(FAMILIES) + sorted(MULTIMODAL))}")
+    return family
 
 
 def _check_config(family: Family, config) -> None:
     from transformers import PretrainedConfig
     keys = set(config.to_dict()) - set(PretrainedConfig().to_dict())
+    if family.multimodal and config.model_type == family.multimodal.model_type:
+        unknown = sorted(keys - family.multimodal.config)
+        if unknown:
+            raise Unsupported(f"bastile: config of {config.model_type} has {unknown}, which Bastile's "
+                              f"{family.model_type} traits do not declare")
+        return _check_config(family, config.text_config)
     quantization = getattr(config, "quantization_config", None)
     if quantization is not None:
         method = (quantization.get("quant_method") if isinstance(quantization, dict)
@@ -222,6 +275,10 @@ def _check_config(family: Family, config) -> None:
         raise Unsupported(f"bastile: config of {family.model_type} has {unknown}, which Bastile's "
                           f"{family.model_type} traits do not declare (a newer transformers, or a flag added to "
                           "the config)")
+    on = sorted(k for k in family.off if getattr(config, k, None))
+    if on:
+        raise Unsupported(f"bastile: {family.model_type} with {on} set: Bastile's {family.model_type} forwards "
+                          "are causal, one way only")
     rope = config.rope_parameters or {}
     tables = rope.values() if set(rope) <= set(LAYER_TYPES) and rope else [rope]
     for t in tables:
@@ -238,7 +295,8 @@ def _check_config(family: Family, config) -> None:
 
 def _classes(family: Family, module) -> list:
     """The family's HF classes that Bastile's forwards replace or call into."""
-    names = ["RMSNorm", "Attention", "DecoderLayer", "Model", "ForCausalLM"]
+    names = ["RMSNorm", "Attention", "DecoderLayer", family.decoder, "ForCausalLM"]
+    names += [family.multimodal.head] if family.multimodal else []
     names += ["MLP"] if family.mlp.dense else []
     names += ["Experts"] if family.mlp.experts else []
     return [getattr(module, family.prefix + n) for n in names]

@@ -9,11 +9,11 @@ import dataclasses
 import functools
 import sys
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
-from transformers.activations import SiLUActivation
+from transformers.activations import GELUTanh, SiLUActivation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -48,12 +48,28 @@ def rms_norm_cast_after_weight_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_after_weight=True)
 
 
-NORM_FORWARDS = {Norm.CAST_THEN_WEIGHT: rms_norm_forward, Norm.WEIGHT_THEN_CAST: rms_norm_cast_after_weight_forward}
+def rms_norm_offset_forward(self, hidden_states):
+    """GemmaRMSNorm: to(x.dtype)((1 + weight) * n), in float32."""
+    return rms_norm(hidden_states, self.weight, self.eps, cast_after_weight=True, weight_offset=1.0)
+
+
+NORM_FORWARDS = {Norm.CAST_THEN_WEIGHT: rms_norm_forward, Norm.WEIGHT_THEN_CAST: rms_norm_cast_after_weight_forward,
+                 Norm.OFFSET_THEN_CAST: rms_norm_offset_forward}
 
 
 # ------------------------------------------------------------------------------------------------ MLP
 
 _SILU = (nn.SiLU, SiLUActivation)
+
+
+def gated_activation(f) -> Optional[str]:
+    """The `swiglu` activation that computes the activation module f as HF does: "silu", "gelu_tanh"
+    (GELUTanh through torch's gelu, not its Python formula), or None."""
+    if isinstance(f, _SILU):
+        return "silu"
+    if type(f) is GELUTanh and isinstance(f.act, functools.partial):
+        return "gelu_tanh"
+    return None
 
 
 def mlp_why_not(traits: Mlp) -> Callable:
@@ -62,20 +78,21 @@ def mlp_why_not(traits: Mlp) -> Callable:
 
     def why_not(mlp):
         f = getattr(mlp, act)
-        return None if isinstance(f, _SILU) else f"activation {type(f).__name__} is not SiLU"
+        return None if gated_activation(f) else f"activation {type(f).__name__} is neither SiLU nor GELU-tanh"
     return why_not
 
 
 def mlp_forward(traits: Mlp):
     """The dense MLP's forward, `down(act(gate(x)) * up(x))` (gate and up from one gate_up_proj where the
-    family fuses them, gate first), with the activation and product fused when the activation is SiLU and
-    the down projection fused with them, so that the activation is not kept for the backward. PEFT LoRA
-    adapters on the projections run in fused nodes (lora.py); anything else is called as a module.
-    `keep_activation` (a checkpointed layer, see layer_forward) keeps it instead."""
-    why_not, fused, act = mlp_why_not(traits), traits.fused_gate_up, traits.activation
+    family fuses them, gate first), with the activation and product fused when the activation is SiLU or
+    GELU-tanh and the down projection fused with them, so that the activation is not kept for the
+    backward. PEFT LoRA adapters on the projections run in fused nodes (lora.py); anything else is called
+    as a module. `keep_activation` (a checkpointed layer, see layer_forward) keeps it instead."""
+    fused, act = traits.fused_gate_up, traits.activation
 
     def forward(self, x, keep_activation=False):
-        if why_not(self) is not None:  # HF's own
+        activation = gated_activation(getattr(self, act))
+        if activation is None:  # HF's own
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1) if fused else (self.gate_proj(x), self.up_proj(x))
             return self.down_proj(getattr(self, act)(gate) * up)
         if fused:
@@ -83,9 +100,9 @@ def mlp_forward(traits: Mlp):
         else:
             gate, up = lora.project(x, self.gate_proj, self.up_proj)
         if keep_activation:
-            (out,) = lora.project(swiglu(gate, up), self.down_proj)
+            (out,) = lora.project(swiglu(gate, up, activation), self.down_proj)
             return out
-        return lora.swiglu_down(gate, up, self.down_proj)
+        return lora.swiglu_down(gate, up, self.down_proj, activation)
     return forward
 
 
@@ -140,6 +157,8 @@ def attention_forward(family: Family):
     layout (none on NoPE layers), and the attention: the varlen kernel on packed batches (varlen.py), else
     HF's attention interface with the family's sliding window and sinks. The rest is HF's (cache update)."""
     a, r, weight_then_cast = family.attention, family.rotary, family.norm is Norm.WEIGHT_THEN_CAST
+    # qk_norm_rope rounds as Llama's norm does; other norms run as their (patched) modules, then the rotation.
+    fuse_qk = a.qk_norm is QkNorm.PER_HEAD and family.norm is Norm.CAST_THEN_WEIGHT
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
@@ -156,7 +175,7 @@ def attention_forward(family: Family):
         q, k, v = (t.view(hidden_shape) for t in (q, k, v))
         cos, sin = position_embeddings
         rotates = r.layer_flag is None or getattr(self, r.layer_flag)
-        if a.qk_norm is QkNorm.PER_HEAD and rotates and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
+        if fuse_qk and rotates and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
             q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
             query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
         else:  # one eps per qk_norm_rope launch: norms with different eps go separately
@@ -185,6 +204,8 @@ def attention_forward(family: Family):
                                                                         hf_attr(family, "eager_attention_forward"))
             if a.sinks:
                 kwargs["s_aux"] = self.sinks
+            if a.softcap:
+                kwargs["softcap"] = self.attn_logit_softcapping
             attn_output, attn_weights = attention_interface(
                 self, query_states, key_states, value_states, attention_mask, dropout=dropout, scaling=self.scaling,
                 sliding_window=window, **kwargs)
@@ -196,9 +217,11 @@ def attention_forward(family: Family):
 
 def _varlen(family: Family, attention) -> bool:
     """Whether Bastile's attention, in the attention module given, takes a packed batch (without a cache) to
-    the varlen kernel: the family has no sinks, and the module no dropout in training. The one rule: the
-    decoder drops HF's masks only where it holds for every layer (_runs_varlen)."""
-    return not family.attention.sinks and not (attention.training and attention.attention_dropout)
+    the varlen kernel: the family has no sinks, the module no softcap, and no dropout in training. The one
+    rule: the decoder drops HF's masks only where it holds for every layer (_runs_varlen)."""
+    a = family.attention
+    return (not a.sinks and not (a.softcap and attention.attn_logit_softcapping is not None)
+            and not (attention.training and attention.attention_dropout))
 
 
 def _runs_varlen(family: Family, runs: Runs, decoder) -> bool:
@@ -368,27 +391,34 @@ def hf_tuple(forward):
     return wrapper
 
 
+def _head_and_loss(model, hidden_states, labels, logits_to_keep, kwargs, divisor=None, softcap=None):
+    """(logits, loss) of an HF causal LM's head over the positions logits_to_keep keeps: the logits divided by
+    `divisor` and softcapped by `softcap` where given, and HF's ForCausalLMLoss; in training with labels the
+    fused linear cross-entropy instead, and no logits (_fused_loss_applies)."""
+    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden = hidden_states[:, slice_indices, :]
+    if _fused_loss_applies(model, labels):
+        scale = 1.0 if divisor is None else 1.0 / divisor
+        return None, _fused_loss(model, hidden, labels, scale, softcap, **kwargs)
+    logits = model.lm_head(hidden)
+    if divisor is not None:
+        logits = logits / divisor
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    loss = None
+    if labels is not None:
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.get_text_config().vocab_size,
+                                   **kwargs)
+    return logits, loss
+
+
 def causal_lm_forward(family: Family, check: Callable):
     """XForCausalLM.forward; in training with labels the loss comes from the fused linear cross-entropy
     (HF's ForCausalLMLoss: labels shifted left, the last position ignored; the family's logit divisor as its
-    logit scale) and `logits` is None. Otherwise (inference, generation, evaluation, a hooked head, a custom
-    loss) it is HF's head and loss. MoE families add the router's load-balancing loss as HF adds it and
-    return the router logits."""
-    divisor, moe = family.head.logit_divisor, family.head.router_aux_loss
-
-    def head_and_loss(self, hidden_states, labels, logits_to_keep, kwargs):
-        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        hidden = hidden_states[:, slice_indices, :]
-        scale = 1.0 if divisor is None else 1.0 / getattr(self.config, divisor)
-        if _fused_loss_applies(self, labels):
-            return None, _fused_loss(self, hidden, labels, scale, **kwargs)
-        logits = self.lm_head(hidden)
-        if divisor is not None:
-            logits = logits / getattr(self.config, divisor)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return logits, loss
+    logit scale, its softcap as the op's) and `logits` is None. Otherwise (inference, generation, evaluation,
+    a hooked head, a custom loss) it is HF's head and loss. MoE families add the router's load-balancing loss
+    as HF adds it and return the router logits."""
+    divisor, softcap, moe = family.head.logit_divisor, family.head.softcap, family.head.router_aux_loss
 
     @hf_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -403,7 +433,8 @@ def causal_lm_forward(family: Family, check: Callable):
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                              use_cache=no_cache_for_a_loss(use_cache, labels), **kwargs)
         kwargs.pop("output_router_logits", None)
-        logits, loss = head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
+        logits, loss = _head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs,
+                                      divisor and getattr(self.config, divisor), softcap and getattr(self.config, softcap))
         if not moe:
             return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                           hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -419,12 +450,39 @@ def causal_lm_forward(family: Family, check: Callable):
     return forward
 
 
-def _fused_loss(model, hidden, labels, logit_scale, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                **_):
+def multimodal_lm_forward(family: Family, check: Callable):
+    """The forward of a multimodal model's head (Gemma3ForConditionalGeneration), made from HF's (whose
+    signature it shows: generate checks its inputs against it): the inner model (the vision tower, HF's, and
+    the family's decoder) given the multimodal inputs, then the head and loss as causal_lm_forward's (with
+    neither divisor nor softcap: HF's multimodal head has none)."""
+    mm = family.multimodal
+
+    def wrap(original):
+        @hf_tuple
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+            check(self)
+            inputs = {k: kwargs.pop(k) for k in mm.inputs if k in kwargs}
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                                 use_cache=no_cache_for_a_loss(use_cache, labels), return_dict=True, **inputs,
+                                 **kwargs)
+            logits, loss = _head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
+            return hf_attr(family, family.prefix + mm.output)(
+                loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+                image_hidden_states=outputs.image_hidden_states)
+        return functools.wraps(original)(forward)
+    return wrap
+
+
+def _fused_loss(model, hidden, labels, logit_scale, softcap, num_items_in_batch=None, ignore_index=-100,
+                shift_labels=None, **_):
     """HF's ForCausalLMLoss without the logits."""
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = model.get_output_embeddings()
     return fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
-        bias=head.bias, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, logit_scale=logit_scale)
+        bias=head.bias, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, logit_scale=logit_scale,
+        softcap=softcap)

@@ -83,9 +83,10 @@ def _targets(f: Family) -> Dict[str, list]:
         "norm": [(f"{p}RMSNorm.forward", hf.NORM_FORWARDS[f.norm])],
         "mlp": mlp,
         "attention": [(f"{p}Attention.forward", hf.attention_forward(f))],
-        "decoder": [(f"{p}Model.forward", Wrap(hf.decoder_forward(f, runs, _check))),
+        "decoder": [(f"{p}{f.decoder}.forward", Wrap(hf.decoder_forward(f, runs, _check))),
                     (f"{p}DecoderLayer.forward", hf.checkpointed(hf.layer_forward(f, runs)))],
-        "head": [(f"{p}ForCausalLM.forward", hf.causal_lm_forward(f, _check))],
+        "head": [(f"{p}ForCausalLM.forward", hf.causal_lm_forward(f, _check))]
+                + ([(f"{p}{f.multimodal.head}.forward", Wrap(hf.multimodal_lm_forward(f, _check)))] if f.multimodal else []),
     }
 
 
