@@ -4,7 +4,7 @@
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::Result;
 use crate::elementwise::Elementwise;
-use crate::params::{SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_GELU_TANH, SWIGLU_SILU, SWIGLU_UNROLL};
+use crate::params::{BastileDType, SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_GELU_TANH, SWIGLU_SILU, SWIGLU_UNROLL};
 
 crate::elementwise_launch! { Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL },
     SwigluForward: Fwd(gate, up, y) if forward_valid => forward_cpu;
@@ -41,29 +41,41 @@ impl Activation {
         }
     }
 
-    fn value(self, g: f64) -> f64 {
-        match self {
-            Self::Silu => g * sigmoid(g),
-            Self::GeluTanh => 0.5 * g * (1.0 + (BETA * (g + KAPPA * g * g * g)).tanh()),
+    /// act(g). GELU-tanh in f32 unless T is f64 (`wide`): its 1 + tanh cancels for negative gates, where
+    /// torch's f32 result (HF's, and the GPU's) is what training with it sees.
+    fn value(self, g: f64, wide: bool) -> f64 {
+        match (self, wide) {
+            (Self::Silu, _) => g * sigmoid(g),
+            (Self::GeluTanh, true) => 0.5 * g * (1.0 + (BETA * (g + KAPPA * g * g * g)).tanh()),
+            (Self::GeluTanh, false) => {
+                let g = g as f32;
+                (0.5 * g * (1.0 + (BETA as f32 * (g + KAPPA as f32 * (g * g * g))).tanh())) as f64
+            }
         }
     }
 
-    fn derivative(self, g: f64) -> f64 {
-        match self {
-            Self::Silu => {
+    /// d act / dg, in the precision `value` takes.
+    fn derivative(self, g: f64, wide: bool) -> f64 {
+        match (self, wide) {
+            (Self::Silu, _) => {
                 let sig = sigmoid(g);
                 sig * (1.0 + g * (1.0 - sig))
             }
-            Self::GeluTanh => {
+            (Self::GeluTanh, true) => {
                 let t = (BETA * (g + KAPPA * g * g * g)).tanh();
                 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * BETA * (1.0 + 3.0 * KAPPA * g * g)
+            }
+            (Self::GeluTanh, false) => {
+                let (g, beta, kappa) = (g as f32, BETA as f32, KAPPA as f32);
+                let (g2, t) = (g * g, (beta * (g + kappa * (g * g * g))).tanh());
+                (0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * (beta * (1.0 + 3.0 * kappa * g2))) as f64
             }
         }
     }
 }
 
 unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
-    let act = Activation::of(p.activation).expect("forward_valid");
+    let (act, wide) = (Activation::of(p.activation).expect("forward_valid"), T::DTYPE == BastileDType::BASTILE_F64);
     let n = p.n as usize;
     let (g, u) = (cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
     let y = Disjoint::new(cpu::slice_mut::<T>(p.y, n));
@@ -71,13 +83,13 @@ unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
         // SAFETY (here and below): the ranges of parallel_for do not overlap.
         for ((y, g), u) in y.part(r.clone()).iter_mut().zip(&g[r.clone()]).zip(&u[r]) {
             let g = g.to_f64();
-            *y = T::from_f64(T::round(act.value(g)) * u.to_f64());
+            *y = T::from_f64(T::round(act.value(g, wide)) * u.to_f64());
         }
     });
 }
 
 unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
-    let act = Activation::of(p.activation).expect("backward_valid");
+    let (act, wide) = (Activation::of(p.activation).expect("backward_valid"), T::DTYPE == BastileDType::BASTILE_F64);
     let n = p.n as usize;
     let (dy, g, u) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
     let (dg, du) = (Disjoint::new(cpu::slice_mut::<T>(p.grad_gate, n)), Disjoint::new(cpu::slice_mut::<T>(p.grad_up, n)));
@@ -85,8 +97,8 @@ unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
         let inputs = dy[r.clone()].iter().zip(&g[r.clone()]).zip(&u[r.clone()]);
         for ((dg, du), ((dy, g), u)) in dg.part(r.clone()).iter_mut().zip(du.part(r).iter_mut()).zip(inputs) {
             let (dy, g, u) = (dy.to_f64(), g.to_f64(), u.to_f64());
-            *du = T::from_f64(dy * T::round(act.value(g)));
-            *dg = T::from_f64(T::round(dy * u) * act.derivative(g));
+            *du = T::from_f64(dy * T::round(act.value(g, wide)));
+            *dg = T::from_f64(T::round(dy * u) * act.derivative(g, wide));
         }
     });
 }
@@ -95,7 +107,6 @@ unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
 mod tests {
     use super::*;
     use crate::kernels::Launch;
-    use crate::params::BastileDType;
     use crate::testing::{cast, noise};
     use half::{bf16, f16};
     use BastileDType::*;
@@ -139,9 +150,11 @@ mod tests {
         let u: Vec<T> = cast(&noise(n, 2, 3.0));
         let dy: Vec<T> = cast(&noise(n, 3, 3.0));
         let (y, dg, du) = run(activation, &g, &u, &dy);
-        // f64 arithmetic (2^-53) on the cancelled terms, then at most two roundings to T, the first of a
-        // GELU near T's underflow (`tiny`) then multiplied.
-        let tol = |r: f64, terms: f64| 2.5 * unit * r.abs() + (4.0 * 2f64.powi(-53) + tiny) * terms + tiny;
+        // The GELU's arithmetic on the cancelled terms (f64, or f32 for other types: a few roundings and tanh's
+        // error), then at most two roundings to T, the first of a GELU near T's underflow (`tiny`) then
+        // multiplied.
+        let math = if dt == BASTILE_F64 { 4.0 * 2f64.powi(-53) } else { 16.0 * 2f64.powi(-24) };
+        let tol = |r: f64, terms: f64| 2.5 * unit * r.abs() + (math + tiny) * terms + tiny;
         for i in 0..n {
             let (want, terms) = reference(activation, dy[i].to_f64(), g[i].to_f64(), u[i].to_f64());
             for (k, (what, got)) in [("y", y[i]), ("grad_gate", dg[i]), ("grad_up", du[i])].into_iter().enumerate() {
