@@ -248,7 +248,7 @@ def family_of(model) -> Family:
     family = FAMILIES.get(model_type) or MULTIMODAL.get(model_type)
     if family is None:
         raise Unsupported(f"bastile: model type {model_type!r} is not supported; "
-                          f"supported: {', '.join(sorted(FAMILIES) + sorted(MULTIMODAL))}")
+                          f"supported: {', '.join(sorted([*FAMILIES, *MULTIMODAL]))}")
     return family
 
 
