@@ -169,8 +169,13 @@ def test_training_matches_hf_cpu_fp32(family):
     # Where part of each head is not rotated (partial rotation), k's bias there adds one constant to all of a
     # query's scores: its gradient is rounding noise, which Adam's steps follow.
     noise = "k_proj.bias" if TRAITS[family].rotary.partial else None
-    assert_params_close({n: p for n, p in model.named_parameters() if not n.endswith(noise or "\0")},
-                        {n: p for n, p in ref.named_parameters() if not n.endswith(noise or "\0")}, 5e-4)
+    # Gemma's norms multiply by 1 + w from w = 0: compared as the 1 + w they multiply by (w alone is a few
+    # Adam steps, and its relative error that of the steps' noise). One element one step (lr) apart in the
+    # smallest tensors (k_proj, 2 x 32 x 128) is 1e-3 of their norm.
+    offset = 1.0 if TRAITS[family].norm.name == "OFFSET_THEN_CAST" else 0.0
+    effective = lambda m: {n: p + offset if n.endswith("norm.weight") else p for n, p in m.named_parameters()
+                           if not n.endswith(noise or "\0")}
+    assert_params_close(effective(model), effective(ref), 1.5e-3)
 
 
 def test_gpt_oss_gate_follows_its_module():

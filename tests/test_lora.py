@@ -65,10 +65,17 @@ def fused_names(model):
     return {n for n, why in bastile.lora_modules(model).items() if why == "fused"}
 
 
+# Gemma 2 without its final-logit softcap: with both softcaps its 20 steps amplify rounding noise past the
+# tolerances (first-step gradients agree as Llama's, to 2.5e-6; the losses, to 1.6e-5 by step 20, and to
+# 3e-7 without that softcap). The head's softcap is compared with HF's in test_families.py.
+QUIET = {"gemma2": dict(final_logit_softcapping=None)}
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_matches_peft_cpu_fp32(family, dropout):
-    ref = with_lora(mini(family, "cpu", torch.float32), lora_dropout=dropout, target_modules=targets(family))
+    ref = with_lora(mini(family, "cpu", torch.float32, **QUIET.get(family, {})), lora_dropout=dropout,
+                    target_modules=targets(family))
     model = copy.deepcopy(ref)
     data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * STEPS
     ref_losses = train_seeded(ref, data)
@@ -82,7 +89,8 @@ def test_training_matches_peft_cpu_fp32(family, dropout):
     # Dropout draws its masks from the RNG as PEFT does, so the same seed gives the same run.
     if dropout:
         again = copy.deepcopy(ref)
-        fresh = with_lora(mini(family, "cpu", torch.float32), lora_dropout=dropout, target_modules=targets(family))
+        fresh = with_lora(mini(family, "cpu", torch.float32, **QUIET.get(family, {})), lora_dropout=dropout,
+                          target_modules=targets(family))
         again.load_state_dict(fresh.state_dict())
         assert train_seeded(again, data) == losses
 
@@ -257,8 +265,9 @@ def test_projections_node_gradients_fp64(p):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_swiglu_down_node_gradients_fp64(p):
+def test_swiglu_down_node_gradients_fp64(p, activation):
     torch.manual_seed(0)
     gate, up = _fp64(2, 5, 32, grad=True), _fp64(2, 5, 32, grad=True)
     W, b = _fp64(12, 32), _fp64(12)
@@ -266,10 +275,11 @@ def test_swiglu_down_node_gradients_fp64(p):
     cot = torch.randn(2, 5, 12, dtype=torch.float64)
     leaves = (gate, up, A, B)
     torch.manual_seed(3)
-    ref = _peft_expression(F.silu(gate) * up, W, b, A, B, 0.5, p)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    ref = _peft_expression(act * up, W, b, A, B, 0.5, p)
     ref_grads = torch.autograd.grad(ref, leaves, cot)
     torch.manual_seed(3)
-    out = lora._SwiGLUDown.apply(gate, up, W, b, A, B, 0.5, p)
+    out = lora._SwiGLUDown.apply(gate, up, W, b, A, B, 0.5, p, activation)
     grads = torch.autograd.grad(out, leaves, cot)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for g, r in zip(grads, ref_grads):
