@@ -104,11 +104,32 @@ MODELS = {
                        query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
                        attn_logit_softcapping=50.0, pad_token_id=0, bos_token_id=2, eos_token_id=1),
                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
+    # Gemma 4 E2B and E4B (text): per-layer embeddings (a 262144 x layers x 256 table), the last 20 (18) layers
+    # reusing earlier layers' K/V, full layers of head_dim 512 with a quarter of it rotated
+    "gemma4-e2b": ("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM",
+                   dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+                        num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,
+                        vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, num_kv_shared_layers=20,
+                        use_double_wide_mlp=True, sliding_window=512, max_position_embeddings=131072,
+                        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+                        final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+                        eos_token_id=1),
+                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
+    "gemma4-e4b": ("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM",
+                   dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=256, global_head_dim=512, vocab_size=262144,
+                        vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, num_kv_shared_layers=18,
+                        sliding_window=512, max_position_embeddings=131072,
+                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
+                        final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+                        eos_token_id=1),
+                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
 }
 
 # --smoke: each model at a tiny width, on the CPU.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=512, head_dim=16, moe_intermediate_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+            vocab_size=512, head_dim=16, moe_intermediate_size=32, num_kv_shared_layers=2, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
 
 
 def build(mode, name, device, smoke):
@@ -125,7 +146,8 @@ def build(mode, name, device, smoke):
     cfg_cls = getattr(transformers, config_cls)
     if smoke:
         config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
-        config.pop("layer_types", None)
+        if "layer_types" in config:  # sliding and full layers alternate, both before any that share K/V
+            config["layer_types"] = ["sliding_attention", "full_attention"] * 2
     cfg = cfg_cls(**config, use_cache=False)
     torch.manual_seed(0)
     with torch.device(device):

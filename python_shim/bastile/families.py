@@ -10,18 +10,20 @@ what it is. `check(model)` refuses, naming the module or config key, a model tha
 traits do not declare (a subclass of a patched class, a config key the family's code does not have in the
 transformers release the traits were written against, a trait value out of range), before anything runs.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 
 
 class Norm(Enum):
     """Where an RMSNorm rounds to the input's dtype: before the weight multiplies (Llama:
     weight * to(x.dtype)(n)) or after (OLMo 2, GPT-OSS: to(x.dtype)(weight * n)); Gemma's multiplies by
-    (1 + weight) in float32, then rounds, and keeps its epsilon in `eps`."""
+    (1 + weight) in float32, then rounds, and keeps its epsilon in `eps`; Gemma 4's multiplies by its weight
+    in float32, then rounds, keeps its epsilon in `eps`, and has no weight where `with_scale` is False."""
     CAST_THEN_WEIGHT = "cast, then weight"
     WEIGHT_THEN_CAST = "weight, then cast"
     OFFSET_THEN_CAST = "1 + weight, then cast"
+    OPTIONAL_WEIGHT_THEN_CAST = "weight if any, then cast"
 
 
 class QkNorm(Enum):
@@ -68,6 +70,11 @@ class Attention:
     query_scale: bool = False           # Ministral 3: q *= 1 + beta * log(1 + floor(position / original max))
     sinks: bool = False                 # GPT-OSS: learned sinks, HF's eager attention only
     softcap: bool = False               # Gemma 2: the module's attn_logit_softcapping goes to HF's attention
+    # Gemma 4: v through the module's v_norm; a module without v_proj takes k's projection as v
+    # (attention_k_eq_v); a module whose is_kv_shared_layer is set takes k and v from shared_kv_states, where
+    # the last earlier layer of its type (store_full_length_kv) put them (num_kv_shared_layers).
+    value_norm: bool = False
+    shared_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,12 +96,18 @@ class Residual:
     mlp_out: Optional[str] = None
     multiplier: Optional[str] = None    # the layer's attribute (Granite's residual_multiplier)
     dropout: Optional[Tuple[str, str]] = None  # the layer's dropout modules after attention and MLP (Phi-3)
+    # Gemma 4's per-layer embeddings: after the MLP, h + post_per_layer_input_norm(per_layer_projection(
+    # act_fn(per_layer_input_gate(h)) * per_layer_input)), per_layer_input the layer's second argument.
+    per_layer_input: bool = False
+    scalar: Optional[str] = None        # the layer's buffer its output is multiplied by (Gemma 4's layer_scalar)
 
 
 PRE_NORM = Residual()
 SANDWICH = Residual(attention_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm")
 GEMMA = Residual(attention_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
                  mlp_out="post_feedforward_layernorm")
+GEMMA4 = Residual(attention_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
+                  mlp_out="post_feedforward_layernorm", per_layer_input=True, scalar="layer_scalar")
 POST_NORM = Residual(attention_in=None, attention_out="post_attention_layernorm", mlp_in=None,
                      mlp_out="post_feedforward_layernorm")
 
@@ -104,6 +117,16 @@ class Head:
     logit_divisor: Optional[str] = None  # config key: logits = lm_head(h) / config.<key> (Granite)
     softcap: Optional[str] = None        # config key: logits = c * tanh(logits / c), c = config.<key> (Gemma 2, 3)
     router_aux_loss: bool = False        # MoE: the router's load-balancing loss is added to the loss
+    # <prefix><output>: the causal LM's output class, where it has fields beyond CausalLMOutputWithPast's, which
+    # are taken from the decoder's output (Gemma 4's shared_kv_states)
+    output: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Off:
+    """A config flag the family's forwards assume off (false or None, or one of `allowed`), and why."""
+    why: str
+    allowed: Tuple = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +139,7 @@ class Multimodal:
     inputs: Tuple[str, ...]             # what its forward takes beyond a causal LM's, for its inner model
     head: str = "ForConditionalGeneration"
     output: str = "CausalLMOutputWithPast"
+    softcap: bool = False               # its head softcaps the logits as the family's (Head.softcap, text config)
 
 
 # Config keys every supported family's code reads (beyond PretrainedConfig's own): head_dim through
@@ -146,12 +170,21 @@ class Family:
     residual: Residual = PRE_NORM
     head: Head = Head()
     decoder: str = "Model"               # <prefix><decoder>: the decoder's class
-    off: FrozenSet[str] = frozenset()    # config flags the forwards assume off (a bidirectional attention)
+    layer: str = ""                      # <prefix><layer>Attention: the infix of the layer's classes (LAYER_PARTS)
+    off: Mapping[str, Off] = field(default_factory=dict)  # config key -> Off
     multimodal: Optional[Multimodal] = None
 
     @property
     def keys(self) -> FrozenSet[str]:
         return _SHARED | self.config
+
+    def name(self, part: str) -> str:
+        """The class name of one of the family's parts: <prefix>RMSNorm, <prefix><layer>MLP, ..."""
+        return self.prefix + (self.layer if part in LAYER_PARTS else "") + part
+
+
+# The parts whose class names carry Family.layer (Gemma4TextAttention, but Gemma4RMSNorm).
+LAYER_PARTS = frozenset({"Attention", "MLP", "DecoderLayer", "Experts"})
 
 
 def _family(model_type: str, prefix: str, config, module: Optional[str] = None, **traits) -> Family:
@@ -163,6 +196,11 @@ def _family(model_type: str, prefix: str, config, module: Optional[str] = None, 
 # attention scaled by query_pre_attn_scalar, the logits softcapped by final_logit_softcapping.
 _GEMMA2 = {"attention_bias", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
            "query_pre_attn_scalar", "use_bidirectional_attention"} | _PER_LAYER
+_CAUSAL = {"use_bidirectional_attention": Off("Bastile's forwards are causal, one way only")}
+_GEMMA4 = {"attention_bias", "attention_k_eq_v", "enable_moe_block", "final_logit_softcapping", "hidden_activation",
+           "hidden_size_per_layer_input", "moe_intermediate_size", "num_experts", "num_kv_shared_layers",
+           "per_layer_config", "top_k_experts", "use_bidirectional_attention", "use_double_wide_mlp",
+           "vocab_size_per_layer_input"} | _PER_LAYER
 
 
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
@@ -216,20 +254,42 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             mlp=Mlp(fused_gate_up=True, activation="activation_fn"), residual=SANDWICH),
     # Gemma's embeddings are scaled by sqrt(hidden_size) in HF's embedding module, which stays HF's.
     _family("gemma", "Gemma", {"attention_bias", "use_bidirectional_attention"}, norm=Norm.OFFSET_THEN_CAST,
-            off=frozenset({"use_bidirectional_attention"})),
+            off=_CAUSAL),
     _family("gemma2", "Gemma2", _GEMMA2, norm=Norm.OFFSET_THEN_CAST,
             attention=Attention(window=Window.LAYER, softcap=True), residual=GEMMA,
-            head=Head(softcap="final_logit_softcapping"), off=frozenset({"use_bidirectional_attention"})),
+            head=Head(softcap="final_logit_softcapping"), off=_CAUSAL),
     # Gemma 3's attention takes no softcap (attn_logit_softcapping is read, never applied, in HF's code), and
     # its q/k norms are Gemma norms. Gemma3ForConditionalGeneration (model type gemma3) holds the same decoder.
     _family("gemma3_text", "Gemma3", _GEMMA2 | {"_sliding_window_pattern"}, module="gemma3",
             norm=Norm.OFFSET_THEN_CAST, attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER),
             residual=GEMMA, head=Head(softcap="final_logit_softcapping"), decoder="TextModel",
-            off=frozenset({"use_bidirectional_attention"}),
+            off=_CAUSAL,
             multimodal=Multimodal("gemma3", frozenset({"boi_token_index", "eoi_token_index", "image_token_index", "initializer_range",
                                                        "mm_tokens_per_image", "text_config", "tie_word_embeddings",
                                                        "vision_config"}),
                                   inputs=("pixel_values", "token_type_ids", "mm_encoder_outputs"))),
+    # Gemma 4: norms in float32 rounded once (v's without a weight), attention scaled by 1 (q and k are
+    # normed), the full layers with their own head_dim and kv heads (per_layer_config: the modules hold them,
+    # and the config refuses a value that varies by layer where HF reads one for all) and proportional RoPE
+    # (tables as wide as the head, zero past the rotated fraction), per-layer embeddings, K/V shared by the
+    # last layers, the logits softcapped.
+    _family("gemma4_text", "Gemma4", _GEMMA4, module="gemma4", norm=Norm.OPTIONAL_WEIGHT_THEN_CAST,
+            attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER, value_norm=True, shared_kv=True),
+            residual=GEMMA4, head=Head(softcap="final_logit_softcapping", output="CausalLMOutputWithPast"),
+            decoder="TextModel", layer="Text",
+            # "vision": image tokens attend both ways, through the masks HF's multimodal model makes (which
+            # Bastile's attention takes); the text decoder alone stays causal.
+            off={"use_bidirectional_attention": Off(_CAUSAL["use_bidirectional_attention"].why, allowed=("vision",)),
+                 "enable_moe_block": Off("its MoE block (a router and experts beside the dense MLP) has no Bastile "
+                                         "forward yet")},
+            multimodal=Multimodal("gemma4", frozenset({"audio_config", "audio_token_id", "boa_token_id", "boi_token_id",
+                                                       "eoa_token_index", "eoi_token_id", "image_token_id",
+                                                       "initializer_range", "text_config", "tie_word_embeddings",
+                                                       "video_token_id", "vision_config"}),
+                                  inputs=("pixel_values", "pixel_values_videos", "input_features",
+                                          "input_features_mask", "image_position_ids", "video_position_ids",
+                                          "mm_token_type_ids", "per_layer_inputs"),
+                                  softcap=True)),
 ]}
 # Multimodal model types -> the family of their language model.
 MULTIMODAL: Dict[str, Family] = {f.multimodal.model_type: f for f in FAMILIES.values() if f.multimodal}
@@ -275,15 +335,16 @@ def _check_config(family: Family, config) -> None:
         raise Unsupported(f"bastile: config of {family.model_type} has {unknown}, which Bastile's "
                           f"{family.model_type} traits do not declare (a newer transformers, or a flag added to "
                           "the config)")
-    on = sorted(k for k in family.off if getattr(config, k, None))
-    if on:
-        raise Unsupported(f"bastile: {family.model_type} with {on} set: Bastile's {family.model_type} forwards "
-                          "are causal, one way only")
+    for key, off in family.off.items():
+        value = getattr(config, key, None)
+        if value and value not in off.allowed:
+            raise Unsupported(f"bastile: {family.model_type} with {key}={value!r}: {off.why}")
     rope = config.rope_parameters or {}
     tables = rope.values() if set(rope) <= set(LAYER_TYPES) and rope else [rope]
     for t in tables:
         factor = (t or {}).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        if factor not in (None, 1.0) and not family.rotary.partial:
+        # proportional RoPE's tables are as wide as the head (zero frequencies past the factor): whole heads rotate
+        if factor not in (None, 1.0) and not family.rotary.partial and (t or {}).get("rope_type") != "proportional":
             raise Unsupported(f"bastile: {family.model_type} with partial_rotary_factor={factor}: Bastile's "
                               f"{family.model_type} traits rotate whole heads")
     if "layer_types" in family.config:
@@ -299,7 +360,7 @@ def _classes(family: Family, module) -> list:
     names += [family.multimodal.head] if family.multimodal else []
     names += ["MLP"] if family.mlp.dense else []
     names += ["Experts"] if family.mlp.experts else []
-    return [getattr(module, family.prefix + n) for n in names]
+    return [getattr(module, family.name(n)) for n in names]
 
 
 def _wrapper_of(t: type, cls: type) -> bool:

@@ -53,8 +53,16 @@ def rms_norm_offset_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.eps, cast_after_weight=True, weight_offset=1.0)
 
 
+def rms_norm_optional_weight_forward(self, hidden_states):
+    """Gemma4RMSNorm: to(x.dtype)(weight * n) in float32, or to(x.dtype)(n) without a weight (with_scale False:
+    a weight of ones multiplies exactly)."""
+    weight = self.weight if self.with_scale else hidden_states.new_ones(hidden_states.shape[-1], dtype=torch.float32)
+    return rms_norm(hidden_states, weight, self.eps, cast_after_weight=True)
+
+
 NORM_FORWARDS = {Norm.CAST_THEN_WEIGHT: rms_norm_forward, Norm.WEIGHT_THEN_CAST: rms_norm_cast_after_weight_forward,
-                 Norm.OFFSET_THEN_CAST: rms_norm_offset_forward}
+                 Norm.OFFSET_THEN_CAST: rms_norm_offset_forward,
+                 Norm.OPTIONAL_WEIGHT_THEN_CAST: rms_norm_optional_weight_forward}
 
 
 # ------------------------------------------------------------------------------------------------ MLP
@@ -160,33 +168,52 @@ def attention_forward(family: Family):
     # qk_norm_rope rounds as Llama's norm does; other norms run as their (patched) modules, then the rotation.
     fuse_qk = a.qk_norm is QkNorm.PER_HEAD and family.norm is Norm.CAST_THEN_WEIGHT
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+    def project(self, hidden_states):
+        """q, k, v; k and v None in a layer that takes them from an earlier one (Attention.shared_kv)."""
         if a.fused_qkv:
             (qkv,) = lora.project(hidden_states, self.qkv_proj)
             kv = self.config.num_key_value_heads * self.head_dim
-            q, k, v = qkv.split([qkv.shape[-1] - 2 * kv, kv, kv], dim=-1)
-        else:
-            q, k, v = lora.project(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+            return qkv.split([qkv.shape[-1] - 2 * kv, kv, kv], dim=-1)
+        if a.shared_kv and self.is_kv_shared_layer:
+            return (*lora.project(hidden_states, self.q_proj), None, None)
+        if a.shared_kv and self.v_proj is None:
+            q, k = lora.project(hidden_states, self.q_proj, self.k_proj)
+            return q, k, k
+        return lora.project(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        shared = kwargs.pop("shared_kv_states") if a.shared_kv else None
+        q, k, v = project(self, hidden_states)
         if a.qk_norm is QkNorm.FULL_WIDTH:
             q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, weight_then_cast)
             k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, weight_then_cast)
-        q, k, v = (t.view(hidden_shape) for t in (q, k, v))
         cos, sin = position_embeddings
         rotates = r.layer_flag is None or getattr(self, r.layer_flag)
-        if fuse_qk and rotates and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
-            query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
-        else:  # one eps per qk_norm_rope launch: norms with different eps go separately
-            if a.qk_norm is QkNorm.PER_HEAD:
-                q, k = self.q_norm(q), self.k_norm(k)
-            query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
-            if rotates:
-                query_states, key_states = _rotate(family, query_states, key_states, cos, sin)
+        if k is None:  # k and v of an earlier layer, normed and rotated there
+            q = self.q_norm(q.view(hidden_shape)).transpose(1, 2)
+            query_states = _rotate(family, q, q[:, :0], cos, sin)[0]
+            key_states, value_states = shared[self.layer_type]
+        else:
+            q, k, v = (t.view(hidden_shape) for t in (q, k, v))
+            if fuse_qk and rotates and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
+                q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                    self.q_norm.variance_epsilon)
+                query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
+            else:  # one eps per qk_norm_rope launch: norms with different eps go separately
+                if a.qk_norm is QkNorm.PER_HEAD:
+                    q, k = self.q_norm(q), self.k_norm(k)
+                query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
+                if rotates:
+                    query_states, key_states = _rotate(family, query_states, key_states, cos, sin)
+            value_states = (self.v_norm(v) if a.value_norm else v).transpose(1, 2)
+            if past_key_values is not None:
+                key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+            if a.shared_kv and self.store_full_length_kv:
+                shared[self.layer_type] = key_states, value_states
         if a.query_scale:
             query_states = _query_scale(family, self, query_states, kwargs.pop("position_ids"))
-        value_states = v.transpose(1, 2)
 
         window = _window(family, self)
         dropout = 0.0 if not self.training else self.attention_dropout
@@ -198,8 +225,6 @@ def attention_forward(family: Family):
                                            window).view(*input_shape, -1)
             attn_weights = None
         else:
-            if past_key_values is not None:
-                key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                         hf_attr(family, "eager_attention_forward"))
             if a.sinks:
@@ -217,17 +242,23 @@ def attention_forward(family: Family):
 
 def _varlen(family: Family, attention) -> bool:
     """Whether Bastile's attention, in the attention module given, takes a packed batch (without a cache) to
-    the varlen kernel: the family has no sinks, the module no softcap, and no dropout in training. The one
-    rule: the decoder drops HF's masks only where it holds for every layer (_runs_varlen)."""
+    the varlen kernel: the family has no sinks, the module no softcap, no dropout in training, and heads the
+    kernel takes (varlen.MAX_HEAD_DIM). The one rule: the decoder drops HF's masks only where it holds for
+    every layer of a layer type (_varlen_types)."""
     a = family.attention
     return (not a.sinks and not (a.softcap and attention.attn_logit_softcapping is not None)
-            and not (attention.training and attention.attention_dropout))
+            and not (attention.training and attention.attention_dropout)
+            and attention.head_dim <= varlen.MAX_HEAD_DIM)
 
 
-def _runs_varlen(family: Family, runs: Runs, decoder) -> bool:
-    """Whether every attention layer of the decoder takes a packed batch to the varlen kernel: Bastile's
-    attention runs them, and _varlen holds for each."""
-    return runs("attention") and all(_varlen(family, layer.self_attn) for layer in decoder.layers)
+def _varlen_types(family: Family, runs: Runs, decoder, layer_types) -> set:
+    """The layer types (None standing for all layers, where the decoder has no layer types) whose every
+    attention layer takes a packed batch to the varlen kernel: Bastile's attention runs them, and _varlen
+    holds for each."""
+    if not runs("attention"):
+        return set()
+    types = layer_types or [None] * len(decoder.layers)
+    return set(types) - {t for t, layer in zip(types, decoder.layers) if not _varlen(family, layer.self_attn)}
 
 
 # ------------------------------------------------------------------------------------------------ decoder layer
@@ -259,21 +290,43 @@ def layer_forward(family: Family, runs: Runs):
             out = out * getattr(self, res.multiplier)
         return residual + out
 
-    def forward(self, hidden_states, **kwargs):
+    def layer(self, hidden_states, per_layer_input, kwargs):
         residual = hidden_states
         out, _ = self.self_attn(hidden_states=norm(self, res.attention_in, hidden_states), **kwargs)
         hidden_states = add(self, residual, norm(self, res.attention_out, out), 0)
         residual = hidden_states
         x = norm(self, res.mlp_in, hidden_states)
         if (dense and self.gradient_checkpointing and self.training and runs("mlp")
-                and type(self.mlp) is hf_attr(family, family.prefix + "MLP") and "forward" not in vars(self.mlp)):
+                and type(self.mlp) is hf_attr(family, family.name("MLP")) and "forward" not in vars(self.mlp)):
             out = self.mlp(x, keep_activation=True)  # Bastile's forward (mlp_forward)
         else:
             out = self.mlp(x)
         if router_scores:
             out, _ = out
-        return add(self, residual, norm(self, res.mlp_out, out), 1)
+        hidden_states = add(self, residual, norm(self, res.mlp_out, out), 1)
+        if res.per_layer_input and self.hidden_size_per_layer_input:
+            hidden_states = hidden_states + self.post_per_layer_input_norm(
+                _gated_projection(hidden_states, self.per_layer_input_gate, self.act_fn, per_layer_input,
+                                  self.per_layer_projection))
+        return hidden_states if res.scalar is None else hidden_states * getattr(self, res.scalar)
+
+    if res.per_layer_input:  # HF's decoder passes it second, by position
+        def forward(self, hidden_states, per_layer_input=None, **kwargs):
+            return layer(self, hidden_states, per_layer_input, kwargs)
+    else:
+        def forward(self, hidden_states, **kwargs):
+            return layer(self, hidden_states, None, kwargs)
     return forward
+
+
+def _gated_projection(x, gate, act, up, projection):
+    """projection(act(gate(x)) * up), the activation and product fused with the projection where the activation
+    is one `swiglu` computes and up has gate's dtype (as lora.swiglu_down needs), else HF's math."""
+    (g,) = lora.project(x, gate)
+    activation = gated_activation(act)
+    if activation is None or up.dtype != g.dtype:
+        return projection(act(g) * up)
+    return lora.swiglu_down(g, up, projection, activation)
 
 
 # ------------------------------------------------------------------------------------------------ decoder
@@ -293,10 +346,11 @@ def _masks(family, runs, decoder, input_ids, attention_mask, position_ids, past_
     type; all-full-attention ones get {"full_attention": None}, which says it without the positions.
 
     A batch that may be packed (positions, no padding mask, no cache):
-    - where the attention runs varlen (_runs_varlen), the varlen kwargs (varlen.KEYS) if the collator did not
-      give them, and in decoders that take prepared masks, none: Bastile's attention ignores HF's;
-    - elsewhere, a decoder that takes prepared masks gets HF's masks made with the position ids. GPT-OSS's
-      makes them without, so that its packed rows attend across their sequences."""
+    - where the attention of some layers runs varlen (_varlen_types), the varlen kwargs (varlen.KEYS) if the
+      collator did not give them;
+    - a decoder that takes prepared masks gets none for the layer types that run varlen (Bastile's attention
+      ignores HF's) and HF's, made with the position ids, for the others. GPT-OSS's makes them without, so that
+      its packed rows attend across their sequences."""
     config = decoder.config
     layer_types = config.layer_types if "layer_types" in family.config else None
     if attention_mask is not None or past_key_values is not None or use_cache:
@@ -305,17 +359,21 @@ def _masks(family, runs, decoder, input_ids, attention_mask, position_ids, past_
         if config._attn_implementation == "sdpa" and set(layer_types or ()) == {"full_attention"}:
             attention_mask = {"full_attention": None}
         return attention_mask, input_ids, inputs_embeds, kwargs
-    if _runs_varlen(family, runs, decoder):
-        if kwargs.get("cu_seq_lens_q") is None:
-            batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-            kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
-        if kwargs.get("cu_seq_lens_q") is not None and layer_types:
-            attention_mask = dict.fromkeys(layer_types)
-    elif layer_types:
-        if inputs_embeds is None:
-            input_ids, inputs_embeds = None, decoder.get_input_embeddings()(input_ids)
-        attention_mask = {t: _MASKS[t](config=config, inputs_embeds=inputs_embeds, attention_mask=None,
-                                       past_key_values=None, position_ids=position_ids) for t in set(layer_types)}
+    direct = _varlen_types(family, runs, decoder, layer_types)
+    if direct and kwargs.get("cu_seq_lens_q") is None:
+        batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
+    if not layer_types or (direct and kwargs.get("cu_seq_lens_q") is None):  # not packed after all
+        return attention_mask, input_ids, inputs_embeds, kwargs
+    embeds = inputs_embeds
+    if embeds is None and set(layer_types) - direct:
+        # HF's masks read the embeddings' shape, dtype and device: made for them without a graph, while the
+        # decoder embeds the ids itself (Gemma 4's per-layer embeddings read the ids)
+        with torch.no_grad():
+            embeds = decoder.get_input_embeddings()(input_ids)
+    attention_mask = {t: None if t in direct else _MASKS[t](config=config, inputs_embeds=embeds, attention_mask=None,
+                                                             past_key_values=None, position_ids=position_ids)
+                      for t in set(layer_types)}
     return attention_mask, input_ids, inputs_embeds, kwargs
 
 
@@ -418,7 +476,8 @@ def causal_lm_forward(family: Family, check: Callable):
     logit scale, its softcap as the op's) and `logits` is None. Otherwise (inference, generation, evaluation,
     a hooked head, a custom loss) it is HF's head and loss. MoE families add the router's load-balancing loss
     as HF adds it and return the router logits."""
-    divisor, softcap, moe = family.head.logit_divisor, family.head.softcap, family.head.router_aux_loss
+    head = family.head
+    divisor, softcap, moe, output = head.logit_divisor, head.softcap, head.router_aux_loss, head.output
 
     @hf_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -436,8 +495,9 @@ def causal_lm_forward(family: Family, check: Callable):
         logits, loss = _head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs,
                                       divisor and getattr(self.config, divisor), softcap and getattr(self.config, softcap))
         if not moe:
-            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                          hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+            return _output(CausalLMOutputWithPast if output is None else hf_attr(family, family.name(output)),
+                           dict(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                hidden_states=outputs.hidden_states, attentions=outputs.attentions), outputs)
         aux_loss = None
         if output_router_logits:
             aux_loss = hf_attr(family, "load_balancing_loss_func")(outputs.router_logits, self.num_experts,
@@ -450,12 +510,18 @@ def causal_lm_forward(family: Family, check: Callable):
     return forward
 
 
+def _output(cls, fields: dict, outputs):
+    """cls(**fields), its other fields taken from the decoder's outputs where they have them."""
+    return cls(**fields, **{f.name: getattr(outputs, f.name) for f in dataclasses.fields(cls)
+                            if f.name not in fields and hasattr(outputs, f.name)})
+
+
 def multimodal_lm_forward(family: Family, check: Callable):
-    """The forward of a multimodal model's head (Gemma3ForConditionalGeneration), made from HF's (whose
-    signature it shows: generate checks its inputs against it): the inner model (the vision tower, HF's, and
-    the family's decoder) given the multimodal inputs, then the head and loss as causal_lm_forward's (with
-    neither divisor nor softcap: HF's multimodal head has none)."""
-    mm = family.multimodal
+    """The forward of a multimodal model's head (Gemma3ForConditionalGeneration, Gemma4's), made from HF's
+    (whose signature it shows: generate checks its inputs against it): the inner model (the vision and audio
+    towers, HF's, and the family's decoder) given the multimodal inputs, then the head and loss as
+    causal_lm_forward's (no divisor; the family's softcap where the multimodal head applies it)."""
+    mm, softcap = family.multimodal, family.head.softcap
 
     def wrap(original):
         @hf_tuple
@@ -467,11 +533,12 @@ def multimodal_lm_forward(family: Family, check: Callable):
                                  past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                                  use_cache=no_cache_for_a_loss(use_cache, labels), return_dict=True, **inputs,
                                  **kwargs)
-            logits, loss = _head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs)
-            return hf_attr(family, family.prefix + mm.output)(
-                loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                image_hidden_states=outputs.image_hidden_states)
+            cap = getattr(self.config.get_text_config(), softcap) if mm.softcap else None
+            logits, loss = _head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs,
+                                          softcap=cap)
+            return _output(hf_attr(family, family.name(mm.output)),
+                           dict(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                hidden_states=outputs.hidden_states, attentions=outputs.attentions), outputs)
         return functools.wraps(original)(forward)
     return wrap
 

@@ -76,17 +76,17 @@ def _runs(family: str) -> Callable[[str], bool]:
 
 def _targets(f: Family) -> Dict[str, list]:
     """role -> [(target, replacement), ...] of a family, from its traits."""
-    p, runs = f.prefix, _runs(f.model_type)
-    mlp = [(f"{p}MLP.forward", hf.mlp_forward(f.mlp))] if f.mlp.dense else []
-    mlp += [(f"{p}Experts._apply_gate", hf.APPLY_GATES[f.mlp.experts])] if f.mlp.experts else []
+    n, runs = f.name, _runs(f.model_type)
+    mlp = [(f"{n('MLP')}.forward", hf.mlp_forward(f.mlp))] if f.mlp.dense else []
+    mlp += [(f"{n('Experts')}._apply_gate", hf.APPLY_GATES[f.mlp.experts])] if f.mlp.experts else []
     return {
-        "norm": [(f"{p}RMSNorm.forward", hf.NORM_FORWARDS[f.norm])],
+        "norm": [(f"{n('RMSNorm')}.forward", hf.NORM_FORWARDS[f.norm])],
         "mlp": mlp,
-        "attention": [(f"{p}Attention.forward", hf.attention_forward(f))],
-        "decoder": [(f"{p}{f.decoder}.forward", Wrap(hf.decoder_forward(f, runs, _check))),
-                    (f"{p}DecoderLayer.forward", hf.checkpointed(hf.layer_forward(f, runs)))],
-        "head": [(f"{p}ForCausalLM.forward", hf.causal_lm_forward(f, _check))]
-                + ([(f"{p}{f.multimodal.head}.forward", Wrap(hf.multimodal_lm_forward(f, _check)))] if f.multimodal else []),
+        "attention": [(f"{n('Attention')}.forward", hf.attention_forward(f))],
+        "decoder": [(f"{n(f.decoder)}.forward", Wrap(hf.decoder_forward(f, runs, _check))),
+                    (f"{n('DecoderLayer')}.forward", hf.checkpointed(hf.layer_forward(f, runs)))],
+        "head": [(f"{n('ForCausalLM')}.forward", hf.causal_lm_forward(f, _check))]
+                + ([(f"{n(f.multimodal.head)}.forward", Wrap(hf.multimodal_lm_forward(f, _check)))] if f.multimodal else []),
     }
 
 
@@ -239,9 +239,11 @@ def lora_modules(model) -> Dict[str, str]:
     for f in FAMILIES.values():
         runs = _runs(f.model_type)
         if runs("attention"):
-            fused[hf.hf_attr(f, f.prefix + "Attention")] = None
+            fused[hf.hf_attr(f, f.name("Attention"))] = None
         if runs("mlp") and f.mlp.dense:
-            fused[hf.hf_attr(f, f.prefix + "MLP")] = hf.mlp_why_not(f.mlp)
+            fused[hf.hf_attr(f, f.name("MLP"))] = hf.mlp_why_not(f.mlp)
+        if runs("decoder") and f.residual.per_layer_input:  # the per-layer input's gate and projection
+            fused[hf.hf_attr(f, f.name("DecoderLayer"))] = hf.mlp_why_not(f.mlp)
     return lora.report(model, fused)
 
 

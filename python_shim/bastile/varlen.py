@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 
 KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+MAX_HEAD_DIM = 256  # torch's varlen kernel (FlashAttention 2) takes heads up to this wide
 
 
 def sequences(position_ids: torch.Tensor, batch: int) -> Optional[dict]:
