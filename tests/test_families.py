@@ -10,6 +10,7 @@ Refusals: a model carrying what its family's traits do not declare is refused be
 """
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -418,6 +419,31 @@ def test_multimodal_generation_matches_hf(model_type):
     model = copy.deepcopy(ref)
     bastile.apply(model=model, log_probs=False)
     torch.testing.assert_close(model.generate(**inputs, **kw), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gemma4_kv_sharing_under_gradient_checkpointing(reentrant):
+    """Gemma 4's K/V-sharing layers under HF's gradient checkpointing: non-reentrant (transformers' default),
+    the gradients of the run without it, bit for bit. Reentrant runs the layers that make the shared K/V
+    without autograd, so their projections miss the sharing layers' gradients (HF's forward too): a warning."""
+    (ids, labels), = batches(1, 1, 2, 48, "cpu", 0.1)[0]
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+    model = mini("gemma4_text", "cpu", torch.float32)
+    bastile.apply(model=model)
+    plain = grads(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpointed = grads(model)
+    said = [w for w in caught if "reuses keys and values that carry no gradient" in str(w.message)]
+    assert bool(said) == reentrant
+    if not reentrant:
+        for name, g in plain.items():
+            torch.testing.assert_close(checkpointed[name], g, rtol=0, atol=0, msg=name)
 
 
 # ---------------------------------------------------------------- refusals

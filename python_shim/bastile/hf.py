@@ -195,6 +195,11 @@ def attention_forward(family: Family):
             q = self.q_norm(q.view(hidden_shape)).transpose(1, 2)
             query_states = _rotate(family, q, q[:, :0], cos, sin)[0]
             key_states, value_states = shared[self.layer_type]
+            if query_states.requires_grad and not key_states.requires_grad:
+                warnings.warn(f"bastile: layer {self.layer_idx} reuses keys and values that carry no gradient: the "
+                              "layer that made them ran without autograd (reentrant gradient checkpointing), so "
+                              "their projections get no gradient from the layers that share them, in HF's forward "
+                              "too; use_reentrant=False keeps it", stacklevel=2)
         else:
             q, k, v = (t.view(hidden_shape) for t in (q, k, v))
             if fuse_qk and rotates and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
