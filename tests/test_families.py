@@ -458,14 +458,28 @@ def test_bidirectional_gemma_is_refused_before_patching():
     assert bastile.get_patched_ops() == []
 
 
-def test_gemma4_moe_is_refused_before_patching():
-    moe = mini("gemma4_text", "cpu", torch.float32, enable_moe_block=True, num_experts=4, top_k_experts=2,
-               moe_intermediate_size=32)
-    with pytest.raises(Unsupported, match=r"gemma4_text with enable_moe_block=True: its MoE block .*nothing was "
-                                          "patched"):
-        bastile.apply(model=moe)
-    assert bastile.get_patched_ops() == []
-    assert bastile.get_patched_ops() == []
+def test_gemma4_moe_training_matches_hf_cpu_fp32():
+    """Gemma 4's MoE layers (enable_moe_block: a router and GELU-tanh experts beside the dense MLP, each with
+    its norms): the losses of 4 AdamW steps and the first step's gradients as HF's, the experts' gate through
+    `swiglu`. Four: top-2 routing turns rounding into other experts after that (HF's eager and SDPA attention
+    drift 1.2e-4 apart by step 5)."""
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    steps = 4
+    data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * steps
+    ref_losses, ref_grads = train(mini("gemma4_text", "cpu", torch.float32, **moe), data)
+    model = mini("gemma4_text", "cpu", torch.float32, **moe)
+    bastile.apply(model=model, log_probs=False)
+    assert all(type(layer.experts).__name__ == "Gemma4TextExperts" for layer in model.model.layers)
+    calls = []
+    real = bastile.hf.swiglu
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(bastile.hf, "swiglu", lambda *a: calls.append(1) or real(*a))
+        losses, grads = train(model, data)
+    assert len(calls) >= steps * len(model.model.layers)  # each layer's experts, each step
+    assert losses == pytest.approx(ref_losses, rel=1e-5) and ref_losses[-1] < ref_losses[0]
+    assert grads.keys() == ref_grads.keys() and any(".experts." in n for n in grads)
+    for name, g in ref_grads.items():
+        assert_grad_close(grads[name], g, name)
 
 
 def test_undeclared_multimodal_config_key_is_refused():
@@ -520,6 +534,17 @@ def test_model_built_after_apply_is_checked_on_its_first_forward():
         model(input_ids=ids, labels=ids)
     del model.config.use_qk_norm
     assert model(input_ids=ids, labels=ids).loss.isfinite()
+
+
+@needs_cuda
+def test_gemma4_moe_training_matches_hf_cuda_bf16():
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    data = batches(1, 1, 2, 48, "cuda", ignore_fraction=0.1) * STEPS
+    ref_losses, _ = train(mini("gemma4_text", "cuda", torch.bfloat16, **moe), data)
+    model = mini("gemma4_text", "cuda", torch.bfloat16, **moe)
+    bastile.apply(model=model)
+    losses, _ = train(model, data)
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
 
 
 @needs_cuda

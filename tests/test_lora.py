@@ -35,7 +35,10 @@ def targets(family):
     t = TRAITS[family]
     attention = ["qkv_proj", "o_proj"] if t.attention.fused_qkv else SEVEN[:4]
     mlp = ["gate_up_proj", "down_proj"] if t.mlp.fused_gate_up else SEVEN[4:]
-    return attention + ([] if t.mlp.experts else mlp)
+    return attention + ([] if t.mlp.experts and family not in DENSE_MINI else mlp)
+
+
+DENSE_MINI = {"gemma4_text"}  # MoE families whose mini has no experts (Gemma 4's enable_moe_block is off)
 
 
 def with_lora(model, seed=1, **config):

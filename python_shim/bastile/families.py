@@ -84,6 +84,10 @@ class Mlp:
     activation: str = "act_fn"          # the dense MLP's activation module
     experts: Optional[str] = None       # the experts' activation: "swiglu" or "geglu" (GPT-OSS's clamped one)
     router_scores: bool = False         # the MoE block returns (hidden, router scores) (GPT-OSS)
+    # Gemma 4 (enable_moe_block): the layer's router and experts run beside its dense MLP, on the MLP's
+    # residual input: post_feedforward_layernorm_1(mlp) + post_feedforward_layernorm_2(experts(
+    # pre_feedforward_layernorm_2(h), router(h)))
+    beside: bool = False
 
 
 @dataclass(frozen=True)
@@ -272,16 +276,14 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     # normed), the full layers with their own head_dim and kv heads (per_layer_config: the modules hold them,
     # and the config refuses a value that varies by layer where HF reads one for all) and proportional RoPE
     # (tables as wide as the head, zero past the rotated fraction), per-layer embeddings, K/V shared by the
-    # last layers, the logits softcapped.
+    # last layers, the logits softcapped; in the MoE model (26B-A4B) experts beside each dense MLP.
     _family("gemma4_text", "Gemma4", _GEMMA4, module="gemma4", norm=Norm.OPTIONAL_WEIGHT_THEN_CAST,
             attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER, value_norm=True, shared_kv=True),
-            residual=GEMMA4, head=Head(softcap="final_logit_softcapping", output="CausalLMOutputWithPast"),
+            mlp=Mlp(experts="swiglu", beside=True), residual=GEMMA4, head=Head(softcap="final_logit_softcapping", output="CausalLMOutputWithPast"),
             decoder="TextModel", layer="Text",
             # "vision": image tokens attend both ways, through the masks HF's multimodal model makes (which
             # Bastile's attention takes); the text decoder alone stays causal.
-            off={"use_bidirectional_attention": Off(_CAUSAL["use_bidirectional_attention"].why, allowed=("vision",)),
-                 "enable_moe_block": Off("its MoE block (a router and experts beside the dense MLP) has no Bastile "
-                                         "forward yet")},
+            off={"use_bidirectional_attention": Off(_CAUSAL["use_bidirectional_attention"].why, allowed=("vision",))},
             multimodal=Multimodal("gemma4", frozenset({"audio_config", "audio_token_id", "boa_token_id", "boi_token_id",
                                                        "eoa_token_index", "eoi_token_id", "image_token_id",
                                                        "initializer_range", "text_config", "tie_word_embeddings",

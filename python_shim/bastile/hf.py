@@ -116,11 +116,12 @@ def mlp_forward(traits: Mlp):
 
 def swiglu_apply_gate(self, gate_up):
     """The experts' gating of transformers' grouped/batched expert implementations (`_apply_gate`):
-    act(gate) * up of the halves of gate_up, fused when the activation is SiLU."""
+    act(gate) * up of the halves of gate_up, fused when the activation is SiLU or GELU-tanh."""
     gate, up = gate_up.chunk(2, dim=-1)
-    if isinstance(self.act_fn, _SILU):
-        return swiglu(gate, up)
-    return self.act_fn(gate) * up
+    activation = gated_activation(self.act_fn)
+    if activation is None:
+        return self.act_fn(gate) * up
+    return swiglu(gate, up, activation)
 
 
 def geglu_apply_gate(self, gate_up):
@@ -283,7 +284,7 @@ def layer_forward(family: Family, runs: Runs):
     activation: the recomputation stops once the last tensor the backward needs is saved, the down
     projection's input for a plain down projection, which then never runs again; the fused node would run it
     (and the activation once more in its backward), and its memory saving lasts one layer's backward only."""
-    res, router_scores, dense = family.residual, family.mlp.router_scores, family.mlp.dense
+    res, router_scores, dense, beside = family.residual, family.mlp.router_scores, family.mlp.dense, family.mlp.beside
 
     def norm(self, name, x):
         return x if name is None else getattr(self, name)(x)
@@ -308,6 +309,11 @@ def layer_forward(family: Family, runs: Runs):
             out = self.mlp(x)
         if router_scores:
             out, _ = out
+        if beside and self.enable_moe_block:
+            flat = residual.reshape(-1, residual.shape[-1])
+            _, weights, index = self.router(flat)
+            experts = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
         hidden_states = add(self, residual, norm(self, res.mlp_out, out), 1)
         if res.per_layer_input and self.hidden_size_per_layer_input:
             hidden_states = hidden_states + self.post_per_layer_input_norm(
