@@ -5,6 +5,7 @@ the same model on the same tokens, each mode in its own process.
     python benches/bench_families.py --models phi3-mini,glm4-9b --modes hf,bastile
     python benches/bench_families.py --models phi4-mini --profile  # and one step under torch.profiler per mode
     python benches/bench_families.py --smoke                       # tiny configs on the CPU: checks the script only
+    python benches/bench_families.py --models gemma4-26b-a4b --seq 2048  # another sequence length
 
 Models (MODELS): random init from the published configs (sizes, vocabularies, rotary and window settings,
 multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention. A model that fits one H100
@@ -124,6 +125,17 @@ MODELS = {
                         final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
                         eos_token_id=1),
                    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
+    # Gemma 4 26B-A4B (text): 128 experts (top 8) beside each dense MLP, v = k's projection on full layers
+    "gemma4-26b-a4b": ("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM",
+                       dict(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+                            num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
+                            attention_k_eq_v=True, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                            moe_intermediate_size=704, vocab_size=262144, hidden_size_per_layer_input=0,
+                            sliding_window=1024, max_position_embeddings=262144,
+                            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+                            final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+                            eos_token_id=1),
+                       ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
 }
 
 # --smoke: each model at a tiny width, on the CPU.
@@ -167,7 +179,7 @@ def sync(device):
 
 def child(args) -> dict:
     _, _, _, _, targets, seq, batch = MODELS[args.model]
-    seq, batch = (64, 2) if args.smoke else (seq, batch)
+    seq, batch = (64, 2) if args.smoke else (args.seq or seq, batch)
     result = {"model": args.model, "mode": args.mode, "work": f"LoRA r{LORA}" if targets else "full",
               "seq": seq, "batch": batch}
     try:
@@ -231,7 +243,8 @@ def versus(rows):
 
 def parent(args):
     names = args.models.split(",") if args.models else list(MODELS)
-    extra = (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
+    extra = ((["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
+             + ([f"--seq={args.seq}"] if args.seq else []))
 
     def show(result):
         if "profile" in result:
@@ -248,6 +261,7 @@ def main():
     ap = modes_parser(__doc__, MODES, timeout=240)
     ap.add_argument("--models", help="comma-separated names of MODELS (default: all)")
     ap.add_argument("--profile", action="store_true", help="also profile one step: GPU time by category, top kernels")
+    ap.add_argument("--seq", type=int, help="every model's sequence length (default: each model's own)")
     modes_main(ap.parse_args(), child, parent)
 
 

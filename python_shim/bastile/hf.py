@@ -522,9 +522,10 @@ def causal_lm_forward(family: Family, check: Callable):
 
 
 def _output(cls, fields: dict, outputs):
-    """cls(**fields), its other fields taken from the decoder's outputs where they have them."""
-    return cls(**fields, **{f.name: getattr(outputs, f.name) for f in dataclasses.fields(cls)
-                            if f.name not in fields and hasattr(outputs, f.name)})
+    """cls(**fields), its other fields taken from the decoder's outputs where they have them. (The class's
+    field dict, not dataclasses.fields, which torch.compile cannot trace on a class.)"""
+    return cls(**fields, **{name: getattr(outputs, name) for name in cls.__dataclass_fields__
+                            if name not in fields and hasattr(outputs, name)})
 
 
 def multimodal_lm_forward(family: Family, check: Callable):
