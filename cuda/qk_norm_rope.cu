@@ -1,6 +1,7 @@
 // Qwen3 attention's per-head RMSNorm of q and k followed by rotary embedding, with HF's rounding:
 //   n   = round_N(w * round_X(x * rsqrt(mean(x^2) + eps)))            N = promote(x, w), stats in f32
 //   out = round_R(round_R(n * cos) + round_R(rotate_half(n) * sin))   R = promote(N, cos)
+// With CW ("cast after weight", Gemma 3 and 4), n = round_X((w + offset) * x * rsqrt(...)) in f32 and N = X.
 // One launch handles every (token, head) row of q and of k.
 //
 // A row of D elements belongs to a group of G threads. The "vec" variant gives lane l the V-element
@@ -46,9 +47,25 @@ __device__ __forceinline__ int64_t cs_offset(const Row &row, const int64_t (&st)
   return (int64_t)row.b * st[0] + (int64_t)row.s * st[1];
 }
 
-// HF's normalised element: to N of (w * to X of (x * rstd)).
-template <class X, class N> __device__ __forceinline__ float normed(float x, float w, float r) {
-  return round_to<N>(__fmul_rn(w, round_to<X>(__fmul_rn(x, r))));
+// Dtype of the normalised q and k: promote(x, w), or x's when the cast comes after the weight.
+template <class X, class W, bool CW> struct Normed { using type = typename Promote<X, W>::type; };
+template <class X, class W> struct Normed<X, W, true> { using type = X; };
+
+// x * rstd as the weight multiplies it: rounded to X (Qwen3), or kept in f32 (CW).
+template <class X, bool CW> __device__ __forceinline__ float scaled(float x, float r) {
+  if constexpr (CW) return __fmul_rn(x, r);
+  else return round_to<X>(__fmul_rn(x, r));
+}
+
+// HF's normalised element, to N of (w * scaled(x)); w is the weight plus the offset (0 unless CW).
+template <class X, class N, bool CW> __device__ __forceinline__ float normed(float x, float w, float r) {
+  return round_to<N>(__fmul_rn(w, scaled<X, CW>(x, r)));
+}
+
+// The weight as it multiplies, plus the offset in f32 (Gemma's 1 + w).
+template <int V, class W> __device__ __forceinline__ void weight_of(const Pack<W, V> &w, float offset, float (&out)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = __fadd_rn(to_f32(w.v[i]), offset);
 }
 
 // HF's rotation of the pair (lo, hi) = (n[i], n[i + D/2]), each product and the sum rounded to R.
@@ -104,8 +121,9 @@ template <class P> __device__ __forceinline__ int64_t all_rows(const P &p) {
   return p.shape.batch * p.shape.seq * (p.shape.q_heads + p.shape.k_heads);
 }
 
-template <class X, class W, class C, int V> __device__ __forceinline__ void forward_vec(const QkNormRopeForward &p) {
-  using N = typename Promote<X, W>::type;
+template <class X, class W, class C, int V, bool CW>
+__device__ __forceinline__ void forward_vec(const QkNormRopeForward &p) {
+  using N = typename Normed<X, W, CW>::type;
   using R = typename Promote<N, C>::type;
   const int G = p.geo.group, slots = blockDim.x / G;
   const int lane = threadIdx.x % G, slot = threadIdx.x / G;
@@ -134,13 +152,15 @@ template <class X, class W, class C, int V> __device__ __forceinline__ void forw
     const float rs = rsqrtf(ss * inv_d + eps);
     if (t.rstd && lane == 0) t.rstd[row.index] = rs;
     if (!active) continue;
-    const Pack<W, V> wl = load<V>(t.w + lo), wh = load<V>(t.w + hi);
+    float wl[V], wh[V];
+    weight_of<V>(load<V>(t.w + lo), p.weight_offset, wl);
+    weight_of<V>(load<V>(t.w + hi), p.weight_offset, wh);
     const C *c = cos + cs_offset(row, p.shape.cos_stride), *s = sin + cs_offset(row, p.shape.sin_stride);
     const Pack<C, V> cl = load<V>(c + lo), ch = load<V>(c + hi), sl = load<V>(s + lo), sh = load<V>(s + hi);
     float ol[V], oh[V];
 #pragma unroll
     for (int i = 0; i < V; ++i)
-      rotate<R>(normed<X, N>(to_f32(xl.v[i]), to_f32(wl.v[i]), rs), normed<X, N>(to_f32(xh.v[i]), to_f32(wh.v[i]), rs),
+      rotate<R>(normed<X, N, CW>(to_f32(xl.v[i]), wl[i], rs), normed<X, N, CW>(to_f32(xh.v[i]), wh[i], rs),
                 to_f32(cl.v[i]), to_f32(ch.v[i]), to_f32(sl.v[i]), to_f32(sh.v[i]), ol[i], oh[i]);
     R *out = t.out + row.index * D;
     store_words<V>(out + lo, ol);
@@ -148,8 +168,8 @@ template <class X, class W, class C, int V> __device__ __forceinline__ void forw
   }
 }
 
-template <class X, class W, class C> __device__ __forceinline__ void forward_scalar(const QkNormRopeForward &p) {
-  using N = typename Promote<X, W>::type;
+template <class X, class W, class C, bool CW> __device__ __forceinline__ void forward_scalar(const QkNormRopeForward &p) {
+  using N = typename Normed<X, W, CW>::type;
   using R = typename Promote<N, C>::type;
   const int G = p.geo.group, slots = blockDim.x / G;
   const int lane = threadIdx.x % G, slot = threadIdx.x / G;
@@ -177,7 +197,8 @@ template <class X, class W, class C> __device__ __forceinline__ void forward_sca
     R *out = t.out + row.index * D;
     for (int64_t j = lane; j < half; j += G) {
       float o_lo, o_hi;
-      rotate<R>(normed<X, N>(to_f32(x[j]), to_f32(t.w[j]), rs), normed<X, N>(to_f32(x[j + half]), to_f32(t.w[j + half]), rs),
+      const float w_lo = __fadd_rn(to_f32(t.w[j]), p.weight_offset), w_hi = __fadd_rn(to_f32(t.w[j + half]), p.weight_offset);
+      rotate<R>(normed<X, N, CW>(to_f32(x[j]), w_lo, rs), normed<X, N, CW>(to_f32(x[j + half]), w_hi, rs),
                 to_f32(c[j]), to_f32(c[j + half]), to_f32(s[j]), to_f32(s[j + half]), o_lo, o_hi);
       out[j] = from_f32<R>(o_lo);
       out[j + half] = from_f32<R>(o_hi);
@@ -208,11 +229,11 @@ __device__ __forceinline__ BackSide<X, W, R> back_side(const QkNormRopeBackward 
                                sh.q_stride[2], p.grad_q_stride[0], p.grad_q_stride[1], p.grad_q_stride[2]};
 }
 
-// grad_x = r * gn * w - x * r^3 * dot(gn * w, x) / D, with gn the unrotated gradient;
-// grad_w = sum over rows of gn * to_X(x * r), kept in registers and folded per block.
-template <class X, class W, class C, int V>
+// grad_x = r * gn * w - x * r^3 * dot(gn * w, x) / D, with gn the unrotated gradient and w plus the offset;
+// grad_w = sum over rows of gn * scaled(x, r), kept in registers and folded per block.
+template <class X, class W, class C, int V, bool CW>
 __device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, bool is_k, float *fold) {
-  using N = typename Promote<X, W>::type;
+  using N = typename Normed<X, W, CW>::type;
   using R = typename Promote<N, C>::type;
   const int G = p.geo.group, slots = blockDim.x / G;
   const int lane = threadIdx.x % G, slot = threadIdx.x / G;
@@ -222,10 +243,10 @@ __device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, b
   const int64_t rows = p.shape.batch * p.shape.seq * t.heads;
   const float inv_d = 1.f / (float)D;
   const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
-  Pack<W, V> wl, wh;
+  float wl[V], wh[V];
   if (active) {
-    wl = load<V>(t.w + lo);
-    wh = load<V>(t.w + hi);
+    weight_of<V>(load<V>(t.w + lo), p.weight_offset, wl);
+    weight_of<V>(load<V>(t.w + hi), p.weight_offset, wh);
   }
   float acc_l[V], acc_h[V];
 #pragma unroll
@@ -251,7 +272,7 @@ __device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, b
       for (int i = 0; i < V; ++i) {
         unrotate(to_f32(gl.v[i]), to_f32(gh.v[i]), to_f32(cl.v[i]), to_f32(ch.v[i]), to_f32(sl.v[i]), to_f32(sh.v[i]),
                  nl[i], nh[i]);
-        dot += nl[i] * to_f32(wl.v[i]) * to_f32(xl.v[i]) + nh[i] * to_f32(wh.v[i]) * to_f32(xh.v[i]);
+        dot += nl[i] * wl[i] * to_f32(xl.v[i]) + nh[i] * wh[i] * to_f32(xh.v[i]);
       }
     }
     dot = group_sum(dot, G);
@@ -261,10 +282,10 @@ __device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, b
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float a = to_f32(xl.v[i]), b = to_f32(xh.v[i]);
-      ol[i] = rs * nl[i] * to_f32(wl.v[i]) - a * c3;
-      oh[i] = rs * nh[i] * to_f32(wh.v[i]) - b * c3;
-      acc_l[i] += nl[i] * round_to<X>(a * rs);
-      acc_h[i] += nh[i] * round_to<X>(b * rs);
+      ol[i] = rs * nl[i] * wl[i] - a * c3;
+      oh[i] = rs * nh[i] * wh[i] - b * c3;
+      acc_l[i] += nl[i] * scaled<X, CW>(a, rs);
+      acc_h[i] += nh[i] * scaled<X, CW>(b, rs);
     }
     X *gx = t.gx + row.index * D;
     store_words<V>(gx + lo, ol);
@@ -289,16 +310,17 @@ __device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, b
   __syncthreads();  // fold is reused by k's rows
 }
 
-template <class X, class W, class C, int V> __device__ __forceinline__ void backward_vec(const QkNormRopeBackward &p) {
+template <class X, class W, class C, int V, bool CW>
+__device__ __forceinline__ void backward_vec(const QkNormRopeBackward &p) {
   extern __shared__ float fold[];
-  backward_vec_side<X, W, C, V>(p, false, fold);
-  backward_vec_side<X, W, C, V>(p, true, fold);
+  backward_vec_side<X, W, C, V, CW>(p, false, fold);
+  backward_vec_side<X, W, C, V, CW>(p, true, fold);
 }
 
 // Scalar backward: each group owns a partial row of the weight gradient in global memory.
-template <class X, class W, class C>
+template <class X, class W, class C, bool CW>
 __device__ __forceinline__ void backward_scalar_side(const QkNormRopeBackward &p, bool is_k) {
-  using N = typename Promote<X, W>::type;
+  using N = typename Normed<X, W, CW>::type;
   using R = typename Promote<N, C>::type;
   const int G = p.geo.group, slots = blockDim.x / G;
   const int lane = threadIdx.x % G, slot = threadIdx.x / G;
@@ -323,7 +345,8 @@ __device__ __forceinline__ void backward_scalar_side(const QkNormRopeBackward &p
       float nl, nh;
       unrotate(to_f32(g[j]), to_f32(g[j + half]), to_f32(c[j]), to_f32(c[j + half]), to_f32(s[j]), to_f32(s[j + half]),
                nl, nh);
-      dot += nl * to_f32(t.w[j]) * to_f32(x[j]) + nh * to_f32(t.w[j + half]) * to_f32(x[j + half]);
+      dot += nl * __fadd_rn(to_f32(t.w[j]), p.weight_offset) * to_f32(x[j]) +
+             nh * __fadd_rn(to_f32(t.w[j + half]), p.weight_offset) * to_f32(x[j + half]);
     }
     dot = group_sum(dot, G);
     if (!live) continue;
@@ -335,31 +358,36 @@ __device__ __forceinline__ void backward_scalar_side(const QkNormRopeBackward &p
       unrotate(to_f32(g[j]), to_f32(g[j + half]), to_f32(c[j]), to_f32(c[j + half]), to_f32(s[j]), to_f32(s[j + half]),
                nl, nh);
       const float a = to_f32(x[j]), b = to_f32(x[j + half]);
-      gx[j] = from_f32<X>(rs * nl * to_f32(t.w[j]) - a * c3);
-      gx[j + half] = from_f32<X>(rs * nh * to_f32(t.w[j + half]) - b * c3);
-      own[j] += nl * round_to<X>(a * rs);
-      own[j + half] += nh * round_to<X>(b * rs);
+      const float w_lo = __fadd_rn(to_f32(t.w[j]), p.weight_offset), w_hi = __fadd_rn(to_f32(t.w[j + half]), p.weight_offset);
+      gx[j] = from_f32<X>(rs * nl * w_lo - a * c3);
+      gx[j + half] = from_f32<X>(rs * nh * w_hi - b * c3);
+      own[j] += nl * scaled<X, CW>(a, rs);
+      own[j + half] += nh * scaled<X, CW>(b, rs);
     }
   }
 }
 
-template <class X, class W, class C> __device__ __forceinline__ void backward_scalar(const QkNormRopeBackward &p) {
-  backward_scalar_side<X, W, C>(p, false);
-  backward_scalar_side<X, W, C>(p, true);
+template <class X, class W, class C, bool CW> __device__ __forceinline__ void backward_scalar(const QkNormRopeBackward &p) {
+  backward_scalar_side<X, W, C, CW>(p, false);
+  backward_scalar_side<X, W, C, CW>(p, true);
 }
 
 }  // namespace
 
 #define PARAMS_fwd QkNormRopeForward
 #define PARAMS_bwd QkNormRopeBackward
-#define RUN_fwd_vec(X, W, C) forward_vec<X, W, C, 16 / sizeof(X)>(p)
-#define RUN_fwd_scalar(X, W, C) forward_scalar<X, W, C>(p)
-#define RUN_bwd_vec(X, W, C) backward_vec<X, W, C, 16 / sizeof(X)>(p)
-#define RUN_bwd_scalar(X, W, C) backward_scalar<X, W, C>(p)
-#define KERNEL(dir, x, w, c, access)                                                                   \
-  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_##dir##_##x##_##w##_##c##_##access(    \
-      const PARAMS_##dir p) {                                                                          \
-    RUN_##dir##_##access(BASTILE_TYPE_##x, BASTILE_TYPE_##w, BASTILE_TYPE_##c);                        \
+#define RUN_fwd_vec(X, W, C, CW) forward_vec<X, W, C, 16 / sizeof(X), CW>(p)
+#define RUN_fwd_scalar(X, W, C, CW) forward_scalar<X, W, C, CW>(p)
+#define RUN_bwd_vec(X, W, C, CW) backward_vec<X, W, C, 16 / sizeof(X), CW>(p)
+#define RUN_bwd_scalar(X, W, C, CW) backward_scalar<X, W, C, CW>(p)
+#define CAST_AFTER_WEIGHT_ false
+#define CAST_AFTER_WEIGHT_cast_after_weight true
+#define SUFFIX_
+#define SUFFIX_cast_after_weight _cast_after_weight
+#define KERNEL(dir, x, w, c, access, mode)                                                                     \
+  extern "C" __global__ void __launch_bounds__(256)                                                            \
+      BASTILE_CAT(qk_norm_rope_##dir##_##x##_##w##_##c##_##access, SUFFIX_##mode)(const PARAMS_##dir p) {      \
+    RUN_##dir##_##access(BASTILE_TYPE_##x, BASTILE_TYPE_##w, BASTILE_TYPE_##c, CAST_AFTER_WEIGHT_##mode);      \
   }
 // Block (32, 8), grid (ceil(D / 32), 2): blockIdx.y picks q's weight or k's.
 #define REDUCE(dir, reduce, w)                                                                            \

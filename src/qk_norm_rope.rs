@@ -2,13 +2,15 @@
 //! `k_norm` and `apply_rotary_pos_emb`): CUDA launchers for `cuda/qk_norm_rope.cu` and the CPU
 //! kernels (the reference the GPU is tested against). Per row (one token, one head) of D elements:
 //! `n = to_N(w * to_X(x * rsqrt(mean(x^2) + eps)))` with N = promote(x, w) and statistics in f32
-//! (f64 for f64 input), then `out = to_R(to_R(n * cos) + to_R(rotate_half(n) * sin))` with
+//! (f64 for f64 input), or with `cast_after_weight` (Gemma 3 and 4) `n = to_X((w + weight_offset) * x *
+//! rsqrt(...))` in f32 and N = X, then `out = to_R(to_R(n * cos) + to_R(rotate_half(n) * sin))` with
 //! R = promote(N, cos), `rotate_half(v) = cat(-v[D/2:], v[:D/2])`.
 use crate::cpu::{self, promote, Element};
 use crate::driver::{Device, LaunchConfig, Result};
 use crate::geometry;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{BastileDType, QkNormRopeBackward, QkNormRopeForward, QkNormRopeShape, RowGeometry};
+use crate::rms_norm::{casts_after_weight, weight_value};
 use half::{bf16, f16};
 use std::ffi::c_void;
 
@@ -19,9 +21,18 @@ fn dtypes(x: i32, w: i32, c: i32) -> Result<DTypes> {
     Ok((BastileDType::from_raw(x)?, BastileDType::from_raw(w)?, BastileDType::from_raw(c)?))
 }
 
-/// HF's dtype of the result: promote(promote(x, w), cos).
-fn out_dtype((x, w, c): DTypes) -> BastileDType {
-    promote(promote(x, w), c)
+/// The dtype of the normalised q and k: promote(x, w), or x's when the cast comes after the weight.
+fn normed_dtype((x, w, _): DTypes, after_weight: bool) -> BastileDType {
+    if after_weight {
+        x
+    } else {
+        promote(x, w)
+    }
+}
+
+/// HF's dtype of the result: promote(normed, cos).
+fn out_dtype(d: DTypes, after_weight: bool) -> BastileDType {
+    promote(normed_dtype(d, after_weight), d.2)
 }
 
 /// Threads of a block: enough rows per block for small heads, and room in `__launch_bounds__(256)`.
@@ -58,8 +69,10 @@ fn geometry_of(
     cuda_geometry(s.head_dim, x, &tensors)
 }
 
-fn tags(dir: Tag, (x, w, c): DTypes, geo: &RowGeometry) -> [Tag; 5] {
-    [dir, x.tag(), w.tag(), c.tag(), if geo.vec > 1 { Tag::Vec } else { Tag::Scalar }]
+fn tags(dir: Tag, (x, w, c): DTypes, after_weight: bool, geo: &RowGeometry) -> Vec<Tag> {
+    let mut tags = vec![dir, x.tag(), w.tag(), c.tag(), if geo.vec > 1 { Tag::Vec } else { Tag::Scalar }];
+    tags.extend(after_weight.then_some(Tag::CastAfterWeight));
+    tags
 }
 
 fn tokens(s: &QkNormRopeShape) -> i64 {
@@ -80,11 +93,12 @@ fn check_rows(s: &QkNormRopeShape) -> Result<()> {
 impl Launch for QkNormRopeForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let d = dtypes(self.x_dtype, self.w_dtype, self.c_dtype)?;
+        let cw = casts_after_weight("qk_norm_rope", self.cast_after_weight, self.weight_offset)?;
         check_rows(&self.shape)?;
-        let (mut p, s, o) = (*self, &self.shape, out_dtype(d));
+        let (mut p, s, o) = (*self, &self.shape, out_dtype(d, cw));
         let inputs = [p.q, p.k, p.q_weight, p.k_weight, p.cos, p.sin];
         p.geo = geometry_of(s, d, inputs, &[(p.q_out, o, &[s.head_dim]), (p.k_out, o, &[s.head_dim])]);
-        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Fwd, d, &p.geo), p.geo.block as u32)?;
+        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Fwd, d, cw, &p.geo), p.geo.block as u32)?;
         let rows = tokens(s) * (s.q_heads + s.k_heads);
         let grid = geometry::grid(p.geo.blocks_for(rows), dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
         Ok(Plan::single(kernel, LaunchConfig { grid: (grid, 1), block: (p.geo.block as u32, 1), shared: 0 }, p))
@@ -108,8 +122,9 @@ impl Launch for QkNormRopeBackward {
     /// ([2, partials, head_dim]: q's, then k's), which the reduce kernel folds.
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let d = dtypes(self.x_dtype, self.w_dtype, self.c_dtype)?;
+        let cw = casts_after_weight("qk_norm_rope", self.cast_after_weight, self.weight_offset)?;
         check_rows(&self.shape)?;
-        let (mut p, s, o, (x, w, _)) = (*self, &self.shape, out_dtype(d), d);
+        let (mut p, s, o, (x, w, _)) = (*self, &self.shape, out_dtype(d, cw), d);
         let inputs = [p.q, p.k, p.q_weight, p.k_weight, p.cos, p.sin];
         let gradients = [
             (p.grad_q, o, &p.grad_q_stride[..]),
@@ -118,7 +133,7 @@ impl Launch for QkNormRopeBackward {
             (p.grad_k_in as *const c_void, x, &[s.head_dim][..]),
         ];
         p.geo = geometry_of(s, d, inputs, &gradients);
-        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, d, &p.geo), p.geo.block as u32)?;
+        let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, d, cw, &p.geo), p.geo.block as u32)?;
         let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], 256)?;
         // One resident wave: each block folds all its rows of one weight into one partial (per group
         // in the scalar variant).
@@ -211,10 +226,16 @@ impl Rows {
     }
 }
 
+/// `x * rs` as the weight multiplies it: rounded to x's dtype, or (cast after weight) to the statistics'.
+fn scaled(xd: BastileDType, sd: BastileDType, after_weight: bool, v: f64) -> f64 {
+    round(if after_weight { sd } else { xd }, v)
+}
+
 pub fn forward_cpu(p: &QkNormRopeForward) -> Result<()> {
     let (xd, wd, cd) = dtypes(p.x_dtype, p.w_dtype, p.c_dtype)?;
+    let cw = casts_after_weight("qk_norm_rope", p.cast_after_weight, p.weight_offset)?;
     check_rows(&p.shape)?;
-    let (nd, sd) = (promote(xd, wd), xd.stats());
+    let (nd, sd) = (normed_dtype((xd, wd, cd), cw), xd.stats());
     let rd = promote(nd, cd);
     let (s, eps) = (&p.shape.clone(), p.eps);
     let d = s.head_dim;
@@ -227,6 +248,8 @@ pub fn forward_cpu(p: &QkNormRopeForward) -> Result<()> {
     for (x, w, out, rstd, heads, stride) in sides {
         let (x, w, out, rstd) = (Typed::new(x, xd), Typed::new(w, wd), Typed::new(out, rd), Typed::new(rstd, sd));
         let rows = Rows { heads, stride, seq: s.seq };
+        // SAFETY: the weight has head_dim elements.
+        let ws: Vec<f64> = (0..d).map(|j| weight_value(unsafe { w.get(j) }, p.weight_offset, sd == BastileDType::BASTILE_F64)).collect();
         cpu::parallel_for((tokens(s) * heads) as usize, cpu::GRAIN.div_ceil(d as usize), |range| {
             for r in range.map(|r| r as i64) {
                 let (b, t, off) = rows.locate(r);
@@ -240,7 +263,9 @@ pub fn forward_cpu(p: &QkNormRopeForward) -> Result<()> {
                     if !rstd.ptr.is_null() {
                         rstd.set(r, rs);
                     }
-                    let n: Vec<f64> = (0..d).map(|j| round(nd, w.get(j) * round(xd, xs[j as usize] * rs))).collect();
+                    // The product in the statistics' precision (f32 in the GPU's registers), then to N.
+                    let n: Vec<f64> =
+                        xs.iter().zip(&ws).map(|(x, w)| round(nd, round(sd, w * scaled(xd, sd, cw, x * rs)))).collect();
                     for j in 0..half {
                         let (lo, hi) = (n[j as usize], n[(j + half) as usize]);
                         let o_lo = round(rd, lo * cos.get(co + j)) + round(rd, -hi * sin.get(so + j));
@@ -257,8 +282,9 @@ pub fn forward_cpu(p: &QkNormRopeForward) -> Result<()> {
 
 pub fn backward_cpu(p: &QkNormRopeBackward) -> Result<()> {
     let (xd, wd, cd) = dtypes(p.x_dtype, p.w_dtype, p.c_dtype)?;
+    let cw = casts_after_weight("qk_norm_rope", p.cast_after_weight, p.weight_offset)?;
     check_rows(&p.shape)?;
-    let (sd, gd) = (xd.stats(), out_dtype((xd, wd, cd)));
+    let (sd, gd) = (xd.stats(), out_dtype((xd, wd, cd), cw));
     let s = &p.shape.clone();
     let d = s.head_dim;
     let half = d / 2;
@@ -273,7 +299,7 @@ pub fn backward_cpu(p: &QkNormRopeBackward) -> Result<()> {
         let (xrows, grows) = (Rows { heads, stride, seq: s.seq }, Rows { heads, stride: g_stride, seq: s.seq });
         // SAFETY (all accesses below): the C++ layer checked shapes and strides; each chunk writes
         // only its own rows of grad_x.
-        let ws: Vec<f64> = (0..d).map(|j| unsafe { w.get(j) }).collect();
+        let ws: Vec<f64> = (0..d).map(|j| weight_value(unsafe { w.get(j) }, p.weight_offset, sd == BastileDType::BASTILE_F64)).collect();
         let rows = tokens(s) * heads;
         // Chunking depends on the shape alone, so the weight gradient's summation order (and
         // value) does not depend on the thread count.
@@ -299,7 +325,7 @@ pub fn backward_cpu(p: &QkNormRopeBackward) -> Result<()> {
                     let c3 = rs * rs * rs * dot / d as f64;
                     for j in 0..d as usize {
                         gx.set(r * d + j as i64, rs * gn[j] * ws[j] - xs[j] * c3);
-                        dw[j] += gn[j] * round(xd, xs[j] * rs);
+                        dw[j] += gn[j] * scaled(xd, sd, cw, xs[j] * rs);
                     }
                 }
             }
@@ -389,7 +415,9 @@ mod tests {
 
     /// Runs the CPU kernels on q and k living inside one fused [batch, seq, hq + 2 hk, d] buffer
     /// (strided, as HF's slices of a fused projection), and checks them against the matrices.
-    fn check(case: &Case, (xd, wd, cd): DTypes) {
+    /// `offset`: None rounds as Qwen3's norm, Some(o) casts after the weight plus o.
+    fn check(case: &Case, (xd, wd, cd): DTypes, offset: Option<f32>) {
+        let (cw, weight_offset) = (offset.is_some(), offset.unwrap_or(0.0));
         let Case { batch, seq, hq, hk, d, per_batch_cos } = *case;
         let eps = 1e-6;
         let heads = hq + 2 * hk;
@@ -401,7 +429,7 @@ mod tests {
         let cos = Buf::from(&angle.iter().map(|a| a.cos()).collect::<Vec<_>>(), cd);
         let sin = Buf::from(&angle.iter().map(|a| a.sin()).collect::<Vec<_>>(), cd);
         let cs_stride = [if per_batch_cos { (seq * d) as i64 } else { 0 }, d as i64];
-        let out_dt = out_dtype((xd, wd, cd));
+        let out_dt = out_dtype((xd, wd, cd), cw);
         let shape = QkNormRopeShape {
             batch: batch as i64,
             seq: seq as i64,
@@ -432,6 +460,8 @@ mod tests {
             x_dtype: xd as i32,
             w_dtype: wd as i32,
             c_dtype: cd as i32,
+            cast_after_weight: cw as i32,
+            weight_offset,
             ..Default::default()
         };
         forward_cpu(&p).unwrap();
@@ -463,6 +493,8 @@ mod tests {
             x_dtype: xd as i32,
             w_dtype: wd as i32,
             c_dtype: cd as i32,
+            cast_after_weight: cw as i32,
+            weight_offset,
             ..Default::default()
         };
         backward_cpu(&b).unwrap();
@@ -474,7 +506,7 @@ mod tests {
         for (is_k, heads_n, w, out, rstd, gin, gw) in
             [(false, hq, &qw, &q_out, &q_rstd, &gq_in, &gqw), (true, hk, &kw, &k_out, &k_rstd, &gk_in, &gkw)]
         {
-            let wv = w.values();
+            let wv: Vec<f64> = w.values().iter().map(|v| v + weight_offset as f64).collect();
             let (outv, rstdv, ginv) = (out.values(), rstd.values(), gin.values());
             let mut gw_ref = vec![0.0; d];
             let (mut y_ref, mut gx_ref, mut scale) = (vec![], vec![], 0.0);
@@ -511,7 +543,7 @@ mod tests {
             let e_w = rel_err_floor(&gw.values(), &gw_ref, 0.0);
             assert!(
                 e_y < tol && e_x < tol && e_w < tol,
-                "{xd:?}/{wd:?}/{cd:?} k={is_k} d={d}: out {e_y}, grad_x {e_x}, grad_w {e_w} (tol {tol})"
+                "{xd:?}/{wd:?}/{cd:?} {offset:?} k={is_k} d={d}: out {e_y}, grad_x {e_x}, grad_w {e_w} (tol {tol})"
             );
         }
     }
@@ -534,21 +566,30 @@ mod tests {
         ];
         for case in &cases {
             for &dt in &combos {
-                check(case, dt);
+                for offset in [None, Some(0.0), Some(1.0)] {
+                    check(case, dt, offset);
+                }
             }
         }
     }
 
     #[test]
     fn weight_gradient_sums_many_chunks() {
-        check(&Case { batch: 4, seq: 300, hq: 3, hk: 2, d: 16, per_batch_cos: true }, (BASTILE_F32, BASTILE_F32, BASTILE_F32));
+        let case = Case { batch: 4, seq: 300, hq: 3, hk: 2, d: 16, per_batch_cos: true };
+        check(&case, (BASTILE_F32, BASTILE_F32, BASTILE_F32), None);
+        check(&case, (BASTILE_BF16, BASTILE_F32, BASTILE_BF16), Some(1.0));
     }
 
     #[test]
-    fn bad_dtype_codes_and_odd_head_dim_are_errors() {
+    fn bad_dtype_codes_rounding_modes_and_odd_head_dim_are_errors() {
         let mut p = QkNormRopeForward { x_dtype: 9, ..Default::default() };
         assert!(forward_cpu(&p).unwrap_err().contains("unknown dtype"));
         p.x_dtype = BASTILE_F32 as i32;
+        p.weight_offset = 1.0;
+        assert!(forward_cpu(&p).unwrap_err().contains("qk_norm_rope: weight_offset 1 needs cast_after_weight"));
+        p.cast_after_weight = 2;
+        assert!(forward_cpu(&p).unwrap_err().contains("cast_after_weight must be 0 or 1, got 2"));
+        p.cast_after_weight = 1;
         p.shape.head_dim = 3;
         assert!(forward_cpu(&p).unwrap_err().contains("even"));
     }
@@ -583,14 +624,20 @@ mod tests {
         let triples = dts.map(|x| dts.map(|w| dts.map(|c| (x, w, c))));
         for d in triples.iter().flatten().flatten().copied() {
             for geo in [cuda_geometry(128, d.0, &[]), cuda_geometry(6, d.0, &[])] {
-                QkNormRopeForward::find(&tags(Tag::Fwd, d, &geo)).unwrap();
-                QkNormRopeBackward::find(&tags(Tag::Bwd, d, &geo)).unwrap();
+                for cw in [false, true] {
+                    QkNormRopeForward::find(&tags(Tag::Fwd, d, cw, &geo)).unwrap();
+                    QkNormRopeBackward::find(&tags(Tag::Bwd, d, cw, &geo)).unwrap();
+                }
             }
             QkNormRopeBackward::find(&[Tag::Bwd, Tag::Reduce, d.1.tag()]).unwrap();
         }
         let g = cuda_geometry(6, BASTILE_F16, &[]);
         let d = (BASTILE_F16, BASTILE_F16, BASTILE_F32);
-        assert_eq!(QkNormRopeBackward::KERNELS[QkNormRopeBackward::find(&tags(Tag::Bwd, d, &g)).unwrap()].1,
+        assert_eq!(QkNormRopeBackward::KERNELS[QkNormRopeBackward::find(&tags(Tag::Bwd, d, false, &g)).unwrap()].1,
                    "qk_norm_rope_bwd_f16_f16_f32_scalar");
+        let g = cuda_geometry(128, BASTILE_BF16, &[]);
+        let d = (BASTILE_BF16, BASTILE_F32, BASTILE_BF16);
+        assert_eq!(QkNormRopeForward::KERNELS[QkNormRopeForward::find(&tags(Tag::Fwd, d, true, &g)).unwrap()].1,
+                   "qk_norm_rope_fwd_bf16_f32_bf16_vec_cast_after_weight");
     }
 }

@@ -20,7 +20,7 @@ fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
 macro_rules! on_dtypes {
     ($p:expr, $kernel:ident) => {{
         let (xd, wd) = dtypes($p.x_dtype, $p.w_dtype)?;
-        let after_weight = casts_after_weight($p.cast_after_weight, $p.weight_offset)?;
+        let after_weight = casts_after_weight("rms_norm", $p.cast_after_weight, $p.weight_offset)?;
         // SAFETY: the C++ layer checked shapes and dtypes of every pointer in the block.
         crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
             if after_weight {
@@ -33,17 +33,19 @@ macro_rules! on_dtypes {
     }};
 }
 
-fn casts_after_weight(flag: i32, weight_offset: f32) -> Result<bool> {
+/// The rounding mode of a block's `cast_after_weight` flag and `weight_offset` (rms_norm's, which
+/// qk_norm_rope's norm shares), or why they are invalid for `op`.
+pub(crate) fn casts_after_weight(op: &str, flag: i32, weight_offset: f32) -> Result<bool> {
     match (flag, weight_offset) {
-        (0, o) if o != 0.0 => Err(format!("bastile.rms_norm: weight_offset {o} needs cast_after_weight")),
+        (0, o) if o != 0.0 => Err(format!("bastile.{op}: weight_offset {o} needs cast_after_weight")),
         (0, _) => Ok(false),
         (1, _) => Ok(true),
-        _ => Err(format!("bastile.rms_norm: cast_after_weight must be 0 or 1, got {flag}")),
+        _ => Err(format!("bastile.{op}: cast_after_weight must be 0 or 1, got {flag}")),
     }
 }
 
 /// The weight as it multiplies: plus the offset, the sum at the statistics' precision.
-fn weight_value(w: f64, offset: f32, f64_stats: bool) -> f64 {
+pub(crate) fn weight_value(w: f64, offset: f32, f64_stats: bool) -> f64 {
     match (offset, f64_stats) {
         (0.0, _) => w,
         (o, false) => <f32 as Element>::round(w + o as f64),
@@ -94,7 +96,7 @@ fn tags(dir: Tag, after_weight: bool, x: BastileDType, w: BastileDType, geo: &Ro
 impl Launch for RmsNormForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
-        let after_weight = casts_after_weight(self.cast_after_weight, self.weight_offset)?;
+        let after_weight = casts_after_weight("rms_norm", self.cast_after_weight, self.weight_offset)?;
         let y = BastileDType::from_raw(self.y_dtype)?;
         let mut p = *self;
         p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
@@ -124,7 +126,7 @@ impl Launch for RmsNormBackward {
     /// which the reduce kernel folds.
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
-        let after_weight = casts_after_weight(self.cast_after_weight, self.weight_offset)?;
+        let after_weight = casts_after_weight("rms_norm", self.cast_after_weight, self.weight_offset)?;
         let y = BastileDType::from_raw(self.y_dtype)?;
         let mut p = *self;
         p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);

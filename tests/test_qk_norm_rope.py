@@ -1,10 +1,13 @@
-"""torch.ops.bastile.qk_norm_rope against HF's Qwen3 q_norm/k_norm + apply_rotary_pos_emb and fp64."""
+"""torch.ops.bastile.qk_norm_rope against HF's Qwen3, Gemma 3 and Gemma 4 q_norm/k_norm + apply_rotary_pos_emb,
+and fp64."""
 import types
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 import bastile
@@ -17,16 +20,33 @@ EPS = 1e-6
 
 HF_NORM = Qwen3RMSNorm.forward  # taken before any test patches HF
 HF_ROPE = apply_rotary_pos_emb
+# The rounding modes (cast_after_weight, weight_offset) of Gemma 3's (1 + w) norm and Gemma 4's, with their HF
+# modules' forwards.
+GEMMA = {"gemma3": ((True, 1.0), Gemma3RMSNorm, Gemma3RMSNorm.forward),
+         "gemma4": ((True, 0.0), Gemma4RMSNorm, Gemma4RMSNorm.forward)}
 
 # Spacing of representable numbers just above 1, and the unit roundoff, per dtype.
 SPACING = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -23, torch.float64: 2 ** -52}
 ULP = {dt: s / 2 for dt, s in SPACING.items()}
 
 
-def hf_qk_norm_rope(q, k, qw, kw, cos, sin, eps=EPS):
-    """HF's Qwen3Attention path with the given weights, returned in the op's [B, S, H, D] layout."""
-    qn = HF_NORM(types.SimpleNamespace(weight=qw, variance_epsilon=eps), q).transpose(1, 2)
-    kn = HF_NORM(types.SimpleNamespace(weight=kw, variance_epsilon=eps), k).transpose(1, 2)
+def cast_after_weight_norm(x, w, eps, weight_offset):
+    """HF's Gemma norms in plain torch: to(x.dtype)((w + offset) * n), n and the product in float32 (float64
+    for float64 input, where HF's modules would round to float32)."""
+    f = x.dtype if x.dtype == torch.float64 else torch.float32
+    n = x.to(f) * torch.rsqrt(x.to(f).pow(2).mean(-1, keepdim=True) + eps)
+    return (n * (w.to(f) + weight_offset)).to(x.dtype)
+
+
+def hf_qk_norm_rope(q, k, qw, kw, cos, sin, eps=EPS, cast_after_weight=False, weight_offset=0.0):
+    """HF's Qwen3Attention path with the given weights (with cast_after_weight, Gemma's norms), returned in the
+    op's [B, S, H, D] layout."""
+    if cast_after_weight:
+        qn = cast_after_weight_norm(q, qw, eps, weight_offset).transpose(1, 2)
+        kn = cast_after_weight_norm(k, kw, eps, weight_offset).transpose(1, 2)
+    else:
+        qn = HF_NORM(types.SimpleNamespace(weight=qw, variance_epsilon=eps), q).transpose(1, 2)
+        kn = HF_NORM(types.SimpleNamespace(weight=kw, variance_epsilon=eps), k).transpose(1, 2)
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
     qo, ko = HF_ROPE(qn, kn, cos, sin)
@@ -75,18 +95,21 @@ def f64_reference(q, k, qw, kw, cos, sin):
 # ---------------------------------------------------------------- the generic tests' contract (test_contract.py)
 
 
-def sample(device, batch, seq, hq, hk, dim, packed=False, seq_by_dim=False, eps=EPS, seed=0):
+def sample(device, batch, seq, hq, hk, dim, packed=False, seq_by_dim=False, eps=EPS, seed=0, **rounding):
     q, k, qw, kw, cos, sin = inputs(batch, seq, hq, hk, dim, device, packed=packed, seed=seed)
     if seq_by_dim:
         cos, sin = cos[0], sin[0]
-    return (*leaves(q, k, qw, kw), cos, sin, eps), {}
+    return (*leaves(q, k, qw, kw), cos, sin, eps), rounding
 
 
 def samples(device):
-    # Tables [1, S, D] (shared), [B, S, D] (packed sequences) and [S, D]; head_dim 6 has an odd half.
+    # Tables [1, S, D] (shared), [B, S, D] (packed sequences) and [S, D]; head_dim 6 has an odd half; Gemma 3's
+    # and Gemma 4's rounding.
     return [sample(device, 2, 3, 4, 2, 8), sample(device, 3, 5, 6, 3, 12),
             sample(device, 2, 4, 3, 1, 6, packed=True, seed=1),
-            sample(device, 1, 5, 2, 2, 16, seq_by_dim=True, eps=1e-5, seed=2)]
+            sample(device, 1, 5, 2, 2, 16, seq_by_dim=True, eps=1e-5, seed=2),
+            sample(device, 2, 3, 4, 2, 8, seed=3, cast_after_weight=True, weight_offset=1.0),
+            sample(device, 2, 4, 2, 1, 6, packed=True, seed=4, cast_after_weight=True)]
 
 
 def empty(device):
@@ -113,6 +136,7 @@ BAD = [
     (_bad(cos=torch.randn(3, 3, 8), sin=torch.randn(3, 3, 8)), "cos and sin must have shape \\[seq, head_dim\\]"),
     (_bad(sin=torch.randn(1, 3, 8, dtype=torch.float64)), "cos and sin must have the same dtype"),
     (_bad(kw=torch.randn(8, device="meta")), "q is on cpu but k_weight is on meta"),
+    (lambda: op(*inputs(2, 3, 4, 2, 8), EPS, False, 1.0), "qk_norm_rope: weight_offset 1 needs cast_after_weight=True"),
     (lambda: bwd_op(*(t for t in fwd_op(*inputs(2, 3, 4, 2, 8), EPS)[:2]), *inputs(2, 3, 4, 2, 8),
                     torch.zeros(2, 3, 4), torch.zeros(2, 3, 3)), "q_rstd and k_rstd must be"),
     (lambda: bwd_op(torch.zeros(2, 3, 4, 8, dtype=torch.float64), torch.zeros(2, 3, 2, 8), *inputs(2, 3, 4, 2, 8),
@@ -185,6 +209,58 @@ def check_against_hf(q, k, qw, kw, cos, sin, out_dtype, mismatch_max=0.02):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_matches_hf_and_fp64(device, dtype):
     check_against_hf(*inputs(2, 9, 4, 2, 64, device, dtype), out_dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", list(GEMMA))
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                           (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_gemma_norms_match_hf_and_fp64(device, family, dtype, w_dtype):
+    """Gemma 3's (1 + w) and Gemma 4's q/k norms (the product in float32, one rounding to x's dtype), then HF's
+    rotation: against HF's modules, and the exact gradient."""
+    (cast_after_weight, offset), cls, hf_forward = GEMMA[family]
+    q, k, qw, kw, cos, sin = inputs(2, 9, 4, 2, 256, device, dtype, w_dtype, seed=5)
+    if offset:  # Gemma 3 stores its weights around 0
+        qw, kw = qw - offset, kw - offset
+    norms = [cls(256, EPS).to(device) for _ in range(2)]
+    for m, w in zip(norms, (qw, kw)):
+        m.weight.data = w.clone()
+    ql, kl = leaves(q, k)
+    hq, hk = (t.transpose(1, 2) for t in HF_ROPE(hf_forward(norms[0], ql).transpose(1, 2),
+                                                 hf_forward(norms[1], kl).transpose(1, 2), cos, sin))
+    bq, bk, bqw, bkw = leaves(q, k, qw, kw)
+    oq, ok = op(bq, bk, bqw, bkw, cos, sin, EPS, cast_after_weight, offset)
+    assert oq.dtype == ok.dtype == hq.dtype == dtype
+    for ours, ref in ((oq, hq), (ok, hk)):
+        torch.testing.assert_close(ours, ref, rtol=SPACING[dtype], atol=FWD_ATOL[dtype])
+        if dtype != torch.float32:  # HF's roundings: almost every element identical
+            assert (ours != ref).float().mean().item() < 0.02
+    gq, gk = torch.randn_like(oq), torch.randn_like(ok)
+    ours = torch.autograd.grad((oq, ok), (bq, bk, bqw, bkw), (gq, gk))
+    hf = torch.autograd.grad((hq, hk), (ql, kl, norms[0].weight, norms[1].weight), (gq, gk))
+    xr = leaves(*(t.double() for t in (q, k, qw, kw)))
+    exact_out = hf_qk_norm_rope(*xr, cos.double(), sin.double(), EPS, True, offset)
+    exact = torch.autograd.grad(exact_out, xr, (gq.double(), gk.double()))
+    for name, a, b, c, t in zip(("q", "k", "q_weight", "k_weight"), ours, hf, exact, (q, k, qw, kw)):
+        assert a.dtype == t.dtype, name
+        assert rel_err(a, b) < GRAD_TOL[max(t.dtype, q.dtype, key=SPACING.get)], (name, rel_err(a, b))
+        assert rel_err(a, c) < exact_tol(t.dtype, q.dtype), (name, rel_err(a, c))
+    coarsest = max(ULP[t.dtype] for t in (q, cos, oq))  # the product rounds once, to x's dtype
+    for a, c in zip((oq, ok), exact_out):
+        assert rel_err(a, c) < 4 * coarsest + 1e-7
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemma4_query_alone(device):
+    """Gemma 4's K/V-sharing layers norm and rotate q alone: k with no heads."""
+    q, k, qw, kw, cos, sin = inputs(2, 5, 4, 0, 64, device, torch.bfloat16)
+    ql = leaves(q)[0]
+    oq, ok = op(ql, k, qw, qw, cos, sin, EPS, True)
+    assert ok.shape == (2, 5, 0, 64)
+    ref = hf_qk_norm_rope(q, q[:, :, :1], qw, qw, cos, sin, EPS, True)[0]
+    torch.testing.assert_close(oq, ref, rtol=0, atol=0)
+    oq.sum().backward()
+    assert ql.grad is not None and ql.grad.isfinite().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -343,21 +419,21 @@ CUDA_TOL = {  # (forward rtol, gradient norm-relative error); the GPU accumulate
 }
 
 
-def cuda_vs_cpu(q, k, qw, kw, cos, sin, dtype, cuda_qk=None, grad_layout="contiguous"):
+def cuda_vs_cpu(q, k, qw, kw, cos, sin, dtype, cuda_qk=None, grad_layout="contiguous", rounding=(False, 0.0)):
     """Forward and backward on CUDA against the CPU kernels on the same inputs (`cuda_qk`: q and k as
-    laid out on the GPU, when not plain copies)."""
-    ref = fwd_op(q, k, qw, kw, cos, sin, EPS)
+    laid out on the GPU, when not plain copies; `rounding`: cast_after_weight and weight_offset)."""
+    ref = fwd_op(q, k, qw, kw, cos, sin, EPS, *rounding)
     gq, gk = torch.randn_like(ref[0]), torch.randn_like(ref[1])
-    ref_b = bwd_op(gq, gk, q, k, qw, kw, cos, sin, ref[2], ref[3])
+    ref_b = bwd_op(gq, gk, q, k, qw, kw, cos, sin, ref[2], ref[3], *rounding)
     cu = list(cuda_qk or (q.cuda(), k.cuda())) + [t.cuda() for t in (qw, kw, cos, sin)]
     poison_cuda_allocator(16 * (q.numel() + k.numel()) * 4)
-    out = fwd_op(*cu, EPS)
+    out = fwd_op(*cu, EPS, *rounding)
     gqc, gkc = gq.cuda(), gk.cuda()
     if grad_layout == "transposed":
         gqc = gqc.transpose(1, 2).contiguous().transpose(1, 2)
         gkc = gkc.transpose(1, 2).contiguous().transpose(1, 2)
     poison_cuda_allocator(16 * (q.numel() + k.numel()) * 4)
-    out_b = bwd_op(gqc, gkc, *cu, out[2], out[3])
+    out_b = bwd_op(gqc, gkc, *cu, out[2], out[3], *rounding)
     ftol, gtol = CUDA_TOL[dtype]
     for t in (*out, *out_b):
         assert not t.isnan().any()
@@ -368,7 +444,7 @@ def cuda_vs_cpu(q, k, qw, kw, cos, sin, dtype, cuda_qk=None, grad_layout="contig
         torch.testing.assert_close(a.cpu(), b, rtol=2e-6, atol=0)
     for a, b in zip(out_b, ref_b):
         assert a.dtype == b.dtype and rel_err(a, b) < gtol, rel_err(a, b)
-    exact = f64_reference(q, k, qw, kw, cos, sin)
+    exact = hf_qk_norm_rope(*(t.double() for t in (q, k, qw, kw, cos, sin)), EPS, *rounding)
     assert rel_err(out[0], exact[0]) < 4 * ftol and rel_err(out[1], exact[1]) < 4 * ftol
 
 
@@ -378,6 +454,18 @@ def cuda_vs_cpu(q, k, qw, kw, cos, sin, dtype, cuda_qk=None, grad_layout="contig
                                    (1, 100, 8, 4, 256)])
 def test_cuda_matches_cpu(dtype, shape):
     cuda_vs_cpu(*inputs(*shape, dtype=dtype), dtype=dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", list(CUDA_TOL))
+@pytest.mark.parametrize("family", list(GEMMA))
+@pytest.mark.parametrize("shape", [(2, 256, 8, 4, 256), (1, 300, 16, 8, 512), (2, 64, 4, 1, 6)])
+def test_cuda_gemma_rounding_matches_cpu(dtype, family, shape):
+    # Gemma 3's and Gemma 4's head_dim 256, Gemma 4's global 512 (vec in 16 bits, element by element in f32),
+    # and an odd half row.
+    q, k, qw, kw, cos, sin = inputs(*shape, dtype=dtype, packed=True)
+    cuda_vs_cpu(q, k, qw, kw, cos, sin, dtype=dtype, rounding=GEMMA[family][0])
+    cuda_vs_cpu(q, k, qw.float(), kw.float(), cos, sin, dtype=dtype, rounding=GEMMA[family][0])
 
 
 @needs_cuda

@@ -39,25 +39,37 @@ def hf_attr(family: Family, name: str):
 # ------------------------------------------------------------------------------------------------ norm
 
 
+def norm_args(norm: Norm, module, x) -> tuple:
+    """(weight, eps, cast_after_weight, weight_offset): how rms_norm and qk_norm_rope compute the RMSNorm
+    `module` of x, which rounds as `norm` says. Gemma 4's norm without a weight (with_scale False) multiplies
+    by ones, exactly."""
+    if norm is Norm.CAST_THEN_WEIGHT:
+        return module.weight, module.variance_epsilon, False, 0.0
+    if norm is Norm.WEIGHT_THEN_CAST:
+        return module.weight, module.variance_epsilon, True, 0.0
+    if norm is Norm.OFFSET_THEN_CAST:
+        return module.weight, module.eps, True, 1.0
+    weight = module.weight if module.with_scale else x.new_ones(x.shape[-1], dtype=torch.float32)
+    return weight, module.eps, True, 0.0
+
+
 def rms_norm_forward(self, hidden_states):
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return rms_norm(hidden_states, *norm_args(Norm.CAST_THEN_WEIGHT, self, hidden_states))
 
 
 def rms_norm_cast_after_weight_forward(self, hidden_states):
     """GptOssRMSNorm, Olmo2RMSNorm: the weight multiplies before the result is rounded to the input's dtype."""
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_after_weight=True)
+    return rms_norm(hidden_states, *norm_args(Norm.WEIGHT_THEN_CAST, self, hidden_states))
 
 
 def rms_norm_offset_forward(self, hidden_states):
     """GemmaRMSNorm: to(x.dtype)((1 + weight) * n), in float32."""
-    return rms_norm(hidden_states, self.weight, self.eps, cast_after_weight=True, weight_offset=1.0)
+    return rms_norm(hidden_states, *norm_args(Norm.OFFSET_THEN_CAST, self, hidden_states))
 
 
 def rms_norm_optional_weight_forward(self, hidden_states):
-    """Gemma4RMSNorm: to(x.dtype)(weight * n) in float32, or to(x.dtype)(n) without a weight (with_scale False:
-    a weight of ones multiplies exactly)."""
-    weight = self.weight if self.with_scale else hidden_states.new_ones(hidden_states.shape[-1], dtype=torch.float32)
-    return rms_norm(hidden_states, weight, self.eps, cast_after_weight=True)
+    """Gemma4RMSNorm: to(x.dtype)(weight * n) in float32, or to(x.dtype)(n) without a weight."""
+    return rms_norm(hidden_states, *norm_args(Norm.OPTIONAL_WEIGHT_THEN_CAST, self, hidden_states))
 
 
 NORM_FORWARDS = {Norm.CAST_THEN_WEIGHT: rms_norm_forward, Norm.WEIGHT_THEN_CAST: rms_norm_cast_after_weight_forward,
@@ -166,8 +178,9 @@ def attention_forward(family: Family):
     layout (none on NoPE layers), and the attention: the varlen kernel on packed batches (varlen.py), else
     HF's attention interface with the family's sliding window and sinks. The rest is HF's (cache update)."""
     a, r, weight_then_cast = family.attention, family.rotary, family.norm is Norm.WEIGHT_THEN_CAST
-    # qk_norm_rope rounds as Llama's norm does; other norms run as their (patched) modules, then the rotation.
-    fuse_qk = a.qk_norm is QkNorm.PER_HEAD and family.norm is Norm.CAST_THEN_WEIGHT
+    # qk_norm_rope rotates half-split pairs with head-wide tables, in the norm's dtype.
+    fuse_qk = (a.qk_norm is QkNorm.PER_HEAD and r.layout is Layout.HALF_SPLIT and not r.partial
+               and not r.cast_back)
 
     def project(self, hidden_states):
         """q, k, v; k and v None in a layer that takes them from an earlier one (Attention.shared_kv)."""
@@ -182,6 +195,21 @@ def attention_forward(family: Family):
             return q, k, k
         return lora.project(hidden_states, self.q_proj, self.k_proj, self.v_proj)
 
+    def norm_rotate(self, q, k, cos, sin, rotates):
+        """q and k ([batch, seq, heads, head_dim]; k None: q alone) through the per-head norms and the rotation,
+        in HF's layout; one qk_norm_rope where the family's rotation allows and both norms share an epsilon."""
+        k_in = q[:, :, :0] if k is None else k
+        if fuse_qk and rotates:
+            qw, eps, cast_after_weight, offset = norm_args(family.norm, self.q_norm, q)
+            kw, k_eps, _, _ = (qw, eps, None, None) if k is None else norm_args(family.norm, self.k_norm, k)
+            if eps == k_eps:
+                q, k_out = qk_norm_rope(q, k_in, qw, kw, cos, sin, eps, cast_after_weight, offset)
+                return q.transpose(1, 2), k_out.transpose(1, 2)
+        if a.qk_norm is QkNorm.PER_HEAD:  # a layer that takes k from an earlier one has no k_norm
+            q, k_in = self.q_norm(q), k_in if k is None else self.k_norm(k_in)
+        q, k_in = q.transpose(1, 2), k_in.transpose(1, 2)
+        return _rotate(family, q, k_in, cos, sin) if rotates else (q, k_in)
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -193,8 +221,7 @@ def attention_forward(family: Family):
         cos, sin = position_embeddings
         rotates = r.layer_flag is None or getattr(self, r.layer_flag)
         if k is None:  # k and v of an earlier layer, normed and rotated there
-            q = self.q_norm(q.view(hidden_shape)).transpose(1, 2)
-            query_states = _rotate(family, q, q[:, :0], cos, sin)[0]
+            query_states = norm_rotate(self, q.view(hidden_shape), None, cos, sin, rotates)[0]
             key_states, value_states = shared[self.layer_type]
             if query_states.requires_grad and not key_states.requires_grad:
                 warnings.warn(f"bastile: layer {self.layer_idx} reuses keys and values that carry no gradient: the "
@@ -203,16 +230,7 @@ def attention_forward(family: Family):
                               "too; use_reentrant=False keeps it", stacklevel=2)
         else:
             q, k, v = (t.view(hidden_shape) for t in (q, k, v))
-            if fuse_qk and rotates and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon:
-                q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                    self.q_norm.variance_epsilon)
-                query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
-            else:  # one eps per qk_norm_rope launch: norms with different eps go separately
-                if a.qk_norm is QkNorm.PER_HEAD:
-                    q, k = self.q_norm(q), self.k_norm(k)
-                query_states, key_states = q.transpose(1, 2), k.transpose(1, 2)
-                if rotates:
-                    query_states, key_states = _rotate(family, query_states, key_states, cos, sin)
+            query_states, key_states = norm_rotate(self, q, k, cos, sin, rotates)
             value_states = (self.v_norm(v) if a.value_norm else v).transpose(1, 2)
             if past_key_values is not None:
                 key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
