@@ -5,14 +5,14 @@ Gemma's (1 + w) norm (HF's Gemma3RMSNorm, Liger's gemma casting mode with offset
     python benches/bench_rms_norm.py --gemma --shapes 8192x1152,4096x2560   # Gemma 3 1B's and 4B's widths
 
 Effective bandwidth counts the bytes an ideal kernel must move: forward reads x and w and writes y;
-forward+backward also reads dy and x again and writes dx and dw. `cases(shape, dtype)` is what
-bench_kernels.py measures too.
+forward+backward also reads dy and x again and writes dx and dw; the "copy" row copies as many bytes.
+`cases(shape, dtype)` is what bench_kernels.py measures too.
 """
 import types
 from functools import partial
 
 import torch
-from common import Case, Impl, bandwidth_main, device
+from common import Case, Impl, bandwidth_main, copy_impl, device
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -60,10 +60,11 @@ def cases(shape: str, dtype: torch.dtype, gemma: bool = False) -> Case:
         return Impl(forward=lambda: f(x, w), graph=lambda: (f(*leaves), leaves, g),
                     check=lambda: torch.testing.assert_close(f(x, w), ref, rtol=2 ** -6, atol=1e-2))
 
-    return Case(shape, "TB/s", {"fwd": fwd_bytes, "fwdbwd": fwd_bytes + 3 * rows * cols * size + 2 * cols * size},
-                {name: partial(impl, f) for name, f in implementations(gemma).items()})
+    work = {"fwd": fwd_bytes, "fwdbwd": fwd_bytes + 3 * rows * cols * size + 2 * cols * size}
+    return Case(shape, "TB/s", work,
+                {**{name: partial(impl, f) for name, f in implementations(gemma).items()}, "copy": copy_impl(work)})
 
 
 if __name__ == "__main__":
-    bandwidth_main("rms_norm", cases, "8192x1024,16384x2048,16384x4096,65536x128", "bastile,hf_eager,torch_compile,liger",
+    bandwidth_main("rms_norm", cases, "8192x1024,16384x2048,16384x4096,65536x128", "bastile,hf_eager,torch_compile,liger,copy",
                    switches={"--gemma": "Gemma's (1 + w) norm instead of Llama's"})

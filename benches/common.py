@@ -189,6 +189,16 @@ class Impl:
     timed: Dict[str, Callable[[], Any]] = field(default_factory=dict)  # pass -> callable timed as it is
 
 
+def copy_impl(work: Dict[str, float]) -> Callable[[], Impl]:
+    """The "copy" row: a device-to-device copy of as many bytes as each pass's ideal kernel moves (half read,
+    half written), the ceiling of a memory-bound op at that size, launch and wave tail included."""
+    def impl():
+        buffers = {p: (torch.empty(int(n) // 2, dtype=torch.uint8, device=device()),
+                       torch.empty(int(n) // 2, dtype=torch.uint8, device=device())) for p, n in work.items()}
+        return Impl(timed={p: (lambda a=a, b=b: b.copy_(a)) for p, (a, b) in buffers.items()})
+    return impl
+
+
 @dataclass
 class Case:
     """One op at one shape: its implementations (built when measured, dropped after, so that per-impl
