@@ -130,20 +130,29 @@ __device__ __forceinline__ float group_sum(float v, int group) {
 }
 
 // out[c] = sum over p of partial[p][c], for the per-block partial sums of a column reduction.
-// Block (32, 8): 32 columns, 8 partial rows at a time, folded in shared memory.
+// Block (32, BASTILE_FOLD_ROWS): 32 columns, that many partial rows at a time, each thread keeping four
+// loads in flight; folded in shared memory. (Few blocks run it: a wave's worth of partials is read by
+// ceil(cols / 32) blocks, so each needs many loads in flight.)
 template <class W>
 __device__ __forceinline__ void column_sum(const float *partial, int64_t partials, int64_t cols, W *out) {
-  __shared__ float fold[8][33];
+  constexpr int R = BASTILE_FOLD_ROWS;
+  __shared__ float fold[R][33];
   const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
-  float s = 0.f;
-  if (c < cols)
-    for (int64_t p = threadIdx.y; p < partials; p += 8) s += partial[p * cols + c];
-  fold[threadIdx.y][threadIdx.x] = s;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  if (c < cols) {
+    int64_t p = threadIdx.y;
+    for (; p + 3 * R < partials; p += 4 * R)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] += partial[(p + i * R) * cols + c];
+    for (; p < partials; p += R) s[0] += partial[p * cols + c];
+  }
+  fold[threadIdx.y][threadIdx.x] = (s[0] + s[1]) + (s[2] + s[3]);
   __syncthreads();
   if (threadIdx.y == 0 && c < cols) {
+    float t = fold[0][threadIdx.x];
 #pragma unroll
-    for (int i = 1; i < 8; ++i) s += fold[i][threadIdx.x];
-    out[c] = from_f32<W>(s);
+    for (int i = 1; i < R; ++i) t += fold[i][threadIdx.x];
+    out[c] = from_f32<W>(t);
   }
 }
 

@@ -389,7 +389,7 @@ template <class X, class W, class C, bool CW> __device__ __forceinline__ void ba
       BASTILE_CAT(qk_norm_rope_##dir##_##x##_##w##_##c##_##access, SUFFIX_##mode)(const PARAMS_##dir p) {      \
     RUN_##dir##_##access(BASTILE_TYPE_##x, BASTILE_TYPE_##w, BASTILE_TYPE_##c, CAST_AFTER_WEIGHT_##mode);      \
   }
-// Block (32, 8), grid (ceil(D / 32), 2): blockIdx.y picks q's weight or k's.
+// Block geometry::FOLD_BLOCK, grid (ceil(D / 32), 2): blockIdx.y picks q's weight or k's.
 #define REDUCE(dir, reduce, w)                                                                            \
   extern "C" __global__ void qk_norm_rope_##dir##_##reduce##_##w(const QkNormRopeBackward p) {            \
     const bool k = blockIdx.y == 1;                                                                        \

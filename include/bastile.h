@@ -31,6 +31,10 @@ typedef struct RowGeometry {
 #define BASTILE_ELEMENTWISE_KERNELS(K, dir) \
   K(dir, f32, vec) K(dir, f32, scalar) K(dir, f16, vec) K(dir, f16, scalar) K(dir, bf16, vec) K(dir, bf16, scalar)
 
+/* The fold of per-block column partials (cuda/common.cuh column_sum): blocks of 32 columns by this many
+ * partial rows at a time. */
+#define BASTILE_FOLD_ROWS 32
+
 /* A TMA descriptor (CUtensorMap: 128 bytes, 64-aligned), filled by Rust through the driver
  * (cuTensorMapEncodeTiled) and passed inside a parameter block that its kernel takes as __grid_constant__. */
 typedef struct BastileTensorMap {

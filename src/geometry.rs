@@ -68,6 +68,9 @@ impl RowGeometry {
     }
 }
 
+/// Threads of a column fold's block (cuda/common.cuh `column_sum`): 32 columns by BASTILE_FOLD_ROWS rows.
+pub const FOLD_BLOCK: (u32, u32) = (32, crate::params::BASTILE_FOLD_ROWS);
+
 pub fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
 }

@@ -134,7 +134,7 @@ impl Launch for QkNormRopeBackward {
         ];
         p.geo = geometry_of(s, d, inputs, &gradients);
         let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, d, cw, &p.geo), p.geo.block as u32)?;
-        let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], 256)?;
+        let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], geometry::FOLD_BLOCK.0 * geometry::FOLD_BLOCK.1)?;
         // One resident wave: each block folds all its rows of one weight into one partial (per group
         // in the scalar variant).
         let rows = tokens(s) * s.q_heads.max(s.k_heads);
@@ -143,7 +143,7 @@ impl Launch for QkNormRopeBackward {
         // The vec variant folds its groups' shares in shared memory: [groups][head_dim] f32.
         let shared = if p.geo.vec > 1 { p.geo.rows_per_block() * s.head_dim * 4 } else { 0 };
         let cfg = LaunchConfig { grid: (grid as u32, 1), block: (p.geo.block as u32, 1), shared: shared as u32 };
-        let reduce_cfg = LaunchConfig { grid: (geometry::ceil_div(s.head_dim, 32) as u32, 2), block: (32, 8), shared: 0 };
+        let reduce_cfg = LaunchConfig { grid: (geometry::ceil_div(s.head_dim, 32) as u32, 2), block: geometry::FOLD_BLOCK, shared: 0 };
         Ok(Plan::with_fold(2 * p.partials * s.head_dim * 4, p, |p| &mut p.partial, (kernel, cfg), (reduce, reduce_cfg)))
     }
 

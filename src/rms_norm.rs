@@ -137,14 +137,14 @@ impl Launch for RmsNormBackward {
         let mut p = *self;
         p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
         let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, after_weight, x, w, &p.geo), p.geo.block as u32)?;
-        let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], 256)?;
+        let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], geometry::FOLD_BLOCK.0 * geometry::FOLD_BLOCK.1)?;
         // One resident wave of at most BACKWARD_BLOCKS_PER_SM: each block folds all its rows into one partial.
         let wave = dev.sm_count() as i64 * kernel.blocks_per_sm.min(BACKWARD_BLOCKS_PER_SM) as i64;
         let grid = p.geo.blocks_for(p.rows).min(wave);
         p.partials = grid * partials_per_block(&p.geo);
         let shared = if p.geo.per_thread > 0 && p.geo.rows_per_block() > 1 { p.geo.rows_per_block() * p.cols * 4 } else { 0 };
         let cfg = LaunchConfig { grid: (grid as u32, 1), block: (p.geo.block as u32, 1), shared: shared as u32 };
-        let reduce_cfg = LaunchConfig { grid: (geometry::ceil_div(p.cols, 32) as u32, 1), block: (32, 8), shared: 0 };
+        let reduce_cfg = LaunchConfig { grid: (geometry::ceil_div(p.cols, 32) as u32, 1), block: geometry::FOLD_BLOCK, shared: 0 };
         Ok(Plan::with_fold(p.partials * p.cols * 4, p, |p| &mut p.partial, (kernel, cfg), (reduce, reduce_cfg)))
     }
 
