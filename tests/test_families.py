@@ -9,8 +9,10 @@ gives HF's tokens, and reset() restores HF's forwards. CUDA (bf16): losses withi
 Refusals: a model carrying what its family's traits do not declare is refused before anything is patched.
 """
 import copy
+import gc
 import inspect
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -211,6 +213,78 @@ def test_gpt_oss_gate_follows_its_module():
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def norm_recomputation(model, family, ids, labels, autocast=False):
+    """One training step of a patched model: whether each sublayer's input norm output outlived the forward
+    (something kept it), how often each norm ran in the backward, and the gradients; with an outer
+    saved-tensor hook (inside which Bastile keeps the outputs), the same step's gradients."""
+    res = TRAITS[family].residual
+    layers = model.get_decoder().layers
+    norms = [getattr(layer, name) for layer in layers for name in (res.attention_in, res.mlp_in) if name]
+    outputs, calls = [], {id(n): 0 for n in norms}
+
+    def seen(module, args, out):
+        outputs.append(weakref.ref(out))
+        calls[id(module)] += 1
+
+    def step():
+        torch.manual_seed(7)  # Phi-3's residual dropout: the same masks in both steps
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=labels).loss
+        return loss
+
+    handles = [n.register_forward_hook(seen) for n in norms]
+    try:
+        loss = step()
+        gc.collect()
+        kept = sum(r() is not None for r in outputs)
+        forward_calls = dict(calls)
+        loss.backward()
+        backward_calls = [calls[id(n)] - forward_calls[id(n)] for n in norms]
+    finally:
+        for h in handles:
+            h.remove()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        step().backward()
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return kept, backward_calls, grads, plain
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if TRAITS[f].residual.attention_in])
+def test_norm_outputs_are_recomputed_not_kept(family):
+    """The outputs of the norms before attention and MLP are not kept for the backward, which computes each
+    again once (q, k and v share it) and gets the same gradients, bit for bit, as the step that keeps them."""
+    model = mini(family, "cpu", torch.float32)
+    bastile.apply(model=model, log_probs=False)
+    (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
+    kept, backward_calls, grads, plain = norm_recomputation(model, family, ids, labels)
+    assert kept == 0
+    assert set(backward_calls) == {1}, backward_calls
+    assert grads.keys() == plain.keys()
+    for name, g in plain.items():
+        assert torch.equal(grads[name], g), name
+
+
+def test_norm_recomputation_under_autocast_and_checkpointing():
+    """A bf16 model under autocast (the projections keep the norm's output itself): the norm is computed
+    again as autocast ran it. A checkpointed layer recomputes it in its own recomputation: once per sublayer
+    again, nothing of it kept."""
+    model = mini("qwen3", "cpu", torch.bfloat16)
+    bastile.apply(model=model, log_probs=False)
+    (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
+    kept, calls, grads, plain = norm_recomputation(model, "qwen3", ids, labels, autocast=True)
+    assert kept == 0 and set(calls) == {1}
+    for name, g in plain.items():
+        assert torch.equal(grads[name], g), name
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kept, calls, grads, _ = norm_recomputation(model, "qwen3", ids, labels, autocast=True)
+    assert kept == 0 and set(calls) == {1}
+    for name, g in plain.items():  # the checkpointed MLP keeps its activation: bf16 roundings apart
+        torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-3 * float(g.abs().max()), msg=name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

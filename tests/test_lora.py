@@ -18,7 +18,7 @@ import bastile
 from bastile import lora
 from conftest import needs_cuda
 from bastile.families import FAMILIES as TRAITS
-from test_families import NEW, mini
+from test_families import NEW, mini, norm_recomputation
 from test_qwen3_training import assert_params_close, batches, train
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -99,6 +99,20 @@ def test_training_matches_peft_cpu_fp32(family, dropout):
                           target_modules=targets(family))
         again.load_state_dict(fresh.state_dict())
         assert train_seeded(again, data) == losses
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_norm_outputs_are_recomputed_under_lora(family):
+    """With adapters on every projection (the fused nodes save x for A's gradient), the norm outputs are not
+    kept either, and the step's gradients are those of the step that keeps them."""
+    model = with_lora(mini(family, "cpu", torch.float32), target_modules=targets(family))
+    bastile.apply(model=model)
+    (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
+    kept, calls, grads, plain = norm_recomputation(model, family, ids, labels)
+    assert kept == 0 and set(calls) == {1}, calls
+    assert grads.keys() == plain.keys() and any("lora_A" in n for n in grads)
+    for name, g in plain.items():
+        assert torch.equal(grads[name], g), name
 
 
 def test_gemma4_per_layer_input_projections_fuse():

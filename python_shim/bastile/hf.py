@@ -5,10 +5,12 @@ Each keeps its HF signature and falls back to HF's own math where a Bastile op d
 activation, a wrapped LM head, a custom loss), so a patched model always computes what HF would. Which other
 roles of the family run Bastile's forwards is asked of `runs(role)`, which patch.py passes in.
 """
+import contextlib
 import dataclasses
 import functools
 import sys
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -296,16 +298,80 @@ def checkpointed(forward):
     return type("Checkpointed", (GradientCheckpointingLayer,), {"forward": forward}).forward
 
 
+class _Recompute:
+    """What autograd keeps of a view of a recomputed tensor: its geometry (see _recomputing)."""
+
+    def __init__(self, t):
+        self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+
+
+@contextlib.contextmanager
+def _recomputing(n, compute: Callable):
+    """Inside, autograd saves for n and its views not n but how to compute it again: `compute()`, under the
+    forward's autocast, at the first unpack; the last drops it. A norm's output, which every projection after
+    it would keep (hidden-sized, twice a layer), costs a norm forward per sublayer in the backward instead.
+    Off where n's memory is not the layer's to save: without autograd, in a checkpointed layer (the
+    checkpoint recomputes it anyway), under torch.compile, or inside other saved-tensor hooks (activation
+    offloading: these would take its tensors from them), or where such hooks are disabled."""
+    hooks = torch._C._autograd
+    if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or not n.is_contiguous()
+            or hooks._top_saved_tensors_default_hooks(False) is not None
+            or hooks._saved_tensors_hooks_get_disabled_error_message() is not None):
+        yield
+        return
+    device = n.device.type
+    amp = dict(device_type=device, enabled=torch.is_autocast_enabled(device), dtype=torch.get_autocast_dtype(device),
+               cache_enabled=torch.is_autocast_cache_enabled())
+    meta = (n.shape, n.dtype)
+    ref = weakref.ref(n)  # a strong one would keep n for as long as the hooks, the graph's lifetime
+    state = {"packed": 0, "unpacked": 0, "value": None}
+
+    def pack(t):
+        base = ref()
+        if base is None or (t is not base and t._base is not base):
+            return t
+        state["packed"] += 1
+        return _Recompute(t)
+
+    def unpack(saved):
+        if not isinstance(saved, _Recompute):
+            return saved
+        value = state["value"]
+        if value is None:
+            with torch.autocast(**amp):
+                value = compute()
+            if (value.shape, value.dtype) != meta or not value.is_contiguous():
+                raise RuntimeError(f"bastile: a norm computed again for the backward gave {value.dtype} "
+                                   f"{tuple(value.shape)}, its forward {meta[1]} {tuple(meta[0])}")
+        state["unpacked"] += 1
+        state["value"] = value if state["unpacked"] < state["packed"] else None
+        return value.as_strided(saved.size, saved.stride, saved.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
 def layer_forward(family: Family, runs: Runs):
     """The decoder layer: each sublayer between the family's norms, added to the residual stream through the
-    family's dropout and multiplier. A gradient-checkpointed layer's dense MLP (Bastile's) keeps its
-    activation: the recomputation stops once the last tensor the backward needs is saved, the down
+    family's dropout and multiplier. The output of Bastile's norm before each sublayer is computed again in
+    the backward rather than kept (_recomputing). A gradient-checkpointed layer's dense MLP (Bastile's) keeps
+    its activation: the recomputation stops once the last tensor the backward needs is saved, the down
     projection's input for a plain down projection, which then never runs again; the fused node would run it
     (and the activation once more in its backward), and its memory saving lasts one layer's backward only."""
     res, router_scores, dense, beside = family.residual, family.mlp.router_scores, family.mlp.dense, family.mlp.beside
 
     def norm(self, name, x):
         return x if name is None else getattr(self, name)(x)
+
+    @contextlib.contextmanager
+    def normed(self, name, x):
+        """norm(self, name, x), recomputed in the backward where that saves memory (_recomputing)."""
+        n = norm(self, name, x)
+        if name is None or not runs("norm") or (self.gradient_checkpointing and self.training):
+            yield n
+            return
+        with _recomputing(n, lambda: norm(self, name, x)):
+            yield n
 
     def add(self, residual, out, branch):
         if res.dropout is not None:
@@ -316,15 +382,16 @@ def layer_forward(family: Family, runs: Runs):
 
     def layer(self, hidden_states, per_layer_input, kwargs):
         residual = hidden_states
-        out, _ = self.self_attn(hidden_states=norm(self, res.attention_in, hidden_states), **kwargs)
+        with normed(self, res.attention_in, hidden_states) as x:
+            out, _ = self.self_attn(hidden_states=x, **kwargs)
         hidden_states = add(self, residual, norm(self, res.attention_out, out), 0)
         residual = hidden_states
-        x = norm(self, res.mlp_in, hidden_states)
-        if (dense and self.gradient_checkpointing and self.training and runs("mlp")
-                and type(self.mlp) is hf_attr(family, family.name("MLP")) and "forward" not in vars(self.mlp)):
-            out = self.mlp(x, keep_activation=True)  # Bastile's forward (mlp_forward)
-        else:
-            out = self.mlp(x)
+        with normed(self, res.mlp_in, hidden_states) as x:
+            if (dense and self.gradient_checkpointing and self.training and runs("mlp")
+                    and type(self.mlp) is hf_attr(family, family.name("MLP")) and "forward" not in vars(self.mlp)):
+                out = self.mlp(x, keep_activation=True)  # Bastile's forward (mlp_forward)
+            else:
+                out = self.mlp(x)
         if router_scores:
             out, _ = out
         if beside and self.enable_moe_block:
