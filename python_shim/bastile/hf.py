@@ -364,10 +364,10 @@ def layer_forward(family: Family, runs: Runs):
         return x if name is None else getattr(self, name)(x)
 
     @contextlib.contextmanager
-    def normed(self, name, x):
+    def normed(self, name, x, checkpointed):
         """norm(self, name, x), recomputed in the backward where that saves memory (_recomputing)."""
         n = norm(self, name, x)
-        if name is None or not runs("norm") or (self.gradient_checkpointing and self.training):
+        if name is None or not runs("norm") or checkpointed:
             yield n
             return
         with _recomputing(n, lambda: norm(self, name, x)):
@@ -381,13 +381,14 @@ def layer_forward(family: Family, runs: Runs):
         return residual + out
 
     def layer(self, hidden_states, per_layer_input, kwargs):
+        checkpointed = self.gradient_checkpointing and self.training
         residual = hidden_states
-        with normed(self, res.attention_in, hidden_states) as x:
+        with normed(self, res.attention_in, hidden_states, checkpointed) as x:
             out, _ = self.self_attn(hidden_states=x, **kwargs)
         hidden_states = add(self, residual, norm(self, res.attention_out, out), 0)
         residual = hidden_states
-        with normed(self, res.mlp_in, hidden_states) as x:
-            if (dense and self.gradient_checkpointing and self.training and runs("mlp")
+        with normed(self, res.mlp_in, hidden_states, checkpointed) as x:
+            if (dense and checkpointed and runs("mlp")
                     and type(self.mlp) is hf_attr(family, family.name("MLP")) and "forward" not in vars(self.mlp)):
                 out = self.mlp(x, keep_activation=True)  # Bastile's forward (mlp_forward)
             else:
