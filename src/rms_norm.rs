@@ -480,7 +480,7 @@ mod tests {
     /// The kernel each direction takes for a few shapes: short rows two at a time in the forward only.
     #[test]
     fn kernels_follow_the_geometry() {
-        let g = geometry::rows(4096, 2, true);
+        let g = geometry::rows_warp_first(4096, 2, true);
         assert_eq!(kernel_name(Tag::Fwd, false, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_vec_cached4");
         assert_eq!(kernel_name(Tag::Fwd, true, BASTILE_BF16, BASTILE_F32, &g), "rms_norm_fwd_bf16_f32_vec_cached4_cast_after_weight");
         let g = geometry::rows(1001, 2, true);
