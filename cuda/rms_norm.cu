@@ -11,33 +11,12 @@
 // where it is used. The forward's grid gives every row group a block; the backward's is one wave:
 // it keeps its share of the weight gradient in registers across all rows the block visits and
 // writes one f32 partial per block, which a second tiny kernel folds.
-#include "common.cuh"
 #include "rms_norm.h"
+#include "rows.cuh"
 
 using namespace bastile;
 
 namespace {
-
-// Rows the block's groups take in turn (grid-stride); the bound is uniform across the block, so every
-// thread reaches each group_sum.
-#define FOR_EACH_ROW_GROUP(base, rows_per_block)                                      \
-  for (int64_t base = (int64_t)blockIdx.x * (rows_per_block); base < p.rows;          \
-       base += (int64_t)gridDim.x * (rows_per_block))
-
-// The K vectors of row `row` that this lane holds (lane, lane + G, ...); nothing past the row's end.
-// ONCE: through load_once (16-byte packs only).
-template <int V, int K, bool ONCE = false, class T>
-__device__ __forceinline__ void load_share(Pack<T, V> (&dst)[K], const T *base, int64_t row, int64_t rows,
-                                           int64_t cols, int lane, int G) {
-  if (row >= rows) return;
-  const T *r = base + row * cols + (int64_t)lane * V;
-#pragma unroll
-  for (int k = 0; k < K; ++k)
-    if (lane + k * G < cols / V) {
-      if constexpr (ONCE) dst[k] = load_once<V>(r + (int64_t)k * G * V);
-      else dst[k] = load<V>(r + (int64_t)k * G * V);
-    }
-}
 
 // Dtype of y (and grad_y): promote(x, w), or x's when the cast comes after the weight.
 template <class X, class W, bool CW> struct Out { using type = typename Promote<X, W>::type; };
@@ -99,7 +78,7 @@ __device__ __forceinline__ void forward_cached(const RmsNormForward &p) {
     Pack<X, V> xv[R][K];
 #pragma unroll
     for (int q = 0; q < R; ++q)
-      load_share<V, K, (R > 1)>(xv[q], x, base + q * rows_per_block + grp, p.rows, cols, lane, G);
+      load_share<V, K, (R > 1)>(xv[q], x, base + q * rows_per_block + grp, p.rows, cols, cols, lane, G);
 #pragma unroll
     for (int q = 0; q < R; ++q) {
       const int64_t row = base + q * rows_per_block + grp;
@@ -189,8 +168,8 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
   float r_cur = 0.f, r_next = 0.f;
   if constexpr (kLookahead<K>) {
     const int64_t first = (int64_t)blockIdx.x * rows_per_block + grp;
-    load_share<V>(xv, x, first, p.rows, cols, lane, G);
-    load_share<V>(gv, gy, first, p.rows, cols, lane, G);
+    load_share<V>(xv, x, first, p.rows, cols, cols, lane, G);
+    load_share<V>(gv, gy, first, p.rows, cols, cols, lane, G);
     if (first < p.rows) r_cur = rstd[first];
   }
 
@@ -198,12 +177,12 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
     const int64_t row = base + grp;
     const bool live = row < p.rows;
     if constexpr (kLookahead<K>) {
-      load_share<V>(x_next, x, row + stride, p.rows, cols, lane, G);
-      load_share<V>(g_next, gy, row + stride, p.rows, cols, lane, G);
+      load_share<V>(x_next, x, row + stride, p.rows, cols, cols, lane, G);
+      load_share<V>(g_next, gy, row + stride, p.rows, cols, cols, lane, G);
       r_next = row + stride < p.rows ? rstd[row + stride] : 0.f;
     } else {
-      load_share<V>(xv, x, row, p.rows, cols, lane, G);
-      load_share<V>(gv, gy, row, p.rows, cols, lane, G);
+      load_share<V>(xv, x, row, p.rows, cols, cols, lane, G);
+      load_share<V>(gv, gy, row, p.rows, cols, cols, lane, G);
     }
     const float r = kLookahead<K> ? r_cur : (live ? rstd[row] : 0.f);
     float dot = 0.f;
@@ -247,26 +226,7 @@ __device__ __forceinline__ void backward_cached(const RmsNormBackward &p) {
     }
   }
 
-  float *out = p.partial + (int64_t)blockIdx.x * cols;
-  if (rows_per_block == 1) {
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (lane + k * G < nvec) store<V>(out + (lane + k * G) * V, acc[k]);
-    return;
-  }
-  // Several rows per block: fold the groups' shares in shared memory first.
-  extern __shared__ float fold[];
-#pragma unroll
-  for (int k = 0; k < K; ++k)
-    if (lane + k * G < nvec)
-#pragma unroll
-      for (int i = 0; i < V; ++i) fold[grp * cols + (lane + k * G) * V + i] = acc[k][i];
-  __syncthreads();
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    float s = 0.f;
-    for (int g = 0; g < rows_per_block; ++g) s += fold[g * cols + c];
-    out[c] = s;
-  }
+  store_partial(acc, p.partial + (int64_t)blockIdx.x * cols, cols, lane, G);
 }
 
 // Streaming backward: each group owns a partial row of the weight gradient in global memory.
@@ -332,15 +292,10 @@ __device__ __forceinline__ void backward(const RmsNormBackward &p) {
 
 }  // namespace
 
-// Template arguments of the list's tags (src/geometry.rs): elements per access, vectors a thread keeps in
-// registers (0: the row is streamed twice), rows a step, the rounding mode.
+// Template arguments of the list's tags (src/geometry.rs; the residency's are in rows.cuh): elements per
+// access, rows a step, the rounding mode.
 #define ACCESS_vec(X) 16 / sizeof(X)
 #define ACCESS_scalar(X) 1
-#define CACHED_cached1 1
-#define CACHED_cached2 2
-#define CACHED_cached4 4
-#define CACHED_cached8 8
-#define CACHED_streamed 0
 #define ROWS_ 1
 #define ROWS_two_rows 2
 #define CAST_AFTER_WEIGHT_ false
@@ -355,12 +310,12 @@ __device__ __forceinline__ void backward(const RmsNormBackward &p) {
 
 // Register-cached kernels run at most 256 threads a block (src/geometry.rs), which leaves the compiler room
 // to keep a whole row share in registers; streaming ones take up to 1024.
-#define KERNEL(dir, x, w, access, residency, rows, mode)                                                    \
-  extern "C" __global__ void __launch_bounds__(CACHED_##residency > 0 ? 256 : 1024) BASTILE_CAT(            \
-      BASTILE_CAT(rms_norm_##dir##_##x##_##w##_##access##_##residency, SUFFIX_##rows), SUFFIX_##mode)(      \
-      const PARAMS_##dir p) {                                                                               \
-    RUN_##dir<BASTILE_TYPE_##x, BASTILE_TYPE_##w, ACCESS_##access(BASTILE_TYPE_##x), CACHED_##residency,    \
-              ROWS_##rows, CAST_AFTER_WEIGHT_##mode>(p);                                                    \
+#define KERNEL(dir, x, w, access, residency, rows, mode)                                                         \
+  extern "C" __global__ void __launch_bounds__(BASTILE_CACHED_##residency > 0 ? 256 : 1024) BASTILE_CAT(         \
+      BASTILE_CAT(rms_norm_##dir##_##x##_##w##_##access##_##residency, SUFFIX_##rows), SUFFIX_##mode)(           \
+      const PARAMS_##dir p) {                                                                                    \
+    RUN_##dir<BASTILE_TYPE_##x, BASTILE_TYPE_##w, ACCESS_##access(BASTILE_TYPE_##x), BASTILE_CACHED_##residency, \
+              ROWS_##rows, CAST_AFTER_WEIGHT_##mode>(p);                                                         \
   }
 #define REDUCE(dir, reduce, w)                                                                   \
   extern "C" __global__ void rms_norm_##dir##_##reduce##_##w(const RmsNormBackward p) {         \

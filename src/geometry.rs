@@ -1,5 +1,7 @@
 //! Launch geometry of row-wise kernels (one normalisation / activation per row of a 2-D view).
-use crate::params::RowGeometry;
+use crate::kernels::Tag;
+use crate::params::{BastileDType, RowGeometry};
+use std::ffi::c_void;
 
 /// Threads a register-cached forward row prefers: fewer threads holding more vectors each keep more
 /// bytes in flight per SM, which is what a memory-bound row kernel needs. The backward, which holds two
@@ -39,6 +41,20 @@ pub fn rows_warp_first(cols: i64, elem_bytes: usize, vectorizable: bool) -> RowG
     rows_with(cols, elem_bytes, vectorizable, preferred)
 }
 
+/// `policy`'s geometry for rows of `x`'s dtype; vector access only if every tensor (pointer, dtype) and
+/// row stride (in elements) allows the same number of elements per access.
+pub fn for_tensors(
+    policy: fn(i64, usize, bool) -> RowGeometry,
+    cols: i64,
+    x: BastileDType,
+    tensors: &[(*const c_void, BastileDType)],
+    strides: &[i64],
+) -> RowGeometry {
+    let vec = 16 / x.size();
+    let ok = tensors.iter().all(|&(ptr, dt)| aligned(ptr, vec * dt.size())) && strides.iter().all(|s| s % vec as i64 == 0);
+    policy(cols, x.size(), ok)
+}
+
 fn rows_with(cols: i64, elem_bytes: usize, vectorizable: bool, preferred: i64) -> RowGeometry {
     assert!(cols > 0, "a row must have at least one element");
     let vec = if vectorizable && cols % (16 / elem_bytes as i64) == 0 { 16 / elem_bytes as i64 } else { 1 };
@@ -67,11 +83,52 @@ impl RowGeometry {
         (self.block / self.group) as i64
     }
 
+    /// The tags of a row kernel's layout: 16-byte vectors or single elements; the vectors a thread keeps
+    /// in registers, or the row streamed twice.
+    pub fn layout_tags(&self) -> [Tag; 2] {
+        let access = if self.vec > 1 { Tag::Vec } else { Tag::Scalar };
+        let residency = match self.per_thread {
+            0 => Tag::Streamed,
+            1 => Tag::Cached1,
+            2 => Tag::Cached2,
+            4 => Tag::Cached4,
+            8 => Tag::Cached8,
+            _ => unreachable!("no kernel for {self:?}"),
+        };
+        [access, residency]
+    }
+
+    /// The f32 partial rows of a column sum (a weight gradient) a backward block writes: register-cached
+    /// blocks fold their rows' shares in shared memory (cuda/rows.cuh `store_partial`), streaming groups
+    /// own a row each.
+    pub fn partials_per_block(&self) -> i64 {
+        if self.per_thread > 0 {
+            1
+        } else {
+            self.rows_per_block()
+        }
+    }
+
+    /// Dynamic shared memory a backward block of `cols`-wide rows folds its partials in.
+    pub fn fold_bytes(&self, cols: i64) -> i64 {
+        if self.per_thread > 0 && self.rows_per_block() > 1 {
+            self.rows_per_block() * cols * 4
+        } else {
+            0
+        }
+    }
+
     /// Blocks needed to give every row a group once.
     pub fn blocks_for(&self, rows: i64) -> i64 {
         ceil_div(rows, self.rows_per_block()).max(1)
     }
 }
+
+/// Row backward blocks resident per SM at most, in their one wave: fewer partials to write and fold where
+/// small blocks would fit 21 an SM (rms_norm, H100, bf16, fwd+bwd of 8192x1152 / 4096x2560 / 16384x1152 /
+/// 8192x1024 in one call: 0.0546 / 0.0579 / 0.0879 / 0.0451 ms against 0.0549 / 0.0595 / 0.0895 / 0.0457
+/// uncapped; a cap of 4 was slower, 0.0663 / 0.0617 / 0.1016 / 0.0626).
+pub const BACKWARD_BLOCKS_PER_SM: u32 = 8;
 
 /// Threads of a column fold's block (cuda/common.cuh `column_sum`): 32 columns by BASTILE_FOLD_ROWS rows.
 pub const FOLD_BLOCK: (u32, u32) = (32, crate::params::BASTILE_FOLD_ROWS);

@@ -10,7 +10,6 @@ use crate::kernels::{self, Launch, Plan, Tag};
 #[cfg(test)]
 use crate::kernels::Kernels;
 use crate::params::{BastileDType, RmsNormBackward, RmsNormForward, RowGeometry};
-use std::ffi::c_void;
 
 fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
     Ok((BastileDType::from_raw(x)?, BastileDType::from_raw(w)?))
@@ -53,19 +52,6 @@ pub(crate) fn weight_value(w: f64, offset: f32, f64_stats: bool) -> f64 {
     }
 }
 
-/// Geometry for rows of `x`'s dtype; vector access only if every tensor (pointer, dtype) allows
-/// the same number of elements per access.
-fn cuda_geometry(
-    policy: fn(i64, usize, bool) -> RowGeometry,
-    cols: i64,
-    x: BastileDType,
-    tensors: &[(*const c_void, BastileDType)],
-) -> RowGeometry {
-    let vec = 16 / x.size();
-    let ok = tensors.iter().all(|&(ptr, dt)| geometry::aligned(ptr, vec * dt.size()));
-    policy(cols, x.size(), ok)
-}
-
 /// Rows each forward group takes at a time: two for rows of a warp or less, so that both rows' loads
 /// are in flight together (the `r2` variants; the backward takes one).
 fn rows_at_once(dir: Tag, geo: &RowGeometry) -> i64 {
@@ -78,16 +64,8 @@ fn rows_at_once(dir: Tag, geo: &RowGeometry) -> i64 {
 
 /// The tags of the kernel of a direction, rounding mode and dtypes for rows laid out as `geo`.
 fn tags(dir: Tag, after_weight: bool, x: BastileDType, w: BastileDType, geo: &RowGeometry) -> Vec<Tag> {
-    let access = if geo.vec > 1 { Tag::Vec } else { Tag::Scalar };
-    let residency = match geo.per_thread {
-        0 => Tag::Streamed,
-        1 => Tag::Cached1,
-        2 => Tag::Cached2,
-        4 => Tag::Cached4,
-        8 => Tag::Cached8,
-        _ => unreachable!("no kernel for {geo:?}"),
-    };
-    let mut tags = vec![dir, x.tag(), w.tag(), access, residency];
+    let mut tags = vec![dir, x.tag(), w.tag()];
+    tags.extend(geo.layout_tags());
     tags.extend((rows_at_once(dir, geo) == 2).then_some(Tag::TwoRows));
     tags.extend(after_weight.then_some(Tag::CastAfterWeight));
     tags
@@ -99,7 +77,7 @@ impl Launch for RmsNormForward {
         let after_weight = casts_after_weight("rms_norm", self.cast_after_weight, self.weight_offset)?;
         let y = BastileDType::from_raw(self.y_dtype)?;
         let mut p = *self;
-        p.geo = cuda_geometry(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)]);
+        p.geo = geometry::for_tensors(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)], &[]);
         let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Fwd, after_weight, x, w, &p.geo), p.geo.block as u32)?;
         // Every row group its block (an experimental kernel of this layout, H100, bf16, 8192x2048: 24.9 us
         // against 25.7 us as one resident wave); the kernel loops past 2^31 - 1 blocks.
@@ -112,21 +90,6 @@ impl Launch for RmsNormForward {
     }
 }
 
-/// Backward blocks resident per SM at most: fewer partials to write and fold where small blocks would fit
-/// 21 an SM (H100, bf16, fwd+bwd of 8192x1152 / 4096x2560 / 16384x1152 / 8192x1024 in one call: 0.0546 /
-/// 0.0579 / 0.0879 / 0.0451 ms against 0.0549 / 0.0595 / 0.0895 / 0.0457 uncapped; a cap of 4 was slower,
-/// 0.0663 / 0.0617 / 0.1016 / 0.0626).
-const BACKWARD_BLOCKS_PER_SM: u32 = 8;
-
-/// Register-cached blocks fold their rows' shares in shared memory; streaming groups own a row each.
-fn partials_per_block(geo: &RowGeometry) -> i64 {
-    if geo.per_thread > 0 {
-        1
-    } else {
-        geo.rows_per_block()
-    }
-}
-
 impl Launch for RmsNormBackward {
     /// The rows kernel writes f32 partial sums of the weight gradient into the scratch ([partials, cols]),
     /// which the reduce kernel folds.
@@ -135,14 +98,14 @@ impl Launch for RmsNormBackward {
         let after_weight = casts_after_weight("rms_norm", self.cast_after_weight, self.weight_offset)?;
         let y = BastileDType::from_raw(self.y_dtype)?;
         let mut p = *self;
-        p.geo = cuda_geometry(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)]);
+        p.geo = geometry::for_tensors(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)], &[]);
         let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, after_weight, x, w, &p.geo), p.geo.block as u32)?;
         let reduce = kernels::kernel::<Self>(dev, &[Tag::Bwd, Tag::Reduce, w.tag()], geometry::FOLD_BLOCK.0 * geometry::FOLD_BLOCK.1)?;
         // One resident wave of at most BACKWARD_BLOCKS_PER_SM: each block folds all its rows into one partial.
-        let wave = dev.sm_count() as i64 * kernel.blocks_per_sm.min(BACKWARD_BLOCKS_PER_SM) as i64;
+        let wave = dev.sm_count() as i64 * kernel.blocks_per_sm.min(geometry::BACKWARD_BLOCKS_PER_SM) as i64;
         let grid = p.geo.blocks_for(p.rows).min(wave);
-        p.partials = grid * partials_per_block(&p.geo);
-        let shared = if p.geo.per_thread > 0 && p.geo.rows_per_block() > 1 { p.geo.rows_per_block() * p.cols * 4 } else { 0 };
+        p.partials = grid * p.geo.partials_per_block();
+        let shared = p.geo.fold_bytes(p.cols);
         let cfg = LaunchConfig { grid: (grid as u32, 1), block: (p.geo.block as u32, 1), shared: shared as u32 };
         let reduce_cfg = LaunchConfig { grid: (geometry::ceil_div(p.cols, 32) as u32, 1), block: geometry::FOLD_BLOCK, shared: 0 };
         Ok(Plan::with_fold(p.partials * p.cols * 4, p, |p| &mut p.partial, (kernel, cfg), (reduce, reduce_cfg)))
