@@ -13,11 +13,12 @@ from .ops.fused_linear_log_probs import fused_linear_log_probs
 from .ops.geglu import geglu
 from .ops.qk_norm_rope import qk_norm_rope
 from .ops.rms_norm import rms_norm
+from .ops.rms_norm_gated import rms_norm_gated
 from .ops.rope import rope
 from .ops.swiglu import swiglu
 from .patch import apply, get_patched_ops, lora_modules, reset, supported_families
 from .runtime import clear_autotune_cache, warmup_all_kernels
 
 __all__ = ["apply", "reset", "get_patched_ops", "lora_modules", "supported_families", "warmup_all_kernels",
-           "clear_autotune_cache", "data", "ops", "rms_norm", "swiglu", "rope", "qk_norm_rope",
+           "clear_autotune_cache", "data", "ops", "rms_norm", "rms_norm_gated", "swiglu", "rope", "qk_norm_rope",
            "fused_linear_cross_entropy", "fused_linear_log_probs", "geglu", "dequantize_4bit", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
