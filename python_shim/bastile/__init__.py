@@ -10,6 +10,7 @@ from .modules import BastileRMSNorm, BastileSwiGLUMLP
 from .ops.dequantize_4bit import dequantize_4bit
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.fused_linear_log_probs import fused_linear_log_probs
+from .ops.gated_delta_rule import gated_delta_rule
 from .ops.geglu import geglu
 from .ops.qk_norm_rope import qk_norm_rope
 from .ops.rms_norm import rms_norm
@@ -21,4 +22,4 @@ from .runtime import clear_autotune_cache, warmup_all_kernels
 
 __all__ = ["apply", "reset", "get_patched_ops", "lora_modules", "supported_families", "warmup_all_kernels",
            "clear_autotune_cache", "data", "ops", "rms_norm", "rms_norm_gated", "swiglu", "rope", "qk_norm_rope",
-           "fused_linear_cross_entropy", "fused_linear_log_probs", "geglu", "dequantize_4bit", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
+           "fused_linear_cross_entropy", "fused_linear_log_probs", "gated_delta_rule", "geglu", "dequantize_4bit", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]

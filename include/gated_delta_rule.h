@@ -1,0 +1,96 @@
+/* Parameter blocks of cuda/gated_delta_rule.cu: the gated delta rule of Qwen3.5's Gated DeltaNet layers
+ * (HF `torch_chunk_gated_delta_rule`, fla's `chunk_gated_delta_rule`). For each sequence and value head, a
+ * state S [K, V] starts from the initial state (or zeros) and each token updates it and reads it:
+ *   S_t = a_t S_{t-1} + b_t k_t (v_t - a_t S_{t-1}^T k_t)^T,   o_t = S_t^T (scale q_t),   a_t = exp(g_t)
+ * with q_t and k_t first normalized to x * rsqrt(sum(x^2) + 1e-6) where l2norm_qk is set (HF's and fla's
+ * `use_qk_l2norm_in_kernel`). Value head h reads query/key head h / (v_heads / k_heads), as HF's
+ * repeat_interleave of q and k gives it. A sequence is a batch row or, with cu_seqlens (batch 1), the tokens
+ * [cu[n], cu[n + 1]) of the one row: each starts from its own initial state. The state, g, beta and their
+ * gradients are f32 (f64 for f64 input, CPU only); q, k, v, o and their gradients share one dtype. */
+#pragma once
+#include "bastile.h"
+
+/* Element strides of a [batch, tokens, heads, dim] tensor whose last dim has unit stride. */
+typedef struct TokenStrides {
+  int64_t batch;
+  int64_t token;
+  int64_t head;
+} TokenStrides;
+
+/* The shapes every block of the op shares. */
+typedef struct DeltaShape {
+  int64_t batch;
+  int64_t tokens;    /* per batch row */
+  int64_t sequences; /* N: batch, or cu_seqlens' length - 1 */
+  int64_t k_heads;
+  int64_t v_heads;   /* a multiple of k_heads */
+  int64_t k_dim;
+  int64_t v_dim;
+  double scale;      /* of q, after its normalization */
+  int32_t l2norm_qk;
+  int32_t dtype;       /* q, k, v, o */
+  int32_t state_dtype; /* S, g, beta: f32, or f64 for f64 input */
+} DeltaShape;
+
+typedef struct GatedDeltaRuleForward {
+  const void *q;             /* [B, T, Hk, K], strides q_st */
+  const void *k;             /* [B, T, Hk, K], strides k_st */
+  const void *v;             /* [B, T, Hv, V], strides v_st */
+  const void *g;             /* [B, T, Hv] contiguous: the log of the decay a_t, <= 0 */
+  const void *beta;          /* [B, T, Hv] contiguous */
+  const void *initial_state; /* [N, Hv, K, V] contiguous, or null for zeros */
+  const int64_t *cu_seqlens; /* [N + 1], or null: sequence n is batch row n. The CPU kernel checks
+                                0 = cu[0] <= ... <= cu[N] = T; CUDA kernels clamp to the row. */
+  void *o;                   /* [B, T, Hv, V] contiguous, or null (the backward's replay) */
+  void *final_state;         /* [N, Hv, K, V] contiguous, or null (the backward's replay) */
+  float *states;             /* CUDA: [slots, Hv, K, V] f32, the state at the start of every chunk (slot
+                                gdr_slot), for the backward; or null */
+  TokenStrides q_st;
+  TokenStrides k_st;
+  TokenStrides v_st;
+  DeltaShape shape;
+} GatedDeltaRuleForward;
+
+/* The gradients of the forward's inputs from those of o and of the final state. */
+typedef struct GatedDeltaRuleBackward {
+  const void *grad_o;           /* [B, T, Hv, V] contiguous */
+  const void *grad_final_state; /* [N, Hv, K, V] contiguous, or null for zeros */
+  const void *q;
+  const void *k;
+  const void *v;
+  const void *g;
+  const void *beta;
+  const void *initial_state;
+  const int64_t *cu_seqlens;
+  void *grad_q;             /* [B, T, Hk, K] contiguous: summed over the value heads that read a key head */
+  void *grad_k;             /* [B, T, Hk, K] contiguous */
+  void *grad_v;             /* [B, T, Hv, V] contiguous */
+  void *grad_g;             /* [B, T, Hv] */
+  void *grad_beta;          /* [B, T, Hv] */
+  void *grad_initial_state; /* [N, Hv, K, V] */
+  float *states;            /* CUDA: the forward's `states`, written by its replay */
+  float *partial;           /* CUDA: [4][slices][B * T * Hv][...] f32: each block's share of the gradients of q
+                               and k ([K] a token and value head) and of g and beta ([1]), which reduce sums */
+  TokenStrides q_st;
+  TokenStrides k_st;
+  TokenStrides v_st;
+  DeltaShape shape;
+} GatedDeltaRuleBackward;
+
+/* CUDA: tokens per chunk, the widest head a kernel takes, and the value columns of the state a block owns. */
+#define GDR_CHUNK 32
+#define GDR_MAX_DIM 128
+#define GDR_V_SLICE 32
+/* Bytes of the forward's and the backward's tiles (their dynamic shared memory; the kernels assert them). */
+#define GDR_FORWARD_SHARED                                                                                  \
+  (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
+        GDR_MAX_DIM * (GDR_V_SLICE + 1) + 4 * GDR_CHUNK))
+#define GDR_BACKWARD_SHARED                                                                                     \
+  (GDR_FORWARD_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_MAX_DIM * (GDR_V_SLICE + 1) +          \
+                             4 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * 8 * GDR_CHUNK + 2 * GDR_CHUNK + 256))
+
+#define GATED_DELTA_RULE_FORWARD_KERNELS(K) K(fwd, f32) K(fwd, f16) K(fwd, bf16)
+/* gated_delta_rule_fwd_<dtype>; gated_delta_rule_bwd_<dtype> (the chunks in reverse) and
+ * gated_delta_rule_bwd_reduce_<dtype> (the sums over blocks). */
+#define GATED_DELTA_RULE_BACKWARD_KERNELS(K, REDUCE) \
+  K(bwd, f32) K(bwd, f16) K(bwd, bf16) REDUCE(bwd, reduce, f32) REDUCE(bwd, reduce, f16) REDUCE(bwd, reduce, bf16)

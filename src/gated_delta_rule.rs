@@ -1,0 +1,473 @@
+//! The gated delta rule (include/gated_delta_rule.h): CUDA launchers for `cuda/gated_delta_rule.cu` and the
+//! CPU kernels, the reference the GPU is tested against. The CPU runs the recurrence token by token, one
+//! sequence and value head at a time, in f64, and rounds each result once. Its backward walks the tokens in
+//! reverse with the adjoint of the state, replaying each stretch of REPLAY tokens from the state the forward
+//! replay kept at its start.
+use crate::cpu::{self, Element};
+use crate::driver::{self, Device, LaunchConfig};
+use crate::geometry::ceil_div;
+use crate::kernels::{self, Launch, Plan, Tag};
+use crate::params::{
+    BastileDType, DeltaShape, GatedDeltaRuleBackward, GatedDeltaRuleForward, TokenStrides, GDR_BACKWARD_SHARED,
+    GDR_CHUNK, GDR_FORWARD_SHARED, GDR_MAX_DIM, GDR_V_SLICE,
+};
+use std::ops::Range;
+
+type Result<T> = std::result::Result<T, String>;
+
+/// l2norm_qk's epsilon: HF's `l2norm`, fla's.
+const L2_EPS: f64 = 1e-6;
+/// Tokens between the states the CPU backward keeps.
+const REPLAY: usize = 64;
+
+/// The tokens of sequence n: its batch row and their range in it.
+#[derive(Clone)]
+struct Span {
+    row: usize,
+    tokens: Range<usize>,
+}
+
+/// Every sequence's span; cu_seqlens is checked here, on the CPU (a CUDA kernel cannot stop the call).
+unsafe fn spans(s: &DeltaShape, cu: *const i64) -> Result<Vec<Span>> {
+    let (n, t) = (s.sequences as usize, s.tokens as usize);
+    if cu.is_null() {
+        return Ok((0..n).map(|row| Span { row, tokens: 0..t }).collect());
+    }
+    let cu = std::slice::from_raw_parts(cu, n + 1);
+    let ok = cu[0] == 0 && cu[n] == t as i64 && cu.windows(2).all(|w| w[0] <= w[1]);
+    if !ok {
+        return Err(format!(
+            "bastile.gated_delta_rule: cu_seqlens must rise from 0 to the {t} tokens of the row, got {cu:?}"
+        ));
+    }
+    Ok(cu.windows(2).map(|w| Span { row: 0, tokens: w[0] as usize..w[1] as usize }).collect())
+}
+
+/// A [B, T, heads, dim] tensor of unit last stride, read as f64.
+struct Rows<T> {
+    ptr: *const T,
+    st: TokenStrides,
+    dim: usize,
+}
+
+// SAFETY: inputs only, read by every thread.
+unsafe impl<T> Sync for Rows<T> {}
+
+impl<T: Element> Rows<T> {
+    fn new(ptr: *const std::ffi::c_void, st: TokenStrides, dim: i64) -> Self {
+        Rows { ptr: ptr.cast(), st, dim: dim as usize }
+    }
+
+    fn contiguous(ptr: *const std::ffi::c_void, s: &DeltaShape, heads: i64, dim: i64) -> Self {
+        let head = dim;
+        let token = heads * head;
+        Rows::new(ptr, TokenStrides { batch: s.tokens * token, token, head }, dim)
+    }
+
+    unsafe fn read(&self, row: usize, t: usize, head: usize) -> Vec<f64> {
+        let at = row as i64 * self.st.batch + t as i64 * self.st.token + head as i64 * self.st.head;
+        std::slice::from_raw_parts(self.ptr.offset(at as isize), self.dim).iter().map(|x| x.to_f64()).collect()
+    }
+}
+
+/// x scaled to unit norm as l2norm_qk does, and the factor it took: x * r with r = rsqrt(sum x^2 + eps).
+fn l2norm(x: &[f64]) -> (Vec<f64>, f64) {
+    let r = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() + L2_EPS).sqrt();
+    (x.iter().map(|v| v * r).collect(), r)
+}
+
+/// What one token of one value head reads.
+struct Token {
+    q: Vec<f64>, // normalized with l2norm_qk; not yet scaled
+    k: Vec<f64>,
+    v: Vec<f64>,
+    a: f64,
+    b: f64,
+    // With l2norm_qk, the factors r of q and k; else 1.
+    rq: f64,
+    rk: f64,
+}
+
+/// The inputs of a forward or backward block, as the CPU kernels read them.
+struct Inputs<T, S> {
+    q: Rows<T>,
+    k: Rows<T>,
+    v: Rows<T>,
+    g: *const S,
+    beta: *const S,
+    initial: *const S,
+    shape: DeltaShape,
+}
+
+// SAFETY: inputs only, read by every thread.
+unsafe impl<T, S> Sync for Inputs<T, S> {}
+
+impl<T: Element, S: Element> Inputs<T, S> {
+    unsafe fn token(&self, span: &Span, t: usize, h: usize) -> Token {
+        let s = &self.shape;
+        let hk = h / (s.v_heads / s.k_heads) as usize;
+        let (mut q, mut k) = (self.q.read(span.row, t, hk), self.k.read(span.row, t, hk));
+        let (mut rq, mut rk) = (1.0, 1.0);
+        if s.l2norm_qk != 0 {
+            (q, rq) = l2norm(&q);
+            (k, rk) = l2norm(&k);
+        }
+        let at = (span.row * s.tokens as usize + t) * s.v_heads as usize + h;
+        let a = (*self.g.add(at)).to_f64().exp();
+        Token { q, k, v: self.v.read(span.row, t, h), a, b: (*self.beta.add(at)).to_f64(), rq, rk }
+    }
+
+    /// Sequence n's initial state of value head h, [K, V].
+    unsafe fn initial(&self, n: usize, h: usize) -> Vec<f64> {
+        let size = (self.shape.k_dim * self.shape.v_dim) as usize;
+        if self.initial.is_null() {
+            return vec![0.0; size];
+        }
+        let at = (n * self.shape.v_heads as usize + h) * size;
+        std::slice::from_raw_parts(self.initial.add(at), size).iter().map(|x| x.to_f64()).collect()
+    }
+}
+
+/// One token's update of the state s [K, V] (row i of s is key coordinate i): s = a s, then [`absorb`].
+fn update(s: &mut [f64], tok: &Token) {
+    s.iter_mut().for_each(|x| *x *= tok.a);
+    absorb(s, tok);
+}
+
+/// The delta write of a token into its decayed state s: s += k (b (v - s^T k))^T. Returns the p = s^T k it
+/// read.
+fn absorb(s: &mut [f64], tok: &Token) -> Vec<f64> {
+    let vd = tok.v.len();
+    let p = read(s, &tok.k, vd);
+    for (row, ki) in s.chunks_exact_mut(vd).zip(&tok.k) {
+        for ((x, v), p) in row.iter_mut().zip(&tok.v).zip(&p) {
+            *x += ki * tok.b * (v - p);
+        }
+    }
+    p
+}
+
+/// s^T x: the V-vector the state gives for key-space vector x.
+fn read(s: &[f64], x: &[f64], vd: usize) -> Vec<f64> {
+    let mut out = vec![0.0; vd];
+    for (row, xi) in s.chunks_exact(vd).zip(x) {
+        for (o, si) in out.iter_mut().zip(row) {
+            *o += xi * si;
+        }
+    }
+    out
+}
+
+/// s y: the K-vector the state gives for value-space vector y.
+fn apply(s: &[f64], y: &[f64]) -> Vec<f64> {
+    s.chunks_exact(y.len()).map(|row| row.iter().zip(y).map(|(a, b)| a * b).sum()).collect()
+}
+
+fn inner(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Writes f64 values into an output of element type E at offset `at`.
+unsafe fn store<E: Element>(out: *mut std::ffi::c_void, at: usize, values: &[f64]) {
+    let out = std::slice::from_raw_parts_mut(out.cast::<E>().add(at), values.len());
+    out.iter_mut().zip(values).for_each(|(o, v)| *o = E::from_f64(*v));
+}
+
+/// Runs `$f::<T, S>` for the block's dtypes: T that of q, k, v, S the state's, f32 but for f64 input.
+macro_rules! on_dtypes {
+    ($p:expr, $f:ident) => {{
+        use half::{bf16, f16};
+        use BastileDType::*;
+        let s = &$p.shape;
+        let (t, st) = (BastileDType::from_raw(s.dtype)?, BastileDType::from_raw(s.state_dtype)?);
+        if st != t.stats() {
+            return Err(format!("bastile.gated_delta_rule: the state must be {:?} for {t:?} input", t.stats()));
+        }
+        // SAFETY: the C++ layer checked every pointer of the block against its shape and dtype.
+        unsafe {
+            match t {
+                BASTILE_F32 => $f::<f32, f32>($p),
+                BASTILE_F16 => $f::<f16, f32>($p),
+                BASTILE_BF16 => $f::<bf16, f32>($p),
+                BASTILE_F64 => $f::<f64, f64>($p),
+            }
+        }
+    }};
+}
+
+/// Threads of every kernel's blocks.
+const THREADS: u32 = 256;
+
+/// The grid of the forward and backward kernels: a block per sequence and value head, times the slices of V.
+fn grid(s: &DeltaShape) -> Result<(u32, u32)> {
+    if s.k_dim > GDR_MAX_DIM as i64 {
+        return Err(format!("bastile.gated_delta_rule: CUDA kernels take a key head_dim up to {GDR_MAX_DIM}, got {}", s.k_dim));
+    }
+    let blocks = s.sequences * s.v_heads;
+    if blocks > i32::MAX as i64 {
+        return Err(format!("bastile.gated_delta_rule: {blocks} sequences x heads is more than one launch takes"));
+    }
+    Ok((blocks as u32, ceil_div(s.v_dim, GDR_V_SLICE as i64) as u32))
+}
+
+fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan> {
+    let kernel = kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, dtype(&p.shape)?], THREADS, 2)?;
+    let cfg = LaunchConfig { grid: grid(&p.shape)?, block: (THREADS, 1), shared: GDR_FORWARD_SHARED };
+    Ok(Plan::single(kernel, cfg, *p))
+}
+
+fn dtype(s: &DeltaShape) -> Result<Tag> {
+    Ok(BastileDType::from_raw(s.dtype)?.tag())
+}
+
+/// The backward replays the forward into the states (the first part of the scratch), walks the chunks in
+/// reverse writing each block's share of the gradients (the rest), and folds the shares.
+fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Plan> {
+    let s = p.shape;
+    let tag = dtype(&s)?;
+    let replay = kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, tag], THREADS, 2)?;
+    let chunks = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 1)?;
+    let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
+    let grid = grid(&s)?;
+    let chunk = GDR_CHUNK as i64;
+    let slots = if p.cu_seqlens.is_null() { s.sequences * ceil_div(s.tokens, chunk) } else { s.tokens / chunk + s.sequences };
+    let states = slots * s.v_heads * s.k_dim * s.v_dim;
+    let rows = s.batch * s.tokens * s.v_heads;
+    let partial = 2 * grid.1 as i64 * rows * (s.k_dim + 1);
+    let forward = GatedDeltaRuleForward {
+        q: p.q,
+        k: p.k,
+        v: p.v,
+        g: p.g,
+        beta: p.beta,
+        initial_state: p.initial_state,
+        cu_seqlens: p.cu_seqlens,
+        o: std::ptr::null_mut(),
+        final_state: std::ptr::null_mut(),
+        states: std::ptr::null_mut(),
+        q_st: p.q_st,
+        k_st: p.k_st,
+        v_st: p.v_st,
+        shape: s,
+    };
+    let mut p = *p;
+    let pairs = s.batch * s.tokens * s.k_heads;
+    let reduce_grid = ceil_div(pairs, (THREADS / 32) as i64) as u32;
+    Ok(Plan::new((states + partial) * 4, move |memory, stream| {
+        let memory = memory.cast::<f32>();
+        let mut forward = forward;
+        forward.states = memory;
+        p.states = memory;
+        // SAFETY: the scratch holds the states, then the partials; the C++ layer checked every other pointer.
+        unsafe {
+            p.partial = memory.add(states as usize);
+            driver::launch(replay, LaunchConfig { grid, block: (THREADS, 1), shared: GDR_FORWARD_SHARED }, stream, &forward)?;
+            driver::launch(chunks, LaunchConfig { grid, block: (THREADS, 1), shared: GDR_BACKWARD_SHARED }, stream, &p)?;
+            driver::launch(reduce, LaunchConfig { grid: (reduce_grid, 1), block: (THREADS, 1), shared: 0 }, stream, &p)
+        }
+    }))
+}
+
+impl Launch for GatedDeltaRuleForward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        forward_plan(self, dev)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        on_dtypes!(self, forward_cpu)
+    }
+}
+
+impl Launch for GatedDeltaRuleBackward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        backward_plan(self, dev)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        on_dtypes!(self, backward_cpu)
+    }
+}
+
+unsafe fn forward_cpu<T: Element, S: Element>(p: &GatedDeltaRuleForward) -> Result<()> {
+    let s = p.shape;
+    let x = Inputs::<T, S> {
+        q: Rows::new(p.q, p.q_st, s.k_dim),
+        k: Rows::new(p.k, p.k_st, s.k_dim),
+        v: Rows::new(p.v, p.v_st, s.v_dim),
+        g: p.g.cast(),
+        beta: p.beta.cast(),
+        initial: p.initial_state.cast(),
+        shape: s,
+    };
+    let spans = spans(&s, p.cu_seqlens)?;
+    let (hv, vd) = (s.v_heads as usize, s.v_dim as usize);
+    let x = &x;
+    let results = cpu::parallel_map(spans.len() * hv, |task| {
+        let (n, h) = (task / hv, task % hv);
+        let mut state = x.initial(n, h);
+        let o: Vec<Vec<f64>> = spans[n]
+            .tokens
+            .clone()
+            .map(|t| {
+                let tok = x.token(&spans[n], t, h);
+                update(&mut state, &tok);
+                read(&state, &tok.q, vd).iter().map(|o| o * s.scale).collect()
+            })
+            .collect();
+        (o, state)
+    });
+    for (task, (o, state)) in results.iter().enumerate() {
+        let (n, h) = (task / hv, task % hv);
+        let span = &spans[n];
+        for (t, o) in span.tokens.clone().zip(o) {
+            store::<T>(p.o, ((span.row * s.tokens as usize + t) * hv + h) * vd, o);
+        }
+        store::<S>(p.final_state, task * state.len(), state);
+    }
+    Ok(())
+}
+
+/// The gradients of one sequence and value head.
+struct Grads {
+    q: Vec<Vec<f64>>, // per token, of the raw (unnormalized) q
+    k: Vec<Vec<f64>>,
+    v: Vec<Vec<f64>>,
+    g: Vec<f64>,
+    beta: Vec<f64>,
+    initial: Vec<f64>,
+}
+
+/// The gradient of x from that of y = x r, its l2norm_qk (r = rsqrt(sum x^2 + eps)): r (dy - y (y . dy)).
+fn l2norm_backward(y: &[f64], dy: Vec<f64>, r: f64, normalized: bool) -> Vec<f64> {
+    if !normalized {
+        return dy;
+    }
+    let c = inner(y, &dy);
+    dy.iter().zip(y).map(|(d, y)| r * (d - y * c)).collect()
+}
+
+unsafe fn backward_head<T: Element, S: Element>(
+    x: &Inputs<T, S>,
+    grad_o: &Rows<T>,
+    grad_final: Option<&[S]>,
+    span: &Span,
+    n: usize,
+    h: usize,
+) -> Grads {
+    let s = &x.shape;
+    let (kd, vd) = (s.k_dim as usize, s.v_dim as usize);
+    let len = span.tokens.len();
+    let start = span.tokens.start;
+    // The state before each REPLAY-th token.
+    let mut kept = Vec::new();
+    let mut state = x.initial(n, h);
+    for i in 0..len {
+        if i % REPLAY == 0 {
+            kept.push(state.clone());
+        }
+        update(&mut state, &x.token(span, start + i, h));
+    }
+    let at = (n * s.v_heads as usize + h) * kd * vd;
+    let mut lambda = match grad_final {
+        None => vec![0.0; kd * vd],
+        Some(g) => g[at..at + kd * vd].iter().map(|x| x.to_f64()).collect(),
+    };
+    let mut out = Grads {
+        q: vec![Vec::new(); len],
+        k: vec![Vec::new(); len],
+        v: vec![Vec::new(); len],
+        g: vec![0.0; len],
+        beta: vec![0.0; len],
+        initial: Vec::new(),
+    };
+    for (c, first) in kept.iter().enumerate().rev() {
+        let stretch = c * REPLAY..(c * REPLAY + REPLAY).min(len);
+        let tokens: Vec<Token> = stretch.clone().map(|i| x.token(span, start + i, h)).collect();
+        // The state before each token of the stretch.
+        let mut before = vec![first.clone()];
+        for tok in &tokens[..tokens.len() - 1] {
+            let mut next = before.last().unwrap().clone();
+            update(&mut next, tok);
+            before.push(next);
+        }
+        for ((i, tok), prev) in stretch.zip(&tokens).zip(&before).rev() {
+            let decayed: Vec<f64> = prev.iter().map(|x| x * tok.a).collect();
+            let mut now = decayed.clone();
+            let p = absorb(&mut now, tok);
+            let delta: Vec<f64> = tok.v.iter().zip(&p).map(|(v, p)| tok.b * (v - p)).collect();
+            let d_o: Vec<f64> = grad_o.read(span.row, start + i, h).iter().map(|d| d * s.scale).collect();
+            // o = now^T q scale: lambda, the gradient of `now`, takes q d_o^T
+            let dq = apply(&now, &d_o);
+            for (row, qi) in lambda.chunks_exact_mut(vd).zip(&tok.q) {
+                row.iter_mut().zip(&d_o).for_each(|(l, d)| *l += qi * d);
+            }
+            // now = decayed + k delta^T, delta = b (v - decayed^T k)
+            let d_delta = read(&lambda, &tok.k, vd);
+            let dp: Vec<f64> = d_delta.iter().map(|d| -tok.b * d).collect();
+            let mut dk = apply(&lambda, &delta);
+            dk.iter_mut().zip(apply(&decayed, &dp)).for_each(|(a, b)| *a += b);
+            out.v[i] = d_delta.iter().map(|d| tok.b * d).collect();
+            out.beta[i] = tok.v.iter().zip(&p).zip(&d_delta).map(|((v, p), d)| (v - p) * d).sum();
+            for (row, ki) in lambda.chunks_exact_mut(vd).zip(&tok.k) {
+                row.iter_mut().zip(&dp).for_each(|(l, d)| *l += ki * d);
+            }
+            // decayed = a prev
+            out.g[i] = inner(&decayed, &lambda);
+            lambda.iter_mut().for_each(|l| *l *= tok.a);
+            let normalized = s.l2norm_qk != 0;
+            out.q[i] = l2norm_backward(&tok.q, dq, tok.rq, normalized);
+            out.k[i] = l2norm_backward(&tok.k, dk, tok.rk, normalized);
+        }
+    }
+    out.initial = lambda;
+    out
+}
+
+unsafe fn backward_cpu<T: Element, S: Element>(p: &GatedDeltaRuleBackward) -> Result<()> {
+    let s = p.shape;
+    let x = Inputs::<T, S> {
+        q: Rows::new(p.q, p.q_st, s.k_dim),
+        k: Rows::new(p.k, p.k_st, s.k_dim),
+        v: Rows::new(p.v, p.v_st, s.v_dim),
+        g: p.g.cast(),
+        beta: p.beta.cast(),
+        initial: p.initial_state.cast(),
+        shape: s,
+    };
+    let grad_o = Rows::<T>::contiguous(p.grad_o, &s, s.v_heads, s.v_dim);
+    let spans = spans(&s, p.cu_seqlens)?;
+    let (hk, hv, kd, vd) = (s.k_heads as usize, s.v_heads as usize, s.k_dim as usize, s.v_dim as usize);
+    let rep = hv / hk.max(1);
+    let grad_final = (!p.grad_final_state.is_null())
+        .then(|| std::slice::from_raw_parts(p.grad_final_state.cast::<S>(), spans.len() * hv * kd * vd));
+    let (x, grad_o) = (&x, &grad_o);
+    // A task per sequence and key head: it sums the gradients of q and k over the value heads that read them.
+    let results = cpu::parallel_map(spans.len() * hk, |task| {
+        let (n, head) = (task / hk, task % hk);
+        (head * rep..(head + 1) * rep).map(|h| backward_head(x, grad_o, grad_final, &spans[n], n, h)).collect::<Vec<_>>()
+    });
+    let zeros = |len: usize, dim: usize| vec![vec![0.0; dim]; len];
+    for (task, heads) in results.iter().enumerate() {
+        let (n, head) = (task / hk, task % hk);
+        let span = &spans[n];
+        let (mut dq, mut dk) = (zeros(span.tokens.len(), kd), zeros(span.tokens.len(), kd));
+        for (j, gr) in heads.iter().enumerate() {
+            let h = head * rep + j;
+            for (i, t) in span.tokens.clone().enumerate() {
+                dq[i].iter_mut().zip(&gr.q[i]).for_each(|(a, b)| *a += b);
+                dk[i].iter_mut().zip(&gr.k[i]).for_each(|(a, b)| *a += b);
+                let at = (span.row * s.tokens as usize + t) * hv + h;
+                store::<T>(p.grad_v, at * vd, &gr.v[i]);
+                store::<S>(p.grad_g, at, &gr.g[i..i + 1]);
+                store::<S>(p.grad_beta, at, &gr.beta[i..i + 1]);
+            }
+            store::<S>(p.grad_initial_state, (n * hv + h) * kd * vd, &gr.initial);
+        }
+        for (i, t) in span.tokens.clone().enumerate() {
+            let at = ((span.row * s.tokens as usize + t) * hk + head) * kd;
+            store::<T>(p.grad_q, at, &dq[i]);
+            store::<T>(p.grad_k, at, &dk[i]);
+        }
+    }
+    Ok(())
+}
