@@ -118,9 +118,12 @@ def assert_matches_hf_and_exact(x, w, b, dy, silu=True):
         assert g.dtype == h.dtype and g.shape == h.shape, what
         assert_exact(g, e, what)
         # At least as close to the exact values as HF's own result (on the GPU float32's math is no more
-        # accurate than torch's float32 kernels: there both are within 1e-6).
+        # accurate than torch's float32 kernels: there both are within 1e-6). Where HF rounds once too (a
+        # float32 weight), the two f32 computations may put one element on either side of a rounding boundary.
         if not (x.is_cuda and g.dtype == torch.float32):
-            assert rel_err(g, e) <= rel_err(h, e) * (1 + 1e-9) + 1e-15, what
+            e = e.to(g.device)
+            flip = torch.finfo(g.dtype).eps * (e.abs().max() / e.norm()).item() if x.is_cuda else 0.0
+            assert rel_err(g, e) <= rel_err(h, e) * (1 + 1e-9) + 1e-15 + flip, what
 
 
 # ---------------------------------------------------------------- the generic tests' contract (test_contract.py)
