@@ -3,12 +3,13 @@ family declares.
 
 A family (an HF `model_type`) is its traits: how its RMSNorm rounds, what its attention does around the
 projections (fused q/k/v, q/k norms per head or over the whole width, the rotary layout, NoPE layers, the
-sliding-window source, a position-dependent query scale, sinks), its MLP (separate or fused gate/up, MoE
-experts), the norms and multipliers around each sublayer, and its head (a logit scale, the router's
-auxiliary loss). The shared forwards in hf.py read these traits; nothing there probes a module to guess
-what it is. `check(model)` refuses, naming the module or config key, a model that carries anything the
-traits do not declare (a subclass of a patched class, a config key the family's code does not have in the
-transformers release the traits were written against, a trait value out of range), before anything runs.
+sliding-window source, a position-dependent query scale, sinks, an output gate), linear-attention layers in
+place of attention (Qwen3.5's Gated DeltaNet), its MLP (separate or fused gate/up, MoE experts), the norms
+and multipliers around each sublayer, and its head (a logit scale, the router's auxiliary loss). The shared
+forwards in hf.py read these traits; nothing there probes a module to guess what it is. `check(model)`
+refuses, naming the module or config key, a model that carries anything the traits do not declare (a
+subclass of a patched class, a config key the family's code does not have in the transformers release the
+traits were written against, a trait value out of range), before anything runs.
 """
 from dataclasses import dataclass, field
 from enum import Enum
@@ -60,6 +61,11 @@ class Rotary:
     layer_flag: Optional[str] = None
     # The tables are f32 and the rotated q, k are cast back to their input dtype (OLMo 2 and 3).
     cast_back: bool = False
+    # Multimodal RoPE (Qwen3.5): the tables are built from one position per section (time, height, width),
+    # which HF's rotary module interleaves into them, and position ids may come as [3, batch, seq] (the
+    # sections') or [4, batch, seq] (the text positions first, then the sections'); the packed-sequence check
+    # reads the text positions, where HF's decoder has them.
+    sections: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,9 @@ class Attention:
     # the last earlier layer of its type (store_full_length_kv) put them (num_kv_shared_layers).
     value_norm: bool = False
     shared_kv: bool = False
+    # Qwen3.5: q_proj gives each head's query followed by as wide a gate, and the attention's output is
+    # multiplied by sigmoid(gate) before o_proj.
+    output_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,9 @@ class Multimodal:
     config: FrozenSet[str]              # its config keys, beyond PretrainedConfig's
     inputs: Tuple[str, ...]             # what its forward takes beyond a causal LM's, for its inner model
     head: str = "ForConditionalGeneration"
-    output: str = "CausalLMOutputWithPast"
+    # The head's output class: the first of these names (`{prefix}`: the family's) its modeling module has.
+    # Transformers 5.17 has Qwen3.5's own subclasses (their rope_deltas), 5.23 returns HF's classes.
+    output: Tuple[str, ...] = ("{prefix}CausalLMOutputWithPast",)
     softcap: bool = False               # its head softcaps the logits as the family's (Head.softcap, text config)
 
 
@@ -177,6 +188,11 @@ class Family:
     layer: str = ""                      # <prefix><layer>Attention: the infix of the layer's classes (LAYER_PARTS)
     off: Mapping[str, Off] = field(default_factory=dict)  # config key -> Off
     multimodal: Optional[Multimodal] = None
+    # Qwen3.5: the layers config.layer_types calls "linear_attention" mix tokens with a Gated DeltaNet
+    # (<prefix>GatedDeltaNet, the layer's `linear_attn`, its output norm a <prefix>RMSNormGated) in place of
+    # attention: a causal depthwise conv over the fused q/k/v projection, the gated delta rule over the
+    # l2-normed q and k (the value heads sharing key heads in groups), a gated RMSNorm, out_proj.
+    linear_attention: bool = False
 
     @property
     def keys(self) -> FrozenSet[str]:
@@ -205,6 +221,16 @@ _GEMMA4 = {"attention_bias", "attention_k_eq_v", "enable_moe_block", "final_logi
            "hidden_size_per_layer_input", "moe_intermediate_size", "num_experts", "num_kv_shared_layers",
            "per_layer_config", "top_k_experts", "use_bidirectional_attention", "use_double_wide_mlp",
            "vocab_size_per_layer_input"} | _PER_LAYER
+
+# Qwen3.5 (partial_rotary_factor: 5.17 also keeps it at the top level, read from rope_parameters)
+_QWEN3_5 = {"attention_bias", "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_value_head_dim", "partial_rotary_factor"}
+_QWEN3_5_TRAITS = dict(norm=Norm.OFFSET_THEN_CAST, attention=Attention(qk_norm=QkNorm.PER_HEAD, output_gate=True),
+                       rotary=Rotary(partial=True, sections=True), decoder="TextModel", linear_attention=True)
+_QWEN3_5_MULTIMODAL = frozenset({"image_token_id", "text_config", "tie_word_embeddings", "video_token_id",
+                                 "vision_config", "vision_end_token_id", "vision_start_token_id"})
+_QWEN3_5_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
+                   "mm_encoder_outputs")
 
 
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
@@ -292,11 +318,24 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
                                           "input_features_mask", "image_position_ids", "video_position_ids",
                                           "mm_token_type_ids", "per_layer_inputs"),
                                   softcap=True)),
+    # Qwen3.5: three of four layers (config.layer_types) mix tokens with a Gated DeltaNet, the others attend
+    # with a sigmoid output gate and (1 + w) q/k norms, a quarter of each head rotated by multimodal RoPE;
+    # every norm multiplies by 1 + w. Its MoE model's sparse layers add a gated shared expert (a
+    # <prefix>MLP) to the routed ones. Qwen3_5(Moe)ForConditionalGeneration holds the same decoder.
+    _family("qwen3_5_text", "Qwen3_5", _QWEN3_5 | {"intermediate_size"}, module="qwen3_5", **_QWEN3_5_TRAITS,
+            multimodal=Multimodal("qwen3_5", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS,
+                                  output=("{prefix}CausalLMOutputWithPast", "CausalLMOutputWithPast"))),
+    _family("qwen3_5_moe_text", "Qwen3_5Moe",
+            _QWEN3_5 | {"moe_intermediate_size", "num_experts", "shared_expert_intermediate_size"} | _MOE,
+            module="qwen3_5_moe", **_QWEN3_5_TRAITS, mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
+            multimodal=Multimodal("qwen3_5_moe", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS,
+                                  output=("{prefix}CausalLMOutputWithPast", "MoeCausalLMOutputWithPast"))),
 ]}
 # Multimodal model types -> the family of their language model.
 MULTIMODAL: Dict[str, Family] = {f.multimodal.model_type: f for f in FAMILIES.values() if f.multimodal}
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+LINEAR = "linear_attention"  # the layer type of Family.linear_attention's layers
 
 
 class Unsupported(ValueError):
@@ -350,10 +389,11 @@ def _check_config(family: Family, config) -> None:
             raise Unsupported(f"bastile: {family.model_type} with partial_rotary_factor={factor}: Bastile's "
                               f"{family.model_type} traits rotate whole heads")
     if "layer_types" in family.config:
+        known = LAYER_TYPES + ((LINEAR,) if family.linear_attention else ())
         types = set(config.layer_types or ())
-        if not types <= set(LAYER_TYPES):
-            raise Unsupported(f"bastile: {family.model_type} layer_types {sorted(types - set(LAYER_TYPES))} "
-                              f"are not among {list(LAYER_TYPES)}")
+        if not types <= set(known):
+            raise Unsupported(f"bastile: {family.model_type} layer_types {sorted(types - set(known))} "
+                              f"are not among {list(known)}")
 
 
 def _classes(family: Family, module) -> list:
@@ -362,6 +402,7 @@ def _classes(family: Family, module) -> list:
     names += [family.multimodal.head] if family.multimodal else []
     names += ["MLP"] if family.mlp.dense else []
     names += ["Experts"] if family.mlp.experts else []
+    names += ["GatedDeltaNet", "RMSNormGated"] if family.linear_attention else []
     return [getattr(module, family.name(n)) for n in names]
 
 

@@ -8,6 +8,7 @@ roles of the family run Bastile's forwards is asked of `runs(role)`, which patch
 import contextlib
 import dataclasses
 import functools
+import inspect
 import sys
 import warnings
 import weakref
@@ -15,18 +16,24 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from transformers.activations import GELUTanh, SiLUActivation
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from torch.nn import functional as F
+from transformers.activations import ACT2FN, GELUTanh, SiLUActivation
+from transformers.integrations.accelerate import force_accelerate_hooks
+from transformers.masking_utils import (create_causal_mask, create_recurrent_attention_mask,
+                                        create_sliding_window_causal_mask)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import lora, varlen
-from .families import Family, Layout, Mlp, Norm, QkNorm, Window
+from .families import LINEAR, Family, Layout, Mlp, Norm, QkNorm, Window
+from .ops.causal_conv1d import causal_conv1d
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from .ops.gated_delta_rule import gated_delta_rule
 from .ops.geglu import geglu
 from .ops.qk_norm_rope import qk_norm_rope
 from .ops.rms_norm import rms_norm
+from .ops.rms_norm_gated import rms_norm_gated
 from .ops.rope import rope
 from .ops.swiglu import swiglu
 
@@ -178,7 +185,8 @@ def attention_forward(family: Family):
     and o through another where PEFT LoRA adapters wrap them (lora.py), q/k norms per head with the
     rotation in one op (qk_norm_rope) or over the whole width (rms_norm), the rotation in the family's
     layout (none on NoPE layers), and the attention: the varlen kernel on packed batches (varlen.py), else
-    HF's attention interface with the family's sliding window and sinks. The rest is HF's (cache update)."""
+    HF's attention interface with the family's sliding window and sinks; the output gated by the sigmoid of
+    q_proj's gate where the family has one. The rest is HF's (cache update)."""
     a, r, weight_then_cast = family.attention, family.rotary, family.norm is Norm.WEIGHT_THEN_CAST
     # qk_norm_rope rotates half-split pairs with head-wide tables, in the norm's dtype.
     fuse_qk = (a.qk_norm is QkNorm.PER_HEAD and r.layout is Layout.HALF_SPLIT and not r.partial
@@ -217,6 +225,10 @@ def attention_forward(family: Family):
         hidden_shape = (*input_shape, -1, self.head_dim)
         shared = kwargs.pop("shared_kv_states") if a.shared_kv else None
         q, k, v = project(self, hidden_states)
+        gate = None
+        if a.output_gate:  # each head's query, then its gate
+            q, gate = q.view(*input_shape, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)
         if a.qk_norm is QkNorm.FULL_WIDTH:
             q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, weight_then_cast)
             k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, weight_then_cast)
@@ -261,6 +273,8 @@ def attention_forward(family: Family):
                 self, query_states, key_states, value_states, attention_mask, dropout=dropout, scaling=self.scaling,
                 sliding_window=window, **kwargs)
             attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        if gate is not None:
+            attn_output = attn_output * torch.sigmoid(gate)
         (out,) = lora.project(attn_output, self.o_proj)
         return out, attn_weights
     return forward
@@ -284,7 +298,57 @@ def _varlen_types(family: Family, runs: Runs, decoder, layer_types) -> set:
     if not runs("attention"):
         return set()
     types = layer_types or [None] * len(decoder.layers)
-    return set(types) - {t for t, layer in zip(types, decoder.layers) if not _varlen(family, layer.self_attn)}
+    # Bastile's Gated DeltaNet (the attention role's too) takes any packed batch
+    return set(types) - {t for t, layer in zip(types, decoder.layers)
+                         if t != LINEAR and not _varlen(family, layer.self_attn)}
+
+
+# ------------------------------------------------------------------------------------------------ linear attention
+
+
+def delta_net_why_not(module) -> Optional[str]:
+    """Why a Gated DeltaNet runs HF's forward in training (causal_conv1d's activation is SiLU), or None."""
+    act = ACT2FN[module.activation]
+    return None if isinstance(act, _SILU) else f"conv activation {type(act).__name__} is not SiLU"
+
+
+def gated_delta_net_forward(family: Family):
+    """A Gated DeltaNet's forward (Family.linear_attention), made from HF's: in training and evaluation
+    without a cache, HF's math through Bastile's ops. The four input projections in one fused node where
+    PEFT LoRA adapters wrap them (lora.py), causal_conv1d with SiLU over the fused q/k/v projection as it is
+    ([batch, seq, channels]), q, k and v split from it as views, the gated delta rule over the l2-normed q and
+    k (unrepeated: the op reads each value head's key head), rms_norm_gated, out_proj in another fused node.
+    A packed batch (the decoder's varlen kwargs: cu_seq_lens_q) runs as one stream whose conv and recurrence
+    restart at each sequence, where HF's would carry them across. With a cache (generation), or an
+    activation other than SiLU, it is HF's forward."""
+    def delta_net(self, hidden_states, attention_mask, cu_seqlens):
+        hidden_states = hf_attr(family, "apply_mask_to_padding_states")(hidden_states, attention_mask)
+        batch, seq, _ = hidden_states.shape
+        rows = (batch, seq) if cu_seqlens is None else (1, batch * seq)  # packed: the rows as one stream
+        qkv, z, b, a = (t.reshape(*rows, -1) for t in lora.project(
+            hidden_states, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        qkv = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, cu_seqlens)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.unflatten(-1, (-1, self.head_k_dim)), k.unflatten(-1, (-1, self.head_k_dim))
+        v = v.unflatten(-1, (-1, self.head_v_dim))
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # float32, as HF's
+        o, _ = gated_delta_rule(q, k, v, g, b.sigmoid(), self.head_k_dim ** -0.5, None, cu_seqlens, True)
+        o = rms_norm_gated(o, z.view(o.shape), self.norm.weight, self.norm.variance_epsilon)
+        (out,) = lora.project(o.reshape(batch, seq, -1), self.out_proj)
+        return out
+
+    # conv1d's weight is read without calling conv1d: its accelerate hooks (offloading) fired first, as HF's
+    hooked = force_accelerate_hooks("conv1d")(delta_net)
+
+    def wrap(original):
+        @functools.wraps(original)
+        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+            if cache_params is not None or delta_net_why_not(self):
+                return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask,
+                                **kwargs)
+            return hooked(self, hidden_states, attention_mask, kwargs.get("cu_seq_lens_q"))
+        return forward
+    return wrap
 
 
 # ------------------------------------------------------------------------------------------------ decoder layer
@@ -351,6 +415,10 @@ def _recomputing(n, compute: Callable):
         yield
 
 
+# What HF's decoder layer keeps from its Gated DeltaNet: the positions, and the cache under its own name.
+_NOT_MIXED = ("position_embeddings", "position_ids", "past_key_values")
+
+
 def layer_forward(family: Family, runs: Runs):
     """The decoder layer: each sublayer between the family's norms, added to the residual stream through the
     family's dropout and multiplier. The output of Bastile's norm before each sublayer is computed again in
@@ -359,6 +427,16 @@ def layer_forward(family: Family, runs: Runs):
     projection's input for a plain down projection, which then never runs again; the fused node would run it
     (and the activation once more in its backward), and its memory saving lasts one layer's backward only."""
     res, router_scores, dense, beside = family.residual, family.mlp.router_scores, family.mlp.dense, family.mlp.beside
+    linear = family.linear_attention
+
+    def mix(self, x, kwargs):
+        """The layer's token mixer on x: its attention, or on a linear-attention layer (HF's block_type says
+        which) its Gated DeltaNet, which takes the cache as cache_params, and no positions."""
+        if linear and self.block_type == LINEAR:
+            rest = {k: v for k, v in kwargs.items() if k not in _NOT_MIXED}
+            return self.linear_attn(hidden_states=x, cache_params=kwargs.get("past_key_values"), **rest)
+        out, _ = self.self_attn(hidden_states=x, **kwargs)
+        return out
 
     def norm(self, name, x):
         return x if name is None else getattr(self, name)(x)
@@ -384,7 +462,7 @@ def layer_forward(family: Family, runs: Runs):
         checkpointed = self.gradient_checkpointing and self.training
         residual = hidden_states
         with normed(self, res.attention_in, hidden_states, checkpointed) as x:
-            out, _ = self.self_attn(hidden_states=x, **kwargs)
+            out = mix(self, x, kwargs)
         hidden_states = add(self, residual, norm(self, res.attention_out, out), 0)
         residual = hidden_states
         with normed(self, res.mlp_in, hidden_states, checkpointed) as x:
@@ -429,7 +507,17 @@ def _gated_projection(x, gate, act, up, projection):
 # ------------------------------------------------------------------------------------------------ decoder
 
 
-_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
+          LINEAR: create_recurrent_attention_mask}
+
+
+def _text_positions(family: Family, position_ids):
+    """The text positions in the position ids a decoder is given, as its HF forward finds them: multimodal
+    RoPE's (Rotary.sections) come with the sections' rows, [4, batch, seq] with the text's first, or [3,
+    batch, seq] with none (HF's masks then take no positions)."""
+    if not family.rotary.sections or position_ids is None or position_ids.ndim == 2:
+        return position_ids
+    return position_ids[0] if position_ids.shape[0] == 4 else None
 
 
 def _masks(family, runs, decoder, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
@@ -452,6 +540,7 @@ def _masks(family, runs, decoder, input_ids, attention_mask, position_ids, past_
     layer_types = config.layer_types if "layer_types" in family.config else None
     if attention_mask is not None or past_key_values is not None or use_cache:
         return attention_mask, input_ids, inputs_embeds, kwargs
+    position_ids = _text_positions(family, position_ids)
     if position_ids is None:
         if config._attn_implementation == "sdpa" and set(layer_types or ()) == {"full_attention"}:
             attention_mask = {"full_attention": None}
@@ -618,14 +707,20 @@ def multimodal_lm_forward(family: Family, check: Callable):
     """The forward of a multimodal model's head (Gemma3ForConditionalGeneration, Gemma4's), made from HF's
     (whose signature it shows: generate checks its inputs against it): the inner model (the vision and audio
     towers, HF's, and the family's decoder) given the multimodal inputs, then the head and loss as
-    causal_lm_forward's (no divisor; the family's softcap where the multimodal head applies it)."""
-    mm, softcap = family.multimodal, family.head.softcap
+    causal_lm_forward's (no divisor; the family's softcap where the multimodal head applies it). MoE families
+    add the router's load-balancing loss where output_router_logits says so, as HF's head does: the call's, or
+    where HF's head takes it as a parameter (transformers 5.23), the text config's by default."""
+    mm, softcap, moe = family.multimodal, family.head.softcap, family.head.router_aux_loss
 
     def wrap(original):
+        by_config = moe and "output_router_logits" in inspect.signature(original).parameters
+
         @hf_tuple
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                     inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
             check(self)
+            if by_config and kwargs.get("output_router_logits") is None:
+                kwargs["output_router_logits"] = self.config.get_text_config().output_router_logits
             inputs = {k: kwargs.pop(k) for k in mm.inputs if k in kwargs}
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
@@ -634,11 +729,24 @@ def multimodal_lm_forward(family: Family, check: Callable):
             cap = getattr(self.config.get_text_config(), softcap) if mm.softcap else None
             logits, loss = _head_and_loss(self, outputs.last_hidden_state, labels, logits_to_keep, kwargs,
                                           softcap=cap)
-            return _output(hf_attr(family, family.name(mm.output)),
-                           dict(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                hidden_states=outputs.hidden_states, attentions=outputs.attentions), outputs)
+            fields = dict(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                          hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+            if moe and kwargs.get("output_router_logits"):
+                text = self.config.get_text_config()
+                fields["aux_loss"] = hf_attr(family, "load_balancing_loss_func")(
+                    outputs.router_logits, text.num_experts, text.num_experts_per_tok, attention_mask)
+                if labels is not None:
+                    fields["loss"] = loss + text.router_aux_loss_coef * fields["aux_loss"].to(loss.device)
+            return _output(output_class(family), fields, outputs)
         return functools.wraps(original)(forward)
     return wrap
+
+
+def output_class(family: Family):
+    """The output class of the family's multimodal head: the first of Multimodal.output in its modeling module."""
+    module = sys.modules[family.module]
+    names = [n.format(prefix=family.prefix) for n in family.multimodal.output]
+    return getattr(module, next(n for n in names if hasattr(module, n)))
 
 
 def _fused_loss(model, hidden, labels, logit_scale, softcap, num_items_in_batch=None, ignore_index=-100,

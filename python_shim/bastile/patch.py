@@ -3,7 +3,8 @@
 Patches are named by role: what part of a model they replace, the same in every family.
 - norm: the RMSNorms
 - mlp: the dense MLP and the MoE experts' activation
-- attention: the attention (projections, q/k norms, rotation, varlen attention on packed batches)
+- attention: the token mixers: the attention (projections, q/k norms, rotation, varlen attention on packed
+  batches) and the linear attention (Qwen3.5's Gated DeltaNet)
 - decoder: the decoder (masks, cache, the packed batch's bounds) and its layers (norms and residuals)
 - head: the causal LM's head and loss (the fused linear cross-entropy)
 Which class attribute a role replaces in a family, and with what, follows from the family's traits
@@ -82,7 +83,9 @@ def _targets(f: Family) -> Dict[str, list]:
     return {
         "norm": [(f"{n('RMSNorm')}.forward", hf.NORM_FORWARDS[f.norm])],
         "mlp": mlp,
-        "attention": [(f"{n('Attention')}.forward", hf.attention_forward(f))],
+        "attention": [(f"{n('Attention')}.forward", hf.attention_forward(f))]
+                     + ([(f"{n('GatedDeltaNet')}.forward", Wrap(hf.gated_delta_net_forward(f)))]
+                        if f.linear_attention else []),
         "decoder": [(f"{n(f.decoder)}.forward", Wrap(hf.decoder_forward(f, runs, _check))),
                     (f"{n('DecoderLayer')}.forward", hf.checkpointed(hf.layer_forward(f, runs)))],
         "head": [(f"{n('ForCausalLM')}.forward", hf.causal_lm_forward(f, _check))]
@@ -240,6 +243,8 @@ def lora_modules(model) -> Dict[str, str]:
         runs = _runs(f.model_type)
         if runs("attention"):
             fused[hf.hf_attr(f, f.name("Attention"))] = None
+            if f.linear_attention:
+                fused[hf.hf_attr(f, f.name("GatedDeltaNet"))] = hf.delta_net_why_not
         if runs("mlp") and f.mlp.dense:
             fused[hf.hf_attr(f, f.name("MLP"))] = hf.mlp_why_not(f.mlp)
         if runs("decoder") and f.residual.per_layer_input:  # the per-layer input's gate and projection
