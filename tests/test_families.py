@@ -701,6 +701,33 @@ def test_subclass_of_a_patched_class_is_refused_before_patching():
     assert bastile.get_patched_ops() == []
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_gated_delta_net_padded_batch_matches_hf(family):
+    """A left-padded batch with its attention mask: the Gated DeltaNet zeroes the padding's inputs as HF's
+    does (its conv and state run over them), and the loss and gradients are HF's."""
+    (ids, labels), = batches(1, 1, 2, 32, "cpu", ignore_fraction=0.1)[0]
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(mask == 0, -100))
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    exact = exact_grads(family, mini(family, "cpu", torch.float32), lambda m: m(**inputs).loss)
+    ref_loss, ref_grads = grads(mini(family, "cpu", torch.float32))
+    model = mini(family, "cpu", torch.float32)
+    bastile.apply(model=model, log_probs=False)
+    with Dispatched() as seen:
+        loss, got = grads(model)
+    assert "gated_delta_rule" in seen.ops
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert got.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert_grad_close(got[name], exact.get(name, g), name)
+
+
 def test_gated_delta_net_subclass_and_undeclared_linear_layers_are_refused():
     """A subclass of Qwen3.5's Gated DeltaNet (whose forward Bastile replaces) is refused, as is a
     linear-attention layer type in a family whose traits have none."""
