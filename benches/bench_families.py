@@ -6,6 +6,7 @@ the same model on the same tokens, each mode in its own process.
     python benches/bench_families.py --models phi4-mini --profile  # and one step under torch.profiler per mode
     python benches/bench_families.py --smoke                       # tiny configs on the CPU: checks the script only
     python benches/bench_families.py --models gemma4-26b-a4b --seq 2048  # another sequence length
+    python benches/bench_families.py --models qwen3_5-9b --seq 16384 --checkpoint  # HF gradient checkpointing
 
 Models (MODELS): random init from the published configs (sizes, vocabularies, rotary and window settings,
 multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention. A model that fits one H100
@@ -28,6 +29,11 @@ LR = 1e-5
 
 # name -> (model_type, config class, model class, config, LoRA targets or None for a full fine-tune, seq, batch)
 MODELS = {
+    # transformers' default Qwen3_5TextConfig (the 9B's text model): 32 layers, a gated attention every fourth,
+    # the rest Gated DeltaNet (16 key / 32 value heads of 128); LoRA on every linear projection.
+    "qwen3_5-9b": ("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(),
+                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                    "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"], 4096, 1),
     "mixtral-8x7b-8l": ("mixtral", "MixtralConfig", "MixtralForCausalLM",
                         dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
                              num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
@@ -144,7 +150,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
             eos_token_id=2)
 
 
-def build(mode, name, device, smoke):
+def build(mode, name, device, smoke, checkpoint):
     model_type, config_cls, model_cls, config, targets, _, _ = MODELS[name]
     if mode == "liger":
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
@@ -164,6 +170,8 @@ def build(mode, name, device, smoke):
     torch.manual_seed(0)
     with torch.device(device):
         net = getattr(transformers, model_cls)._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if checkpoint:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if targets:
         from peft import LoraConfig, get_peft_model
         net = get_peft_model(net, LoraConfig(r=LORA, lora_alpha=2 * LORA, lora_dropout=0.0, target_modules=targets))
@@ -180,11 +188,12 @@ def sync(device):
 def child(args) -> dict:
     _, _, _, _, targets, seq, batch = MODELS[args.model]
     seq, batch = (64, 2) if args.smoke else (args.seq or seq, batch)
-    result = {"model": args.model, "mode": args.mode, "work": f"LoRA r{LORA}" if targets else "full",
+    work = (f"LoRA r{LORA}" if targets else "full") + (", checkpointed" if args.checkpoint else "")
+    result = {"model": args.model, "mode": args.mode, "work": work,
               "seq": seq, "batch": batch}
     try:
         result["env"] = environment()
-        net, opt, vocab = build(args.mode, args.model, args.device, args.smoke)
+        net, opt, vocab = build(args.mode, args.model, args.device, args.smoke, args.checkpoint)
         gen = torch.Generator().manual_seed(1)
         data = [torch.randint(0, vocab, (batch, seq), generator=gen).to(args.device) for _ in range(args.steps)]
         losses, elapsed, peak = train_steps(net, opt, data, args.warmup, args.device, sync)
@@ -244,7 +253,7 @@ def versus(rows):
 def parent(args):
     names = args.models.split(",") if args.models else list(MODELS)
     extra = ((["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
-             + ([f"--seq={args.seq}"] if args.seq else []))
+             + ([f"--seq={args.seq}"] if args.seq else []) + (["--checkpoint"] if args.checkpoint else []))
 
     def show(result):
         if "profile" in result:
@@ -262,6 +271,7 @@ def main():
     ap.add_argument("--models", help="comma-separated names of MODELS (default: all)")
     ap.add_argument("--profile", action="store_true", help="also profile one step: GPU time by category, top kernels")
     ap.add_argument("--seq", type=int, help="every model's sequence length (default: each model's own)")
+    ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     modes_main(ap.parse_args(), child, parent)
 
 
