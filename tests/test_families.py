@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bastile
 from bastile.families import FAMILIES as TRAITS, Unsupported
-from conftest import needs_cuda, rel_err
+from conftest import DEVICES, needs_cuda, rel_err
 from test_qwen3_training import assert_params_close, batches
 
 COMMON = dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -133,10 +133,12 @@ class Dispatched(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = set()
+        self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "bastile":
             self.ops.add(func._opname.removesuffix("_forward").removesuffix("_backward"))
+            self.calls.append(func._opname)
         return func(*args, **(kwargs or {}))
 
 
@@ -620,6 +622,40 @@ def test_gemma4_kv_sharing_under_gradient_checkpointing(reentrant):
     if not reentrant:
         for name, g in plain.items():
             torch.testing.assert_close(checkpointed[name], g, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_delta_net_compiles_and_checkpoints(device):
+    """Qwen3.5 patched: the step traces whole under torch.compile(fullgraph=True) and gives the eager loss;
+    under HF's gradient checkpointing its gradients are the eager ones bit for bit. On CUDA the Gated DeltaNet
+    has the 9B's head sizes (128) over 1024 tokens in bf16."""
+    if device == "cuda":
+        model = mini("qwen3_5_text", device, torch.bfloat16, linear_key_head_dim=128, linear_value_head_dim=128,
+                     head_dim=128, max_position_embeddings=2048)
+        seq, rtol = 1024, 2e-3
+    else:
+        model = mini("qwen3_5_text", device, torch.float32)
+        seq, rtol = 48, 1e-5
+    (ids, labels), = batches(1, 1, 2, seq, device, 0.1)[0]
+    bastile.apply(model=model)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    with Dispatched() as seen:
+        loss, plain = grads()
+    assert {"gated_delta_rule", "causal_conv1d"} <= seen.ops
+    compiled = torch.compile(lambda: model(input_ids=ids, labels=labels).loss, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled().detach(), loss, rtol=rtol, atol=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with Dispatched() as again:
+        checkpointed_loss, checkpointed = grads()
+    assert again.calls.count("gated_delta_rule") == 2 * seen.calls.count("gated_delta_rule") > 0  # recomputed
+    assert checkpointed_loss == loss
+    for name, g in plain.items():
+        torch.testing.assert_close(checkpointed[name], g, rtol=0, atol=0, msg=name)
 
 
 # ---------------------------------------------------------------- refusals
