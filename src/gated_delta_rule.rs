@@ -15,6 +15,21 @@ use std::ops::Range;
 
 type Result<T> = std::result::Result<T, String>;
 
+/// The CPU kernels' view of a forward or backward block's inputs.
+macro_rules! inputs {
+    ($p:expr) => {
+        Inputs {
+            q: Rows::new($p.q, $p.q_st, $p.shape.k_dim),
+            k: Rows::new($p.k, $p.k_st, $p.shape.k_dim),
+            v: Rows::new($p.v, $p.v_st, $p.shape.v_dim),
+            g: $p.g.cast(),
+            beta: $p.beta.cast(),
+            initial: $p.initial_state.cast(),
+            shape: $p.shape,
+        }
+    };
+}
+
 /// l2norm_qk's epsilon: HF's `l2norm`, fla's.
 const L2_EPS: f64 = 1e-6;
 /// Tokens between the states the CPU backward keeps.
@@ -290,15 +305,7 @@ impl Launch for GatedDeltaRuleBackward {
 
 unsafe fn forward_cpu<T: Element, S: Element>(p: &GatedDeltaRuleForward) -> Result<()> {
     let s = p.shape;
-    let x = Inputs::<T, S> {
-        q: Rows::new(p.q, p.q_st, s.k_dim),
-        k: Rows::new(p.k, p.k_st, s.k_dim),
-        v: Rows::new(p.v, p.v_st, s.v_dim),
-        g: p.g.cast(),
-        beta: p.beta.cast(),
-        initial: p.initial_state.cast(),
-        shape: s,
-    };
+    let x: Inputs<T, S> = inputs!(p);
     let spans = spans(&s, p.cu_seqlens)?;
     let (hv, vd) = (s.v_heads as usize, s.v_dim as usize);
     let x = &x;
@@ -425,15 +432,7 @@ unsafe fn backward_head<T: Element, S: Element>(
 
 unsafe fn backward_cpu<T: Element, S: Element>(p: &GatedDeltaRuleBackward) -> Result<()> {
     let s = p.shape;
-    let x = Inputs::<T, S> {
-        q: Rows::new(p.q, p.q_st, s.k_dim),
-        k: Rows::new(p.k, p.k_st, s.k_dim),
-        v: Rows::new(p.v, p.v_st, s.v_dim),
-        g: p.g.cast(),
-        beta: p.beta.cast(),
-        initial: p.initial_state.cast(),
-        shape: s,
-    };
+    let x: Inputs<T, S> = inputs!(p);
     let grad_o = Rows::<T>::contiguous(p.grad_o, &s, s.v_heads, s.v_dim);
     let spans = spans(&s, p.cu_seqlens)?;
     let (hk, hv, kd, vd) = (s.k_heads as usize, s.v_heads as usize, s.k_dim as usize, s.v_dim as usize);
