@@ -5,14 +5,18 @@
 //   W = X (beta G k),   U = X (beta v),   v' = U - W h
 //   o = G q h + (lower(q k^T) * D) v'        (q normalized and scaled)
 //   h <- G_last h + (exp(gamma_last - gamma) k)^T v'
-// The backward walks the chunks in reverse with dh, the gradient of the chunk's final state:
+// The forward computes every chunk's key side (W, U) in parallel, then walks each sequence's chunks in order
+// with only the state's two products (v' and the update; the state in registers, a warp's share of its rows
+// per thread column), keeping each chunk's starting state; o is computed last, the chunks in parallel again.
+// The backward replays the first two (the states, X, W and v'), then walks the chunks in reverse with dh, the
+// gradient of the chunk's final state:
 //   dv' = M^T do + (exp(gamma_last - gamma) k) dh            (M = lower(q k^T) * D)
 //   dh <- G_last dh + (G q)^T do - W^T dv'
 //   dW = -dv' h^T,  dU = dv',  dT = dU (beta v)^T + dW (beta G k)^T,  dA = -X^T dT X^T (strictly lower)
 // and q, k, beta and gamma take the terms of every product above (gamma's summed from the chunk's end into g's).
-// The columns of the state never mix: a block takes one sequence, value head and VS of its columns and walks
-// the chunks, so the key side (A, X, W) is computed by each of a head's blocks, and the gradients of q, k, g
-// and beta are sums over the blocks of a head (and over the value heads that share a key head), which the
+// The columns of the state never mix: a backward block takes one sequence, value head and VS of its columns and
+// walks the chunks, so A and M are computed by each of a head's blocks, and the gradients of q, k, g and beta
+// are sums over the blocks of a head (and over the value heads that share a key head), which the
 // reduce kernel takes, with the l2norm's backward. Everything multiplies in f32 on the CUDA cores.
 #include "common.cuh"
 #include "gated_delta_rule.h"
@@ -21,10 +25,12 @@ using namespace bastile;
 
 namespace {
 
-constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, THREADS = 256, WARPS = THREADS / 32;
+constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, OC = GDR_OUT_COLS, WARPS = GDR_WARPS,
+              THREADS = 32 * WARPS, ROWS = KMAX / WARPS;
 // Rows padded by one float: a warp reading a column of a row-major tile hits 32 banks.
 constexpr int KP = KMAX + 1, CP = C + 1, VP = VS + 1;
-static_assert(C == 32, "a warp's lane is a chunk's row");
+static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
+static_assert(ROWS % 4 == 0 && OC == 64, "the state pass's rows, and the output's columns, go by float4");
 
 // What forward and backward both compute of a chunk.
 struct Chunk {
@@ -48,7 +54,7 @@ struct Backward {
   float dgamma[C], dbeta[C], hdh[THREADS];
 };
 
-static_assert(sizeof(Chunk) == GDR_FORWARD_SHARED && sizeof(Backward) == GDR_BACKWARD_SHARED);
+static_assert(sizeof(Chunk) == GDR_CHUNK_SHARED && sizeof(Backward) == GDR_BACKWARD_SHARED);
 
 extern __shared__ __align__(16) unsigned char shared_raw[];
 
@@ -88,65 +94,93 @@ struct Place {
   __device__ int64_t token(const DeltaShape &s, int64_t t0, int i) const { return sp.row * s.tokens + sp.start + t0 + i; }
 };
 
-// Loads chunk [t0, t0 + L) into the tiles: k and q (normalized, q scaled), v of the block's columns, the decays.
-// Rows past L are zeros (beta 0, g 0): they change nothing.
+// Rows [start, start + L) of k (normalized) and, unless null, q (normalized and scaled) of key head hk into
+// tiles; zeros past L and past K.
 template <class T, class P>
-__device__ void load_chunk(Chunk &m, const P &p, const Place &at, int64_t t0, int L) {
+__device__ void load_qk(float (*q)[KP], float (*k)[KP], const P &p, int64_t row, int64_t start, int hk, int L) {
   const DeltaShape &s = p.shape;
-  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const T *q = static_cast<const T *>(p.q), *k = static_cast<const T *>(p.k), *v = static_cast<const T *>(p.v);
+  const int K = s.k_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const T *qs = static_cast<const T *>(p.q), *ks = static_cast<const T *>(p.k);
   for (int i = warp; i < C; i += WARPS) {
-    const int64_t t = at.sp.start + t0 + i;
-    float qs = 0.f, ks = 0.f;
-    for (int d = lane; d < K; d += 32) {
+    const int64_t t = start + i;
+    float qq = 0.f, kk = 0.f;
+    for (int d = lane; d < KMAX; d += 32) {
       float qv = 0.f, kv = 0.f;
-      if (i < L) {
-        qv = to_f32(q[at.sp.row * p.q_st.batch + t * p.q_st.token + at.hk * p.q_st.head + d]);
-        kv = to_f32(k[at.sp.row * p.k_st.batch + t * p.k_st.token + at.hk * p.k_st.head + d]);
+      if (i < L && d < K) {
+        if (q) qv = to_f32(qs[row * p.q_st.batch + t * p.q_st.token + hk * p.q_st.head + d]);
+        kv = to_f32(ks[row * p.k_st.batch + t * p.k_st.token + hk * p.k_st.head + d]);
       }
-      m.q[i][d] = qv;
-      m.k[i][d] = kv;
-      qs += qv * qv;
-      ks += kv * kv;
+      if (q) q[i][d] = qv;
+      k[i][d] = kv;
+      qq += qv * qv;
+      kk += kv * kv;
     }
     float rq = s.scale, rk = 1.f;
     if (s.l2norm_qk) {
-      rq *= rsqrtf(warp_sum(qs) + 1e-6f);
-      rk = rsqrtf(warp_sum(ks) + 1e-6f);
+      rq *= rsqrtf(warp_sum(qq) + 1e-6f);
+      rk = rsqrtf(warp_sum(kk) + 1e-6f);
     }
-    for (int d = lane; d < K; d += 32) {
-      m.q[i][d] *= rq;
-      m.k[i][d] *= rk;
+    for (int d = lane; d < KMAX; d += 32) {
+      if (q) q[i][d] *= rq;
+      k[i][d] *= rk;
     }
   }
-  for (int e = tid; e < C * VS; e += THREADS) {
+}
+
+// Warp 0: the running sum of g over the L tokens from row `first` (of [B * T]) of value head h, and beta,
+// beta G and exp(gamma_last - gamma); past L, g and beta are 0 (those rows change nothing).
+template <class P>
+__device__ void load_decays(const P &p, int64_t first, int h, int L, float *gamma, float *beta, float *bg, float *tail) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = (first + lane) * p.shape.v_heads + h;
+  const float g = lane < L ? static_cast<const float *>(p.g)[row] : 0.f;
+  const float b = lane < L ? static_cast<const float *>(p.beta)[row] : 0.f;
+  float run = g;
+  for (int o = 1; o < 32; o *= 2) {
+    const float up = __shfl_up_sync(0xffffffffu, run, o);
+    if (lane >= o) run += up;
+  }
+  const float last = __shfl_sync(0xffffffffu, run, L - 1);
+  gamma[lane] = run;
+  beta[lane] = b;
+  bg[lane] = b * __expf(run);
+  tail[lane] = __expf(last - run);
+}
+
+// Loads chunk [t0, t0 + L) into the tiles: k and q, v of the block's columns, the decays.
+template <class T, class P>
+__device__ void load_chunk(Chunk &m, const P &p, const Place &at, int64_t t0, int L) {
+  const T *v = static_cast<const T *>(p.v);
+  load_qk<T>(m.q, m.k, p, at.sp.row, at.sp.start + t0, at.hk, L);
+  for (int e = threadIdx.x; e < C * VS; e += THREADS) {
     const int i = e / VS, j = e % VS;
     const int64_t t = at.sp.start + t0 + i;
     m.v[i][j] = i < L && j < at.cols
                     ? to_f32(v[at.sp.row * p.v_st.batch + t * p.v_st.token + at.h * p.v_st.head + at.j0 + j])
                     : 0.f;
   }
-  if (warp == 0) {  // the running sum of g
-    const int64_t row = at.token(s, t0, lane) * s.v_heads + at.h;
-    const float g = lane < L ? static_cast<const float *>(p.g)[row] : 0.f;
-    const float beta = lane < L ? static_cast<const float *>(p.beta)[row] : 0.f;
-    float run = g;
-    for (int o = 1; o < 32; o *= 2) {
-      const float up = __shfl_up_sync(0xffffffffu, run, o);
-      if (lane >= o) run += up;
+  if (threadIdx.x < 32) load_decays(p, at.token(p.shape, t0, 0), at.h, L, m.gamma, m.beta, m.bg, m.tail);
+  __syncthreads();
+}
+
+// X = (I + beta A)^-1 from A without beta.
+__device__ void invert(const float (&a)[C][CP], float (&x)[C][CP], const float *beta) {
+  if (threadIdx.x < C) {  // a column of X needs only its own entries
+    const int j = threadIdx.x;
+    for (int i = 0; i < C; ++i) x[i][j] = i == j ? 1.f : 0.f;
+    for (int i = j + 1; i < C; ++i) {
+      float acc = a[i][j];
+      for (int l = j + 1; l < i; ++l) acc += a[i][l] * x[l][j];
+      x[i][j] = -beta[i] * acc;
     }
-    const float last = __shfl_sync(0xffffffffu, run, L - 1);
-    m.gamma[lane] = run;
-    m.beta[lane] = beta;
-    m.bg[lane] = beta * __expf(run);
-    m.tail[lane] = __expf(last - run);
   }
   __syncthreads();
 }
 
-// A (without beta), M, X; then W and U (in vn).
-__device__ void key_side(Chunk &m, int K) {
-  const int tid = threadIdx.x;
+// A (without beta) and M; X, W and v' as the forward's replay left them in the scratch.
+__device__ void key_side(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chunk, const Place &at) {
+  const int K = p.shape.k_dim, tid = threadIdx.x;
+  const int64_t V = p.shape.v_dim;
   for (int e = tid; e < C * C; e += THREADS) {
     const int i = e / C, j = e % C;
     float kk = 0.f, qk = 0.f;
@@ -158,52 +192,13 @@ __device__ void key_side(Chunk &m, int K) {
     const float decay = j <= i ? __expf(m.gamma[i] - m.gamma[j]) : 0.f;
     m.a[i][j] = j < i ? decay * kk : 0.f;
     m.qk[i][j] = qk * decay;
+    m.x[i][j] = p.x[chunk * C * C + e];
   }
-  __syncthreads();
-  if (tid < C) {  // a column of X needs only its own entries
-    const int j = tid;
-    for (int i = 0; i < C; ++i) m.x[i][j] = i == j ? 1.f : 0.f;
-    for (int i = j + 1; i < C; ++i) {
-      float acc = m.a[i][j];
-      for (int l = j + 1; l < i; ++l) acc += m.a[i][l] * m.x[l][j];
-      m.x[i][j] = -m.beta[i] * acc;
-    }
-  }
-  __syncthreads();
-  for (int e = tid; e < C * K; e += THREADS) {
-    const int i = e / K, d = e % K;
-    float acc = 0.f;
-    for (int l = 0; l <= i; ++l) acc += m.x[i][l] * m.bg[l] * m.k[l][d];
-    m.w[i][d] = acc;
-  }
+  for (int e = tid; e < C * KMAX; e += THREADS) m.w[e / KMAX][e % KMAX] = p.w[chunk * C * KMAX + e];
+  const float *vn = p.vn + chunk * C * V;
   for (int e = tid; e < C * VS; e += THREADS) {
     const int i = e / VS, j = e % VS;
-    float acc = 0.f;
-    for (int l = 0; l <= i; ++l) acc += m.x[i][l] * m.beta[l] * m.v[l][j];
-    m.vn[i][j] = acc;
-  }
-  __syncthreads();
-}
-
-// v' = U - W h.
-__device__ void new_values(Chunk &m, int K) {
-  for (int e = threadIdx.x; e < C * VS; e += THREADS) {
-    const int i = e / VS, j = e % VS;
-    float acc = m.vn[i][j];
-    for (int d = 0; d < K; ++d) acc -= m.w[i][d] * m.h[d][j];
-    m.vn[i][j] = acc;
-  }
-  __syncthreads();
-}
-
-// h <- G_last h + (tail k)^T v'.
-__device__ void advance(Chunk &m, int K, int L) {
-  const float last = __expf(m.gamma[L - 1]);
-  for (int e = threadIdx.x; e < K * VS; e += THREADS) {
-    const int d = e / VS, j = e % VS;
-    float acc = last * m.h[d][j];
-    for (int l = 0; l < L; ++l) acc += m.k[l][d] * m.tail[l] * m.vn[l][j];
-    m.h[d][j] = acc;
+    m.vn[i][j] = j < at.cols ? vn[i * V + at.j0 + j] : 0.f;
   }
   __syncthreads();
 }
@@ -222,35 +217,239 @@ __device__ void state_out(float *dst, const float (&h)[KMAX][VP], int K, int64_t
     if (e % VS < at.cols) dst[(e / VS) * V + at.j0 + e % VS] = h[e / VS][e % VS];
 }
 
-template <class T> __device__ __forceinline__ void forward(const GatedDeltaRuleForward &p) {
-  Chunk &m = *reinterpret_cast<Chunk *>(shared_raw);
-  const DeltaShape &s = p.shape;
-  const int K = s.k_dim;
-  const int64_t V = s.v_dim;
-  const Place at(s, p.cu_seqlens);
-  const int64_t head_state = (at.n * s.v_heads + at.h) * K * V;
-  state_in(m.h, p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr, K, V, at);
-  T *o = static_cast<T *>(p.o);
-  for (int64_t t0 = 0; t0 < at.sp.len; t0 += C) {
-    const int L = (int)min((int64_t)C, at.sp.len - t0);
-    if (p.states)
-      state_out(p.states + (slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h) * K * V, m.h, K, V, at);
-    load_chunk<T>(m, p, at, t0, L);
-    key_side(m, K);
-    new_values(m, K);
-    if (o)
-      for (int e = threadIdx.x; e < C * VS; e += THREADS) {
-        const int i = e / VS, j = e % VS;
-        if (i >= L || j >= at.cols) continue;
-        float inter = 0.f, intra = 0.f;
-        for (int d = 0; d < K; ++d) inter += m.q[i][d] * m.h[d][j];
-        for (int l = 0; l <= i; ++l) intra += m.qk[i][l] * m.vn[l][j];
-        o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j] = from_f32<T>(__expf(m.gamma[i]) * inter + intra);
+// The chunk of slot `sigma` (see slot()): its sequence, first token (of the sequence) and length; L = 0 for a
+// slot that no chunk has.
+struct ChunkAt {
+  int64_t n, t0;
+  Span sp;
+  int L;
+  __device__ ChunkAt(const DeltaShape &s, const int64_t *cu, int64_t sigma) {
+    if (!cu) {
+      const int64_t per = (s.tokens + C - 1) / C;
+      n = sigma / per;
+      t0 = sigma % per * C;
+    } else {  // sequence n's first slot, start / C + n, grows with n: the last one at or before sigma
+      int64_t lo = 0, hi = s.sequences - 1;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (span_of(s, cu, mid).start / C + mid <= sigma) lo = mid;
+        else hi = mid - 1;
       }
-    __syncthreads();
-    advance(m, K, L);
+      n = lo;
+      t0 = (sigma - span_of(s, cu, n).start / C - n) * C;
+    }
+    sp = span_of(s, cu, n);
+    L = t0 >= 0 && t0 < sp.len ? (int)min((int64_t)C, sp.len - t0) : 0;
   }
-  if (p.final_state) state_out(static_cast<float *>(p.final_state) + head_state, m.h, K, V, at);
+};
+
+// The key side of a chunk (blockIdx.x its slot) and value head (blockIdx.y): W, kt, gamma and U, into the
+// scratch.
+struct Prep {
+  float k[C][KP];
+  float v[C][VP];
+  float a[C][CP], x[C][CP];
+  float gamma[C], beta[C], bg[C], tail[C];
+};
+static_assert(sizeof(Prep) == GDR_PREP_SHARED);
+
+template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForward &p) {
+  Prep &m = *reinterpret_cast<Prep *>(shared_raw);
+  const DeltaShape &s = p.shape;
+  const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
+  if (c.L == 0) return;
+  const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, tid = threadIdx.x;
+  const int64_t V = s.v_dim, first = c.sp.row * s.tokens + c.sp.start + c.t0;
+  load_qk<T>(nullptr, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
+  if (tid < 32) load_decays(p, first, h, c.L, m.gamma, m.beta, m.bg, m.tail);
+  __syncthreads();
+  for (int e = tid; e < C * C; e += THREADS) {
+    const int i = e / C, j = e % C;
+    float kk = 0.f;
+    if (j < i)
+      for (int d = 0; d < K; ++d) kk += m.k[i][d] * m.k[j][d];
+    m.a[i][j] = j < i ? __expf(m.gamma[i] - m.gamma[j]) * kk : 0.f;
+  }
+  __syncthreads();
+  invert(m.a, m.x, m.beta);
+  const int64_t at = blockIdx.x * s.v_heads + h;
+  float *w = p.w + at * C * KMAX, *kt = p.kt + at * C * KMAX, *u = p.u + at * C * V;
+  for (int e = tid; e < C * C; e += THREADS) p.x[at * C * C + e] = m.x[e / C][e % C];
+  for (int e = tid; e < C * KMAX; e += THREADS) {
+    const int i = e / KMAX, d = e % KMAX;
+    float acc = 0.f;
+    for (int l = 0; l <= i; ++l) acc += m.x[i][l] * m.bg[l] * m.k[l][d];
+    w[e] = acc;
+    kt[e] = m.tail[i] * m.k[i][d];
+  }
+  if (tid < C) p.gamma[at * C + tid] = m.gamma[tid];
+  const T *v = static_cast<const T *>(p.v);
+  for (int64_t j0 = 0; j0 < V; j0 += VS) {
+    for (int e = tid; e < C * VS; e += THREADS) {
+      const int i = e / VS, j = e % VS;
+      const int64_t t = c.sp.start + c.t0 + i;
+      m.v[i][j] = i < c.L && j0 + j < V
+                      ? m.beta[i] * to_f32(v[c.sp.row * p.v_st.batch + t * p.v_st.token + h * p.v_st.head + j0 + j])
+                      : 0.f;
+    }
+    __syncthreads();
+    for (int e = tid; e < C * VS; e += THREADS) {
+      const int i = e / VS, j = e % VS;
+      float acc = 0.f;
+      for (int l = 0; l <= i; ++l) acc += m.x[i][l] * m.v[l][j];
+      if (j0 + j < V) u[i * V + j0 + j] = acc;
+    }
+    __syncthreads();
+  }
+}
+
+// A sequence's chunks in order for one value head and VS columns of the state (Place): each chunk's starting
+// state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v'. Warp w keeps rows [ROWS w, ROWS (w+1))
+// of the state, lane j its column j, in registers.
+struct State {
+  float4 w[C][KMAX / 4], kt[C][KMAX / 4];
+  float u[C][VP], vn[C][VP];
+  float part[WARPS][C][VP];
+};
+static_assert(sizeof(State) == GDR_STATE_SHARED);
+
+__device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
+  State &m = *reinterpret_cast<State *>(shared_raw);
+  const DeltaShape &s = p.shape;
+  const Place at(s, p.cu_seqlens);
+  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * ROWS;
+  const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
+  const bool mine = lane < at.cols;
+  float h[ROWS];
+  const float *init = p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) h[r] = init && mine && d0 + r < K ? init[(d0 + r) * V + at.j0 + lane] : 0.f;
+  for (int64_t t0 = 0; t0 < at.sp.len; t0 += C) {
+    const int64_t chunk = slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h;
+    float *state = p.states + chunk * K * V;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (mine && d0 + r < K) state[(d0 + r) * V + at.j0 + lane] = h[r];
+    const float4 *w = reinterpret_cast<const float4 *>(p.w + chunk * C * KMAX);
+    const float4 *kt = reinterpret_cast<const float4 *>(p.kt + chunk * C * KMAX);
+    for (int e = tid; e < C * KMAX / 4; e += THREADS) {
+      (&m.w[0][0])[e] = w[e];
+      (&m.kt[0][0])[e] = kt[e];
+    }
+    float *u = p.u + chunk * C * V;
+    for (int e = tid; e < C * VS; e += THREADS) {
+      const int i = e / VS, j = e % VS;
+      m.u[i][j] = j < at.cols ? u[i * V + at.j0 + j] : 0.f;
+    }
+    const float last = __expf(p.gamma[chunk * C + C - 1]);
+    __syncthreads();
+    for (int i = 0; i < C; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < ROWS; r += 4) {
+        const float4 wi = m.w[i][(d0 + r) / 4];
+        acc += wi.x * h[r] + wi.y * h[r + 1] + wi.z * h[r + 2] + wi.w * h[r + 3];
+      }
+      m.part[warp][i][lane] = acc;
+    }
+    __syncthreads();
+    for (int i = warp; i < C; i += WARPS) {
+      float acc = m.u[i][lane];
+      for (int v = 0; v < WARPS; ++v) acc -= m.part[v][i][lane];
+      m.vn[i][lane] = acc;
+      if (mine) u[i * V + at.j0 + lane] = acc;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) h[r] *= last;
+    for (int i = 0; i < C; ++i) {
+      const float vi = m.vn[i][lane];
+#pragma unroll
+      for (int r = 0; r < ROWS; r += 4) {
+        const float4 ki = m.kt[i][(d0 + r) / 4];
+        h[r] += ki.x * vi;
+        h[r + 1] += ki.y * vi;
+        h[r + 2] += ki.z * vi;
+        h[r + 3] += ki.w * vi;
+      }
+    }
+    __syncthreads();
+  }
+  if (p.final_state) {
+    float *fin = static_cast<float *>(p.final_state) + head_state;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (mine && d0 + r < K) fin[(d0 + r) * V + at.j0 + lane] = h[r];
+  }
+}
+
+// o of a chunk (blockIdx.x its slot), value head and OC columns (blockIdx.y = head * column blocks + block):
+// G q h + M v', from the chunk's starting state and v'. A thread takes 2 rows and 4 columns.
+struct Out {
+  float4 h[KMAX][OC / 4];
+  float4 vn[C][OC / 4];
+  float q[C][KP], k[C][KP];
+  float mq[C][CP];
+  float gamma[C];
+};
+static_assert(sizeof(Out) == GDR_OUT_SHARED);
+
+template <class T> __device__ __forceinline__ void out(const GatedDeltaRuleForward &p) {
+  Out &m = *reinterpret_cast<Out *>(shared_raw);
+  const DeltaShape &s = p.shape;
+  const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
+  if (c.L == 0) return;
+  const int64_t V = s.v_dim, blocks = (V + OC - 1) / OC;
+  const int h = blockIdx.y / blocks, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, tid = threadIdx.x;
+  const int64_t j0 = blockIdx.y % blocks * OC, first = c.sp.row * s.tokens + c.sp.start + c.t0;
+  const int64_t chunk = blockIdx.x * s.v_heads + h;
+  load_qk<T>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
+  const float *state = p.states + chunk * K * V, *u = p.u + chunk * C * V;
+  float *hs = &m.h[0][0].x, *vs = &m.vn[0][0].x;
+  for (int e = tid; e < KMAX * OC; e += THREADS) {
+    const int d = e / OC, j = e % OC;
+    hs[e] = d < K && j0 + j < V ? state[d * V + j0 + j] : 0.f;
+  }
+  for (int e = tid; e < C * OC; e += THREADS) {
+    const int i = e / OC, j = e % OC;
+    vs[e] = j0 + j < V ? u[i * V + j0 + j] : 0.f;
+  }
+  if (tid < C) m.gamma[tid] = p.gamma[chunk * C + tid];
+  __syncthreads();
+  for (int e = tid; e < C * C; e += THREADS) {
+    const int i = e / C, l = e % C;
+    float qk = 0.f;
+    if (l <= i)
+      for (int d = 0; d < K; ++d) qk += m.q[i][d] * m.k[l][d];
+    m.mq[i][l] = l <= i ? qk * __expf(m.gamma[i] - m.gamma[l]) : 0.f;
+  }
+  __syncthreads();
+  const int cq = tid % (OC / 4), i0 = tid / (OC / 4) * 2;
+  float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
+  for (int d = 0; d < K; ++d) {
+    const float4 hd = m.h[d][cq];
+    const float q0 = m.q[i0][d], q1 = m.q[i0 + 1][d];
+    a0.x += q0 * hd.x, a0.y += q0 * hd.y, a0.z += q0 * hd.z, a0.w += q0 * hd.w;
+    a1.x += q1 * hd.x, a1.y += q1 * hd.y, a1.z += q1 * hd.z, a1.w += q1 * hd.w;
+  }
+  const float g0 = __expf(m.gamma[i0]), g1 = __expf(m.gamma[i0 + 1]);
+  a0.x *= g0, a0.y *= g0, a0.z *= g0, a0.w *= g0;
+  a1.x *= g1, a1.y *= g1, a1.z *= g1, a1.w *= g1;
+  for (int l = 0; l <= i0 + 1; ++l) {
+    const float4 vl = m.vn[l][cq];
+    const float m0 = m.mq[i0][l], m1 = m.mq[i0 + 1][l];
+    a0.x += m0 * vl.x, a0.y += m0 * vl.y, a0.z += m0 * vl.z, a0.w += m0 * vl.w;
+    a1.x += m1 * vl.x, a1.y += m1 * vl.y, a1.z += m1 * vl.z, a1.w += m1 * vl.w;
+  }
+  T *o = static_cast<T *>(p.o);
+  const float r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int64_t j = j0 + cq * 4 + q;
+    if (j >= V) continue;
+    if (i0 < c.L) o[((first + i0) * s.v_heads + h) * V + j] = from_f32<T>(r0[q]);
+    if (i0 + 1 < c.L) o[((first + i0 + 1) * s.v_heads + h) * V + j] = from_f32<T>(r1[q]);
+  }
 }
 
 // The sum over the warps of per-warp row sums part[r], in a fixed order.
@@ -279,14 +478,14 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   for (int64_t c = chunks - 1; c >= 0; --c) {
     const int64_t t0 = c * C;
     const int L = (int)min((int64_t)C, at.sp.len - t0);
-    state_in(m.h, p.states + (slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h) * K * V, K, V, at);
+    const int64_t chunk = slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h;
+    state_in(m.h, p.states + chunk * K * V, K, V, at);
     load_chunk<T>(m, p, at, t0, L);
     for (int e = tid; e < C * VS; e += THREADS) {
       const int i = e / VS, j = e % VS;
       b.dout[i][j] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
     }
-    key_side(m, K);
-    new_values(m, K);
+    key_side(m, p, chunk, at);
     // dv' = M^T do + tail k dh
     for (int e = tid; e < C * VS; e += THREADS) {
       const int i = e / VS, j = e % VS;
@@ -513,9 +712,14 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
 
 }  // namespace
 
-#define FORWARD(dir, dt) \
-  extern "C" __global__ void __launch_bounds__(THREADS) gated_delta_rule_##dir##_##dt(const GatedDeltaRuleForward p) { \
-    forward<BASTILE_TYPE_##dt>(p);                                                                                       \
+#define STAGE(dir, stage, dt)                                                                          \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                \
+      gated_delta_rule_##dir##_##stage##_##dt(const GatedDeltaRuleForward p) {                         \
+    stage<BASTILE_TYPE_##dt>(p);                                                                        \
+  }
+#define STATE(dir, stage)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS) gated_delta_rule_##dir##_##stage(const GatedDeltaRuleForward p) { \
+    state_pass(p);                                                                                              \
   }
 #define BACKWARD(dir, dt) \
   extern "C" __global__ void __launch_bounds__(THREADS) gated_delta_rule_##dir##_##dt(const GatedDeltaRuleBackward p) { \
@@ -526,5 +730,5 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
       gated_delta_rule_##dir##_##reduce_##_##dt(const GatedDeltaRuleBackward p) {                        \
     reduce<BASTILE_TYPE_##dt>(p);                                                                         \
   }
-GATED_DELTA_RULE_FORWARD_KERNELS(FORWARD)
+GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)
 GATED_DELTA_RULE_BACKWARD_KERNELS(BACKWARD, REDUCE)

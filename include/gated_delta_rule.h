@@ -43,8 +43,13 @@ typedef struct GatedDeltaRuleForward {
                                 0 = cu[0] <= ... <= cu[N] = T; CUDA kernels clamp to the row. */
   void *o;                   /* [B, T, Hv, V] contiguous, or null (the backward's replay) */
   void *final_state;         /* [N, Hv, K, V] contiguous, or null (the backward's replay) */
-  float *states;             /* CUDA: [slots, Hv, K, V] f32, the state at the start of every chunk (slot
-                                gdr_slot), for the backward; or null */
+  /* CUDA scratch, f32, by chunk (its slot: distinct for every chunk of every sequence) and value head: */
+  float *states; /* [slots, Hv, K, V]: the state at the chunk's start */
+  float *w;      /* [slots, Hv, C, GDR_MAX_DIM]: W, zero past K */
+  float *kt;     /* [slots, Hv, C, GDR_MAX_DIM]: exp(gamma_last - gamma) k, zero past K */
+  float *u;      /* [slots, Hv, C, V]: U, then v' */
+  float *gamma;  /* [slots, Hv, C]: the running sum of g from the chunk's start */
+  float *x;      /* [slots, Hv, C, C]: X */
   TokenStrides q_st;
   TokenStrides k_st;
   TokenStrides v_st;
@@ -68,7 +73,11 @@ typedef struct GatedDeltaRuleBackward {
   void *grad_g;             /* [B, T, Hv] */
   void *grad_beta;          /* [B, T, Hv] */
   void *grad_initial_state; /* [N, Hv, K, V] */
-  float *states;            /* CUDA: the forward's `states`, written by its replay */
+  /* CUDA: the forward's scratch, written by its replay (its first two kernels): */
+  const float *states;
+  const float *w;
+  const float *vn; /* the forward's u: v' */
+  const float *x;
   float *partial;           /* CUDA: [4][slices][B * T * Hv][...] f32: each block's share of the gradients of q
                                and k ([K] a token and value head) and of g and beta ([1]), which reduce sums */
   TokenStrides q_st;
@@ -77,20 +86,35 @@ typedef struct GatedDeltaRuleBackward {
   DeltaShape shape;
 } GatedDeltaRuleBackward;
 
-/* CUDA: tokens per chunk, the widest head a kernel takes, and the value columns of the state a block owns. */
+/* CUDA: tokens per chunk, the widest head a kernel takes, the value columns of the state a block of the state
+ * pass and of the backward owns, and those of the output kernel. */
 #define GDR_CHUNK 32
 #define GDR_MAX_DIM 128
 #define GDR_V_SLICE 32
-/* Bytes of the forward's and the backward's tiles (their dynamic shared memory; the kernels assert them). */
-#define GDR_FORWARD_SHARED                                                                                  \
+#define GDR_OUT_COLS 64
+#define GDR_WARPS 8
+/* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them). */
+#define GDR_PREP_SHARED \
+  (4 * (GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
+#define GDR_STATE_SHARED \
+  (4 * (2 * GDR_CHUNK * GDR_MAX_DIM + (GDR_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1)))
+#define GDR_OUT_SHARED                                                                                    \
+  (4 * (GDR_MAX_DIM * GDR_OUT_COLS + GDR_CHUNK * GDR_OUT_COLS + 2 * GDR_CHUNK * (GDR_MAX_DIM + 1) + \
+        GDR_CHUNK * (GDR_CHUNK + 1) + GDR_CHUNK))
+#define GDR_CHUNK_SHARED                                                                                  \
   (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
         GDR_MAX_DIM * (GDR_V_SLICE + 1) + 4 * GDR_CHUNK))
 #define GDR_BACKWARD_SHARED                                                                                     \
-  (GDR_FORWARD_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_MAX_DIM * (GDR_V_SLICE + 1) +          \
-                             4 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * 8 * GDR_CHUNK + 2 * GDR_CHUNK + 256))
+  (GDR_CHUNK_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_MAX_DIM * (GDR_V_SLICE + 1) +          \
+                           4 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * 8 * GDR_CHUNK + 2 * GDR_CHUNK + 256))
 
-#define GATED_DELTA_RULE_FORWARD_KERNELS(K) K(fwd, f32) K(fwd, f16) K(fwd, bf16)
-/* gated_delta_rule_fwd_<dtype>; gated_delta_rule_bwd_<dtype> (the chunks in reverse) and
- * gated_delta_rule_bwd_reduce_<dtype> (the sums over blocks). */
+/* The forward in three kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt and gamma, the chunks
+ * in parallel), gated_delta_rule_fwd_state (the chunks of a sequence in order: the states and v') and
+ * gated_delta_rule_fwd_out_<dtype> (o, the chunks in parallel). */
+#define GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)                                                   \
+  STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STATE(fwd, state) STAGE(fwd, out, f32) \
+      STAGE(fwd, out, f16) STAGE(fwd, out, bf16)
+/* gated_delta_rule_bwd_<dtype> (the chunks in reverse) and gated_delta_rule_bwd_reduce_<dtype> (the sums over
+ * blocks). */
 #define GATED_DELTA_RULE_BACKWARD_KERNELS(K, REDUCE) \
   K(bwd, f32) K(bwd, f16) K(bwd, bf16) REDUCE(bwd, reduce, f32) REDUCE(bwd, reduce, f16) REDUCE(bwd, reduce, bf16)

@@ -9,7 +9,7 @@ use crate::geometry::ceil_div;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, DeltaShape, GatedDeltaRuleBackward, GatedDeltaRuleForward, TokenStrides, GDR_BACKWARD_SHARED,
-    GDR_CHUNK, GDR_FORWARD_SHARED, GDR_MAX_DIM, GDR_V_SLICE,
+    GDR_CHUNK, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WARPS,
 };
 use std::ops::Range;
 
@@ -211,9 +211,9 @@ macro_rules! on_dtypes {
 }
 
 /// Threads of every kernel's blocks.
-const THREADS: u32 = 256;
+const THREADS: u32 = 32 * GDR_WARPS;
 
-/// The grid of the forward and backward kernels: a block per sequence and value head, times the slices of V.
+/// The grid of the state pass and the backward: a block per sequence and value head, times the slices of V.
 fn grid(s: &DeltaShape) -> Result<(u32, u32)> {
     if s.k_dim > GDR_MAX_DIM as i64 {
         return Err(format!("bastile.gated_delta_rule: CUDA kernels take a key head_dim up to {GDR_MAX_DIM}, got {}", s.k_dim));
@@ -225,31 +225,92 @@ fn grid(s: &DeltaShape) -> Result<(u32, u32)> {
     Ok((blocks as u32, ceil_div(s.v_dim, GDR_V_SLICE as i64) as u32))
 }
 
-fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan> {
-    let kernel = kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, dtype(&p.shape)?], THREADS, 2)?;
-    let cfg = LaunchConfig { grid: grid(&p.shape)?, block: (THREADS, 1), shared: GDR_FORWARD_SHARED };
-    Ok(Plan::single(kernel, cfg, *p))
-}
-
 fn dtype(s: &DeltaShape) -> Result<Tag> {
     Ok(BastileDType::from_raw(s.dtype)?.tag())
 }
 
-/// The backward replays the forward into the states (the first part of the scratch), walks the chunks in
-/// reverse writing each block's share of the gradients (the rest), and folds the shares.
+/// The forward's kernels and their scratch (include/gated_delta_rule.h): `launch(params, scratch, stream)`
+/// points the params at the scratch and runs the key side and the state pass, and the output where
+/// `params.o` is set.
+#[derive(Clone, Copy)]
+struct Forward {
+    prep: driver::Kernel,
+    state: driver::Kernel,
+    out: driver::Kernel,
+    slots: i64,
+    grid: (u32, u32),
+}
+
+impl Forward {
+    fn new(s: &DeltaShape, packed: bool, dev: &'static Device) -> Result<Forward> {
+        let tag = dtype(s)?;
+        let chunk = GDR_CHUNK as i64;
+        let slots = if packed { s.tokens / chunk + s.sequences } else { s.sequences * ceil_div(s.tokens, chunk) };
+        if slots > i32::MAX as i64 {
+            return Err(format!("bastile.gated_delta_rule: {slots} chunks are more than one launch takes"));
+        }
+        Ok(Forward {
+            prep: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::Prep, tag], THREADS, 1)?,
+            state: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::State], THREADS, 1)?,
+            out: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::Out, tag], THREADS, 1)?,
+            slots,
+            grid: grid(s)?,
+        })
+    }
+
+    /// Floats of scratch: the states, W, kt, U, gamma and X of every slot and value head.
+    fn scratch(&self, s: &DeltaShape) -> i64 {
+        let (c, k) = (GDR_CHUNK as i64, GDR_MAX_DIM as i64);
+        self.slots * s.v_heads * (s.k_dim * s.v_dim + 2 * c * k + c * s.v_dim + c + c * c)
+    }
+
+    /// # Safety
+    /// `memory` holds `scratch` floats; the C++ layer checked every other pointer of `p`.
+    unsafe fn launch(&self, p: &mut GatedDeltaRuleForward, memory: *mut f32, stream: usize) -> Result<()> {
+        let s = p.shape;
+        let (c, k) = (GDR_CHUNK as i64, GDR_MAX_DIM as i64);
+        let chunks = self.slots * s.v_heads;
+        p.states = memory;
+        p.w = p.states.add((chunks * s.k_dim * s.v_dim) as usize);
+        p.kt = p.w.add((chunks * c * k) as usize);
+        p.u = p.kt.add((chunks * c * k) as usize);
+        p.gamma = p.u.add((chunks * c * s.v_dim) as usize);
+        p.x = p.gamma.add((chunks * c) as usize);
+        let per_chunk = (self.slots as u32, s.v_heads as u32);
+        let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
+        driver::launch(self.prep, cfg(per_chunk, GDR_PREP_SHARED), stream, p)?;
+        driver::launch(self.state, cfg(self.grid, GDR_STATE_SHARED), stream, p)?;
+        if p.o.is_null() {
+            return Ok(());
+        }
+        let columns = ceil_div(s.v_dim, GDR_OUT_COLS as i64) as u32;
+        driver::launch(self.out, cfg((per_chunk.0, per_chunk.1 * columns), GDR_OUT_SHARED), stream, p)
+    }
+}
+
+fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan> {
+    let forward = Forward::new(&p.shape, !p.cu_seqlens.is_null(), dev)?;
+    let mut p = *p;
+    // SAFETY: the plan's scratch is forward.scratch floats.
+    Ok(Plan::new(forward.scratch(&p.shape) * 4, move |memory, stream| unsafe {
+        forward.launch(&mut p, memory.cast(), stream)
+    }))
+}
+
+/// The backward replays the forward's first two kernels into their scratch (the first part of its own),
+/// walks the chunks in reverse writing each block's share of the gradients (after the forward's part), and
+/// folds the shares.
 fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Plan> {
     let s = p.shape;
     let tag = dtype(&s)?;
-    let replay = kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, tag], THREADS, 2)?;
+    let forward = Forward::new(&s, !p.cu_seqlens.is_null(), dev)?;
     let chunks = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 1)?;
     let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
-    let grid = grid(&s)?;
-    let chunk = GDR_CHUNK as i64;
-    let slots = if p.cu_seqlens.is_null() { s.sequences * ceil_div(s.tokens, chunk) } else { s.tokens / chunk + s.sequences };
-    let states = slots * s.v_heads * s.k_dim * s.v_dim;
+    let grid = forward.grid;
+    let replayed = forward.scratch(&s);
     let rows = s.batch * s.tokens * s.v_heads;
     let partial = 2 * grid.1 as i64 * rows * (s.k_dim + 1);
-    let forward = GatedDeltaRuleForward {
+    let mut replay = GatedDeltaRuleForward {
         q: p.q,
         k: p.k,
         v: p.v,
@@ -260,6 +321,11 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
         o: std::ptr::null_mut(),
         final_state: std::ptr::null_mut(),
         states: std::ptr::null_mut(),
+        w: std::ptr::null_mut(),
+        kt: std::ptr::null_mut(),
+        u: std::ptr::null_mut(),
+        gamma: std::ptr::null_mut(),
+        x: std::ptr::null_mut(),
         q_st: p.q_st,
         k_st: p.k_st,
         v_st: p.v_st,
@@ -268,15 +334,17 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     let mut p = *p;
     let pairs = s.batch * s.tokens * s.k_heads;
     let reduce_grid = ceil_div(pairs, (THREADS / 32) as i64) as u32;
-    Ok(Plan::new((states + partial) * 4, move |memory, stream| {
+    Ok(Plan::new((replayed + partial) * 4, move |memory, stream| {
         let memory = memory.cast::<f32>();
-        let mut forward = forward;
-        forward.states = memory;
-        p.states = memory;
-        // SAFETY: the scratch holds the states, then the partials; the C++ layer checked every other pointer.
+        // SAFETY: the scratch holds the forward's part, then the partials; the C++ layer checked every other
+        // pointer.
         unsafe {
-            p.partial = memory.add(states as usize);
-            driver::launch(replay, LaunchConfig { grid, block: (THREADS, 1), shared: GDR_FORWARD_SHARED }, stream, &forward)?;
+            forward.launch(&mut replay, memory, stream)?;
+            p.states = replay.states;
+            p.w = replay.w;
+            p.vn = replay.u;
+            p.x = replay.x;
+            p.partial = memory.add(replayed as usize);
             driver::launch(chunks, LaunchConfig { grid, block: (THREADS, 1), shared: GDR_BACKWARD_SHARED }, stream, &p)?;
             driver::launch(reduce, LaunchConfig { grid: (reduce_grid, 1), block: (THREADS, 1), shared: 0 }, stream, &p)
         }
