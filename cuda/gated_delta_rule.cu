@@ -15,8 +15,10 @@
 //   dW = -dv' h^T,  dU = dv',  dT = dU (beta v)^T + dW (beta G k)^T,  dA = -X^T dT X^T (strictly lower)
 // and q, k, beta and gamma take the terms of every product above (gamma's summed from the chunk's end into g's).
 // The columns of the state never mix: a backward block takes one sequence, value head and VS of its columns and
-// walks the chunks, so A and M are computed by each of a head's blocks, and the gradients of q, k, g and beta
-// are sums over the blocks of a head (and over the value heads that share a key head), which the
+// walks the chunks with what needs those columns (dv', dh, the terms through h and dh, dv); what sums over the
+// columns (dM, dT, dW, and from them through X and A the rest of q's, k's, g's and beta's gradients) the keys
+// kernel takes once per chunk and head, the chunks in parallel. Each gradient of q, k, g and beta is a sum of
+// shares (a block's per slice, the keys kernel's), and over the value heads that share a key head, which the
 // reduce kernel takes, with the l2norm's backward. Everything multiplies in f32 on the CUDA cores.
 #include "common.cuh"
 #include "gated_delta_rule.h"
@@ -32,10 +34,9 @@ constexpr int KP = KMAX + 1, CP = C + 1, VP = VS + 1;
 static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
 static_assert(ROWS % 4 == 0 && OC == 64, "the state pass's rows, and the output's columns, go by float4");
 
-// What forward and backward both compute of a chunk.
+// A backward block's tiles of a chunk.
 struct Chunk {
-  float k[C][KP], q[C][KP], w[C][KP];  // the backward's w becomes dW
-  float a[C][CP];   // k_i . k_j D[i][j], j < i (A without beta)
+  float k[C][KP], q[C][KP], w[C][KP];  // w becomes dW
   float x[C][CP];   // X
   float qk[C][CP];  // M
   float v[C][VP];   // v of the block's columns
@@ -49,9 +50,8 @@ struct Backward {
   Chunk c;
   float dout[C][VP], dvn[C][VP];
   float dh[KMAX][VP], dh_next[KMAX][VP];
-  float dm[C][CP], xm[C][CP], dt[C][CP], y[C][CP];
-  float part[4][WARPS][C];  // per-warp row sums: q's and k's terms of gamma, X^T dW . k, v . dVb
-  float dgamma[C], dbeta[C], hdh[THREADS];
+  float part[3][WARPS][C];  // per-warp row sums: q's and k's terms of gamma, v . dVb
+  float hdh[THREADS];
 };
 
 static_assert(sizeof(Chunk) == GDR_CHUNK_SHARED && sizeof(Backward) == GDR_BACKWARD_SHARED);
@@ -74,6 +74,10 @@ __device__ __forceinline__ Span span_of(const DeltaShape &s, const int64_t *cu, 
 __device__ __forceinline__ int64_t slot(const DeltaShape &s, bool packed, int64_t n, int64_t at) {
   return packed ? at / C + n : n * ((s.tokens + C - 1) / C) + at / C;
 }
+
+// The shares each gradient of q, k, g and beta is summed from: a backward block's per slice of V, and the keys
+// kernel's.
+__device__ __forceinline__ int shares(const DeltaShape &s) { return (int)((s.v_dim + VS - 1) / VS) + 1; }
 
 __device__ __forceinline__ float warp_sum(float v) { return warp_group_sum(v, 32); }
 
@@ -177,21 +181,16 @@ __device__ void invert(const float (&a)[C][CP], float (&x)[C][CP], const float *
   __syncthreads();
 }
 
-// A (without beta) and M; X, W and v' as the forward's replay left them in the scratch.
-__device__ void key_side(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chunk, const Place &at) {
+// M; X, W and v' as the forward's replay left them in the scratch.
+__device__ void replayed(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chunk, const Place &at) {
   const int K = p.shape.k_dim, tid = threadIdx.x;
   const int64_t V = p.shape.v_dim;
   for (int e = tid; e < C * C; e += THREADS) {
     const int i = e / C, j = e % C;
-    float kk = 0.f, qk = 0.f;
+    float qk = 0.f;
     if (j <= i)
-      for (int d = 0; d < K; ++d) {
-        kk += m.k[i][d] * m.k[j][d];
-        qk += m.q[i][d] * m.k[j][d];
-      }
-    const float decay = j <= i ? __expf(m.gamma[i] - m.gamma[j]) : 0.f;
-    m.a[i][j] = j < i ? decay * kk : 0.f;
-    m.qk[i][j] = qk * decay;
+      for (int d = 0; d < K; ++d) qk += m.q[i][d] * m.k[j][d];
+    m.qk[i][j] = j <= i ? qk * __expf(m.gamma[i] - m.gamma[j]) : 0.f;
     m.x[i][j] = p.x[chunk * C * C + e];
   }
   for (int e = tid; e < C * KMAX; e += THREADS) m.w[e / KMAX][e % KMAX] = p.w[chunk * C * KMAX + e];
@@ -452,6 +451,16 @@ template <class T> __device__ __forceinline__ void out(const GatedDeltaRuleForwa
   }
 }
 
+// The sum over the lanes from this one up (a warp's rows from i to the chunk's end).
+__device__ __forceinline__ float suffix_sum(float v) {
+  const int lane = threadIdx.x % 32;
+  for (int o = 1; o < 32; o *= 2) {
+    const float below = __shfl_down_sync(0xffffffffu, v, o);
+    if (lane + o < 32) v += below;
+  }
+  return v;
+}
+
 // The sum over the warps of per-warp row sums part[r], in a fixed order.
 __device__ __forceinline__ float rows_total(const float (&part)[WARPS][C], int i) {
   float s = 0.f;
@@ -459,6 +468,22 @@ __device__ __forceinline__ float rows_total(const float (&part)[WARPS][C], int i
   return s;
 }
 
+// The shares of the gradients of q, k (per [B * T * Hv] row and key coordinate) and of g and beta (per row):
+// one per backward block's slice of V, then the keys kernel's.
+struct Shares {
+  float *dq, *dk, *dg, *db;
+  __device__ Shares(const GatedDeltaRuleBackward &p, int64_t share) {
+    const DeltaShape &s = p.shape;
+    const int64_t rows = s.batch * s.tokens * s.v_heads, n = shares(s);
+    dq = p.partial + share * rows * s.k_dim;
+    dk = p.partial + (n + share) * rows * s.k_dim;
+    dg = p.partial + 2 * n * rows * s.k_dim + share * rows;
+    db = p.partial + 2 * n * rows * s.k_dim + (n + share) * rows;
+  }
+};
+
+// The chunks in reverse for one sequence, value head and VS columns: dv', dh, the terms of dq, dk, g and beta
+// that need the block's columns, dv; and its shares of dM, of dT's v term and of dW for the keys kernel.
 template <class T> __device__ __forceinline__ void backward(const GatedDeltaRuleBackward &p) {
   Backward &b = *reinterpret_cast<Backward *>(shared_raw);
   Chunk &m = b.c;
@@ -467,11 +492,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   const int64_t V = s.v_dim;
   const Place at(s, p.cu_seqlens);
   const int64_t head_state = (at.n * s.v_heads + at.h) * K * V;
-  const int64_t rows = s.batch * s.tokens * s.v_heads, slices = gridDim.y;
-  float *dq_part = p.partial + blockIdx.y * rows * K;
-  float *dk_part = p.partial + (slices + blockIdx.y) * rows * K;
-  float *dg_part = p.partial + 2 * slices * rows * K + blockIdx.y * rows;
-  float *db_part = p.partial + 2 * slices * rows * K + (slices + blockIdx.y) * rows;
+  const Shares out(p, blockIdx.y);
   const T *grad_o = static_cast<const T *>(p.grad_o);
   state_in(b.dh, p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr, K, V, at);
   const int64_t chunks = (at.sp.len + C - 1) / C;
@@ -485,7 +506,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
       const int i = e / VS, j = e % VS;
       b.dout[i][j] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
     }
-    key_side(m, p, chunk, at);
+    replayed(m, p, chunk, at);
     // dv' = M^T do + tail k dh
     for (int e = tid; e < C * VS; e += THREADS) {
       const int i = e / VS, j = e % VS;
@@ -507,15 +528,14 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     }
     b.hdh[tid] = hdh;
     __syncthreads();
-    // Per (row i = lane, key coordinate d = warp + 8 r): dq, dk's first terms, and dW in w.
-    float dq[KMAX / WARPS], dk[KMAX / WARPS];
-    float inter = 0.f, kterm = 0.f;
+    // Per (row i = lane, key coordinate d = warp + 8 r): dq's and dk's terms here, and dW in w.
     const int i = lane;
+    const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
     const float gi = __expf(m.gamma[i]);
-#pragma unroll
-    for (int r = 0; r < KMAX / WARPS; ++r) {
+    float inter = 0.f, kterm = 0.f;
+#pragma unroll 4
+    for (int r = 0; r < ROWS; ++r) {
       const int d = warp + WARPS * r;
-      dq[r] = dk[r] = 0.f;
       if (d >= K) continue;
       float doh = 0.f, vdh = 0.f, dw = 0.f;
       for (int j = 0; j < VS; ++j) {
@@ -523,84 +543,30 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
         vdh += m.vn[i][j] * b.dh[d][j];
         dw -= b.dvn[i][j] * m.h[d][j];
       }
-      dq[r] = gi * doh;
       inter += m.q[i][d] * gi * doh;
-      dk[r] = m.tail[i] * vdh;
       kterm += m.k[i][d] * m.tail[i] * vdh;
       m.w[i][d] = dw;
+      if (i < L) {
+        out.dq[row * K + d] = gi * doh;
+        out.dk[row * K + d] = m.tail[i] * vdh;
+      }
     }
     b.part[0][warp][i] = inter;
     b.part[1][warp][i] = kterm;
     __syncthreads();
-    // Per (i, l): dM * D, dM * M (gamma's share), dT (l < i)
+    // The keys kernel's inputs: dM before the decay, dT's v term (l < r), dW.
+    float *keys = p.keys + (blockIdx.y * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
     for (int e = tid; e < C * C; e += THREADS) {
       const int r = e / C, l = e % C;
       float dm = 0.f, dt = 0.f;
-      if (l <= r) {
+      if (l <= r)
         for (int j = 0; j < VS; ++j) dm += b.dout[r][j] * m.vn[l][j];
-      }
-      if (l < r) {
+      if (l < r)
         for (int j = 0; j < VS; ++j) dt += b.dvn[r][j] * m.beta[l] * m.v[l][j];
-        for (int d = 0; d < K; ++d) dt += m.w[r][d] * m.bg[l] * m.k[l][d];
-      }
-      b.dm[r][l] = l <= r ? dm * __expf(m.gamma[r] - m.gamma[l]) : 0.f;
-      b.xm[r][l] = dm * m.qk[r][l];
-      b.dt[r][l] = dt;
+      keys[e] = dm;
+      keys[C * C + e] = dt;
     }
-    __syncthreads();
-    // Y = dT X^T
-    for (int e = tid; e < C * C; e += THREADS) {
-      const int r = e / C, j = e % C;
-      float acc = 0.f;
-      for (int n = 0; n <= j; ++n) acc += b.dt[r][n] * m.x[j][n];
-      b.y[r][j] = acc;
-    }
-    __syncthreads();
-    // dA = -X^T Y, strictly lower, into dt
-    for (int e = tid; e < C * C; e += THREADS) {
-      const int r = e / C, j = e % C;
-      float acc = 0.f;
-      if (j < r)
-        for (int n = r; n < C; ++n) acc -= m.x[n][r] * b.y[n][j];
-      b.dt[r][j] = acc;
-    }
-    __syncthreads();
-    // Row i's scalars: gamma from M and A, beta from A; then dA becomes G2 = dA beta_i D (for k).
-    if (tid < C) {
-      float dgam = 0.f, dbet = 0.f;
-      for (int l = 0; l < C; ++l) {
-        dgam += b.xm[i][l] - b.xm[l][i];
-        const float da = b.dt[i][l] * m.a[i][l], da_t = b.dt[l][i] * m.a[l][i];
-        dbet += da;
-        dgam += m.beta[i] * da - m.beta[l] * da_t;
-      }
-      b.dgamma[i] = dgam;
-      b.dbeta[i] = dbet;
-    }
-    __syncthreads();
-    for (int e = tid; e < C * C; e += THREADS) {
-      const int r = e / C, j = e % C;
-      b.dt[r][j] *= j < r ? m.beta[r] * __expf(m.gamma[r] - m.gamma[j]) : 0.f;
-    }
-    __syncthreads();
-    // The rest of dq and dk: M's, W's (through X^T dW) and A's.
-    float z = 0.f;
-#pragma unroll
-    for (int r = 0; r < KMAX / WARPS; ++r) {
-      const int d = warp + WARPS * r;
-      if (d >= K) continue;
-      float q_acc = 0.f, k_acc = 0.f, dkb = 0.f;
-      for (int l = 0; l <= i; ++l) q_acc += b.dm[i][l] * m.k[l][d];
-      for (int l = i; l < C; ++l) {
-        k_acc += b.dm[l][i] * m.q[l][d];
-        dkb += m.x[l][i] * m.w[l][d];
-      }
-      for (int l = 0; l < C; ++l) k_acc += b.dt[i][l] * m.k[l][d] + b.dt[l][i] * m.k[l][d];
-      dq[r] += q_acc;
-      dk[r] += k_acc + m.bg[i] * dkb;
-      z += m.k[i][d] * dkb;
-    }
-    b.part[2][warp][i] = z;
+    for (int e = tid; e < C * KMAX; e += THREADS) keys[2 * C * C + e] = m.w[e / KMAX][e % KMAX];
     // dv = beta X^T dv', and beta's share of v
     float bv = 0.f;
     for (int j = warp; j < VS; j += WARPS) {
@@ -610,35 +576,20 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
       if (i < L && j < at.cols)
         static_cast<T *>(p.grad_v)[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j] = from_f32<T>(m.beta[i] * acc);
     }
-    b.part[3][warp][i] = bv;
-    if (i < L) {
-      const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
-#pragma unroll
-      for (int r = 0; r < KMAX / WARPS; ++r) {
-        const int d = warp + WARPS * r;
-        if (d >= K) continue;
-        dq_part[row * K + d] = dq[r];
-        dk_part[row * K + d] = dk[r];
-      }
-    }
+    b.part[2][warp][i] = bv;
     __syncthreads();
-    if (warp == 0) {  // row i's scalars; gamma_last's terms; g's gradient: gamma's summed from the chunk's end
-      const float y = lane < L ? rows_total(b.part[1], i) : 0.f, z_i = rows_total(b.part[2], i);
-      float hdh = 0.f;
-      for (int t = lane; t < THREADS; t += 32) hdh += b.hdh[t];
-      const float y_all = warp_sum(y), hdh_all = warp_sum(hdh);
-      float dgam = b.dgamma[i] + rows_total(b.part[0], i) - y + m.bg[i] * z_i;
+    if (warp == 0) {  // row i's shares of g (gamma's, summed from the chunk's end) and beta
+      const float y = lane < L ? rows_total(b.part[1], i) : 0.f;
+      float hdh_sum = 0.f;
+      for (int t = lane; t < THREADS; t += 32) hdh_sum += b.hdh[t];
+      const float y_all = warp_sum(y), hdh_all = warp_sum(hdh_sum);
+      float dgam = rows_total(b.part[0], i) - y;
       if (i == L - 1) dgam += y_all + last * hdh_all;
       if (i >= L) dgam = 0.f;
-      float run = dgam;
-      for (int o = 1; o < 32; o *= 2) {
-        const float below = __shfl_down_sync(0xffffffffu, run, o);
-        if (lane + o < 32) run += below;
-      }
+      const float run = suffix_sum(dgam);
       if (i < L) {
-        const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
-        dg_part[row] = run;
-        db_part[row] = b.dbeta[i] + rows_total(b.part[3], i) + gi * z_i;
+        out.dg[row] = run;
+        out.db[row] = rows_total(b.part[2], i);
       }
     }
     for (int e = tid; e < KMAX * VS; e += THREADS) b.dh[e / VS][e % VS] = b.dh_next[e / VS][e % VS];
@@ -647,8 +598,136 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   state_out(static_cast<float *>(p.grad_initial_state) + head_state, b.dh, K, V, at);
 }
 
-// A warp per token and key head: q's and k's gradients summed over the blocks and value heads that read them,
-// through the l2norm (dx = r (dy - y (y . dy)), y = x r), and g's and beta's summed over the blocks.
+// The terms of a chunk's (blockIdx.x its slot) backward, for value head blockIdx.y, that sum over the value
+// columns: from dM, dT's v term and dW summed over the backward's blocks, through X and A into q, k, g and beta.
+struct Keys {
+  float q[C][KP], k[C][KP], dw[C][KP];
+  float a[C][CP], x[C][CP], qk[C][CP], dm[C][CP], xm[C][CP], dt[C][CP], y[C][CP];
+  float gamma[C], beta[C], bg[C], tail[C];
+  float part[2][WARPS][C];  // per-warp row sums: M's share of gamma's, X^T dW . k
+  float dgamma[C], dbeta[C];
+};
+static_assert(sizeof(Keys) == GDR_KEYS_SHARED);
+
+template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBackward &p) {
+  Keys &m = *reinterpret_cast<Keys *>(shared_raw);
+  const DeltaShape &s = p.shape;
+  const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
+  if (c.L == 0) return;
+  const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, L = c.L;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t chunk = blockIdx.x * s.v_heads + h, first = c.sp.row * s.tokens + c.sp.start + c.t0;
+  const int slices = shares(s) - 1;
+  load_qk<T>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
+  if (tid < 32) load_decays(p, first, h, L, m.gamma, m.beta, m.bg, m.tail);
+  for (int e = tid; e < C * C; e += THREADS) {
+    float dm = 0.f, dt = 0.f;
+    for (int sl = 0; sl < slices; ++sl) {
+      const float *in = p.keys + (sl * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
+      dm += in[e];
+      dt += in[C * C + e];
+    }
+    m.dm[e / C][e % C] = dm;
+    m.dt[e / C][e % C] = dt;
+    m.x[e / C][e % C] = p.x[chunk * C * C + e];
+  }
+  for (int e = tid; e < C * KMAX; e += THREADS) {
+    float dw = 0.f;
+    for (int sl = 0; sl < slices; ++sl) dw += p.keys[(sl * p.chunks + chunk) * GDR_KEYS_PER_CHUNK + 2 * C * C + e];
+    m.dw[e / KMAX][e % KMAX] = dw;
+  }
+  __syncthreads();
+  // A (without beta), M; dM * D and dM * M (gamma's share); dT's k term (l < i)
+  for (int e = tid; e < C * C; e += THREADS) {
+    const int r = e / C, l = e % C;
+    float kk = 0.f, qk = 0.f, dt = 0.f;
+    if (l <= r)
+      for (int d = 0; d < K; ++d) {
+        kk += m.k[r][d] * m.k[l][d];
+        qk += m.q[r][d] * m.k[l][d];
+      }
+    if (l < r)
+      for (int d = 0; d < K; ++d) dt += m.dw[r][d] * m.bg[l] * m.k[l][d];
+    const float decay = l <= r ? __expf(m.gamma[r] - m.gamma[l]) : 0.f;
+    m.a[r][l] = l < r ? decay * kk : 0.f;
+    m.qk[r][l] = qk * decay;
+    m.xm[r][l] = m.dm[r][l] * qk * decay;
+    m.dm[r][l] *= decay;
+    m.dt[r][l] += dt;
+  }
+  __syncthreads();
+  // Y = dT X^T
+  for (int e = tid; e < C * C; e += THREADS) {
+    const int r = e / C, j = e % C;
+    float acc = 0.f;
+    for (int n = 0; n <= j; ++n) acc += m.dt[r][n] * m.x[j][n];
+    m.y[r][j] = acc;
+  }
+  __syncthreads();
+  // dA = -X^T Y, strictly lower, into dt
+  for (int e = tid; e < C * C; e += THREADS) {
+    const int r = e / C, j = e % C;
+    float acc = 0.f;
+    if (j < r)
+      for (int n = r; n < C; ++n) acc -= m.x[n][r] * m.y[n][j];
+    m.dt[r][j] = acc;
+  }
+  __syncthreads();
+  const int i = lane;
+  // Row i's scalars: gamma from M and A, beta from A; then dA becomes G2 = dA beta_i D (for k).
+  if (tid < C) {
+    float dgam = 0.f, dbet = 0.f;
+    for (int l = 0; l < C; ++l) {
+      dgam += m.xm[i][l] - m.xm[l][i];
+      const float da = m.dt[i][l] * m.a[i][l], da_t = m.dt[l][i] * m.a[l][i];
+      dbet += da;
+      dgam += m.beta[i] * da - m.beta[l] * da_t;
+    }
+    m.dgamma[i] = dgam;
+    m.dbeta[i] = dbet;
+  }
+  __syncthreads();
+  for (int e = tid; e < C * C; e += THREADS) {
+    const int r = e / C, j = e % C;
+    m.dt[r][j] *= j < r ? m.beta[r] * __expf(m.gamma[r] - m.gamma[j]) : 0.f;
+  }
+  __syncthreads();
+  // dq and dk: M's, W's (through X^T dW) and A's terms.
+  const Shares out(p, slices);
+  const int64_t row = (first + i) * s.v_heads + h;
+  float z = 0.f;
+#pragma unroll 4
+  for (int r = 0; r < ROWS; ++r) {
+    const int d = warp + WARPS * r;
+    if (d >= K) continue;
+    float q_acc = 0.f, k_acc = 0.f, dkb = 0.f;
+    for (int l = 0; l <= i; ++l) q_acc += m.dm[i][l] * m.k[l][d];
+    for (int l = i; l < C; ++l) {
+      k_acc += m.dm[l][i] * m.q[l][d];
+      dkb += m.x[l][i] * m.dw[l][d];
+    }
+    for (int l = 0; l < C; ++l) k_acc += m.dt[i][l] * m.k[l][d] + m.dt[l][i] * m.k[l][d];
+    z += m.k[i][d] * dkb;
+    if (i < L) {
+      out.dq[row * K + d] = q_acc;
+      out.dk[row * K + d] = k_acc + m.bg[i] * dkb;
+    }
+  }
+  m.part[0][warp][i] = z;
+  __syncthreads();
+  if (warp == 0) {  // row i's shares of g (gamma's, summed from the chunk's end) and beta
+    const float z_i = rows_total(m.part[0], i);
+    float dgam = i < L ? m.dgamma[i] + m.bg[i] * z_i : 0.f;
+    const float run = suffix_sum(dgam);
+    if (i < L) {
+      out.dg[row] = run;
+      out.db[row] = m.dbeta[i] + __expf(m.gamma[i]) * z_i;
+    }
+  }
+}
+
+// A warp per token and key head: q's and k's gradients summed over the shares and value heads that read them,
+// through the l2norm (dx = r (dy - y (y . dy)), y = x r), and g's and beta's summed over the shares.
 template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBackward &p) {
   const DeltaShape &s = p.shape;
   const int K = s.k_dim, lane = threadIdx.x % 32, rep = s.v_heads / s.k_heads;
@@ -656,7 +735,7 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
   if (pair >= s.batch * s.tokens * s.k_heads) return;
   const int64_t token = pair / s.k_heads, bt = token / s.tokens, t = token % s.tokens;
   const int hk = pair % s.k_heads;
-  const int64_t rows = s.batch * s.tokens * s.v_heads, slices = (s.v_dim + VS - 1) / VS;
+  const int64_t rows = s.batch * s.tokens * s.v_heads, slices = shares(s);
   const float *dq_part = p.partial, *dk_part = p.partial + slices * rows * K;
   const float *dg_part = p.partial + 2 * slices * rows * K, *db_part = dg_part + slices * rows;
   constexpr int PER = KMAX / 32;
@@ -725,10 +804,10 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
   extern "C" __global__ void __launch_bounds__(THREADS) gated_delta_rule_##dir##_##dt(const GatedDeltaRuleBackward p) { \
     backward<BASTILE_TYPE_##dt>(p);                                                                                       \
   }
-#define REDUCE(dir, reduce_, dt)                                                                          \
-  extern "C" __global__ void __launch_bounds__(THREADS)                                                  \
-      gated_delta_rule_##dir##_##reduce_##_##dt(const GatedDeltaRuleBackward p) {                        \
-    reduce<BASTILE_TYPE_##dt>(p);                                                                         \
-  }
 GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)
-GATED_DELTA_RULE_BACKWARD_KERNELS(BACKWARD, REDUCE)
+#define BACKWARD_STAGE(dir, stage, dt)                                                                 \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                \
+      gated_delta_rule_##dir##_##stage##_##dt(const GatedDeltaRuleBackward p) {                        \
+    stage<BASTILE_TYPE_##dt>(p);                                                                        \
+  }
+GATED_DELTA_RULE_BACKWARD_KERNELS(BACKWARD, BACKWARD_STAGE)

@@ -78,8 +78,12 @@ typedef struct GatedDeltaRuleBackward {
   const float *w;
   const float *vn; /* the forward's u: v' */
   const float *x;
-  float *partial;           /* CUDA: [4][slices][B * T * Hv][...] f32: each block's share of the gradients of q
-                               and k ([K] a token and value head) and of g and beta ([1]), which reduce sums */
+  int64_t chunks;   /* slots * Hv: the chunks of the scratch */
+  float *keys;      /* CUDA: [V / VS][chunks][GDR_KEYS_PER_CHUNK] f32: each backward block's dM (before the
+                       decay), dT's v term and dW ([C][GDR_MAX_DIM]), which the keys kernel sums */
+  float *partial;           /* CUDA: [4][V / VS + 1][B * T * Hv][...] f32: the shares of the gradients of q and
+                               k ([K] a token and value head) and of g and beta ([1]), one per backward block's
+                               slice and the keys kernel's, which reduce sums */
   TokenStrides q_st;
   TokenStrides k_st;
   TokenStrides v_st;
@@ -101,12 +105,16 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_OUT_SHARED                                                                                    \
   (4 * (GDR_MAX_DIM * GDR_OUT_COLS + GDR_CHUNK * GDR_OUT_COLS + 2 * GDR_CHUNK * (GDR_MAX_DIM + 1) + \
         GDR_CHUNK * (GDR_CHUNK + 1) + GDR_CHUNK))
-#define GDR_CHUNK_SHARED                                                                                  \
-  (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
+#define GDR_CHUNK_SHARED \
+  (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
         GDR_MAX_DIM * (GDR_V_SLICE + 1) + 4 * GDR_CHUNK))
-#define GDR_BACKWARD_SHARED                                                                                     \
-  (GDR_CHUNK_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_MAX_DIM * (GDR_V_SLICE + 1) +          \
-                           4 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * 8 * GDR_CHUNK + 2 * GDR_CHUNK + 256))
+#define GDR_BACKWARD_SHARED \
+  (GDR_CHUNK_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_MAX_DIM * (GDR_V_SLICE + 1) + \
+                           3 * GDR_WARPS * GDR_CHUNK + 32 * GDR_WARPS))
+#define GDR_KEYS_PER_CHUNK (2 * GDR_CHUNK * GDR_CHUNK + GDR_CHUNK * GDR_MAX_DIM)
+#define GDR_KEYS_SHARED \
+  (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 7 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK + \
+        2 * GDR_WARPS * GDR_CHUNK + 2 * GDR_CHUNK))
 
 /* The forward in three kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt and gamma, the chunks
  * in parallel), gated_delta_rule_fwd_state (the chunks of a sequence in order: the states and v') and
@@ -114,7 +122,8 @@ typedef struct GatedDeltaRuleBackward {
 #define GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)                                                   \
   STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STATE(fwd, state) STAGE(fwd, out, f32) \
       STAGE(fwd, out, f16) STAGE(fwd, out, bf16)
-/* gated_delta_rule_bwd_<dtype> (the chunks in reverse) and gated_delta_rule_bwd_reduce_<dtype> (the sums over
- * blocks). */
-#define GATED_DELTA_RULE_BACKWARD_KERNELS(K, REDUCE) \
-  K(bwd, f32) K(bwd, f16) K(bwd, bf16) REDUCE(bwd, reduce, f32) REDUCE(bwd, reduce, f16) REDUCE(bwd, reduce, bf16)
+/* gated_delta_rule_bwd_<dtype> (the chunks in reverse), gated_delta_rule_bwd_keys_<dtype> (what sums over the
+ * value columns, the chunks in parallel) and gated_delta_rule_bwd_reduce_<dtype> (the sums of the shares). */
+#define GATED_DELTA_RULE_BACKWARD_KERNELS(K, STAGE)                                                          \
+  K(bwd, f32) K(bwd, f16) K(bwd, bf16) STAGE(bwd, keys, f32) STAGE(bwd, keys, f16) STAGE(bwd, keys, bf16) \
+      STAGE(bwd, reduce, f32) STAGE(bwd, reduce, f16) STAGE(bwd, reduce, bf16)

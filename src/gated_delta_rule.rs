@@ -9,7 +9,7 @@ use crate::geometry::ceil_div;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, DeltaShape, GatedDeltaRuleBackward, GatedDeltaRuleForward, TokenStrides, GDR_BACKWARD_SHARED,
-    GDR_CHUNK, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WARPS,
+    GDR_CHUNK, GDR_KEYS_PER_CHUNK, GDR_KEYS_SHARED, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WARPS,
 };
 use std::ops::Range;
 
@@ -297,19 +297,22 @@ fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan>
     }))
 }
 
-/// The backward replays the forward's first two kernels into their scratch (the first part of its own),
-/// walks the chunks in reverse writing each block's share of the gradients (after the forward's part), and
-/// folds the shares.
+/// The backward replays the forward's first two kernels into their scratch (the first part of its own), walks
+/// the chunks in reverse writing each block's shares of the gradients and the keys kernel's inputs (the rest),
+/// runs the keys kernel over the chunks in parallel, and folds the shares.
 fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Plan> {
     let s = p.shape;
     let tag = dtype(&s)?;
     let forward = Forward::new(&s, !p.cu_seqlens.is_null(), dev)?;
-    let chunks = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 1)?;
+    let reverse = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 1)?;
+    let keys = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Keys, tag], THREADS, 1)?;
     let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
     let grid = forward.grid;
     let replayed = forward.scratch(&s);
     let rows = s.batch * s.tokens * s.v_heads;
-    let partial = 2 * grid.1 as i64 * rows * (s.k_dim + 1);
+    let chunks = forward.slots * s.v_heads;
+    let key_terms = grid.1 as i64 * chunks * GDR_KEYS_PER_CHUNK as i64;
+    let partial = 2 * (grid.1 as i64 + 1) * rows * (s.k_dim + 1);
     let mut replay = GatedDeltaRuleForward {
         q: p.q,
         k: p.k,
@@ -332,20 +335,24 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
         shape: s,
     };
     let mut p = *p;
+    p.chunks = chunks;
     let pairs = s.batch * s.tokens * s.k_heads;
     let reduce_grid = ceil_div(pairs, (THREADS / 32) as i64) as u32;
-    Ok(Plan::new((replayed + partial) * 4, move |memory, stream| {
+    Ok(Plan::new((replayed + key_terms + partial) * 4, move |memory, stream| {
         let memory = memory.cast::<f32>();
-        // SAFETY: the scratch holds the forward's part, then the partials; the C++ layer checked every other
-        // pointer.
+        // SAFETY: the scratch holds the forward's part, the keys kernel's inputs, then the shares; the C++ layer
+        // checked every other pointer.
         unsafe {
             forward.launch(&mut replay, memory, stream)?;
             p.states = replay.states;
             p.w = replay.w;
             p.vn = replay.u;
             p.x = replay.x;
-            p.partial = memory.add(replayed as usize);
-            driver::launch(chunks, LaunchConfig { grid, block: (THREADS, 1), shared: GDR_BACKWARD_SHARED }, stream, &p)?;
+            p.keys = memory.add(replayed as usize);
+            p.partial = p.keys.add(key_terms as usize);
+            driver::launch(reverse, LaunchConfig { grid, block: (THREADS, 1), shared: GDR_BACKWARD_SHARED }, stream, &p)?;
+            let per_chunk = (forward.slots as u32, s.v_heads as u32);
+            driver::launch(keys, LaunchConfig { grid: per_chunk, block: (THREADS, 1), shared: GDR_KEYS_SHARED }, stream, &p)?;
             driver::launch(reduce, LaunchConfig { grid: (reduce_grid, 1), block: (THREADS, 1), shared: 0 }, stream, &p)
         }
     }))
