@@ -25,7 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import lora, varlen
+from . import long_context, lora, varlen
 from .families import LINEAR, Family, Layout, Mlp, Norm, QkNorm, Window
 from .ops.causal_conv1d import causal_conv1d
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -38,6 +38,7 @@ from .ops.rope import rope
 from .ops.swiglu import swiglu
 
 Runs = Callable[[str], bool]
+Settings = Callable[[], long_context.Settings]  # apply()'s library-wide settings, as they are now
 
 
 def hf_attr(family: Family, name: str):
@@ -419,13 +420,15 @@ def _recomputing(n, compute: Callable):
 _NOT_MIXED = ("position_embeddings", "position_ids", "past_key_values")
 
 
-def layer_forward(family: Family, runs: Runs):
+def layer_forward(family: Family, runs: Runs, settings: Settings):
     """The decoder layer: each sublayer between the family's norms, added to the residual stream through the
     family's dropout and multiplier. The output of Bastile's norm before each sublayer is computed again in
     the backward rather than kept (_recomputing). A gradient-checkpointed layer's dense MLP (Bastile's) keeps
     its activation: the recomputation stops once the last tensor the backward needs is saved, the down
     projection's input for a plain down projection, which then never runs again; the fused node would run it
-    (and the activation once more in its backward), and its memory saving lasts one layer's backward only."""
+    (and the activation once more in its backward), and its memory saving lasts one layer's backward only.
+    With offload_checkpoints, that MLP runs over chunks of tokens instead where its input is longer than one
+    (long_context.tiled_mlp)."""
     res, router_scores, dense, beside = family.residual, family.mlp.router_scores, family.mlp.dense, family.mlp.beside
     linear = family.linear_attention
 
@@ -468,7 +471,9 @@ def layer_forward(family: Family, runs: Runs):
         with normed(self, res.mlp_in, hidden_states, checkpointed) as x:
             if (dense and checkpointed and runs("mlp")
                     and type(self.mlp) is hf_attr(family, family.name("MLP")) and "forward" not in vars(self.mlp)):
-                out = self.mlp(x, keep_activation=True)  # Bastile's forward (mlp_forward)
+                chunk = long_context.chunk_tokens(settings(), x, self.mlp.down_proj.in_features)
+                # Bastile's forward (mlp_forward), whole or over chunks
+                out = long_context.tiled_mlp(self.mlp, x, chunk) if chunk else self.mlp(x, keep_activation=True)
             else:
                 out = self.mlp(x)
         if router_scores:
@@ -563,12 +568,13 @@ def _masks(family, runs, decoder, input_ids, attention_mask, position_ids, past_
     return attention_mask, input_ids, inputs_embeds, kwargs
 
 
-def decoder_forward(family: Family, runs: Runs, check: Callable):
+def decoder_forward(family: Family, runs: Runs, settings: Settings, check: Callable):
     """A decoder's forward (XModel.forward, which causal LMs and TRL's fused head call) around HF's: the
     masks of `_masks`, and no cache in training unless asked for. HF's decoder makes one whenever
     config.use_cache says so, training included, and with one it does not look for the restarting position
-    ids of packed rows: their sequences would attend to one another. `check(model)` runs on each model's
-    first call (families.check: a model built after apply() is checked there)."""
+    ids of packed rows: their sequences would attend to one another. With offload_checkpoints, a
+    checkpointed decoder's saved layer inputs go to host memory (long_context.offloaded). `check(model)`
+    runs on each model's first call (families.check: a model built after apply() is checked there)."""
     def wrap(forward):
         @functools.wraps(forward)
         def wrapper(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -579,9 +585,12 @@ def decoder_forward(family: Family, runs: Runs, check: Callable):
             attention_mask, input_ids, inputs_embeds, kwargs = _masks(
                 family, runs, self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                 use_cache, kwargs)
-            return forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                           **kwargs)
+            offload = (settings().offload_checkpoints and self.gradient_checkpointing and self.training
+                       and torch.is_grad_enabled())
+            with long_context.offloaded(offload):
+                return forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                               **kwargs)
         return wrapper
     return wrap
 

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import transformers
 
-from . import heads, hf, lora, versions
+from . import heads, hf, long_context, lora, versions
 from .families import FAMILIES, Family, Unsupported, check
 
 ROLES = ("norm", "mlp", "attention", "decoder", "head")
@@ -54,6 +54,14 @@ class Patch:
 
 # name -> [(owner, attribute, original value as found in owner.__dict__), ...], one per target
 _active: Dict[str, list] = {}
+
+# apply()'s library-wide settings (long_context.Settings), read by the patched forwards at each call.
+_settings = long_context.Settings()
+
+
+def _current_settings() -> long_context.Settings:
+    return _settings
+
 
 # Models already checked against their family's traits (families.check).
 _checked: "weakref.WeakSet" = weakref.WeakSet()
@@ -86,8 +94,9 @@ def _targets(f: Family) -> Dict[str, list]:
         "attention": [(f"{n('Attention')}.forward", hf.attention_forward(f))]
                      + ([(f"{n('GatedDeltaNet')}.forward", Wrap(hf.gated_delta_net_forward(f)))]
                         if f.linear_attention else []),
-        "decoder": [(f"{n(f.decoder)}.forward", Wrap(hf.decoder_forward(f, runs, _check))),
-                    (f"{n('DecoderLayer')}.forward", hf.checkpointed(hf.layer_forward(f, runs)))],
+        "decoder": [(f"{n(f.decoder)}.forward", Wrap(hf.decoder_forward(f, runs, _current_settings, _check))),
+                    (f"{n('DecoderLayer')}.forward",
+                     hf.checkpointed(hf.layer_forward(f, runs, _current_settings)))],
         "head": [(f"{n('ForCausalLM')}.forward", hf.causal_lm_forward(f, _check))]
                 + ([(f"{n(f.multimodal.head)}.forward", Wrap(hf.multimodal_lm_forward(f, _check)))] if f.multimodal else []),
     }
@@ -148,7 +157,8 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
           decoder: Optional[bool] = None, head: Optional[bool] = None, log_probs: Optional[bool] = None, model=None,
           families: Optional[Sequence[str]] = None, rms_norm: Optional[bool] = None, swiglu: Optional[bool] = None,
           rope: Optional[bool] = None, fused_linear_cross_entropy: Optional[bool] = None,
-          geglu: Optional[bool] = None, moe: Optional[bool] = None) -> List[str]:
+          geglu: Optional[bool] = None, moe: Optional[bool] = None, offload_checkpoints: Optional[bool] = None,
+          mlp_chunk: Optional[int] = None) -> List[str]:
     """Patches the selected roles (all by default) for the given families (all supported ones, one family
     by name, or the family of `model`, an HF model instance, after checking that the model is what its
     family's traits declare). Works before or after the model is built, since it replaces class attributes
@@ -157,8 +167,20 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
     twice is harmless. `log_probs` is TRL's fused LM head (its trainers' per-token log-probabilities) on
     Bastile's fused_linear_log_probs, whatever the model, where TRL is installed (trl==1.16; another TRL
     whose internals differ is an error here). The kernel-named keywords of earlier releases are aliases
-    (patch.ALIASES)."""
+    (patch.ALIASES).
+
+    `offload_checkpoints=True` (off by default; None keeps the current setting) is for long context under
+    gradient checkpointing (HF's gradient_checkpointing_enable(), TRL's gradient_checkpointing=True): the
+    layers' saved inputs wait for the backward in pinned host memory, copied on a side stream, and a
+    checkpointed layer's dense MLP runs over chunks of `mlp_chunk` tokens (default: as many as fit 1/32 of
+    the device's memory) (long_context.py). It changes nothing without checkpointing."""
     versions.check_transformers(transformers.__version__)
+    global _settings
+    if mlp_chunk is not None and (isinstance(mlp_chunk, bool) or not isinstance(mlp_chunk, int) or mlp_chunk < 1):
+        raise ValueError(f"bastile.apply: mlp_chunk must be a positive number of tokens, not {mlp_chunk!r}")
+    offload = _settings.offload_checkpoints if offload_checkpoints is None else bool(offload_checkpoints)
+    if mlp_chunk is not None and not offload:
+        raise ValueError("bastile.apply: mlp_chunk sizes the MLP's chunks under offload_checkpoints=True, which is off")
     selected = _selected(dict(norm=norm, mlp=mlp, attention=attention, decoder=decoder, head=head,
                               log_probs=log_probs, rms_norm=rms_norm, swiglu=swiglu, rope=rope,
                               fused_linear_cross_entropy=fused_linear_cross_entropy, geglu=geglu, moe=moe))
@@ -202,6 +224,8 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
         _active[name] = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in targets]
         for owner, attr, replacement in targets:
             setattr(owner, attr, replacement)
+    chunk = _settings.mlp_chunk if mlp_chunk is None else mlp_chunk
+    _settings = long_context.Settings(offload, chunk if offload else None)
     return [name for name, found in by_name.items() if name in _active]
 
 
@@ -214,11 +238,13 @@ def _canonical(name: str) -> str:
 
 
 def reset(names: Optional[Sequence[str]] = None) -> List[str]:
-    """Restores the originals of the named patches (all by default); returns the names restored. As
-    applying twice is, resetting a patch that is not active, or naming one twice, is harmless; an unknown
-    name raises before anything is restored."""
+    """Restores the originals of the named patches (all by default, and then apply()'s settings too); returns
+    the names restored. As applying twice is, resetting a patch that is not active, or naming one twice, is
+    harmless; an unknown name raises before anything is restored."""
+    global _settings
     if names is None:
         names = list(_active)
+        _settings = long_context.Settings()
     names = list(dict.fromkeys(_canonical(n) for n in ([names] if isinstance(names, str) else names)))
     known = {p.name for p in PATCHES}
     unknown = [n for n in names if n not in known]
