@@ -672,11 +672,11 @@ def test_bidirectional_gemma_is_refused_before_patching():
 
 def test_gemma4_moe_training_matches_hf_cpu_fp32():
     """Gemma 4's MoE layers (enable_moe_block: a router and GELU-tanh experts beside the dense MLP, each with
-    its norms): the losses of 4 AdamW steps and the first step's gradients as HF's, the experts' gate through
-    `swiglu`. Four: top-2 routing turns rounding into other experts after that (HF's eager and SDPA attention
-    drift 1.2e-4 apart by step 5)."""
+    its norms): the losses of 2 AdamW steps and the first step's gradients as HF's, the experts' gate through
+    `swiglu`. Two: top-2 routing turns last-bit differences into other experts after that, from the third step
+    on some CPUs (8e-5 apart there; HF's eager and SDPA attention drift 1.2e-4 apart by step 5)."""
     moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    steps = 4
+    steps = 2
     data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * steps
     ref_losses, ref_grads = train(mini("gemma4_text", "cpu", torch.float32, **moe), data)
     model = mini("gemma4_text", "cpu", torch.float32, **moe)
