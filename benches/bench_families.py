@@ -7,6 +7,7 @@ the same model on the same tokens, each mode in its own process.
     python benches/bench_families.py --smoke                       # tiny configs on the CPU: checks the script only
     python benches/bench_families.py --models gemma4-26b-a4b --seq 2048  # another sequence length
     python benches/bench_families.py --models qwen3_5-9b --seq 16384 --checkpoint  # HF gradient checkpointing
+    python benches/bench_families.py --models llama3-8b --seq 131072 --checkpoint --modes bastile,bastile-offload
 
 Models (MODELS): random init from the published configs (sizes, vocabularies, rotary and window settings,
 multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention. A model that fits one H100
@@ -15,7 +16,7 @@ for a full fine-tune trains all its weights (fused AdamW, lr 1e-5); the others t
 families' attention only), AdamW over the adapters. Mixtral-8x7B keeps 8 of its 32 layers (the whole model
 is 94 GB of bf16 weights). Labels = input ids. Modes: hf, liger (Liger Kernel's apply function for the
 model type, its defaults, fused linear cross-entropy included, before the model is built), bastile
-(bastile.apply()). --steps steps (default 10), the first --warmup (3) not timed; peak GiB =
+(bastile.apply()), and on request bastile-offload (bastile.apply(offload_checkpoints=True)). --steps steps (default 10), the first --warmup (3) not timed; peak GiB =
 torch.cuda.max_memory_allocated over the child. Writes families.csv and .log under $OUT or bench-results/.
 """
 
@@ -24,6 +25,8 @@ from bench_profile import category, kernel_times
 from common import environment, markdown, modes_main, modes_parser, run_modes, train_steps
 
 MODES = ("hf", "liger", "bastile")
+# bastile.apply(offload_checkpoints=True): for long sequences under --checkpoint, on request (--modes)
+OFFLOAD = "bastile-offload"
 LORA = 16
 LR = 1e-5
 
@@ -34,6 +37,13 @@ MODELS = {
     "qwen3_5-9b": ("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(),
                    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
                     "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"], 4096, 1),
+    # Llama-3-8B: the long-context benchmark's model (--seq 131072 --checkpoint, mode bastile-offload)
+    "llama3-8b": ("llama", "LlamaConfig", "LlamaForCausalLM",
+                  dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=262144, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                       bos_token_id=128000, eos_token_id=128001),
+                  ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
     "mixtral-8x7b-8l": ("mixtral", "MixtralConfig", "MixtralForCausalLM",
                         dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
                              num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
@@ -157,9 +167,9 @@ def build(mode, name, device, smoke, checkpoint):
         if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
             raise LookupError(f"no Liger Kernel for {model_type}")
         MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]()
-    if mode == "bastile":
+    if mode in ("bastile", OFFLOAD):
         import bastile
-        bastile.apply()
+        bastile.apply(offload_checkpoints=mode == OFFLOAD)
     import transformers
     cfg_cls = getattr(transformers, config_cls)
     if smoke:
@@ -267,7 +277,8 @@ def parent(args):
 
 
 def main():
-    ap = modes_parser(__doc__, MODES, timeout=240)
+    ap = modes_parser(__doc__, (*MODES, OFFLOAD), timeout=240)
+    ap.set_defaults(modes=",".join(MODES))
     ap.add_argument("--models", help="comma-separated names of MODELS (default: all)")
     ap.add_argument("--profile", action="store_true", help="also profile one step: GPU time by category, top kernels")
     ap.add_argument("--seq", type=int, help="every model's sequence length (default: each model's own)")
