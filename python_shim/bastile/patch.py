@@ -173,7 +173,8 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
     gradient checkpointing (HF's gradient_checkpointing_enable(), TRL's gradient_checkpointing=True): the
     layers' saved inputs wait for the backward in pinned host memory, copied on a side stream, and a
     checkpointed layer's dense MLP runs over chunks of `mlp_chunk` tokens (default: as many as fit 1/32 of
-    the device's memory) (long_context.py). It changes nothing without checkpointing."""
+    the device's memory) (long_context.py). The decoder patches do both (the MLP's chunks need the mlp patch
+    too); it changes nothing without checkpointing."""
     versions.check_transformers(transformers.__version__)
     global _settings
     if mlp_chunk is not None and (isinstance(mlp_chunk, bool) or not isinstance(mlp_chunk, int) or mlp_chunk < 1):
