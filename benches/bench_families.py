@@ -37,6 +37,12 @@ MODELS = {
     "qwen3_5-9b": ("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(),
                    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
                     "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"], 4096, 1),
+    # Half the 9B's width and three quarters of its depth (our own config, not a published one: about 1.9B
+    # parameters, small enough for a full fine-tune on one H100)
+    "qwen3_5-2b-style": ("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                         dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+                              num_key_value_heads=2, linear_num_value_heads=16, tie_word_embeddings=True),
+                         None, 4096, 1),
     # Llama-3-8B: the long-context benchmark's model (--seq 131072 --checkpoint, mode bastile-offload)
     "llama3-8b": ("llama", "LlamaConfig", "LlamaForCausalLM",
                   dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
