@@ -8,8 +8,8 @@ Each case trains a mini model with HF's gradient checkpointing twice, patched wi
 - with the MLP in chunks the gradients are those of the whole MLP summed over chunks (fp32 within 1e-5,
   bf16 within 1e-2 relative), the MLP runs once per chunk in the forward and once in the backward (the
   checkpoint's recomputation never runs it), with PEFT LoRA, packed rows, the Gated DeltaNet family,
-  reentrant checkpointing (which recomputes the MLP too) and TRL's SFTTrainer (gradient_checkpointing=True,
-  packing);
+  reentrant checkpointing (which recomputes the MLP too), a 4-bit (QLoRA) base and TRL's SFTTrainer
+  (gradient_checkpointing=True, packing);
 - a LoRA dropout's masks are drawn again in the backward as the forward drew them;
 - the switch off builds neither; bad settings and a host that cannot pin memory raise clear errors.
 CPU fp32 in CI; CUDA bf16 with eager attention (SDPA's backward is not deterministic, so not bitwise).
@@ -230,6 +230,26 @@ def test_trl_sft_with_checkpointing_and_offload(tmp_path, stashes, monkeypatch):
     got = logged("sft", "llama", tmp_path, **config)
     assert stashes and tiled
     assert_same_logs(got, want)
+
+
+def test_4bit_base(tmp_path, stashes):
+    """QLoRA: a bitsandbytes 4-bit base prepared by PEFT for checkpointing; its weights are never copied (they
+    are parameters), the adapters' gradients close to those of the run without."""
+    from peft import prepare_model_for_kbit_training
+    from test_qlora import qlora, quantized
+    model = qlora(prepare_model_for_kbit_training(quantized("llama", tmp_path), use_gradient_checkpointing=True,
+                                                  gradient_checkpointing_kwargs={"use_reentrant": False}))
+    bastile.apply(model=model)
+    batch = batch_for(False, "cpu")
+    loss, grads = step(model, batch)
+    bastile.apply(offload_checkpoints=True, mlp_chunk=CHUNK)
+    calls = count_mlp_calls(model)
+    got_loss, got = step(model, batch)
+    assert stashes and len(calls) == 2 * 3 * len(decoder_layers(model))
+    assert rel_err(got_loss, loss) < 1e-5
+    assert got.keys() == grads.keys()
+    for name, want in grads.items():
+        assert rel_err(got[name], want) < 1e-5, f"{name}: {rel_err(got[name], want):.2e}"
 
 
 @needs_cuda
