@@ -5,21 +5,22 @@
 //   W = X (beta G k),   U = X (beta v),   v' = U - W h
 //   o = G q h + (lower(q k^T) * D) v'        (q normalized and scaled)
 //   h <- G_last h + (exp(gamma_last - gamma) k)^T v'
-// The forward computes every chunk's key side (W, U) in parallel, then walks each sequence's chunks in order
-// with only the state's two products (v' and the update; the state in registers, a warp's share of its rows
-// per thread column), keeping each chunk's starting state; o is computed last, the chunks in parallel again.
-// The backward replays the first two (the states, X, W and v'), then walks the chunks in reverse with dh, the
-// gradient of the chunk's final state:
+// The forward computes every chunk's key side (W, U, G q, M) in parallel, then walks each sequence's chunks in
+// order with only the state's two products (v' and the update; the state in registers, a warp's share of its
+// rows per thread column), keeping each chunk's starting state; o is computed last, the chunks in parallel again.
+// The backward replays the first two (the states, X, W, v', G q and M), then walks the chunks in reverse with
+// dh, the gradient of the chunk's final state, as the forward walks them, keeping each chunk's dh and dv':
 //   dv' = M^T do + (exp(gamma_last - gamma) k) dh            (M = lower(q k^T) * D)
 //   dh <- G_last dh + (G q)^T do - W^T dv'
+// Everything else, the chunks in parallel:
 //   dW = -dv' h^T,  dU = dv',  dT = dU (beta v)^T + dW (beta G k)^T,  dA = -X^T dT X^T (strictly lower)
 // and q, k, beta and gamma take the terms of every product above (gamma's summed from the chunk's end into g's).
-// The columns of the state never mix: a backward block takes one sequence, value head and VS of its columns and
-// walks the chunks with what needs those columns (dv', dh, the terms through h and dh, dv); what sums over the
-// columns (dM, dT, dW, and from them through X and A the rest of q's, k's, g's and beta's gradients) the keys
-// kernel takes once per chunk and head, the chunks in parallel. Each gradient of q, k, g and beta is a sum of
-// shares (a block's per slice, the keys kernel's), and over the value heads that share a key head, which the
-// reduce kernel takes, with the l2norm's backward. Everything multiplies in f32 on the CUDA cores.
+// The columns of the state never mix: a block takes one chunk, value head and VS of its columns with what needs
+// those columns (the terms through h and dh, dv); what sums over the columns (dM, dT, dW, and from them through
+// X and A the rest of q's, k's, g's and beta's gradients) the keys kernel takes once per chunk and head. Each
+// gradient of q, k, g and beta is a sum of shares (a block's per slice, the keys kernel's), and over the value
+// heads that share a key head, which the reduce kernel takes, with the l2norm's backward. Everything multiplies
+// in f32 on the CUDA cores.
 #include "common.cuh"
 #include "gated_delta_rule.h"
 
@@ -49,7 +50,7 @@ struct Chunk {
 struct Backward {
   Chunk c;
   float dout[C][VP], dvn[C][VP];
-  float dh[KMAX][VP], dh_next[KMAX][VP];
+  float dh[KMAX][VP];
   float part[3][WARPS][C];  // per-warp row sums: q's and k's terms of gamma, v . dVb
   float hdh[THREADS];
 };
@@ -86,14 +87,17 @@ struct Place {
   int64_t n;
   int h, hk, j0, cols;
   Span sp;
-  __device__ Place(const DeltaShape &s, const int64_t *cu) {
-    n = blockIdx.x / s.v_heads;
-    h = blockIdx.x % s.v_heads;
+  __device__ Place(const DeltaShape &s, const int64_t *cu, int64_t seq, int head, int slice) {
+    n = seq;
+    h = head;
     hk = h / (s.v_heads / s.k_heads);
-    j0 = blockIdx.y * VS;
+    j0 = slice * VS;
     cols = min(VS, (int)s.v_dim - j0);
     sp = span_of(s, cu, n);
   }
+  // A walk's block: blockIdx.x the sequence and value head, blockIdx.y the slice of V.
+  __device__ Place(const DeltaShape &s, const int64_t *cu)
+      : Place(s, cu, blockIdx.x / s.v_heads, blockIdx.x % s.v_heads, blockIdx.y) {}
   // The row of token i of the chunk at t0 in [B * T, heads] order.
   __device__ int64_t token(const DeltaShape &s, int64_t t0, int i) const { return sp.row * s.tokens + sp.start + t0 + i; }
 };
@@ -181,17 +185,13 @@ __device__ void invert(const float (&a)[C][CP], float (&x)[C][CP], const float *
   __syncthreads();
 }
 
-// M; X, W and v' as the forward's replay left them in the scratch.
+// M, X, W and v' as the forward's replay left them in the scratch.
 __device__ void replayed(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chunk, const Place &at) {
-  const int K = p.shape.k_dim, tid = threadIdx.x;
+  const int tid = threadIdx.x;
   const int64_t V = p.shape.v_dim;
   for (int e = tid; e < C * C; e += THREADS) {
-    const int i = e / C, j = e % C;
-    float qk = 0.f;
-    if (j <= i)
-      for (int d = 0; d < K; ++d) qk += m.q[i][d] * m.k[j][d];
-    m.qk[i][j] = j <= i ? qk * __expf(m.gamma[i] - m.gamma[j]) : 0.f;
-    m.x[i][j] = p.x[chunk * C * C + e];
+    m.qk[e / C][e % C] = p.m[chunk * C * C + e];
+    m.x[e / C][e % C] = p.x[chunk * C * C + e];
   }
   for (int e = tid; e < C * KMAX; e += THREADS) m.w[e / KMAX][e % KMAX] = p.w[chunk * C * KMAX + e];
   const float *vn = p.vn + chunk * C * V;
@@ -202,18 +202,13 @@ __device__ void replayed(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chun
   __syncthreads();
 }
 
-// The block's columns of a [N, Hv, K, V] state into (or from) the tile.
+// The block's columns of a [N, Hv, K, V] state into the tile.
 __device__ void state_in(float (&h)[KMAX][VP], const float *src, int K, int64_t V, const Place &at) {
   for (int e = threadIdx.x; e < KMAX * VS; e += THREADS) {
     const int d = e / VS, j = e % VS;
     h[d][j] = src && d < K && j < at.cols ? src[d * V + at.j0 + j] : 0.f;
   }
   __syncthreads();
-}
-
-__device__ void state_out(float *dst, const float (&h)[KMAX][VP], int K, int64_t V, const Place &at) {
-  for (int e = threadIdx.x; e < K * VS; e += THREADS)
-    if (e % VS < at.cols) dst[(e / VS) * V + at.j0 + e % VS] = h[e / VS][e % VS];
 }
 
 // The chunk of slot `sigma` (see slot()): its sequence, first token (of the sequence) and length; L = 0 for a
@@ -242,10 +237,10 @@ struct ChunkAt {
   }
 };
 
-// The key side of a chunk (blockIdx.x its slot) and value head (blockIdx.y): W, kt, gamma and U, into the
-// scratch.
+// The key side of a chunk (blockIdx.x its slot) and value head (blockIdx.y): W, kt, gamma, U, G q and M, into
+// the scratch.
 struct Prep {
-  float k[C][KP];
+  float q[C][KP], k[C][KP];
   float v[C][VP];
   float a[C][CP], x[C][CP];
   float gamma[C], beta[C], bg[C], tail[C];
@@ -259,20 +254,25 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
   if (c.L == 0) return;
   const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, tid = threadIdx.x;
   const int64_t V = s.v_dim, first = c.sp.row * s.tokens + c.sp.start + c.t0;
-  load_qk<T>(nullptr, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
+  load_qk<T>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
   if (tid < 32) load_decays(p, first, h, c.L, m.gamma, m.beta, m.bg, m.tail);
   __syncthreads();
+  const int64_t at = blockIdx.x * s.v_heads + h;
   for (int e = tid; e < C * C; e += THREADS) {
     const int i = e / C, j = e % C;
-    float kk = 0.f;
-    if (j < i)
-      for (int d = 0; d < K; ++d) kk += m.k[i][d] * m.k[j][d];
-    m.a[i][j] = j < i ? __expf(m.gamma[i] - m.gamma[j]) * kk : 0.f;
+    float kk = 0.f, qk = 0.f;
+    if (j <= i)
+      for (int d = 0; d < K; ++d) {
+        kk += m.k[i][d] * m.k[j][d];
+        qk += m.q[i][d] * m.k[j][d];
+      }
+    const float decay = j <= i ? __expf(m.gamma[i] - m.gamma[j]) : 0.f;
+    m.a[i][j] = j < i ? decay * kk : 0.f;
+    p.m[at * C * C + e] = decay * qk;
   }
   __syncthreads();
   invert(m.a, m.x, m.beta);
-  const int64_t at = blockIdx.x * s.v_heads + h;
-  float *w = p.w + at * C * KMAX, *kt = p.kt + at * C * KMAX, *u = p.u + at * C * V;
+  float *w = p.w + at * C * KMAX, *kt = p.kt + at * C * KMAX, *qg = p.qg + at * C * KMAX, *u = p.u + at * C * V;
   for (int e = tid; e < C * C; e += THREADS) p.x[at * C * C + e] = m.x[e / C][e % C];
   for (int e = tid; e < C * KMAX; e += THREADS) {
     const int i = e / KMAX, d = e % KMAX;
@@ -280,6 +280,7 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
     for (int l = 0; l <= i; ++l) acc += m.x[i][l] * m.bg[l] * m.k[l][d];
     w[e] = acc;
     kt[e] = m.tail[i] * m.k[i][d];
+    qg[e] = __expf(m.gamma[i]) * m.q[i][d];
   }
   if (tid < C) p.gamma[at * C + tid] = m.gamma[tid];
   const T *v = static_cast<const T *>(p.v);
@@ -383,13 +384,12 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
 }
 
 // o of a chunk (blockIdx.x its slot), value head and OC columns (blockIdx.y = head * column blocks + block):
-// G q h + M v', from the chunk's starting state and v'. A thread takes 2 rows and 4 columns.
+// G q h + M v', from the chunk's starting state, G q, M and v'. A thread takes 2 rows and 4 columns.
 struct Out {
   float4 h[KMAX][OC / 4];
   float4 vn[C][OC / 4];
-  float q[C][KP], k[C][KP];
+  float qg[C][KP];
   float mq[C][CP];
-  float gamma[C];
 };
 static_assert(sizeof(Out) == GDR_OUT_SHARED);
 
@@ -399,10 +399,9 @@ template <class T> __device__ __forceinline__ void out(const GatedDeltaRuleForwa
   const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
   if (c.L == 0) return;
   const int64_t V = s.v_dim, blocks = (V + OC - 1) / OC;
-  const int h = blockIdx.y / blocks, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, tid = threadIdx.x;
+  const int h = blockIdx.y / blocks, K = s.k_dim, tid = threadIdx.x;
   const int64_t j0 = blockIdx.y % blocks * OC, first = c.sp.row * s.tokens + c.sp.start + c.t0;
   const int64_t chunk = blockIdx.x * s.v_heads + h;
-  load_qk<T>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
   const float *state = p.states + chunk * K * V, *u = p.u + chunk * C * V;
   float *hs = &m.h[0][0].x, *vs = &m.vn[0][0].x;
   for (int e = tid; e < KMAX * OC; e += THREADS) {
@@ -413,27 +412,17 @@ template <class T> __device__ __forceinline__ void out(const GatedDeltaRuleForwa
     const int i = e / OC, j = e % OC;
     vs[e] = j0 + j < V ? u[i * V + j0 + j] : 0.f;
   }
-  if (tid < C) m.gamma[tid] = p.gamma[chunk * C + tid];
-  __syncthreads();
-  for (int e = tid; e < C * C; e += THREADS) {
-    const int i = e / C, l = e % C;
-    float qk = 0.f;
-    if (l <= i)
-      for (int d = 0; d < K; ++d) qk += m.q[i][d] * m.k[l][d];
-    m.mq[i][l] = l <= i ? qk * __expf(m.gamma[i] - m.gamma[l]) : 0.f;
-  }
+  for (int e = tid; e < C * KMAX; e += THREADS) m.qg[e / KMAX][e % KMAX] = p.qg[chunk * C * KMAX + e];
+  for (int e = tid; e < C * C; e += THREADS) m.mq[e / C][e % C] = p.m[chunk * C * C + e];
   __syncthreads();
   const int cq = tid % (OC / 4), i0 = tid / (OC / 4) * 2;
   float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
   for (int d = 0; d < K; ++d) {
     const float4 hd = m.h[d][cq];
-    const float q0 = m.q[i0][d], q1 = m.q[i0 + 1][d];
+    const float q0 = m.qg[i0][d], q1 = m.qg[i0 + 1][d];
     a0.x += q0 * hd.x, a0.y += q0 * hd.y, a0.z += q0 * hd.z, a0.w += q0 * hd.w;
     a1.x += q1 * hd.x, a1.y += q1 * hd.y, a1.z += q1 * hd.z, a1.w += q1 * hd.w;
   }
-  const float g0 = __expf(m.gamma[i0]), g1 = __expf(m.gamma[i0 + 1]);
-  a0.x *= g0, a0.y *= g0, a0.z *= g0, a0.w *= g0;
-  a1.x *= g1, a1.y *= g1, a1.z *= g1, a1.w *= g1;
   for (int l = 0; l <= i0 + 1; ++l) {
     const float4 vl = m.vn[l][cq];
     const float m0 = m.mq[i0][l], m1 = m.mq[i0 + 1][l];
@@ -482,52 +471,122 @@ struct Shares {
   }
 };
 
-// The chunks in reverse for one sequence, value head and VS columns: dv', dh, the terms of dq, dk, g and beta
-// that need the block's columns, dv; and its shares of dM, of dT's v term and of dW for the keys kernel.
+// A sequence's chunks in reverse for one value head and VS columns of dh (Place), as the state pass walks them
+// forward: each chunk's dh (the gradient of its final state) into dstates, dv' = M^T do + kt dh, then
+// dh <- G_last dh + (G q)^T do - W^T dv'. Warp w keeps rows [ROWS w, ROWS (w+1)) of dh, lane j its column j.
+struct Walk {
+  float4 w[C][KMAX / 4], kt[C][KMAX / 4], qg[C][KMAX / 4];
+  float mq[C][CP];
+  float dout[C][VP], dvn[C][VP];
+  float part[WARPS][C][VP];
+};
+static_assert(sizeof(Walk) == GDR_WALK_SHARED);
+
+template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBackward &p) {
+  Walk &m = *reinterpret_cast<Walk *>(shared_raw);
+  const DeltaShape &s = p.shape;
+  const Place at(s, p.cu_seqlens);
+  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * ROWS;
+  const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
+  const bool mine = lane < at.cols;
+  const T *grad_o = static_cast<const T *>(p.grad_o);
+  const float *fin = p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr;
+  float dh[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) dh[r] = fin && mine && d0 + r < K ? fin[(d0 + r) * V + at.j0 + lane] : 0.f;
+  for (int64_t t0 = (at.sp.len - 1) / C * C; at.sp.len > 0 && t0 >= 0; t0 -= C) {
+    const int L = (int)min((int64_t)C, at.sp.len - t0);
+    const int64_t chunk = slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h;
+    float *dstate = p.dstates + chunk * K * V;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (mine && d0 + r < K) dstate[(d0 + r) * V + at.j0 + lane] = dh[r];
+    const float4 *w = reinterpret_cast<const float4 *>(p.w + chunk * C * KMAX);
+    const float4 *kt = reinterpret_cast<const float4 *>(p.kt + chunk * C * KMAX);
+    const float4 *qg = reinterpret_cast<const float4 *>(p.qg + chunk * C * KMAX);
+    for (int e = tid; e < C * KMAX / 4; e += THREADS) {
+      (&m.w[0][0])[e] = w[e];
+      (&m.kt[0][0])[e] = kt[e];
+      (&m.qg[0][0])[e] = qg[e];
+    }
+    for (int e = tid; e < C * C; e += THREADS) m.mq[e / C][e % C] = p.m[chunk * C * C + e];
+    for (int e = tid; e < C * VS; e += THREADS) {
+      const int i = e / VS, j = e % VS;
+      m.dout[i][j] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
+    }
+    const float last = __expf(p.gamma[chunk * C + C - 1]);
+    __syncthreads();
+    for (int i = 0; i < C; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < ROWS; r += 4) {
+        const float4 ki = m.kt[i][(d0 + r) / 4];
+        acc += ki.x * dh[r] + ki.y * dh[r + 1] + ki.z * dh[r + 2] + ki.w * dh[r + 3];
+      }
+      m.part[warp][i][lane] = acc;
+    }
+    __syncthreads();
+    float *dvn = p.dvn + chunk * C * V;
+    for (int i = warp; i < C; i += WARPS) {
+      float acc = 0.f;
+      for (int l = i; l < C; ++l) acc += m.mq[l][i] * m.dout[l][lane];
+      for (int v = 0; v < WARPS; ++v) acc += m.part[v][i][lane];
+      m.dvn[i][lane] = acc;
+      if (mine) dvn[i * V + at.j0 + lane] = acc;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) dh[r] *= last;
+    for (int i = 0; i < C; ++i) {
+      const float o = m.dout[i][lane], dv = m.dvn[i][lane];
+#pragma unroll
+      for (int r = 0; r < ROWS; r += 4) {
+        const float4 qi = m.qg[i][(d0 + r) / 4], wi = m.w[i][(d0 + r) / 4];
+        dh[r] += qi.x * o - wi.x * dv;
+        dh[r + 1] += qi.y * o - wi.y * dv;
+        dh[r + 2] += qi.z * o - wi.z * dv;
+        dh[r + 3] += qi.w * o - wi.w * dv;
+      }
+    }
+    __syncthreads();
+  }
+  float *init = static_cast<float *>(p.grad_initial_state) + head_state;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+    if (mine && d0 + r < K) init[(d0 + r) * V + at.j0 + lane] = dh[r];
+}
+
+// A chunk (blockIdx.x its slot), value head and VS columns (blockIdx.y = head * slices + slice), from its state
+// h and the walk's dh and dv': the terms of dq, dk, g and beta that need the block's columns, dv; and its
+// shares of dM, of dT's v term and of dW for the keys kernel.
 template <class T> __device__ __forceinline__ void backward(const GatedDeltaRuleBackward &p) {
   Backward &b = *reinterpret_cast<Backward *>(shared_raw);
   Chunk &m = b.c;
   const DeltaShape &s = p.shape;
-  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t V = s.v_dim;
-  const Place at(s, p.cu_seqlens);
-  const int64_t head_state = (at.n * s.v_heads + at.h) * K * V;
-  const Shares out(p, blockIdx.y);
+  const ChunkAt at_chunk(s, p.cu_seqlens, blockIdx.x);
+  if (at_chunk.L == 0) return;
+  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, slices = shares(s) - 1, L = at_chunk.L;
+  const int64_t V = s.v_dim, t0 = at_chunk.t0;
+  const Place at(s, p.cu_seqlens, at_chunk.n, blockIdx.y / slices, blockIdx.y % slices);
+  const Shares out(p, blockIdx.y % slices);
   const T *grad_o = static_cast<const T *>(p.grad_o);
-  state_in(b.dh, p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr, K, V, at);
-  const int64_t chunks = (at.sp.len + C - 1) / C;
-  for (int64_t c = chunks - 1; c >= 0; --c) {
-    const int64_t t0 = c * C;
-    const int L = (int)min((int64_t)C, at.sp.len - t0);
-    const int64_t chunk = slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h;
+  const int64_t chunk = blockIdx.x * s.v_heads + at.h;
+  {
     state_in(m.h, p.states + chunk * K * V, K, V, at);
+    state_in(b.dh, p.dstates + chunk * K * V, K, V, at);
     load_chunk<T>(m, p, at, t0, L);
+    const float *dvn = p.dvn + chunk * C * V;
     for (int e = tid; e < C * VS; e += THREADS) {
       const int i = e / VS, j = e % VS;
       b.dout[i][j] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
+      b.dvn[i][j] = j < at.cols ? dvn[i * V + at.j0 + j] : 0.f;
     }
     replayed(m, p, chunk, at);
-    // dv' = M^T do + tail k dh
-    for (int e = tid; e < C * VS; e += THREADS) {
-      const int i = e / VS, j = e % VS;
-      float acc = 0.f, kdh = 0.f;
-      for (int l = i; l < C; ++l) acc += m.qk[l][i] * b.dout[l][j];
-      for (int d = 0; d < K; ++d) kdh += m.k[i][d] * b.dh[d][j];
-      b.dvn[i][j] = acc + m.tail[i] * kdh;
-    }
-    __syncthreads();
-    // dh_next = G_last dh + (G q)^T do - W^T dv', and the sum of h * dh for gamma_last
+    // The sum of h * dh for gamma_last
     const float last = __expf(m.gamma[L - 1]);
     float hdh = 0.f;
-    for (int e = tid; e < K * VS; e += THREADS) {
-      const int d = e / VS, j = e % VS;
-      float acc = last * b.dh[d][j];
-      for (int i = 0; i < C; ++i) acc += __expf(m.gamma[i]) * m.q[i][d] * b.dout[i][j] - m.w[i][d] * b.dvn[i][j];
-      b.dh_next[d][j] = acc;
-      hdh += m.h[d][j] * b.dh[d][j];
-    }
+    for (int e = tid; e < K * VS; e += THREADS) hdh += m.h[e / VS][e % VS] * b.dh[e / VS][e % VS];
     b.hdh[tid] = hdh;
-    __syncthreads();
     // Per (row i = lane, key coordinate d = warp + 8 r): dq's and dk's terms here, and dW in w.
     const int i = lane;
     const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
@@ -555,7 +614,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     b.part[1][warp][i] = kterm;
     __syncthreads();
     // The keys kernel's inputs: dM before the decay, dT's v term (l < r), dW.
-    float *keys = p.keys + (blockIdx.y * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
+    float *keys = p.keys + (blockIdx.y % slices * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
     for (int e = tid; e < C * C; e += THREADS) {
       const int r = e / C, l = e % C;
       float dm = 0.f, dt = 0.f;
@@ -592,10 +651,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
         out.db[row] = rows_total(b.part[2], i);
       }
     }
-    for (int e = tid; e < KMAX * VS; e += THREADS) b.dh[e / VS][e % VS] = b.dh_next[e / VS][e % VS];
-    __syncthreads();
   }
-  state_out(static_cast<float *>(p.grad_initial_state) + head_state, b.dh, K, V, at);
 }
 
 // The terms of a chunk's (blockIdx.x its slot) backward, for value head blockIdx.y, that sum over the value
@@ -800,8 +856,8 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
   extern "C" __global__ void __launch_bounds__(THREADS) gated_delta_rule_##dir##_##stage(const GatedDeltaRuleForward p) { \
     state_pass(p);                                                                                              \
   }
-#define BACKWARD(dir, dt) \
-  extern "C" __global__ void __launch_bounds__(THREADS) gated_delta_rule_##dir##_##dt(const GatedDeltaRuleBackward p) { \
+#define BACKWARD(dir, dt)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(THREADS, 2) gated_delta_rule_##dir##_##dt(const GatedDeltaRuleBackward p) { \
     backward<BASTILE_TYPE_##dt>(p);                                                                                       \
   }
 GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)

@@ -50,6 +50,8 @@ typedef struct GatedDeltaRuleForward {
   float *u;      /* [slots, Hv, C, V]: U, then v' */
   float *gamma;  /* [slots, Hv, C]: the running sum of g from the chunk's start */
   float *x;      /* [slots, Hv, C, C]: X */
+  float *qg;     /* [slots, Hv, C, GDR_MAX_DIM]: G q (q normalized and scaled), zero past K */
+  float *m;      /* [slots, Hv, C, C]: M = lower(q k^T) * D */
   TokenStrides q_st;
   TokenStrides k_st;
   TokenStrides v_st;
@@ -76,9 +78,15 @@ typedef struct GatedDeltaRuleBackward {
   /* CUDA: the forward's scratch, written by its replay (its first two kernels): */
   const float *states;
   const float *w;
+  const float *kt;
   const float *vn; /* the forward's u: v' */
+  const float *gamma;
   const float *x;
+  const float *qg;
+  const float *m;
   int64_t chunks;   /* slots * Hv: the chunks of the scratch */
+  float *dstates;   /* CUDA: [slots, Hv, K, V] f32: dh, the gradient of the state at each chunk's end */
+  float *dvn;       /* CUDA: [slots, Hv, C, V] f32: dv', the gradient of v' */
   float *keys;      /* CUDA: [V / VS][chunks][GDR_KEYS_PER_CHUNK] f32: each backward block's dM (before the
                        decay), dT's v term and dW ([C][GDR_MAX_DIM]), which the keys kernel sums */
   float *partial;           /* CUDA: [4][V / VS + 1][B * T * Hv][...] f32: the shares of the gradients of q and
@@ -99,31 +107,35 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_WARPS 8
 /* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them). */
 #define GDR_PREP_SHARED \
-  (4 * (GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
+  (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
 #define GDR_STATE_SHARED \
   (4 * (2 * GDR_CHUNK * GDR_MAX_DIM + (GDR_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1)))
-#define GDR_OUT_SHARED                                                                                    \
-  (4 * (GDR_MAX_DIM * GDR_OUT_COLS + GDR_CHUNK * GDR_OUT_COLS + 2 * GDR_CHUNK * (GDR_MAX_DIM + 1) + \
-        GDR_CHUNK * (GDR_CHUNK + 1) + GDR_CHUNK))
+#define GDR_OUT_SHARED \
+  (4 * (GDR_MAX_DIM * GDR_OUT_COLS + GDR_CHUNK * GDR_OUT_COLS + GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_CHUNK + 1)))
 #define GDR_CHUNK_SHARED \
   (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
         GDR_MAX_DIM * (GDR_V_SLICE + 1) + 4 * GDR_CHUNK))
+#define GDR_WALK_SHARED \
+  (4 * (3 * GDR_CHUNK * GDR_MAX_DIM + GDR_CHUNK * (GDR_CHUNK + 1) + (GDR_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1)))
 #define GDR_BACKWARD_SHARED \
-  (GDR_CHUNK_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_MAX_DIM * (GDR_V_SLICE + 1) + \
+  (GDR_CHUNK_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + GDR_MAX_DIM * (GDR_V_SLICE + 1) + \
                            3 * GDR_WARPS * GDR_CHUNK + 32 * GDR_WARPS))
 #define GDR_KEYS_PER_CHUNK (2 * GDR_CHUNK * GDR_CHUNK + GDR_CHUNK * GDR_MAX_DIM)
 #define GDR_KEYS_SHARED \
   (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 7 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK + \
         2 * GDR_WARPS * GDR_CHUNK + 2 * GDR_CHUNK))
 
-/* The forward in three kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt and gamma, the chunks
- * in parallel), gated_delta_rule_fwd_state (the chunks of a sequence in order: the states and v') and
+/* The forward in three kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt, gamma, G q and M,
+ * the chunks in parallel), gated_delta_rule_fwd_state (the chunks of a sequence in order: the states and v') and
  * gated_delta_rule_fwd_out_<dtype> (o, the chunks in parallel). */
 #define GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)                                                   \
   STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STATE(fwd, state) STAGE(fwd, out, f32) \
       STAGE(fwd, out, f16) STAGE(fwd, out, bf16)
-/* gated_delta_rule_bwd_<dtype> (the chunks in reverse), gated_delta_rule_bwd_keys_<dtype> (what sums over the
- * value columns, the chunks in parallel) and gated_delta_rule_bwd_reduce_<dtype> (the sums of the shares). */
+/* gated_delta_rule_bwd_walk_<dtype> (the chunks of a sequence in reverse: dh and dv'),
+ * gated_delta_rule_bwd_<dtype> (the rest that needs the value columns, the chunks in parallel),
+ * gated_delta_rule_bwd_keys_<dtype> (what sums over the value columns, the chunks in parallel) and
+ * gated_delta_rule_bwd_reduce_<dtype> (the sums of the shares). */
 #define GATED_DELTA_RULE_BACKWARD_KERNELS(K, STAGE)                                                          \
-  K(bwd, f32) K(bwd, f16) K(bwd, bf16) STAGE(bwd, keys, f32) STAGE(bwd, keys, f16) STAGE(bwd, keys, bf16) \
-      STAGE(bwd, reduce, f32) STAGE(bwd, reduce, f16) STAGE(bwd, reduce, bf16)
+  STAGE(bwd, walk, f32) STAGE(bwd, walk, f16) STAGE(bwd, walk, bf16) K(bwd, f32) K(bwd, f16) K(bwd, bf16)   \
+      STAGE(bwd, keys, f32) STAGE(bwd, keys, f16) STAGE(bwd, keys, bf16) STAGE(bwd, reduce, f32)          \
+      STAGE(bwd, reduce, f16) STAGE(bwd, reduce, bf16)

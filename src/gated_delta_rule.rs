@@ -9,7 +9,7 @@ use crate::geometry::ceil_div;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, DeltaShape, GatedDeltaRuleBackward, GatedDeltaRuleForward, TokenStrides, GDR_BACKWARD_SHARED,
-    GDR_CHUNK, GDR_KEYS_PER_CHUNK, GDR_KEYS_SHARED, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WARPS,
+    GDR_CHUNK, GDR_KEYS_PER_CHUNK, GDR_KEYS_SHARED, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WALK_SHARED, GDR_WARPS,
 };
 use std::ops::Range;
 
@@ -258,10 +258,10 @@ impl Forward {
         })
     }
 
-    /// Floats of scratch: the states, W, kt, U, gamma and X of every slot and value head.
+    /// Floats of scratch: the states, W, kt, U, gamma, X, G q and M of every slot and value head.
     fn scratch(&self, s: &DeltaShape) -> i64 {
         let (c, k) = (GDR_CHUNK as i64, GDR_MAX_DIM as i64);
-        self.slots * s.v_heads * (s.k_dim * s.v_dim + 2 * c * k + c * s.v_dim + c + c * c)
+        self.slots * s.v_heads * (s.k_dim * s.v_dim + 3 * c * k + c * s.v_dim + c + 2 * c * c)
     }
 
     /// # Safety
@@ -276,6 +276,8 @@ impl Forward {
         p.u = p.kt.add((chunks * c * k) as usize);
         p.gamma = p.u.add((chunks * c * s.v_dim) as usize);
         p.x = p.gamma.add((chunks * c) as usize);
+        p.qg = p.x.add((chunks * c * c) as usize);
+        p.m = p.qg.add((chunks * c * k) as usize);
         let per_chunk = (self.slots as u32, s.v_heads as u32);
         let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
         driver::launch(self.prep, cfg(per_chunk, GDR_PREP_SHARED), stream, p)?;
@@ -298,13 +300,14 @@ fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan>
 }
 
 /// The backward replays the forward's first two kernels into their scratch (the first part of its own), walks
-/// the chunks in reverse writing each block's shares of the gradients and the keys kernel's inputs (the rest),
-/// runs the keys kernel over the chunks in parallel, and folds the shares.
+/// the chunks in reverse for dh and dv', writes each chunk's shares of the gradients and the keys kernel's
+/// inputs, the chunks in parallel, runs the keys kernel, and folds the shares.
 fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Plan> {
     let s = p.shape;
     let tag = dtype(&s)?;
     let forward = Forward::new(&s, !p.cu_seqlens.is_null(), dev)?;
-    let reverse = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 1)?;
+    let walk = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Walk, tag], THREADS, 1)?;
+    let columns = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 2)?;
     let keys = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Keys, tag], THREADS, 1)?;
     let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
     let grid = forward.grid;
@@ -312,6 +315,7 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     let rows = s.batch * s.tokens * s.v_heads;
     let chunks = forward.slots * s.v_heads;
     let key_terms = grid.1 as i64 * chunks * GDR_KEYS_PER_CHUNK as i64;
+    let walked = chunks * (s.k_dim + GDR_CHUNK as i64) * s.v_dim;
     let partial = 2 * (grid.1 as i64 + 1) * rows * (s.k_dim + 1);
     let mut replay = GatedDeltaRuleForward {
         q: p.q,
@@ -329,6 +333,8 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
         u: std::ptr::null_mut(),
         gamma: std::ptr::null_mut(),
         x: std::ptr::null_mut(),
+        qg: std::ptr::null_mut(),
+        m: std::ptr::null_mut(),
         q_st: p.q_st,
         k_st: p.k_st,
         v_st: p.v_st,
@@ -338,21 +344,29 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     p.chunks = chunks;
     let pairs = s.batch * s.tokens * s.k_heads;
     let reduce_grid = ceil_div(pairs, (THREADS / 32) as i64) as u32;
-    Ok(Plan::new((replayed + key_terms + partial) * 4, move |memory, stream| {
+    Ok(Plan::new((replayed + walked + key_terms + partial) * 4, move |memory, stream| {
         let memory = memory.cast::<f32>();
-        // SAFETY: the scratch holds the forward's part, the keys kernel's inputs, then the shares; the C++ layer
-        // checked every other pointer.
+        // SAFETY: the scratch holds the forward's part, the walk's dh and dv', the keys kernel's inputs, then the
+        // shares; the C++ layer checked every other pointer.
         unsafe {
             forward.launch(&mut replay, memory, stream)?;
             p.states = replay.states;
             p.w = replay.w;
+            p.kt = replay.kt;
             p.vn = replay.u;
+            p.gamma = replay.gamma;
             p.x = replay.x;
-            p.keys = memory.add(replayed as usize);
+            p.qg = replay.qg;
+            p.m = replay.m;
+            p.dstates = memory.add(replayed as usize);
+            p.dvn = p.dstates.add((chunks * s.k_dim * s.v_dim) as usize);
+            p.keys = p.dstates.add(walked as usize);
             p.partial = p.keys.add(key_terms as usize);
-            driver::launch(reverse, LaunchConfig { grid, block: (THREADS, 1), shared: GDR_BACKWARD_SHARED }, stream, &p)?;
+            let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
+            driver::launch(walk, cfg(grid, GDR_WALK_SHARED), stream, &p)?;
             let per_chunk = (forward.slots as u32, s.v_heads as u32);
-            driver::launch(keys, LaunchConfig { grid: per_chunk, block: (THREADS, 1), shared: GDR_KEYS_SHARED }, stream, &p)?;
+            driver::launch(columns, cfg((per_chunk.0, per_chunk.1 * grid.1), GDR_BACKWARD_SHARED), stream, &p)?;
+            driver::launch(keys, cfg(per_chunk, GDR_KEYS_SHARED), stream, &p)?;
             driver::launch(reduce, LaunchConfig { grid: (reduce_grid, 1), block: (THREADS, 1), shared: 0 }, stream, &p)
         }
     }))
