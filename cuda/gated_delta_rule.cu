@@ -32,6 +32,8 @@ constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, OC = GDR_OUT_
               THREADS = 32 * WARPS, ROWS = KMAX / WARPS;
 // Rows padded by one float: a warp reading a column of a row-major tile hits 32 banks.
 constexpr int KP = KMAX + 1, CP = C + 1, VP = VS + 1;
+// Rows read 4 floats at a time: 16-byte aligned, and 8 lanes reading rows l to l + 7 still hit 32 banks.
+constexpr int K4 = KMAX + 4;
 static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
 static_assert(ROWS % 4 == 0 && OC == 64, "the state pass's rows, and the output's columns, go by float4");
 
@@ -42,7 +44,7 @@ struct Chunk {
   float qk[C][CP];  // M
   float v[C][VP];   // v of the block's columns
   float vn[C][VP];  // U, then v'
-  float h[KMAX][VP];
+  float4 h[VS][KMAX / 4 + 1];  // h^T: a row per column of the state, read 4 keys at a time
   float gamma[C], beta[C], bg[C], tail[C];  // bg = beta G, tail = exp(gamma_last - gamma)
 };
 
@@ -50,7 +52,7 @@ struct Chunk {
 struct Backward {
   Chunk c;
   float dout[C][VP], dvn[C][VP];
-  float dh[KMAX][VP];
+  float4 dh[VS][KMAX / 4 + 1];  // dh^T
   float part[3][WARPS][C];  // per-warp row sums: q's and k's terms of gamma, v . dVb
   float hdh[THREADS];
 };
@@ -82,6 +84,13 @@ __device__ __forceinline__ int shares(const DeltaShape &s) { return (int)((s.v_d
 
 __device__ __forceinline__ float warp_sum(float v) { return warp_group_sum(v, 32); }
 
+// Floats d to d + 3 of a K4-wide row (d a multiple of 4), and products of 4 floats.
+__device__ __forceinline__ float4 row4(const float (&row)[K4], int d) { return *reinterpret_cast<const float4 *>(&row[d]); }
+__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+__device__ __forceinline__ void fma4(float4 &acc, float a, float4 b) {
+  acc.x += a * b.x, acc.y += a * b.y, acc.z += a * b.z, acc.w += a * b.w;
+}
+
 // Where a block's work is: sequence, value head, key head, first column, columns.
 struct Place {
   int64_t n;
@@ -104,8 +113,8 @@ struct Place {
 
 // Rows [start, start + L) of k (normalized) and, unless null, q (normalized and scaled) of key head hk into
 // tiles; zeros past L and past K.
-template <class T, class P>
-__device__ void load_qk(float (*q)[KP], float (*k)[KP], const P &p, int64_t row, int64_t start, int hk, int L) {
+template <class T, int W = KP, class P>
+__device__ void load_qk(float (*q)[W], float (*k)[W], const P &p, int64_t row, int64_t start, int hk, int L) {
   const DeltaShape &s = p.shape;
   const int K = s.k_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T *qs = static_cast<const T *>(p.q), *ks = static_cast<const T *>(p.k);
@@ -202,11 +211,11 @@ __device__ void replayed(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chun
   __syncthreads();
 }
 
-// The block's columns of a [N, Hv, K, V] state into the tile.
-__device__ void state_in(float (&h)[KMAX][VP], const float *src, int K, int64_t V, const Place &at) {
+// The block's columns of a [N, Hv, K, V] state into the tile, transposed.
+__device__ void state_in(float4 (&h)[VS][KMAX / 4 + 1], const float *src, int K, int64_t V, const Place &at) {
   for (int e = threadIdx.x; e < KMAX * VS; e += THREADS) {
     const int d = e / VS, j = e % VS;
-    h[d][j] = src && d < K && j < at.cols ? src[d * V + at.j0 + j] : 0.f;
+    (&h[j][0].x)[d] = d < K && j < at.cols ? src[d * V + at.j0 + j] : 0.f;
   }
   __syncthreads();
 }
@@ -303,13 +312,43 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
   }
 }
 
+// Asynchronous copies into shared memory (cp.async): 16 bytes, or 4 (zeros where `valid` is false).
+__device__ __forceinline__ void copy16(void *dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void copy4(void *dst, const void *src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void copies_sent() { asm volatile("cp.async.commit_group;"); }
+// Waits for all but the last `pending` groups sent.
+__device__ __forceinline__ void copies_landed(bool pending) {
+  if (pending) asm volatile("cp.async.wait_group 1;");
+  else asm volatile("cp.async.wait_group 0;");
+}
+
+// C rows of KMAX floats (a chunk's W, kt or G q in the scratch) into a tile.
+__device__ __forceinline__ void copy_rows(float4 (&dst)[C][KMAX / 4], const float *src) {
+  for (int e = threadIdx.x; e < C * KMAX / 4; e += THREADS) copy16(&dst[0][0] + e, src + 4 * e);
+}
+
+// The block's VS columns of C rows of V (a chunk's U, v' or dv' in the scratch) into a tile, zeros past them.
+__device__ __forceinline__ void copy_columns(float (&dst)[C][VP], const float *src, int64_t V, const Place &at) {
+  for (int e = threadIdx.x; e < C * VS; e += THREADS) {
+    const int i = e / VS, j = e % VS;
+    copy4(&dst[i][j], j < at.cols ? src + i * V + at.j0 + j : src, j < at.cols);
+  }
+}
+
 // A sequence's chunks in order for one value head and VS columns of the state (Place): each chunk's starting
 // state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v'. Warp w keeps rows [ROWS w, ROWS (w+1))
-// of the state, lane j its column j, in registers.
+// of the state, lane j its column j, in registers. The next chunk's W, kt and U are copied in while this one's
+// products run.
 struct State {
-  float4 w[C][KMAX / 4], kt[C][KMAX / 4];
-  float u[C][VP], vn[C][VP];
+  float4 w[2][C][KMAX / 4], kt[2][C][KMAX / 4];
+  float u[2][C][VP], vn[C][VP];
   float part[WARPS][C][VP];
+  float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
 static_assert(sizeof(State) == GDR_STATE_SHARED);
 
@@ -320,53 +359,58 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
   const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * ROWS;
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
   const bool mine = lane < at.cols;
+  const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
+  const auto fetch = [&](int64_t t0, int buf) {
+    const int64_t chunk = chunk_at(t0);
+    copy_rows(m.w[buf], p.w + chunk * C * KMAX);
+    copy_rows(m.kt[buf], p.kt + chunk * C * KMAX);
+    copy_columns(m.u[buf], p.u + chunk * C * V, V, at);
+    if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
+    copies_sent();
+  };
   float h[ROWS];
   const float *init = p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) h[r] = init && mine && d0 + r < K ? init[(d0 + r) * V + at.j0 + lane] : 0.f;
-  for (int64_t t0 = 0; t0 < at.sp.len; t0 += C) {
-    const int64_t chunk = slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h;
+  if (at.sp.len > 0) fetch(0, 0);
+  for (int64_t t0 = 0, buf = 0; t0 < at.sp.len; t0 += C, buf ^= 1) {
+    const int64_t chunk = chunk_at(t0);
     float *state = p.states + chunk * K * V;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
       if (mine && d0 + r < K) state[(d0 + r) * V + at.j0 + lane] = h[r];
-    const float4 *w = reinterpret_cast<const float4 *>(p.w + chunk * C * KMAX);
-    const float4 *kt = reinterpret_cast<const float4 *>(p.kt + chunk * C * KMAX);
-    for (int e = tid; e < C * KMAX / 4; e += THREADS) {
-      (&m.w[0][0])[e] = w[e];
-      (&m.kt[0][0])[e] = kt[e];
-    }
-    float *u = p.u + chunk * C * V;
-    for (int e = tid; e < C * VS; e += THREADS) {
-      const int i = e / VS, j = e % VS;
-      m.u[i][j] = j < at.cols ? u[i * V + at.j0 + j] : 0.f;
-    }
-    const float last = __expf(p.gamma[chunk * C + C - 1]);
+    const bool ahead = t0 + C < at.sp.len;
+    if (ahead) fetch(t0 + C, buf ^ 1);
+    copies_landed(ahead);
     __syncthreads();
+#pragma unroll 4
     for (int i = 0; i < C; ++i) {
       float acc = 0.f;
 #pragma unroll
       for (int r = 0; r < ROWS; r += 4) {
-        const float4 wi = m.w[i][(d0 + r) / 4];
+        const float4 wi = m.w[buf][i][(d0 + r) / 4];
         acc += wi.x * h[r] + wi.y * h[r + 1] + wi.z * h[r + 2] + wi.w * h[r + 3];
       }
       m.part[warp][i][lane] = acc;
     }
     __syncthreads();
+    float *u = p.u + chunk * C * V;
     for (int i = warp; i < C; i += WARPS) {
-      float acc = m.u[i][lane];
+      float acc = m.u[buf][i][lane];
       for (int v = 0; v < WARPS; ++v) acc -= m.part[v][i][lane];
       m.vn[i][lane] = acc;
       if (mine) u[i * V + at.j0 + lane] = acc;
     }
     __syncthreads();
+    const float last = __expf(m.gamma[buf]);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) h[r] *= last;
+#pragma unroll 4
     for (int i = 0; i < C; ++i) {
       const float vi = m.vn[i][lane];
 #pragma unroll
       for (int r = 0; r < ROWS; r += 4) {
-        const float4 ki = m.kt[i][(d0 + r) / 4];
+        const float4 ki = m.kt[buf][i][(d0 + r) / 4];
         h[r] += ki.x * vi;
         h[r + 1] += ki.y * vi;
         h[r + 2] += ki.z * vi;
@@ -474,11 +518,13 @@ struct Shares {
 // A sequence's chunks in reverse for one value head and VS columns of dh (Place), as the state pass walks them
 // forward: each chunk's dh (the gradient of its final state) into dstates, dv' = M^T do + kt dh, then
 // dh <- G_last dh + (G q)^T do - W^T dv'. Warp w keeps rows [ROWS w, ROWS (w+1)) of dh, lane j its column j.
+// The next chunk's W, kt, G q, M and do are read while this one's products run.
 struct Walk {
-  float4 w[C][KMAX / 4], kt[C][KMAX / 4], qg[C][KMAX / 4];
-  float mq[C][CP];
+  float4 w[2][C][KMAX / 4], kt[2][C][KMAX / 4], qg[2][C][KMAX / 4];
+  float mq[2][C][CP];
   float dout[C][VP], dvn[C][VP];
   float part[WARPS][C][VP];
+  float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
 static_assert(sizeof(Walk) == GDR_WALK_SHARED);
 
@@ -490,37 +536,53 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
   const bool mine = lane < at.cols;
   const T *grad_o = static_cast<const T *>(p.grad_o);
+  const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
+  constexpr int PER = C * VS / THREADS;  // of do, a thread's
+  float dout[PER];
+  const auto fetch = [&](int64_t t0, int buf) {
+    const int64_t chunk = chunk_at(t0);
+    copy_rows(m.w[buf], p.w + chunk * C * KMAX);
+    copy_rows(m.kt[buf], p.kt + chunk * C * KMAX);
+    copy_rows(m.qg[buf], p.qg + chunk * C * KMAX);
+    for (int e = tid; e < C * C; e += THREADS) copy4(&m.mq[buf][e / C][e % C], p.m + chunk * C * C + e, true);
+    if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
+    copies_sent();
+    const int L = (int)min((int64_t)C, at.sp.len - t0);
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+      const int e = tid + r * THREADS, i = e / VS, j = e % VS;
+      dout[r] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
+    }
+  };
+  const auto keep_dout = [&] {
+#pragma unroll
+    for (int r = 0; r < PER; ++r) m.dout[(tid + r * THREADS) / VS][(tid + r * THREADS) % VS] = dout[r];
+  };
   const float *fin = p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr;
   float dh[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) dh[r] = fin && mine && d0 + r < K ? fin[(d0 + r) * V + at.j0 + lane] : 0.f;
-  for (int64_t t0 = (at.sp.len - 1) / C * C; at.sp.len > 0 && t0 >= 0; t0 -= C) {
-    const int L = (int)min((int64_t)C, at.sp.len - t0);
-    const int64_t chunk = slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h;
+  const int64_t first = at.sp.len > 0 ? (at.sp.len - 1) / C * C : -1;
+  if (first >= 0) {
+    fetch(first, 0);
+    keep_dout();
+  }
+  for (int64_t t0 = first, buf = 0; t0 >= 0; t0 -= C, buf ^= 1) {
+    const int64_t chunk = chunk_at(t0);
     float *dstate = p.dstates + chunk * K * V;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
       if (mine && d0 + r < K) dstate[(d0 + r) * V + at.j0 + lane] = dh[r];
-    const float4 *w = reinterpret_cast<const float4 *>(p.w + chunk * C * KMAX);
-    const float4 *kt = reinterpret_cast<const float4 *>(p.kt + chunk * C * KMAX);
-    const float4 *qg = reinterpret_cast<const float4 *>(p.qg + chunk * C * KMAX);
-    for (int e = tid; e < C * KMAX / 4; e += THREADS) {
-      (&m.w[0][0])[e] = w[e];
-      (&m.kt[0][0])[e] = kt[e];
-      (&m.qg[0][0])[e] = qg[e];
-    }
-    for (int e = tid; e < C * C; e += THREADS) m.mq[e / C][e % C] = p.m[chunk * C * C + e];
-    for (int e = tid; e < C * VS; e += THREADS) {
-      const int i = e / VS, j = e % VS;
-      m.dout[i][j] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
-    }
-    const float last = __expf(p.gamma[chunk * C + C - 1]);
+    const bool ahead = t0 > 0;
+    if (ahead) fetch(t0 - C, buf ^ 1);
+    copies_landed(ahead);
     __syncthreads();
+#pragma unroll 4
     for (int i = 0; i < C; ++i) {
       float acc = 0.f;
 #pragma unroll
       for (int r = 0; r < ROWS; r += 4) {
-        const float4 ki = m.kt[i][(d0 + r) / 4];
+        const float4 ki = m.kt[buf][i][(d0 + r) / 4];
         acc += ki.x * dh[r] + ki.y * dh[r + 1] + ki.z * dh[r + 2] + ki.w * dh[r + 3];
       }
       m.part[warp][i][lane] = acc;
@@ -529,19 +591,21 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     float *dvn = p.dvn + chunk * C * V;
     for (int i = warp; i < C; i += WARPS) {
       float acc = 0.f;
-      for (int l = i; l < C; ++l) acc += m.mq[l][i] * m.dout[l][lane];
+      for (int l = i; l < C; ++l) acc += m.mq[buf][l][i] * m.dout[l][lane];
       for (int v = 0; v < WARPS; ++v) acc += m.part[v][i][lane];
       m.dvn[i][lane] = acc;
       if (mine) dvn[i * V + at.j0 + lane] = acc;
     }
     __syncthreads();
+    const float last = __expf(m.gamma[buf]);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) dh[r] *= last;
+#pragma unroll 4
     for (int i = 0; i < C; ++i) {
       const float o = m.dout[i][lane], dv = m.dvn[i][lane];
 #pragma unroll
       for (int r = 0; r < ROWS; r += 4) {
-        const float4 qi = m.qg[i][(d0 + r) / 4], wi = m.w[i][(d0 + r) / 4];
+        const float4 qi = m.qg[buf][i][(d0 + r) / 4], wi = m.w[buf][i][(d0 + r) / 4];
         dh[r] += qi.x * o - wi.x * dv;
         dh[r + 1] += qi.y * o - wi.y * dv;
         dh[r + 2] += qi.z * o - wi.z * dv;
@@ -549,6 +613,7 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
       }
     }
     __syncthreads();
+    if (ahead) keep_dout();
   }
   float *init = static_cast<float *>(p.grad_initial_state) + head_state;
 #pragma unroll
@@ -585,29 +650,36 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     // The sum of h * dh for gamma_last
     const float last = __expf(m.gamma[L - 1]);
     float hdh = 0.f;
-    for (int e = tid; e < K * VS; e += THREADS) hdh += m.h[e / VS][e % VS] * b.dh[e / VS][e % VS];
+    for (int e = tid; e < VS * KMAX; e += THREADS) hdh += (&m.h[e / KMAX][0].x)[e % KMAX] * (&b.dh[e / KMAX][0].x)[e % KMAX];
     b.hdh[tid] = hdh;
-    // Per (row i = lane, key coordinate d = warp + 8 r): dq's and dk's terms here, and dW in w.
+    // Per (row i = lane, key coordinates d to d + 3 of the warp's ROWS): dq's and dk's terms here, and dW in w.
     const int i = lane;
     const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
     const float gi = __expf(m.gamma[i]);
     float inter = 0.f, kterm = 0.f;
-#pragma unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      const int d = warp + WARPS * r;
-      if (d >= K) continue;
-      float doh = 0.f, vdh = 0.f, dw = 0.f;
+    for (int d = warp * ROWS; d < min(K, (warp + 1) * ROWS); d += 4) {
+      float doh[4] = {}, vdh[4] = {}, dw[4] = {};
+#pragma unroll 8
       for (int j = 0; j < VS; ++j) {
-        doh += b.dout[i][j] * m.h[d][j];
-        vdh += m.vn[i][j] * b.dh[d][j];
-        dw -= b.dvn[i][j] * m.h[d][j];
+        const float o = b.dout[i][j], vn = m.vn[i][j], dv = b.dvn[i][j];
+        const float4 hj = m.h[j][d / 4], dhj = b.dh[j][d / 4];
+        const float hs[4] = {hj.x, hj.y, hj.z, hj.w}, dhs[4] = {dhj.x, dhj.y, dhj.z, dhj.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          doh[q] += o * hs[q];
+          vdh[q] += vn * dhs[q];
+          dw[q] -= dv * hs[q];
+        }
       }
-      inter += m.q[i][d] * gi * doh;
-      kterm += m.k[i][d] * m.tail[i] * vdh;
-      m.w[i][d] = dw;
-      if (i < L) {
-        out.dq[row * K + d] = gi * doh;
-        out.dk[row * K + d] = m.tail[i] * vdh;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // zeros past K but for the outputs
+        inter += m.q[i][d + q] * gi * doh[q];
+        kterm += m.k[i][d + q] * m.tail[i] * vdh[q];
+        m.w[i][d + q] = dw[q];
+        if (i < L && d + q < K) {
+          out.dq[row * K + d + q] = gi * doh[q];
+          out.dk[row * K + d + q] = m.tail[i] * vdh[q];
+        }
       }
     }
     b.part[0][warp][i] = inter;
@@ -657,7 +729,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
 // The terms of a chunk's (blockIdx.x its slot) backward, for value head blockIdx.y, that sum over the value
 // columns: from dM, dT's v term and dW summed over the backward's blocks, through X and A into q, k, g and beta.
 struct Keys {
-  float q[C][KP], k[C][KP], dw[C][KP];
+  float q[C][K4], k[C][K4], dw[C][K4];
   float a[C][CP], x[C][CP], qk[C][CP], dm[C][CP], xm[C][CP], dt[C][CP], y[C][CP];
   float gamma[C], beta[C], bg[C], tail[C];
   float part[2][WARPS][C];  // per-warp row sums: M's share of gamma's, X^T dW . k
@@ -674,7 +746,7 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t chunk = blockIdx.x * s.v_heads + h, first = c.sp.row * s.tokens + c.sp.start + c.t0;
   const int slices = shares(s) - 1;
-  load_qk<T>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
+  load_qk<T, K4>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
   if (tid < 32) load_decays(p, first, h, L, m.gamma, m.beta, m.bg, m.tail);
   for (int e = tid; e < C * C; e += THREADS) {
     float dm = 0.f, dt = 0.f;
@@ -698,12 +770,13 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
     const int r = e / C, l = e % C;
     float kk = 0.f, qk = 0.f, dt = 0.f;
     if (l <= r)
-      for (int d = 0; d < K; ++d) {
-        kk += m.k[r][d] * m.k[l][d];
-        qk += m.q[r][d] * m.k[l][d];
+      for (int d = 0; d < K; d += 4) {  // zeros past K
+        const float4 kl = row4(m.k[l], d);
+        kk += dot4(row4(m.k[r], d), kl);
+        qk += dot4(row4(m.q[r], d), kl);
+        if (l < r) dt += dot4(row4(m.dw[r], d), kl);
       }
-    if (l < r)
-      for (int d = 0; d < K; ++d) dt += m.dw[r][d] * m.bg[l] * m.k[l][d];
+    dt *= m.bg[l];
     const float decay = l <= r ? __expf(m.gamma[r] - m.gamma[l]) : 0.f;
     m.a[r][l] = l < r ? decay * kk : 0.f;
     m.qk[r][l] = qk * decay;
@@ -752,21 +825,23 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
   const Shares out(p, slices);
   const int64_t row = (first + i) * s.v_heads + h;
   float z = 0.f;
-#pragma unroll 4
-  for (int r = 0; r < ROWS; ++r) {
-    const int d = warp + WARPS * r;
-    if (d >= K) continue;
-    float q_acc = 0.f, k_acc = 0.f, dkb = 0.f;
-    for (int l = 0; l <= i; ++l) q_acc += m.dm[i][l] * m.k[l][d];
+  for (int d = warp * ROWS; d < min(K, (warp + 1) * ROWS); d += 4) {  // key coordinates d to d + 3
+    float4 q_acc = {}, k_acc = {}, dkb = {};
+    for (int l = 0; l <= i; ++l) fma4(q_acc, m.dm[i][l], row4(m.k[l], d));
     for (int l = i; l < C; ++l) {
-      k_acc += m.dm[l][i] * m.q[l][d];
-      dkb += m.x[l][i] * m.dw[l][d];
+      fma4(k_acc, m.dm[l][i], row4(m.q[l], d));
+      fma4(dkb, m.x[l][i], row4(m.dw[l], d));
     }
-    for (int l = 0; l < C; ++l) k_acc += m.dt[i][l] * m.k[l][d] + m.dt[l][i] * m.k[l][d];
-    z += m.k[i][d] * dkb;
-    if (i < L) {
-      out.dq[row * K + d] = q_acc;
-      out.dk[row * K + d] = k_acc + m.bg[i] * dkb;
+    for (int l = 0; l < C; ++l) fma4(k_acc, m.dt[i][l] + m.dt[l][i], row4(m.k[l], d));
+    const float qs[4] = {q_acc.x, q_acc.y, q_acc.z, q_acc.w}, ks[4] = {k_acc.x, k_acc.y, k_acc.z, k_acc.w};
+    const float bs[4] = {dkb.x, dkb.y, dkb.z, dkb.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // zeros past K but for the outputs
+      z += m.k[i][d + q] * bs[q];
+      if (i < L && d + q < K) {
+        out.dq[row * K + d + q] = qs[q];
+        out.dk[row * K + d + q] = ks[q] + m.bg[i] * bs[q];
+      }
     }
   }
   m.part[0][warp][i] = z;

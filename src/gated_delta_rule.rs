@@ -270,14 +270,15 @@ impl Forward {
         let s = p.shape;
         let (c, k) = (GDR_CHUNK as i64, GDR_MAX_DIM as i64);
         let chunks = self.slots * s.v_heads;
-        p.states = memory;
-        p.w = p.states.add((chunks * s.k_dim * s.v_dim) as usize);
+        // The tiles the kernels copy 16 bytes at a time first, the states (K V floats a chunk) last.
+        p.w = memory;
         p.kt = p.w.add((chunks * c * k) as usize);
-        p.u = p.kt.add((chunks * c * k) as usize);
-        p.gamma = p.u.add((chunks * c * s.v_dim) as usize);
-        p.x = p.gamma.add((chunks * c) as usize);
-        p.qg = p.x.add((chunks * c * c) as usize);
-        p.m = p.qg.add((chunks * c * k) as usize);
+        p.qg = p.kt.add((chunks * c * k) as usize);
+        p.x = p.qg.add((chunks * c * k) as usize);
+        p.m = p.x.add((chunks * c * c) as usize);
+        p.gamma = p.m.add((chunks * c * c) as usize);
+        p.u = p.gamma.add((chunks * c) as usize);
+        p.states = p.u.add((chunks * c * s.v_dim) as usize);
         let per_chunk = (self.slots as u32, s.v_heads as u32);
         let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
         driver::launch(self.prep, cfg(per_chunk, GDR_PREP_SHARED), stream, p)?;
@@ -358,9 +359,9 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
             p.x = replay.x;
             p.qg = replay.qg;
             p.m = replay.m;
-            p.dstates = memory.add(replayed as usize);
-            p.dvn = p.dstates.add((chunks * s.k_dim * s.v_dim) as usize);
-            p.keys = p.dstates.add(walked as usize);
+            p.dvn = memory.add(replayed as usize);
+            p.dstates = p.dvn.add((chunks * GDR_CHUNK as i64 * s.v_dim) as usize);
+            p.keys = p.dvn.add(walked as usize);
             p.partial = p.keys.add(key_terms as usize);
             let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
             driver::launch(walk, cfg(grid, GDR_WALK_SHARED), stream, &p)?;
