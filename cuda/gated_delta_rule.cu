@@ -164,7 +164,8 @@ __device__ void load_decays(const P &p, int64_t first, int h, int L, float *gamm
   tail[lane] = __expf(last - run);
 }
 
-// Loads chunk [t0, t0 + L) into the tiles: k and q, v of the block's columns, the decays.
+// Loads chunk [t0, t0 + L) into the tiles: k and q, v of the block's columns, the decays (no barrier: the
+// caller's).
 template <class T, class P>
 __device__ void load_chunk(Chunk &m, const P &p, const Place &at, int64_t t0, int L) {
   const T *v = static_cast<const T *>(p.v);
@@ -177,7 +178,6 @@ __device__ void load_chunk(Chunk &m, const P &p, const Place &at, int64_t t0, in
                     : 0.f;
   }
   if (threadIdx.x < 32) load_decays(p, at.token(p.shape, t0, 0), at.h, L, m.gamma, m.beta, m.bg, m.tail);
-  __syncthreads();
 }
 
 // X = (I + beta A)^-1 from A without beta.
@@ -211,13 +211,12 @@ __device__ void replayed(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chun
   __syncthreads();
 }
 
-// The block's columns of a [N, Hv, K, V] state into the tile, transposed.
+// The block's columns of a [N, Hv, K, V] state into the tile, transposed (no barrier: the caller's).
 __device__ void state_in(float4 (&h)[VS][KMAX / 4 + 1], const float *src, int K, int64_t V, const Place &at) {
   for (int e = threadIdx.x; e < KMAX * VS; e += THREADS) {
     const int d = e / VS, j = e % VS;
     (&h[j][0].x)[d] = d < K && j < at.cols ? src[d * V + at.j0 + j] : 0.f;
   }
-  __syncthreads();
 }
 
 // The chunk of slot `sigma` (see slot()): its sequence, first token (of the sequence) and length; L = 0 for a
@@ -636,92 +635,90 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   const Shares out(p, blockIdx.y % slices);
   const T *grad_o = static_cast<const T *>(p.grad_o);
   const int64_t chunk = blockIdx.x * s.v_heads + at.h;
-  {
-    state_in(m.h, p.states + chunk * K * V, K, V, at);
-    state_in(b.dh, p.dstates + chunk * K * V, K, V, at);
-    load_chunk<T>(m, p, at, t0, L);
-    const float *dvn = p.dvn + chunk * C * V;
-    for (int e = tid; e < C * VS; e += THREADS) {
-      const int i = e / VS, j = e % VS;
-      b.dout[i][j] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
-      b.dvn[i][j] = j < at.cols ? dvn[i * V + at.j0 + j] : 0.f;
-    }
-    replayed(m, p, chunk, at);
-    // The sum of h * dh for gamma_last
-    const float last = __expf(m.gamma[L - 1]);
-    float hdh = 0.f;
-    for (int e = tid; e < VS * KMAX; e += THREADS) hdh += (&m.h[e / KMAX][0].x)[e % KMAX] * (&b.dh[e / KMAX][0].x)[e % KMAX];
-    b.hdh[tid] = hdh;
-    // Per (row i = lane, key coordinates d to d + 3 of the warp's ROWS): dq's and dk's terms here, and dW in w.
-    const int i = lane;
-    const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
-    const float gi = __expf(m.gamma[i]);
-    float inter = 0.f, kterm = 0.f;
-    for (int d = warp * ROWS; d < min(K, (warp + 1) * ROWS); d += 4) {
-      float doh[4] = {}, vdh[4] = {}, dw[4] = {};
+  state_in(m.h, p.states + chunk * K * V, K, V, at);
+  state_in(b.dh, p.dstates + chunk * K * V, K, V, at);
+  load_chunk<T>(m, p, at, t0, L);
+  const float *dvn = p.dvn + chunk * C * V;
+  for (int e = tid; e < C * VS; e += THREADS) {
+    const int i = e / VS, j = e % VS;
+    b.dout[i][j] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
+    b.dvn[i][j] = j < at.cols ? dvn[i * V + at.j0 + j] : 0.f;
+  }
+  replayed(m, p, chunk, at);
+  // The sum of h * dh for gamma_last
+  const float last = __expf(m.gamma[L - 1]);
+  float hdh = 0.f;
+  for (int e = tid; e < VS * KMAX; e += THREADS) hdh += (&m.h[e / KMAX][0].x)[e % KMAX] * (&b.dh[e / KMAX][0].x)[e % KMAX];
+  b.hdh[tid] = hdh;
+  // Per (row i = lane, key coordinates d to d + 3 of the warp's ROWS): dq's and dk's terms here, and dW in w.
+  const int i = lane;
+  const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
+  const float gi = __expf(m.gamma[i]);
+  float inter = 0.f, kterm = 0.f;
+  for (int d = warp * ROWS; d < min(K, (warp + 1) * ROWS); d += 4) {
+    float doh[4] = {}, vdh[4] = {}, dw[4] = {};
 #pragma unroll 8
-      for (int j = 0; j < VS; ++j) {
-        const float o = b.dout[i][j], vn = m.vn[i][j], dv = b.dvn[i][j];
-        const float4 hj = m.h[j][d / 4], dhj = b.dh[j][d / 4];
-        const float hs[4] = {hj.x, hj.y, hj.z, hj.w}, dhs[4] = {dhj.x, dhj.y, dhj.z, dhj.w};
+    for (int j = 0; j < VS; ++j) {
+      const float o = b.dout[i][j], vn = m.vn[i][j], dv = b.dvn[i][j];
+      const float4 hj = m.h[j][d / 4], dhj = b.dh[j][d / 4];
+      const float hs[4] = {hj.x, hj.y, hj.z, hj.w}, dhs[4] = {dhj.x, dhj.y, dhj.z, dhj.w};
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          doh[q] += o * hs[q];
-          vdh[q] += vn * dhs[q];
-          dw[q] -= dv * hs[q];
-        }
+      for (int q = 0; q < 4; ++q) {
+        doh[q] += o * hs[q];
+        vdh[q] += vn * dhs[q];
+        dw[q] -= dv * hs[q];
       }
+    }
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {  // zeros past K but for the outputs
-        inter += m.q[i][d + q] * gi * doh[q];
-        kterm += m.k[i][d + q] * m.tail[i] * vdh[q];
-        m.w[i][d + q] = dw[q];
-        if (i < L && d + q < K) {
-          out.dq[row * K + d + q] = gi * doh[q];
-          out.dk[row * K + d + q] = m.tail[i] * vdh[q];
-        }
+    for (int q = 0; q < 4; ++q) {  // zeros past K but for the outputs
+      inter += m.q[i][d + q] * gi * doh[q];
+      kterm += m.k[i][d + q] * m.tail[i] * vdh[q];
+      m.w[i][d + q] = dw[q];
+      if (i < L && d + q < K) {
+        out.dq[row * K + d + q] = gi * doh[q];
+        out.dk[row * K + d + q] = m.tail[i] * vdh[q];
       }
     }
-    b.part[0][warp][i] = inter;
-    b.part[1][warp][i] = kterm;
-    __syncthreads();
-    // The keys kernel's inputs: dM before the decay, dT's v term (l < r), dW.
-    float *keys = p.keys + (blockIdx.y % slices * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
-    for (int e = tid; e < C * C; e += THREADS) {
-      const int r = e / C, l = e % C;
-      float dm = 0.f, dt = 0.f;
-      if (l <= r)
-        for (int j = 0; j < VS; ++j) dm += b.dout[r][j] * m.vn[l][j];
-      if (l < r)
-        for (int j = 0; j < VS; ++j) dt += b.dvn[r][j] * m.beta[l] * m.v[l][j];
-      keys[e] = dm;
-      keys[C * C + e] = dt;
-    }
-    for (int e = tid; e < C * KMAX; e += THREADS) keys[2 * C * C + e] = m.w[e / KMAX][e % KMAX];
-    // dv = beta X^T dv', and beta's share of v
-    float bv = 0.f;
-    for (int j = warp; j < VS; j += WARPS) {
-      float acc = 0.f;
-      for (int l = i; l < C; ++l) acc += m.x[l][i] * b.dvn[l][j];
-      bv += m.v[i][j] * acc;
-      if (i < L && j < at.cols)
-        static_cast<T *>(p.grad_v)[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j] = from_f32<T>(m.beta[i] * acc);
-    }
-    b.part[2][warp][i] = bv;
-    __syncthreads();
-    if (warp == 0) {  // row i's shares of g (gamma's, summed from the chunk's end) and beta
-      const float y = lane < L ? rows_total(b.part[1], i) : 0.f;
-      float hdh_sum = 0.f;
-      for (int t = lane; t < THREADS; t += 32) hdh_sum += b.hdh[t];
-      const float y_all = warp_sum(y), hdh_all = warp_sum(hdh_sum);
-      float dgam = rows_total(b.part[0], i) - y;
-      if (i == L - 1) dgam += y_all + last * hdh_all;
-      if (i >= L) dgam = 0.f;
-      const float run = suffix_sum(dgam);
-      if (i < L) {
-        out.dg[row] = run;
-        out.db[row] = rows_total(b.part[2], i);
-      }
+  }
+  b.part[0][warp][i] = inter;
+  b.part[1][warp][i] = kterm;
+  __syncthreads();
+  // The keys kernel's inputs: dM before the decay, dT's v term (l < r), dW.
+  float *keys = p.keys + (blockIdx.y % slices * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
+  for (int e = tid; e < C * C; e += THREADS) {
+    const int r = e / C, l = e % C;
+    float dm = 0.f, dt = 0.f;
+    if (l <= r)
+      for (int j = 0; j < VS; ++j) dm += b.dout[r][j] * m.vn[l][j];
+    if (l < r)
+      for (int j = 0; j < VS; ++j) dt += b.dvn[r][j] * m.beta[l] * m.v[l][j];
+    keys[e] = dm;
+    keys[C * C + e] = dt;
+  }
+  for (int e = tid; e < C * KMAX; e += THREADS) keys[2 * C * C + e] = m.w[e / KMAX][e % KMAX];
+  // dv = beta X^T dv', and beta's share of v
+  float bv = 0.f;
+  for (int j = warp; j < VS; j += WARPS) {
+    float acc = 0.f;
+    for (int l = i; l < C; ++l) acc += m.x[l][i] * b.dvn[l][j];
+    bv += m.v[i][j] * acc;
+    if (i < L && j < at.cols)
+      static_cast<T *>(p.grad_v)[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j] = from_f32<T>(m.beta[i] * acc);
+  }
+  b.part[2][warp][i] = bv;
+  __syncthreads();
+  if (warp == 0) {  // row i's shares of g (gamma's, summed from the chunk's end) and beta
+    const float y = lane < L ? rows_total(b.part[1], i) : 0.f;
+    float hdh_sum = 0.f;
+    for (int t = lane; t < THREADS; t += 32) hdh_sum += b.hdh[t];
+    const float y_all = warp_sum(y), hdh_all = warp_sum(hdh_sum);
+    float dgam = rows_total(b.part[0], i) - y;
+    if (i == L - 1) dgam += y_all + last * hdh_all;
+    if (i >= L) dgam = 0.f;
+    const float run = suffix_sum(dgam);
+    if (i < L) {
+      out.dg[row] = run;
+      out.db[row] = rows_total(b.part[2], i);
     }
   }
 }
