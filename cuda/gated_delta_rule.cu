@@ -30,12 +30,14 @@ namespace {
 
 constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, OC = GDR_OUT_COLS, WARPS = GDR_WARPS,
               THREADS = 32 * WARPS, ROWS = KMAX / WARPS;
+// The walks (the state pass and the backward's): a warp per WALK_ROWS rows of the state.
+constexpr int WALK_WARPS = GDR_WALK_WARPS, WALK_THREADS = 32 * WALK_WARPS, WALK_ROWS = KMAX / WALK_WARPS;
 // Rows padded by one float: a warp reading a column of a row-major tile hits 32 banks.
 constexpr int KP = KMAX + 1, CP = C + 1, VP = VS + 1;
 // Rows read 4 floats at a time: 16-byte aligned, and 8 lanes reading rows l to l + 7 still hit 32 banks.
 constexpr int K4 = KMAX + 4;
 static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
-static_assert(ROWS % 4 == 0 && OC == 64, "the state pass's rows, and the output's columns, go by float4");
+static_assert(ROWS % 4 == 0 && WALK_ROWS % 4 == 0 && OC == 64, "the walks' rows, and the output's columns, go by float4");
 
 // A backward block's tiles of a chunk.
 struct Chunk {
@@ -328,25 +330,25 @@ __device__ __forceinline__ void copies_landed(bool pending) {
 
 // C rows of KMAX floats (a chunk's W, kt or G q in the scratch) into a tile.
 __device__ __forceinline__ void copy_rows(float4 (&dst)[C][KMAX / 4], const float *src) {
-  for (int e = threadIdx.x; e < C * KMAX / 4; e += THREADS) copy16(&dst[0][0] + e, src + 4 * e);
+  for (int e = threadIdx.x; e < C * KMAX / 4; e += WALK_THREADS) copy16(&dst[0][0] + e, src + 4 * e);
 }
 
 // The block's VS columns of C rows of V (a chunk's U, v' or dv' in the scratch) into a tile, zeros past them.
 __device__ __forceinline__ void copy_columns(float (&dst)[C][VP], const float *src, int64_t V, const Place &at) {
-  for (int e = threadIdx.x; e < C * VS; e += THREADS) {
+  for (int e = threadIdx.x; e < C * VS; e += WALK_THREADS) {
     const int i = e / VS, j = e % VS;
     copy4(&dst[i][j], j < at.cols ? src + i * V + at.j0 + j : src, j < at.cols);
   }
 }
 
 // A sequence's chunks in order for one value head and VS columns of the state (Place): each chunk's starting
-// state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v'. Warp w keeps rows [ROWS w, ROWS (w+1))
-// of the state, lane j its column j, in registers. The next chunk's W, kt and U are copied in while this one's
+// state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v'. Warp w keeps rows
+// [WALK_ROWS w, WALK_ROWS (w+1)) of the state, lane j its column j, in registers. The next chunk's W, kt and U are copied in while this one's
 // products run.
 struct State {
   float4 w[2][C][KMAX / 4], kt[2][C][KMAX / 4];
   float u[2][C][VP], vn[C][VP];
-  float part[WARPS][C][VP];
+  float part[WALK_WARPS][C][VP];
   float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
 static_assert(sizeof(State) == GDR_STATE_SHARED);
@@ -355,7 +357,7 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
   State &m = *reinterpret_cast<State *>(shared_raw);
   const DeltaShape &s = p.shape;
   const Place at(s, p.cu_seqlens);
-  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * ROWS;
+  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * WALK_ROWS;
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
   const bool mine = lane < at.cols;
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
@@ -367,16 +369,16 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
   };
-  float h[ROWS];
+  float h[WALK_ROWS];
   const float *init = p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr;
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) h[r] = init && mine && d0 + r < K ? init[(d0 + r) * V + at.j0 + lane] : 0.f;
+  for (int r = 0; r < WALK_ROWS; ++r) h[r] = init && mine && d0 + r < K ? init[(d0 + r) * V + at.j0 + lane] : 0.f;
   if (at.sp.len > 0) fetch(0, 0);
   for (int64_t t0 = 0, buf = 0; t0 < at.sp.len; t0 += C, buf ^= 1) {
     const int64_t chunk = chunk_at(t0);
     float *state = p.states + chunk * K * V;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
+    for (int r = 0; r < WALK_ROWS; ++r)
       if (mine && d0 + r < K) state[(d0 + r) * V + at.j0 + lane] = h[r];
     const bool ahead = t0 + C < at.sp.len;
     if (ahead) fetch(t0 + C, buf ^ 1);
@@ -386,7 +388,7 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
     for (int i = 0; i < C; ++i) {
       float acc = 0.f;
 #pragma unroll
-      for (int r = 0; r < ROWS; r += 4) {
+      for (int r = 0; r < WALK_ROWS; r += 4) {
         const float4 wi = m.w[buf][i][(d0 + r) / 4];
         acc += wi.x * h[r] + wi.y * h[r + 1] + wi.z * h[r + 2] + wi.w * h[r + 3];
       }
@@ -394,21 +396,21 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
     }
     __syncthreads();
     float *u = p.u + chunk * C * V;
-    for (int i = warp; i < C; i += WARPS) {
+    for (int i = warp; i < C; i += WALK_WARPS) {
       float acc = m.u[buf][i][lane];
-      for (int v = 0; v < WARPS; ++v) acc -= m.part[v][i][lane];
+      for (int v = 0; v < WALK_WARPS; ++v) acc -= m.part[v][i][lane];
       m.vn[i][lane] = acc;
       if (mine) u[i * V + at.j0 + lane] = acc;
     }
     __syncthreads();
     const float last = __expf(m.gamma[buf]);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) h[r] *= last;
+    for (int r = 0; r < WALK_ROWS; ++r) h[r] *= last;
 #pragma unroll 4
     for (int i = 0; i < C; ++i) {
       const float vi = m.vn[i][lane];
 #pragma unroll
-      for (int r = 0; r < ROWS; r += 4) {
+      for (int r = 0; r < WALK_ROWS; r += 4) {
         const float4 ki = m.kt[buf][i][(d0 + r) / 4];
         h[r] += ki.x * vi;
         h[r + 1] += ki.y * vi;
@@ -421,7 +423,7 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
   if (p.final_state) {
     float *fin = static_cast<float *>(p.final_state) + head_state;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
+    for (int r = 0; r < WALK_ROWS; ++r)
       if (mine && d0 + r < K) fin[(d0 + r) * V + at.j0 + lane] = h[r];
   }
 }
@@ -516,13 +518,14 @@ struct Shares {
 
 // A sequence's chunks in reverse for one value head and VS columns of dh (Place), as the state pass walks them
 // forward: each chunk's dh (the gradient of its final state) into dstates, dv' = M^T do + kt dh, then
-// dh <- G_last dh + (G q)^T do - W^T dv'. Warp w keeps rows [ROWS w, ROWS (w+1)) of dh, lane j its column j.
+// dh <- G_last dh + (G q)^T do - W^T dv'. Warp w keeps rows [WALK_ROWS w, WALK_ROWS (w+1)) of dh, lane j its
+// column j.
 // The next chunk's W, kt, G q, M and do are read while this one's products run.
 struct Walk {
   float4 w[2][C][KMAX / 4], kt[2][C][KMAX / 4], qg[2][C][KMAX / 4];
   float mq[2][C][CP];
   float dout[C][VP], dvn[C][VP];
-  float part[WARPS][C][VP];
+  float part[WALK_WARPS][C][VP];
   float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
 static_assert(sizeof(Walk) == GDR_WALK_SHARED);
@@ -531,36 +534,36 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   Walk &m = *reinterpret_cast<Walk *>(shared_raw);
   const DeltaShape &s = p.shape;
   const Place at(s, p.cu_seqlens);
-  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * ROWS;
+  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * WALK_ROWS;
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
   const bool mine = lane < at.cols;
   const T *grad_o = static_cast<const T *>(p.grad_o);
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
-  constexpr int PER = C * VS / THREADS;  // of do, a thread's
+  constexpr int PER = C * VS / WALK_THREADS;  // of do, a thread's
   float dout[PER];
   const auto fetch = [&](int64_t t0, int buf) {
     const int64_t chunk = chunk_at(t0);
     copy_rows(m.w[buf], p.w + chunk * C * KMAX);
     copy_rows(m.kt[buf], p.kt + chunk * C * KMAX);
     copy_rows(m.qg[buf], p.qg + chunk * C * KMAX);
-    for (int e = tid; e < C * C; e += THREADS) copy4(&m.mq[buf][e / C][e % C], p.m + chunk * C * C + e, true);
+    for (int e = tid; e < C * C; e += WALK_THREADS) copy4(&m.mq[buf][e / C][e % C], p.m + chunk * C * C + e, true);
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
     const int L = (int)min((int64_t)C, at.sp.len - t0);
 #pragma unroll
     for (int r = 0; r < PER; ++r) {
-      const int e = tid + r * THREADS, i = e / VS, j = e % VS;
+      const int e = tid + r * WALK_THREADS, i = e / VS, j = e % VS;
       dout[r] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
     }
   };
   const auto keep_dout = [&] {
 #pragma unroll
-    for (int r = 0; r < PER; ++r) m.dout[(tid + r * THREADS) / VS][(tid + r * THREADS) % VS] = dout[r];
+    for (int r = 0; r < PER; ++r) m.dout[(tid + r * WALK_THREADS) / VS][(tid + r * WALK_THREADS) % VS] = dout[r];
   };
   const float *fin = p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr;
-  float dh[ROWS];
+  float dh[WALK_ROWS];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) dh[r] = fin && mine && d0 + r < K ? fin[(d0 + r) * V + at.j0 + lane] : 0.f;
+  for (int r = 0; r < WALK_ROWS; ++r) dh[r] = fin && mine && d0 + r < K ? fin[(d0 + r) * V + at.j0 + lane] : 0.f;
   const int64_t first = at.sp.len > 0 ? (at.sp.len - 1) / C * C : -1;
   if (first >= 0) {
     fetch(first, 0);
@@ -570,7 +573,7 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     const int64_t chunk = chunk_at(t0);
     float *dstate = p.dstates + chunk * K * V;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
+    for (int r = 0; r < WALK_ROWS; ++r)
       if (mine && d0 + r < K) dstate[(d0 + r) * V + at.j0 + lane] = dh[r];
     const bool ahead = t0 > 0;
     if (ahead) fetch(t0 - C, buf ^ 1);
@@ -580,7 +583,7 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     for (int i = 0; i < C; ++i) {
       float acc = 0.f;
 #pragma unroll
-      for (int r = 0; r < ROWS; r += 4) {
+      for (int r = 0; r < WALK_ROWS; r += 4) {
         const float4 ki = m.kt[buf][i][(d0 + r) / 4];
         acc += ki.x * dh[r] + ki.y * dh[r + 1] + ki.z * dh[r + 2] + ki.w * dh[r + 3];
       }
@@ -588,22 +591,22 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     }
     __syncthreads();
     float *dvn = p.dvn + chunk * C * V;
-    for (int i = warp; i < C; i += WARPS) {
+    for (int i = warp; i < C; i += WALK_WARPS) {
       float acc = 0.f;
       for (int l = i; l < C; ++l) acc += m.mq[buf][l][i] * m.dout[l][lane];
-      for (int v = 0; v < WARPS; ++v) acc += m.part[v][i][lane];
+      for (int v = 0; v < WALK_WARPS; ++v) acc += m.part[v][i][lane];
       m.dvn[i][lane] = acc;
       if (mine) dvn[i * V + at.j0 + lane] = acc;
     }
     __syncthreads();
     const float last = __expf(m.gamma[buf]);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) dh[r] *= last;
+    for (int r = 0; r < WALK_ROWS; ++r) dh[r] *= last;
 #pragma unroll 4
     for (int i = 0; i < C; ++i) {
       const float o = m.dout[i][lane], dv = m.dvn[i][lane];
 #pragma unroll
-      for (int r = 0; r < ROWS; r += 4) {
+      for (int r = 0; r < WALK_ROWS; r += 4) {
         const float4 qi = m.qg[buf][i][(d0 + r) / 4], wi = m.w[buf][i][(d0 + r) / 4];
         dh[r] += qi.x * o - wi.x * dv;
         dh[r + 1] += qi.y * o - wi.y * dv;
@@ -616,7 +619,7 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   }
   float *init = static_cast<float *>(p.grad_initial_state) + head_state;
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < WALK_ROWS; ++r)
     if (mine && d0 + r < K) init[(d0 + r) * V + at.j0 + lane] = dh[r];
 }
 
@@ -925,7 +928,7 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
     stage<BASTILE_TYPE_##dt>(p);                                                                        \
   }
 #define STATE(dir, stage)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(THREADS) gated_delta_rule_##dir##_##stage(const GatedDeltaRuleForward p) { \
+  extern "C" __global__ void __launch_bounds__(WALK_THREADS) gated_delta_rule_##dir##_##stage(const GatedDeltaRuleForward p) { \
     state_pass(p);                                                                                              \
   }
 #define BACKWARD(dir, dt)                                                                                         \
@@ -933,8 +936,10 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
     backward<BASTILE_TYPE_##dt>(p);                                                                                       \
   }
 GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)
+// The threads of each backward stage's blocks.
+constexpr int walk_threads = WALK_THREADS, keys_threads = THREADS, reduce_threads = THREADS;
 #define BACKWARD_STAGE(dir, stage, dt)                                                                 \
-  extern "C" __global__ void __launch_bounds__(THREADS)                                                \
+  extern "C" __global__ void __launch_bounds__(stage##_threads)                                        \
       gated_delta_rule_##dir##_##stage##_##dt(const GatedDeltaRuleBackward p) {                        \
     stage<BASTILE_TYPE_##dt>(p);                                                                        \
   }

@@ -98,25 +98,27 @@ typedef struct GatedDeltaRuleBackward {
   DeltaShape shape;
 } GatedDeltaRuleBackward;
 
-/* CUDA: tokens per chunk, the widest head a kernel takes, the value columns of the state a block of the state
- * pass and of the backward owns, and those of the output kernel. */
+/* CUDA: tokens per chunk, the widest head a kernel takes, the value columns of the state a block of a walk (the
+ * state pass, the backward's) and of the backward's chunk kernel owns, those of the output kernel, and the warps
+ * of a block, and of a walk's. */
 #define GDR_CHUNK 32
 #define GDR_MAX_DIM 128
 #define GDR_V_SLICE 32
 #define GDR_OUT_COLS 64
 #define GDR_WARPS 8
+#define GDR_WALK_WARPS 16
 /* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them). */
 #define GDR_PREP_SHARED \
   (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
 #define GDR_STATE_SHARED \
-  (4 * (4 * GDR_CHUNK * GDR_MAX_DIM + (GDR_WARPS + 3) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
+  (4 * (4 * GDR_CHUNK * GDR_MAX_DIM + (GDR_WALK_WARPS + 3) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
 #define GDR_OUT_SHARED \
   (4 * (GDR_MAX_DIM * GDR_OUT_COLS + GDR_CHUNK * GDR_OUT_COLS + GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_CHUNK + 1)))
 #define GDR_CHUNK_SHARED \
   (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
         GDR_MAX_DIM * (GDR_V_SLICE + 1) + 4 * GDR_CHUNK))
 #define GDR_WALK_SHARED \
-  (4 * (6 * GDR_CHUNK * GDR_MAX_DIM + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (GDR_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
+  (4 * (6 * GDR_CHUNK * GDR_MAX_DIM + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (GDR_WALK_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
 #define GDR_BACKWARD_SHARED \
   (GDR_CHUNK_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + GDR_MAX_DIM * (GDR_V_SLICE + 1) + \
                            3 * GDR_WARPS * GDR_CHUNK + 32 * GDR_WARPS))

@@ -9,7 +9,7 @@ use crate::geometry::ceil_div;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, DeltaShape, GatedDeltaRuleBackward, GatedDeltaRuleForward, TokenStrides, GDR_BACKWARD_SHARED,
-    GDR_CHUNK, GDR_KEYS_PER_CHUNK, GDR_KEYS_SHARED, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WALK_SHARED, GDR_WARPS,
+    GDR_CHUNK, GDR_KEYS_PER_CHUNK, GDR_KEYS_SHARED, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WALK_SHARED, GDR_WALK_WARPS, GDR_WARPS,
 };
 use std::ops::Range;
 
@@ -210,8 +210,9 @@ macro_rules! on_dtypes {
     }};
 }
 
-/// Threads of every kernel's blocks.
+/// Threads of every kernel's blocks but the walks', and of those.
 const THREADS: u32 = 32 * GDR_WARPS;
+const WALK_THREADS: u32 = 32 * GDR_WALK_WARPS;
 
 /// The grid of the state pass and the backward: a block per sequence and value head, times the slices of V.
 fn grid(s: &DeltaShape) -> Result<(u32, u32)> {
@@ -251,7 +252,7 @@ impl Forward {
         }
         Ok(Forward {
             prep: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::Prep, tag], THREADS, 1)?,
-            state: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::State], THREADS, 1)?,
+            state: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::State], WALK_THREADS, 1)?,
             out: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::Out, tag], THREADS, 1)?,
             slots,
             grid: grid(s)?,
@@ -282,7 +283,8 @@ impl Forward {
         let per_chunk = (self.slots as u32, s.v_heads as u32);
         let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
         driver::launch(self.prep, cfg(per_chunk, GDR_PREP_SHARED), stream, p)?;
-        driver::launch(self.state, cfg(self.grid, GDR_STATE_SHARED), stream, p)?;
+        let walk = LaunchConfig { grid: self.grid, block: (WALK_THREADS, 1), shared: GDR_STATE_SHARED };
+        driver::launch(self.state, walk, stream, p)?;
         if p.o.is_null() {
             return Ok(());
         }
@@ -307,7 +309,7 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     let s = p.shape;
     let tag = dtype(&s)?;
     let forward = Forward::new(&s, !p.cu_seqlens.is_null(), dev)?;
-    let walk = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Walk, tag], THREADS, 1)?;
+    let walk = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Walk, tag], WALK_THREADS, 1)?;
     let columns = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 2)?;
     let keys = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Keys, tag], THREADS, 1)?;
     let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
@@ -364,7 +366,7 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
             p.keys = p.dvn.add(walked as usize);
             p.partial = p.keys.add(key_terms as usize);
             let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
-            driver::launch(walk, cfg(grid, GDR_WALK_SHARED), stream, &p)?;
+            driver::launch(walk, LaunchConfig { grid, block: (WALK_THREADS, 1), shared: GDR_WALK_SHARED }, stream, &p)?;
             let per_chunk = (forward.slots as u32, s.v_heads as u32);
             driver::launch(columns, cfg((per_chunk.0, per_chunk.1 * grid.1), GDR_BACKWARD_SHARED), stream, &p)?;
             driver::launch(keys, cfg(per_chunk, GDR_KEYS_SHARED), stream, &p)?;
