@@ -341,10 +341,42 @@ __device__ __forceinline__ void copy_columns(float (&dst)[C][VP], const float *s
   }
 }
 
+// A walk's thread keeps WALK_ROWS rows of a state's column in registers: warp w rows [WALK_ROWS w,
+// WALK_ROWS (w+1)), lane j the block's column j. They come from and go to [K, V] states (zeros for none).
+__device__ __forceinline__ void rows_in(float (&rows)[WALK_ROWS], const float *src, int K, int64_t V, const Place &at) {
+  const int lane = threadIdx.x % 32, d0 = threadIdx.x / 32 * WALK_ROWS;
+#pragma unroll
+  for (int r = 0; r < WALK_ROWS; ++r)
+    rows[r] = src && lane < at.cols && d0 + r < K ? src[(d0 + r) * V + at.j0 + lane] : 0.f;
+}
+
+__device__ __forceinline__ void rows_out(float *dst, const float (&rows)[WALK_ROWS], int K, int64_t V, const Place &at) {
+  const int lane = threadIdx.x % 32, d0 = threadIdx.x / 32 * WALK_ROWS;
+#pragma unroll
+  for (int r = 0; r < WALK_ROWS; ++r)
+    if (lane < at.cols && d0 + r < K) dst[(d0 + r) * V + at.j0 + lane] = rows[r];
+}
+
+// Each warp's share of x (C rows of KMAX) times the state in registers, for the lane's column, into part[warp]:
+// summed over the warps, x times the state.
+__device__ __forceinline__ void rows_product(float (&part)[WALK_WARPS][C][VP], const float4 (&x)[C][KMAX / 4],
+                                             const float (&rows)[WALK_ROWS]) {
+  const int warp = threadIdx.x / 32, d0 = warp * WALK_ROWS;
+#pragma unroll 4
+  for (int i = 0; i < C; ++i) {
+    float acc = 0.f;
+#pragma unroll
+    for (int r = 0; r < WALK_ROWS; r += 4) {
+      const float4 xi = x[i][(d0 + r) / 4];
+      acc += xi.x * rows[r] + xi.y * rows[r + 1] + xi.z * rows[r + 2] + xi.w * rows[r + 3];
+    }
+    part[warp][i][threadIdx.x % 32] = acc;
+  }
+}
+
 // A sequence's chunks in order for one value head and VS columns of the state (Place): each chunk's starting
-// state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v'. Warp w keeps rows
-// [WALK_ROWS w, WALK_ROWS (w+1)) of the state, lane j its column j, in registers. The next chunk's W, kt and U are copied in while this one's
-// products run.
+// state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v', the state in registers (rows_in).
+// The next chunk's W, kt and U are copied in while this one's products run.
 struct State {
   float4 w[2][C][KMAX / 4], kt[2][C][KMAX / 4];
   float u[2][C][VP], vn[C][VP];
@@ -370,30 +402,16 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
     copies_sent();
   };
   float h[WALK_ROWS];
-  const float *init = p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr;
-#pragma unroll
-  for (int r = 0; r < WALK_ROWS; ++r) h[r] = init && mine && d0 + r < K ? init[(d0 + r) * V + at.j0 + lane] : 0.f;
+  rows_in(h, p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr, K, V, at);
   if (at.sp.len > 0) fetch(0, 0);
   for (int64_t t0 = 0, buf = 0; t0 < at.sp.len; t0 += C, buf ^= 1) {
     const int64_t chunk = chunk_at(t0);
-    float *state = p.states + chunk * K * V;
-#pragma unroll
-    for (int r = 0; r < WALK_ROWS; ++r)
-      if (mine && d0 + r < K) state[(d0 + r) * V + at.j0 + lane] = h[r];
+    rows_out(p.states + chunk * K * V, h, K, V, at);
     const bool ahead = t0 + C < at.sp.len;
     if (ahead) fetch(t0 + C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
-#pragma unroll 4
-    for (int i = 0; i < C; ++i) {
-      float acc = 0.f;
-#pragma unroll
-      for (int r = 0; r < WALK_ROWS; r += 4) {
-        const float4 wi = m.w[buf][i][(d0 + r) / 4];
-        acc += wi.x * h[r] + wi.y * h[r + 1] + wi.z * h[r + 2] + wi.w * h[r + 3];
-      }
-      m.part[warp][i][lane] = acc;
-    }
+    rows_product(m.part, m.w[buf], h);
     __syncthreads();
     float *u = p.u + chunk * C * V;
     for (int i = warp; i < C; i += WALK_WARPS) {
@@ -420,12 +438,7 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
     }
     __syncthreads();
   }
-  if (p.final_state) {
-    float *fin = static_cast<float *>(p.final_state) + head_state;
-#pragma unroll
-    for (int r = 0; r < WALK_ROWS; ++r)
-      if (mine && d0 + r < K) fin[(d0 + r) * V + at.j0 + lane] = h[r];
-  }
+  if (p.final_state) rows_out(static_cast<float *>(p.final_state) + head_state, h, K, V, at);
 }
 
 // o of a chunk (blockIdx.x its slot), value head and OC columns (blockIdx.y = head * column blocks + block):
@@ -518,9 +531,8 @@ struct Shares {
 
 // A sequence's chunks in reverse for one value head and VS columns of dh (Place), as the state pass walks them
 // forward: each chunk's dh (the gradient of its final state) into dstates, dv' = M^T do + kt dh, then
-// dh <- G_last dh + (G q)^T do - W^T dv'. Warp w keeps rows [WALK_ROWS w, WALK_ROWS (w+1)) of dh, lane j its
-// column j.
-// The next chunk's W, kt, G q, M and do are read while this one's products run.
+// dh <- G_last dh + (G q)^T do - W^T dv', dh in registers (rows_in). The next chunk's W, kt, G q, M and do are
+// read while this one's products run.
 struct Walk {
   float4 w[2][C][KMAX / 4], kt[2][C][KMAX / 4], qg[2][C][KMAX / 4];
   float mq[2][C][CP];
@@ -560,10 +572,8 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
 #pragma unroll
     for (int r = 0; r < PER; ++r) m.dout[(tid + r * WALK_THREADS) / VS][(tid + r * WALK_THREADS) % VS] = dout[r];
   };
-  const float *fin = p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr;
   float dh[WALK_ROWS];
-#pragma unroll
-  for (int r = 0; r < WALK_ROWS; ++r) dh[r] = fin && mine && d0 + r < K ? fin[(d0 + r) * V + at.j0 + lane] : 0.f;
+  rows_in(dh, p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr, K, V, at);
   const int64_t first = at.sp.len > 0 ? (at.sp.len - 1) / C * C : -1;
   if (first >= 0) {
     fetch(first, 0);
@@ -571,24 +581,12 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   }
   for (int64_t t0 = first, buf = 0; t0 >= 0; t0 -= C, buf ^= 1) {
     const int64_t chunk = chunk_at(t0);
-    float *dstate = p.dstates + chunk * K * V;
-#pragma unroll
-    for (int r = 0; r < WALK_ROWS; ++r)
-      if (mine && d0 + r < K) dstate[(d0 + r) * V + at.j0 + lane] = dh[r];
+    rows_out(p.dstates + chunk * K * V, dh, K, V, at);
     const bool ahead = t0 > 0;
     if (ahead) fetch(t0 - C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
-#pragma unroll 4
-    for (int i = 0; i < C; ++i) {
-      float acc = 0.f;
-#pragma unroll
-      for (int r = 0; r < WALK_ROWS; r += 4) {
-        const float4 ki = m.kt[buf][i][(d0 + r) / 4];
-        acc += ki.x * dh[r] + ki.y * dh[r + 1] + ki.z * dh[r + 2] + ki.w * dh[r + 3];
-      }
-      m.part[warp][i][lane] = acc;
-    }
+    rows_product(m.part, m.kt[buf], dh);
     __syncthreads();
     float *dvn = p.dvn + chunk * C * V;
     for (int i = warp; i < C; i += WALK_WARPS) {
@@ -617,10 +615,7 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     __syncthreads();
     if (ahead) keep_dout();
   }
-  float *init = static_cast<float *>(p.grad_initial_state) + head_state;
-#pragma unroll
-  for (int r = 0; r < WALK_ROWS; ++r)
-    if (mine && d0 + r < K) init[(d0 + r) * V + at.j0 + lane] = dh[r];
+  rows_out(static_cast<float *>(p.grad_initial_state) + head_state, dh, K, V, at);
 }
 
 // A chunk (blockIdx.x its slot), value head and VS columns (blockIdx.y = head * slices + slice), from its state
