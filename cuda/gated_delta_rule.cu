@@ -41,9 +41,8 @@ static_assert(ROWS % 4 == 0 && WALK_ROWS % 4 == 0 && OC == 64, "the walks' rows,
 
 // A backward block's tiles of a chunk.
 struct Chunk {
-  float k[C][KP], q[C][KP], w[C][KP];  // w becomes dW
+  float k[C][KP], q[C][KP], w[C][KP];  // w: dW
   float x[C][CP];   // X
-  float qk[C][CP];  // M
   float v[C][VP];   // v of the block's columns
   float vn[C][VP];  // U, then v'
   float4 h[VS][KMAX / 4 + 1];  // h^T: a row per column of the state, read 4 keys at a time
@@ -196,15 +195,11 @@ __device__ void invert(const float (&a)[C][CP], float (&x)[C][CP], const float *
   __syncthreads();
 }
 
-// M, X, W and v' as the forward's replay left them in the scratch.
+// X and v' as the forward's replay left them in the scratch.
 __device__ void replayed(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chunk, const Place &at) {
   const int tid = threadIdx.x;
   const int64_t V = p.shape.v_dim;
-  for (int e = tid; e < C * C; e += THREADS) {
-    m.qk[e / C][e % C] = p.m[chunk * C * C + e];
-    m.x[e / C][e % C] = p.x[chunk * C * C + e];
-  }
-  for (int e = tid; e < C * KMAX; e += THREADS) m.w[e / KMAX][e % KMAX] = p.w[chunk * C * KMAX + e];
+  for (int e = tid; e < C * C; e += THREADS) m.x[e / C][e % C] = p.x[chunk * C * C + e];
   const float *vn = p.vn + chunk * C * V;
   for (int e = tid; e < C * VS; e += THREADS) {
     const int i = e / VS, j = e % VS;
@@ -648,12 +643,13 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   float hdh = 0.f;
   for (int e = tid; e < VS * KMAX; e += THREADS) hdh += (&m.h[e / KMAX][0].x)[e % KMAX] * (&b.dh[e / KMAX][0].x)[e % KMAX];
   b.hdh[tid] = hdh;
-  // Per (row i = lane, key coordinates d to d + 3 of the warp's ROWS): dq's and dk's terms here, and dW in w.
+  // Per (row i = lane, key coordinates d to d + 3 of the warp's ROWS): dq's and dk's terms here, and dW in w
+  // (zeros past K, which the keys kernel reads).
   const int i = lane;
   const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
   const float gi = __expf(m.gamma[i]);
   float inter = 0.f, kterm = 0.f;
-  for (int d = warp * ROWS; d < min(K, (warp + 1) * ROWS); d += 4) {
+  for (int d = warp * ROWS; d < (warp + 1) * ROWS; d += 4) {
     float doh[4] = {}, vdh[4] = {}, dw[4] = {};
 #pragma unroll 8
     for (int j = 0; j < VS; ++j) {

@@ -115,7 +115,7 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_OUT_SHARED \
   (4 * (GDR_MAX_DIM * GDR_OUT_COLS + GDR_CHUNK * GDR_OUT_COLS + GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_CHUNK + 1)))
 #define GDR_CHUNK_SHARED \
-  (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
+  (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
         GDR_MAX_DIM * (GDR_V_SLICE + 1) + 4 * GDR_CHUNK))
 #define GDR_WALK_SHARED \
   (4 * (6 * GDR_CHUNK * GDR_MAX_DIM + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (GDR_WALK_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
