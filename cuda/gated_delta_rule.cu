@@ -34,10 +34,12 @@ constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, OC = GDR_OUT_
 constexpr int WALK_WARPS = GDR_WALK_WARPS, WALK_THREADS = 32 * WALK_WARPS, WALK_ROWS = KMAX / WALK_WARPS;
 // Rows padded by one float: a warp reading a column of a row-major tile hits 32 banks.
 constexpr int KP = KMAX + 1, CP = C + 1, VP = VS + 1;
-// Rows read 4 floats at a time: 16-byte aligned, and 8 lanes reading rows l to l + 7 still hit 32 banks.
+// The output's rows OC + 8 wide: the lanes of an mma reading rows t at columns g (see frag_b) hit 32 banks.
+constexpr int OP = OC + 8;
+// Rows KMAX + 4 wide: the lanes of an mma reading rows g at columns t (see frag_a) hit 32 banks, 4g + t.
 constexpr int K4 = KMAX + 4;
 static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
-static_assert(ROWS % 4 == 0 && WALK_ROWS % 4 == 0 && OC == 64, "the walks' rows, and the output's columns, go by float4");
+static_assert(WALK_ROWS % 4 == 0, "the walks' rows go by float4");
 
 // A backward block's tiles of a chunk.
 struct Chunk {
@@ -54,7 +56,8 @@ struct Backward {
   Chunk c;
   float dout[C][VP], dvn[C][VP];
   float4 dh[VS][KMAX / 4 + 1];  // dh^T
-  float part[3][WARPS][C];  // per-warp row sums: q's and k's terms of gamma, v . dVb
+  float part[2][WARPS][C];  // per-warp row sums: q's and k's terms of gamma
+  float vdv[VS / 8][C];     // per column group row sums: v . dVb
   float hdh[THREADS];
 };
 
@@ -85,11 +88,53 @@ __device__ __forceinline__ int shares(const DeltaShape &s) { return (int)((s.v_d
 
 __device__ __forceinline__ float warp_sum(float v) { return warp_group_sum(v, 32); }
 
-// Floats d to d + 3 of a K4-wide row (d a multiple of 4), and products of 4 floats.
-__device__ __forceinline__ float4 row4(const float (&row)[K4], int d) { return *reinterpret_cast<const float4 *>(&row[d]); }
-__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
-__device__ __forceinline__ void fma4(float4 &acc, float a, float4 b) {
-  acc.x += a * b.x, acc.y += a * b.y, acc.z += a * b.z, acc.w += a * b.w;
+// Products on tensor cores at f32's precision: each operand split into a TF32 part and the TF32 of what is
+// left, the three products that matter summed (3xTF32) in an m16n8k8 mma. A lane holds, of a 16 x 8 tile of
+// A, rows g and g + 8 at columns t and t + 4; of an 8 x 8 of B, rows t and t + 4 at column g; of the 16 x 8
+// result, rows g and g + 8 at columns 2t and 2t + 1 (g = lane / 4, t = lane % 4).
+struct Tf32 {
+  uint32_t hi, lo;
+};
+__device__ __forceinline__ Tf32 tf32(float x) {
+  uint32_t hi, lo;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  return {hi, lo};
+}
+struct FragA {
+  Tf32 x[4];
+};
+struct FragB {
+  Tf32 x[2];
+};
+// A's rows [r0, r0 + 16) and columns [k0, k0 + 8), a(r, k) its element.
+template <class F> __device__ __forceinline__ FragA frag_a(F a, int r0, int k0) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  return {{tf32(a(r0 + g, k0 + t)), tf32(a(r0 + g + 8, k0 + t)), tf32(a(r0 + g, k0 + t + 4)), tf32(a(r0 + g + 8, k0 + t + 4))}};
+}
+// B's rows [k0, k0 + 8) and columns [n0, n0 + 8), b(k, n) its element.
+template <class F> __device__ __forceinline__ FragB frag_b(F b, int k0, int n0) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  return {{tf32(b(k0 + t, n0 + g)), tf32(b(k0 + t + 4, n0 + g))}};
+}
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// d += a b
+__device__ __forceinline__ void mma3(float (&d)[4], const FragA &a, const FragB &b) {
+  mma(d, a.x[0].lo, a.x[1].lo, a.x[2].lo, a.x[3].lo, b.x[0].hi, b.x[1].hi);
+  mma(d, a.x[0].hi, a.x[1].hi, a.x[2].hi, a.x[3].hi, b.x[0].lo, b.x[1].lo);
+  mma(d, a.x[0].hi, a.x[1].hi, a.x[2].hi, a.x[3].hi, b.x[0].hi, b.x[1].hi);
+}
+// Element e of a lane's share of a 16 x 8 result at (r0, n0): its row and column.
+__device__ __forceinline__ int frag_row(int r0, int e) { return r0 + threadIdx.x % 32 / 4 + 8 * (e / 2); }
+__device__ __forceinline__ int frag_col(int n0, int e) { return n0 + 2 * (threadIdx.x % 4) + e % 2; }
+// The sum over the 4 lanes that hold a row of a result.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
 // Where a block's work is: sequence, value head, key head, first column, columns.
@@ -245,7 +290,7 @@ struct ChunkAt {
 // The key side of a chunk (blockIdx.x its slot) and value head (blockIdx.y): W, kt, gamma, U, G q and M, into
 // the scratch.
 struct Prep {
-  float q[C][KP], k[C][KP];
+  float q[C][K4], k[C][K4];
   float v[C][VP];
   float a[C][CP], x[C][CP];
   float gamma[C], beta[C], bg[C], tail[C];
@@ -259,31 +304,57 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
   if (c.L == 0) return;
   const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, tid = threadIdx.x;
   const int64_t V = s.v_dim, first = c.sp.row * s.tokens + c.sp.start + c.t0;
-  load_qk<T>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
+  load_qk<T, K4>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
   if (tid < 32) load_decays(p, first, h, c.L, m.gamma, m.beta, m.bg, m.tail);
   __syncthreads();
   const int64_t at = blockIdx.x * s.v_heads + h;
-  for (int e = tid; e < C * C; e += THREADS) {
-    const int i = e / C, j = e % C;
-    float kk = 0.f, qk = 0.f;
-    if (j <= i)
-      for (int d = 0; d < K; ++d) {
-        kk += m.k[i][d] * m.k[j][d];
-        qk += m.q[i][d] * m.k[j][d];
+  // Warp w takes rows [16 (w / 4), + 16) and columns [8 (w % 4), + 8) of the C x C products, and every row
+  // and key coordinates [16 w, 16 w + 16) of W.
+  static_assert(WARPS == 8 && ROWS == 16 && C == 32 && VS == 32, "the warps' tiles of the products");
+  const int warp = tid / 32, r0 = 16 * (warp / 4), c0 = 8 * (warp % 4), d0 = warp * ROWS;
+  {
+    float kk[4] = {}, qk[4] = {};
+    if (c0 < r0 + 16)  // else above the diagonal
+      for (int k0 = 0; k0 < K; k0 += 8) {  // zeros past K
+        const FragB fk = frag_b([&](int d, int j) { return m.k[j][d]; }, k0, c0);
+        mma3(kk, frag_a([&](int i, int d) { return m.k[i][d]; }, r0, k0), fk);
+        mma3(qk, frag_a([&](int i, int d) { return m.q[i][d]; }, r0, k0), fk);
       }
-    const float decay = j <= i ? __expf(m.gamma[i] - m.gamma[j]) : 0.f;
-    m.a[i][j] = j < i ? decay * kk : 0.f;
-    p.m[at * C * C + e] = decay * qk;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = frag_row(r0, e), j = frag_col(c0, e);
+      const float decay = j <= i ? __expf(m.gamma[i] - m.gamma[j]) : 0.f;
+      m.a[i][j] = j < i ? decay * kk[e] : 0.f;
+      p.m[at * C * C + i * C + j] = decay * qk[e];
+    }
   }
   __syncthreads();
   invert(m.a, m.x, m.beta);
   float *w = p.w + at * C * KMAX, *kt = p.kt + at * C * KMAX, *qg = p.qg + at * C * KMAX, *u = p.u + at * C * V;
   for (int e = tid; e < C * C; e += THREADS) p.x[at * C * C + e] = m.x[e / C][e % C];
+  {  // W = X (beta G k)
+    float acc[2][2][4] = {};
+#pragma unroll
+    for (int l0 = 0; l0 < C; l0 += 8) {
+      FragB fk[2];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) fk[n] = frag_b([&](int l, int d) { return m.k[l][d]; }, l0, d0 + 8 * n);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const FragA fx = frag_a([&](int i, int l) { return m.x[i][l] * m.bg[l]; }, 16 * r, l0);
+#pragma unroll
+        for (int n = 0; n < 2; ++n) mma3(acc[r][n], fx, fk[n]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[frag_row(16 * r, e) * KMAX + frag_col(d0 + 8 * n, e)] = acc[r][n][e];
+  }
   for (int e = tid; e < C * KMAX; e += THREADS) {
     const int i = e / KMAX, d = e % KMAX;
-    float acc = 0.f;
-    for (int l = 0; l <= i; ++l) acc += m.x[i][l] * m.bg[l] * m.k[l][d];
-    w[e] = acc;
     kt[e] = m.tail[i] * m.k[i][d];
     qg[e] = __expf(m.gamma[i]) * m.q[i][d];
   }
@@ -298,11 +369,14 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
                       : 0.f;
     }
     __syncthreads();
-    for (int e = tid; e < C * VS; e += THREADS) {
-      const int i = e / VS, j = e % VS;
-      float acc = 0.f;
-      for (int l = 0; l <= i; ++l) acc += m.x[i][l] * m.v[l][j];
-      if (j0 + j < V) u[i * V + j0 + j] = acc;
+    float acc[4] = {};  // U = X (beta v)
+#pragma unroll
+    for (int l0 = 0; l0 < C; l0 += 8)
+      mma3(acc, frag_a([&](int i, int l) { return m.x[i][l]; }, r0, l0), frag_b([&](int l, int j) { return m.v[l][j]; }, l0, c0));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = frag_row(r0, e), j = frag_col(c0, e);
+      if (j0 + j < V) u[i * V + j0 + j] = acc[e];
     }
     __syncthreads();
   }
@@ -439,9 +513,9 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
 // o of a chunk (blockIdx.x its slot), value head and OC columns (blockIdx.y = head * column blocks + block):
 // G q h + M v', from the chunk's starting state, G q, M and v'. A thread takes 2 rows and 4 columns.
 struct Out {
-  float4 h[KMAX][OC / 4];
-  float4 vn[C][OC / 4];
-  float qg[C][KP];
+  float h[KMAX][OP];
+  float vn[C][OP];
+  float qg[C][K4];
   float mq[C][CP];
 };
 static_assert(sizeof(Out) == GDR_OUT_SHARED);
@@ -456,41 +530,41 @@ template <class T> __device__ __forceinline__ void out(const GatedDeltaRuleForwa
   const int64_t j0 = blockIdx.y % blocks * OC, first = c.sp.row * s.tokens + c.sp.start + c.t0;
   const int64_t chunk = blockIdx.x * s.v_heads + h;
   const float *state = p.states + chunk * K * V, *u = p.u + chunk * C * V;
-  float *hs = &m.h[0][0].x, *vs = &m.vn[0][0].x;
   for (int e = tid; e < KMAX * OC; e += THREADS) {
     const int d = e / OC, j = e % OC;
-    hs[e] = d < K && j0 + j < V ? state[d * V + j0 + j] : 0.f;
+    m.h[d][j] = d < K && j0 + j < V ? state[d * V + j0 + j] : 0.f;
   }
   for (int e = tid; e < C * OC; e += THREADS) {
     const int i = e / OC, j = e % OC;
-    vs[e] = j0 + j < V ? u[i * V + j0 + j] : 0.f;
+    m.vn[i][j] = j0 + j < V ? u[i * V + j0 + j] : 0.f;
   }
   for (int e = tid; e < C * KMAX; e += THREADS) m.qg[e / KMAX][e % KMAX] = p.qg[chunk * C * KMAX + e];
   for (int e = tid; e < C * C; e += THREADS) m.mq[e / C][e % C] = p.m[chunk * C * C + e];
   __syncthreads();
-  const int cq = tid % (OC / 4), i0 = tid / (OC / 4) * 2;
-  float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
-  for (int d = 0; d < K; ++d) {
-    const float4 hd = m.h[d][cq];
-    const float q0 = m.qg[i0][d], q1 = m.qg[i0 + 1][d];
-    a0.x += q0 * hd.x, a0.y += q0 * hd.y, a0.z += q0 * hd.z, a0.w += q0 * hd.w;
-    a1.x += q1 * hd.x, a1.y += q1 * hd.y, a1.z += q1 * hd.z, a1.w += q1 * hd.w;
+  // Warp w takes rows [16 (w / 4), + 16) and columns [16 (w % 4), + 16).
+  static_assert(WARPS == 8 && C == 32 && OC == 64, "the warps' tiles of o");
+  const int warp = tid / 32, r0 = 16 * (warp / 4), n0 = 16 * (warp % 4);
+  float acc[2][4] = {};
+  for (int k0 = 0; k0 < K; k0 += 8) {  // zeros past K
+    const FragA fq = frag_a([&](int i, int d) { return m.qg[i][d]; }, r0, k0);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) mma3(acc[n], fq, frag_b([&](int d, int j) { return m.h[d][j]; }, k0, n0 + 8 * n));
   }
-  for (int l = 0; l <= i0 + 1; ++l) {
-    const float4 vl = m.vn[l][cq];
-    const float m0 = m.mq[i0][l], m1 = m.mq[i0 + 1][l];
-    a0.x += m0 * vl.x, a0.y += m0 * vl.y, a0.z += m0 * vl.z, a0.w += m0 * vl.w;
-    a1.x += m1 * vl.x, a1.y += m1 * vl.y, a1.z += m1 * vl.z, a1.w += m1 * vl.w;
+#pragma unroll
+  for (int l0 = 0; l0 < C; l0 += 8) {
+    const FragA fm = frag_a([&](int i, int l) { return m.mq[i][l]; }, r0, l0);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) mma3(acc[n], fm, frag_b([&](int l, int j) { return m.vn[l][j]; }, l0, n0 + 8 * n));
   }
   T *o = static_cast<T *>(p.o);
-  const float r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int64_t j = j0 + cq * 4 + q;
-    if (j >= V) continue;
-    if (i0 < c.L) o[((first + i0) * s.v_heads + h) * V + j] = from_f32<T>(r0[q]);
-    if (i0 + 1 < c.L) o[((first + i0 + 1) * s.v_heads + h) * V + j] = from_f32<T>(r1[q]);
-  }
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = frag_row(r0, e);
+      const int64_t j = j0 + frag_col(n0 + 8 * n, e);
+      if (i < c.L && j < V) o[((first + i) * s.v_heads + h) * V + j] = from_f32<T>(acc[n][e]);
+    }
 }
 
 // The sum over the lanes from this one up (a warp's rows from i to the chunk's end).
@@ -504,9 +578,9 @@ __device__ __forceinline__ float suffix_sum(float v) {
 }
 
 // The sum over the warps of per-warp row sums part[r], in a fixed order.
-__device__ __forceinline__ float rows_total(const float (&part)[WARPS][C], int i) {
+template <int N> __device__ __forceinline__ float rows_total(const float (&part)[N][C], int i) {
   float s = 0.f;
-  for (int w = 0; w < WARPS; ++w) s += part[w][i];
+  for (int w = 0; w < N; ++w) s += part[w][i];
   return s;
 }
 
@@ -643,65 +717,92 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   float hdh = 0.f;
   for (int e = tid; e < VS * KMAX; e += THREADS) hdh += (&m.h[e / KMAX][0].x)[e % KMAX] * (&b.dh[e / KMAX][0].x)[e % KMAX];
   b.hdh[tid] = hdh;
-  // Per (row i = lane, key coordinates d to d + 3 of the warp's ROWS): dq's and dk's terms here, and dW in w
-  // (zeros past K, which the keys kernel reads).
-  const int i = lane;
-  const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
-  const float gi = __expf(m.gamma[i]);
-  float inter = 0.f, kterm = 0.f;
-  for (int d = warp * ROWS; d < (warp + 1) * ROWS; d += 4) {
-    float doh[4] = {}, vdh[4] = {}, dw[4] = {};
-#pragma unroll 8
-    for (int j = 0; j < VS; ++j) {
-      const float o = b.dout[i][j], vn = m.vn[i][j], dv = b.dvn[i][j];
-      const float4 hj = m.h[j][d / 4], dhj = b.dh[j][d / 4];
-      const float hs[4] = {hj.x, hj.y, hj.z, hj.w}, dhs[4] = {dhj.x, dhj.y, dhj.z, dhj.w};
+  // Warp w takes every row and key coordinates [16 w, 16 w + 16): do h^T, v' dh^T and dv' h^T on tensor cores,
+  // then dq's and dk's terms here, and dW in w (zeros past K, which the keys kernel reads).
+  const float *hs = &m.h[0][0].x, *dhs = &b.dh[0][0].x;  // h^T[j][d] at j * K4 + d
+  const int d0 = warp * ROWS;
+  float doh[2][2][4] = {}, vdh[2][2][4] = {}, dw[2][2][4] = {};
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        doh[q] += o * hs[q];
-        vdh[q] += vn * dhs[q];
-        dw[q] -= dv * hs[q];
-      }
+  for (int j0 = 0; j0 < VS; j0 += 8) {
+    FragB fh[2], fdh[2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      fh[n] = frag_b([&](int j, int d) { return hs[j * K4 + d]; }, j0, d0 + 8 * n);
+      fdh[n] = frag_b([&](int j, int d) { return dhs[j * K4 + d]; }, j0, d0 + 8 * n);
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // zeros past K but for the outputs
-      inter += m.q[i][d + q] * gi * doh[q];
-      kterm += m.k[i][d + q] * m.tail[i] * vdh[q];
-      m.w[i][d + q] = dw[q];
-      if (i < L && d + q < K) {
-        out.dq[row * K + d + q] = gi * doh[q];
-        out.dk[row * K + d + q] = m.tail[i] * vdh[q];
+    for (int r = 0; r < 2; ++r) {
+      const FragA fo = frag_a([&](int i, int j) { return b.dout[i][j]; }, 16 * r, j0);
+      const FragA fvn = frag_a([&](int i, int j) { return m.vn[i][j]; }, 16 * r, j0);
+      const FragA fdv = frag_a([&](int i, int j) { return b.dvn[i][j]; }, 16 * r, j0);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        mma3(doh[r][n], fo, fh[n]);
+        mma3(vdh[r][n], fvn, fdh[n]);
+        mma3(dw[r][n], fdv, fh[n]);
       }
     }
   }
-  b.part[0][warp][i] = inter;
-  b.part[1][warp][i] = kterm;
-  __syncthreads();
-  // The keys kernel's inputs: dM before the decay, dT's v term (l < r), dW.
+  float inter[4] = {}, kterm[4] = {};  // rows g, g + 8, g + 16, g + 24
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = frag_row(16 * r, e), d = frag_col(d0 + 8 * n, e);
+        const float dq = __expf(m.gamma[i]) * doh[r][n][e], dk = m.tail[i] * vdh[r][n][e];
+        inter[2 * r + e / 2] += m.q[i][d] * dq;
+        kterm[2 * r + e / 2] += m.k[i][d] * dk;
+        m.w[i][d] = -dw[r][n][e];
+        if (i < L && d < K) {
+          const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
+          out.dq[row * K + d] = dq;
+          out.dk[row * K + d] = dk;
+        }
+      }
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const float a = quad_sum(inter[x]), c = quad_sum(kterm[x]);
+    if (lane % 4 == 0) {
+      b.part[0][warp][frag_row(8 * x, 0)] = a;
+      b.part[1][warp][frag_row(8 * x, 0)] = c;
+    }
+  }
+  // The keys kernel's inputs: dM before the decay (l <= r), dT's v term (l < r), dW; and dv = beta X^T dv'
+  // with beta's share of v. Warp w takes rows [16 (w / 4), + 16) and columns [8 (w % 4), + 8) of each.
+  static_assert(WARPS == 8 && ROWS == 16 && C == 32 && VS == 32, "the warps' tiles of the products");
   float *keys = p.keys + (blockIdx.y % slices * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
-  for (int e = tid; e < C * C; e += THREADS) {
-    const int r = e / C, l = e % C;
-    float dm = 0.f, dt = 0.f;
-    if (l <= r)
-      for (int j = 0; j < VS; ++j) dm += b.dout[r][j] * m.vn[l][j];
-    if (l < r)
-      for (int j = 0; j < VS; ++j) dt += b.dvn[r][j] * m.beta[l] * m.v[l][j];
-    keys[e] = dm;
-    keys[C * C + e] = dt;
+  const int r0 = 16 * (warp / 4), c0 = 8 * (warp % 4);
+  float dm[4] = {}, dt[4] = {}, dv[4] = {};
+#pragma unroll
+  for (int j0 = 0; j0 < VS; j0 += 8) {
+    mma3(dm, frag_a([&](int r, int j) { return b.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return m.vn[l][j]; }, j0, c0));
+    mma3(dt, frag_a([&](int r, int j) { return b.dvn[r][j]; }, r0, j0), frag_b([&](int j, int l) { return m.v[l][j]; }, j0, c0));
   }
-  for (int e = tid; e < C * KMAX; e += THREADS) keys[2 * C * C + e] = m.w[e / KMAX][e % KMAX];
-  // dv = beta X^T dv', and beta's share of v
-  float bv = 0.f;
-  for (int j = warp; j < VS; j += WARPS) {
-    float acc = 0.f;
-    for (int l = i; l < C; ++l) acc += m.x[l][i] * b.dvn[l][j];
-    bv += m.v[i][j] * acc;
-    if (i < L && j < at.cols)
-      static_cast<T *>(p.grad_v)[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j] = from_f32<T>(m.beta[i] * acc);
+#pragma unroll
+  for (int l0 = 0; l0 < C; l0 += 8)
+    mma3(dv, frag_a([&](int i, int l) { return m.x[l][i]; }, r0, l0), frag_b([&](int l, int j) { return b.dvn[l][j]; }, l0, c0));
+  float bv[2] = {};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int r = frag_row(r0, e), c = frag_col(c0, e);
+    keys[r * C + c] = c <= r ? dm[e] : 0.f;
+    keys[C * C + r * C + c] = c < r ? m.beta[c] * dt[e] : 0.f;
+    bv[e / 2] += m.v[r][c] * dv[e];
+    if (r < L && c < at.cols)
+      static_cast<T *>(p.grad_v)[(at.token(s, t0, r) * s.v_heads + at.h) * V + at.j0 + c] = from_f32<T>(m.beta[r] * dv[e]);
   }
-  b.part[2][warp][i] = bv;
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const float a = quad_sum(bv[x]);
+    if (lane % 4 == 0) b.vdv[warp % 4][frag_row(r0 + 8 * x, 0)] = a;
+  }
   __syncthreads();
+  for (int e = tid; e < C * KMAX; e += THREADS) keys[2 * C * C + e] = m.w[e / KMAX][e % KMAX];
   if (warp == 0) {  // row i's shares of g (gamma's, summed from the chunk's end) and beta
+    const int i = lane;
+    const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
     const float y = lane < L ? rows_total(b.part[1], i) : 0.f;
     float hdh_sum = 0.f;
     for (int t = lane; t < THREADS; t += 32) hdh_sum += b.hdh[t];
@@ -712,7 +813,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     const float run = suffix_sum(dgam);
     if (i < L) {
       out.dg[row] = run;
-      out.db[row] = rows_total(b.part[2], i);
+      out.db[row] = rows_total(b.vdv, i);
     }
   }
 }
@@ -756,41 +857,50 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
     m.dw[e / KMAX][e % KMAX] = dw;
   }
   __syncthreads();
-  // A (without beta), M; dM * D and dM * M (gamma's share); dT's k term (l < i)
-  for (int e = tid; e < C * C; e += THREADS) {
-    const int r = e / C, l = e % C;
-    float kk = 0.f, qk = 0.f, dt = 0.f;
-    if (l <= r)
-      for (int d = 0; d < K; d += 4) {  // zeros past K
-        const float4 kl = row4(m.k[l], d);
-        kk += dot4(row4(m.k[r], d), kl);
-        qk += dot4(row4(m.q[r], d), kl);
-        if (l < r) dt += dot4(row4(m.dw[r], d), kl);
+  // A (without beta), M; dM * D and dM * M (gamma's share); dT's k term (l < r). Warp w takes rows
+  // [16 (w / 4), + 16) and columns [8 (w % 4), + 8) of each C x C product here.
+  static_assert(WARPS == 8 && ROWS == 16 && C == 32, "the warps' tiles of the products");
+  const int r0 = 16 * (warp / 4), c0 = 8 * (warp % 4);
+  {
+    float kk[4] = {}, qk[4] = {}, dt[4] = {};
+    if (c0 < r0 + 16)  // else above the diagonal
+      for (int d0 = 0; d0 < K; d0 += 8) {  // zeros past K
+        const FragB fk = frag_b([&](int d, int l) { return m.k[l][d]; }, d0, c0);
+        mma3(kk, frag_a([&](int r, int d) { return m.k[r][d]; }, r0, d0), fk);
+        mma3(qk, frag_a([&](int r, int d) { return m.q[r][d]; }, r0, d0), fk);
+        mma3(dt, frag_a([&](int r, int d) { return m.dw[r][d]; }, r0, d0), fk);
       }
-    dt *= m.bg[l];
-    const float decay = l <= r ? __expf(m.gamma[r] - m.gamma[l]) : 0.f;
-    m.a[r][l] = l < r ? decay * kk : 0.f;
-    m.qk[r][l] = qk * decay;
-    m.xm[r][l] = m.dm[r][l] * qk * decay;
-    m.dm[r][l] *= decay;
-    m.dt[r][l] += dt;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = frag_row(r0, e), l = frag_col(c0, e);
+      const float decay = l <= r ? __expf(m.gamma[r] - m.gamma[l]) : 0.f;
+      m.a[r][l] = l < r ? decay * kk[e] : 0.f;
+      m.qk[r][l] = qk[e] * decay;
+      m.xm[r][l] = m.dm[r][l] * qk[e] * decay;
+      m.dm[r][l] *= decay;
+      if (l < r) m.dt[r][l] += dt[e] * m.bg[l];
+    }
   }
   __syncthreads();
-  // Y = dT X^T
-  for (int e = tid; e < C * C; e += THREADS) {
-    const int r = e / C, j = e % C;
-    float acc = 0.f;
-    for (int n = 0; n <= j; ++n) acc += m.dt[r][n] * m.x[j][n];
-    m.y[r][j] = acc;
+  {  // Y = dT X^T
+    float y[4] = {};
+#pragma unroll
+    for (int n0 = 0; n0 < C; n0 += 8)
+      mma3(y, frag_a([&](int r, int n) { return m.dt[r][n]; }, r0, n0), frag_b([&](int n, int j) { return m.x[j][n]; }, n0, c0));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m.y[frag_row(r0, e)][frag_col(c0, e)] = y[e];
   }
   __syncthreads();
-  // dA = -X^T Y, strictly lower, into dt
-  for (int e = tid; e < C * C; e += THREADS) {
-    const int r = e / C, j = e % C;
-    float acc = 0.f;
-    if (j < r)
-      for (int n = r; n < C; ++n) acc -= m.x[n][r] * m.y[n][j];
-    m.dt[r][j] = acc;
+  {  // dA = -X^T Y, strictly lower, into dt
+    float da[4] = {};
+#pragma unroll
+    for (int n0 = 0; n0 < C; n0 += 8)
+      mma3(da, frag_a([&](int r, int n) { return m.x[n][r]; }, r0, n0), frag_b([&](int n, int j) { return m.y[n][j]; }, n0, c0));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = frag_row(r0, e), j = frag_col(c0, e);
+      m.dt[r][j] = j < r ? -da[e] : 0.f;
+    }
   }
   __syncthreads();
   const int i = lane;
@@ -812,31 +922,57 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
     m.dt[r][j] *= j < r ? m.beta[r] * __expf(m.gamma[r] - m.gamma[j]) : 0.f;
   }
   __syncthreads();
-  // dq and dk: M's, W's (through X^T dW) and A's terms.
+  // dq and dk: M's, W's (through X^T dW) and A's terms; warp w takes every row and key coordinates
+  // [16 w, 16 w + 16).
   const Shares out(p, slices);
-  const int64_t row = (first + i) * s.v_heads + h;
-  float z = 0.f;
-  for (int d = warp * ROWS; d < min(K, (warp + 1) * ROWS); d += 4) {  // key coordinates d to d + 3
-    float4 q_acc = {}, k_acc = {}, dkb = {};
-    for (int l = 0; l <= i; ++l) fma4(q_acc, m.dm[i][l], row4(m.k[l], d));
-    for (int l = i; l < C; ++l) {
-      fma4(k_acc, m.dm[l][i], row4(m.q[l], d));
-      fma4(dkb, m.x[l][i], row4(m.dw[l], d));
-    }
-    for (int l = 0; l < C; ++l) fma4(k_acc, m.dt[i][l] + m.dt[l][i], row4(m.k[l], d));
-    const float qs[4] = {q_acc.x, q_acc.y, q_acc.z, q_acc.w}, ks[4] = {k_acc.x, k_acc.y, k_acc.z, k_acc.w};
-    const float bs[4] = {dkb.x, dkb.y, dkb.z, dkb.w};
+  const int d0 = warp * ROWS;
+  float dq[2][2][4] = {}, dk[2][2][4] = {}, dkb[2][2][4] = {};
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // zeros past K but for the outputs
-      z += m.k[i][d + q] * bs[q];
-      if (i < L && d + q < K) {
-        out.dq[row * K + d + q] = qs[q];
-        out.dk[row * K + d + q] = ks[q] + m.bg[i] * bs[q];
+  for (int l0 = 0; l0 < C; l0 += 8) {
+    FragB fk[2], fq[2], fw[2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      fk[n] = frag_b([&](int l, int d) { return m.k[l][d]; }, l0, d0 + 8 * n);
+      fq[n] = frag_b([&](int l, int d) { return m.q[l][d]; }, l0, d0 + 8 * n);
+      fw[n] = frag_b([&](int l, int d) { return m.dw[l][d]; }, l0, d0 + 8 * n);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const FragA fm = frag_a([&](int i, int l) { return m.dm[i][l]; }, 16 * r, l0);
+      const FragA fmt = frag_a([&](int i, int l) { return m.dm[l][i]; }, 16 * r, l0);
+      const FragA fa = frag_a([&](int i, int l) { return m.dt[i][l] + m.dt[l][i]; }, 16 * r, l0);
+      const FragA fx = frag_a([&](int i, int l) { return m.x[l][i]; }, 16 * r, l0);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        mma3(dq[r][n], fm, fk[n]);
+        mma3(dk[r][n], fmt, fq[n]);
+        mma3(dk[r][n], fa, fk[n]);
+        mma3(dkb[r][n], fx, fw[n]);
       }
     }
   }
-  m.part[0][warp][i] = z;
+  float z[4] = {};  // rows g, g + 8, g + 16, g + 24
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // zeros past K but for the outputs
+        const int i = frag_row(16 * r, e), d = frag_col(d0 + 8 * n, e);
+        z[2 * r + e / 2] += m.k[i][d] * dkb[r][n][e];
+        if (i < L && d < K) {
+          const int64_t row = (first + i) * s.v_heads + h;
+          out.dq[row * K + d] = dq[r][n][e];
+          out.dk[row * K + d] = dk[r][n][e] + m.bg[i] * dkb[r][n][e];
+        }
+      }
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const float a = quad_sum(z[x]);
+    if (lane % 4 == 0) m.part[0][warp][frag_row(8 * x, 0)] = a;
+  }
   __syncthreads();
+  const int64_t row = (first + i) * s.v_heads + h;
   if (warp == 0) {  // row i's shares of g (gamma's, summed from the chunk's end) and beta
     const float z_i = rows_total(m.part[0], i);
     float dgam = i < L ? m.dgamma[i] + m.bg[i] * z_i : 0.f;

@@ -109,11 +109,11 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_WALK_WARPS 16
 /* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them). */
 #define GDR_PREP_SHARED \
-  (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
+  (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
 #define GDR_STATE_SHARED \
   (4 * (4 * GDR_CHUNK * GDR_MAX_DIM + (GDR_WALK_WARPS + 3) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
 #define GDR_OUT_SHARED \
-  (4 * (GDR_MAX_DIM * GDR_OUT_COLS + GDR_CHUNK * GDR_OUT_COLS + GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_CHUNK + 1)))
+  (4 * ((GDR_MAX_DIM + GDR_CHUNK) * (GDR_OUT_COLS + 8) + GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_CHUNK + 1)))
 #define GDR_CHUNK_SHARED \
   (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
         GDR_MAX_DIM * (GDR_V_SLICE + 1) + 4 * GDR_CHUNK))
@@ -121,7 +121,7 @@ typedef struct GatedDeltaRuleBackward {
   (4 * (6 * GDR_CHUNK * GDR_MAX_DIM + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (GDR_WALK_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
 #define GDR_BACKWARD_SHARED \
   (GDR_CHUNK_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + GDR_MAX_DIM * (GDR_V_SLICE + 1) + \
-                           3 * GDR_WARPS * GDR_CHUNK + 32 * GDR_WARPS))
+                           2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
 #define GDR_KEYS_PER_CHUNK (2 * GDR_CHUNK * GDR_CHUNK + GDR_CHUNK * GDR_MAX_DIM)
 #define GDR_KEYS_SHARED \
   (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 7 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK + \
