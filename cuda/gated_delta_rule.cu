@@ -226,18 +226,38 @@ __device__ void load_chunk(Chunk &m, const P &p, const Place &at, int64_t t0, in
   if (threadIdx.x < 32) load_decays(p, at.token(p.shape, t0, 0), at.h, L, m.gamma, m.beta, m.bg, m.tail);
 }
 
-// X = (I + beta A)^-1 from A without beta.
-__device__ void invert(const float (&a)[C][CP], float (&x)[C][CP], const float *beta) {
-  if (threadIdx.x < C) {  // a column of X needs only its own entries
-    const int j = threadIdx.x;
+// X = (I + beta A)^-1 from A without beta (strictly lower): the diagonal blocks of 8 by substitution, a column
+// per thread, then blocks of 16 and 32 from their halves, [[P, 0], [Q, R]]^-1 = [[P^-1, 0], [-R^-1 Q P^-1, R^-1]],
+// T = Q P^-1 in t: a chain of 8 steps where substitution over 32 rows takes 32.
+__device__ void invert(const float (&a)[C][CP], float (&x)[C][CP], float (&t)[C][CP], const float *beta) {
+  constexpr int B = 8;
+  const int tid = threadIdx.x;
+  if (tid < C) {
+    const int j = tid, end = j / B * B + B;
     for (int i = 0; i < C; ++i) x[i][j] = i == j ? 1.f : 0.f;
-    for (int i = j + 1; i < C; ++i) {
+    for (int i = j + 1; i < end; ++i) {
       float acc = a[i][j];
       for (int l = j + 1; l < i; ++l) acc += a[i][l] * x[l][j];
       x[i][j] = -beta[i] * acc;
     }
   }
   __syncthreads();
+  for (int s = B; s < C; s *= 2) {  // Q and R rows [o + s, o + 2s), P columns [o, o + s), for each pair at o
+    for (int e = threadIdx.x; e < C / 2 * s; e += THREADS) {
+      const int o = e / (s * s) * 2 * s, r = o + s + e % (s * s) / s, c = o + e % s;
+      float acc = 0.f;
+      for (int l = c; l < o + s; ++l) acc += a[r][l] * x[l][c];
+      t[r][c] = beta[r] * acc;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < C / 2 * s; e += THREADS) {
+      const int o = e / (s * s) * 2 * s, r = o + s + e % (s * s) / s, c = o + e % s;
+      float acc = 0.f;
+      for (int l = o + s; l <= r; ++l) acc += x[r][l] * t[l][c];
+      x[r][c] = -acc;
+    }
+    __syncthreads();
+  }
 }
 
 // X and v' as the forward's replay left them in the scratch.
@@ -292,7 +312,7 @@ struct ChunkAt {
 struct Prep {
   float q[C][K4], k[C][K4];
   float v[C][VP];
-  float a[C][CP], x[C][CP];
+  float a[C][CP], x[C][CP], t[C][CP];
   float gamma[C], beta[C], bg[C], tail[C];
 };
 static_assert(sizeof(Prep) == GDR_PREP_SHARED);
@@ -329,7 +349,7 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
     }
   }
   __syncthreads();
-  invert(m.a, m.x, m.beta);
+  invert(m.a, m.x, m.t, m.beta);
   float *w = p.w + at * C * KMAX, *kt = p.kt + at * C * KMAX, *qg = p.qg + at * C * KMAX, *u = p.u + at * C * V;
   for (int e = tid; e < C * C; e += THREADS) p.x[at * C * C + e] = m.x[e / C][e % C];
   {  // W = X (beta G k)

@@ -109,7 +109,7 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_WALK_WARPS 16
 /* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them). */
 #define GDR_PREP_SHARED \
-  (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
+  (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_V_SLICE + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
 #define GDR_STATE_SHARED \
   (4 * (4 * GDR_CHUNK * GDR_MAX_DIM + (GDR_WALK_WARPS + 3) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
 #define GDR_OUT_SHARED \
