@@ -12,15 +12,14 @@
 // dh, the gradient of the chunk's final state, as the forward walks them, keeping each chunk's dh and dv':
 //   dv' = M^T do + (exp(gamma_last - gamma) k) dh            (M = lower(q k^T) * D)
 //   dh <- G_last dh + (G q)^T do - W^T dv'
-// Everything else, the chunks in parallel:
+// Everything else, the chunks in parallel, a block per chunk and value head:
 //   dW = -dv' h^T,  dU = dv',  dT = dU (beta v)^T + dW (beta G k)^T,  dA = -X^T dT X^T (strictly lower)
 // and q, k, beta and gamma take the terms of every product above (gamma's summed from the chunk's end into g's).
-// The columns of the state never mix: a block takes one chunk, value head and VS of its columns with what needs
-// those columns (the terms through h and dh, dv); what sums over the columns (dM, dT, dW, and from them through
-// X and A the rest of q's, k's, g's and beta's gradients) the keys kernel takes once per chunk and head. Each
-// gradient of q, k, g and beta is a sum of shares (a block's per slice, the keys kernel's), and over the value
-// heads that share a key head, which the reduce kernel takes, with the l2norm's backward. Everything multiplies
-// in f32 on the CUDA cores.
+// The block takes the state's columns VS at a time with what needs them (the terms through h and dh, dv),
+// summing in registers what sums over them (do h^T, v' dh^T, dM, dT's v term, dW), then the products over the
+// keys through X and A. The reduce kernel sums q's and k's gradients over the value heads that share a key
+// head, with the l2norm's backward. The chunk-local products run on tensor cores at f32's precision (3xTF32);
+// the walks multiply on the CUDA cores.
 #include "common.cuh"
 #include "gated_delta_rule.h"
 
@@ -41,28 +40,6 @@ constexpr int K4 = KMAX + 4;
 static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
 static_assert(WALK_ROWS % 4 == 0, "the walks' rows go by float4");
 
-// A backward block's tiles of a chunk.
-struct Chunk {
-  float k[C][KP], q[C][KP], w[C][KP];  // w: dW
-  float x[C][CP];   // X
-  float v[C][VP];   // v of the block's columns
-  float vn[C][VP];  // U, then v'
-  float4 h[VS][KMAX / 4 + 1];  // h^T: a row per column of the state, read 4 keys at a time
-  float gamma[C], beta[C], bg[C], tail[C];  // bg = beta G, tail = exp(gamma_last - gamma)
-};
-
-// The backward's tiles besides.
-struct Backward {
-  Chunk c;
-  float dout[C][VP], dvn[C][VP];
-  float4 dh[VS][KMAX / 4 + 1];  // dh^T
-  float part[2][WARPS][C];  // per-warp row sums: q's and k's terms of gamma
-  float vdv[VS / 8][C];     // per column group row sums: v . dVb
-  float hdh[THREADS];
-};
-
-static_assert(sizeof(Chunk) == GDR_CHUNK_SHARED && sizeof(Backward) == GDR_BACKWARD_SHARED);
-
 extern __shared__ __align__(16) unsigned char shared_raw[];
 
 struct Span {
@@ -81,10 +58,6 @@ __device__ __forceinline__ Span span_of(const DeltaShape &s, const int64_t *cu, 
 __device__ __forceinline__ int64_t slot(const DeltaShape &s, bool packed, int64_t n, int64_t at) {
   return packed ? at / C + n : n * ((s.tokens + C - 1) / C) + at / C;
 }
-
-// The shares each gradient of q, k, g and beta is summed from: a backward block's per slice of V, and the keys
-// kernel's.
-__device__ __forceinline__ int shares(const DeltaShape &s) { return (int)((s.v_dim + VS - 1) / VS) + 1; }
 
 __device__ __forceinline__ float warp_sum(float v) { return warp_group_sum(v, 32); }
 
@@ -137,22 +110,20 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Where a block's work is: sequence, value head, key head, first column, columns.
+// Where a walk's block works (blockIdx.x the sequence and value head, blockIdx.y the slice of V): sequence,
+// value head, key head, first column, columns.
 struct Place {
   int64_t n;
   int h, hk, j0, cols;
   Span sp;
-  __device__ Place(const DeltaShape &s, const int64_t *cu, int64_t seq, int head, int slice) {
-    n = seq;
-    h = head;
+  __device__ Place(const DeltaShape &s, const int64_t *cu) {
+    n = blockIdx.x / s.v_heads;
+    h = blockIdx.x % s.v_heads;
     hk = h / (s.v_heads / s.k_heads);
-    j0 = slice * VS;
+    j0 = blockIdx.y * VS;
     cols = min(VS, (int)s.v_dim - j0);
     sp = span_of(s, cu, n);
   }
-  // A walk's block: blockIdx.x the sequence and value head, blockIdx.y the slice of V.
-  __device__ Place(const DeltaShape &s, const int64_t *cu)
-      : Place(s, cu, blockIdx.x / s.v_heads, blockIdx.x % s.v_heads, blockIdx.y) {}
   // The row of token i of the chunk at t0 in [B * T, heads] order.
   __device__ int64_t token(const DeltaShape &s, int64_t t0, int i) const { return sp.row * s.tokens + sp.start + t0 + i; }
 };
@@ -210,22 +181,6 @@ __device__ void load_decays(const P &p, int64_t first, int h, int L, float *gamm
   tail[lane] = __expf(last - run);
 }
 
-// Loads chunk [t0, t0 + L) into the tiles: k and q, v of the block's columns, the decays (no barrier: the
-// caller's).
-template <class T, class P>
-__device__ void load_chunk(Chunk &m, const P &p, const Place &at, int64_t t0, int L) {
-  const T *v = static_cast<const T *>(p.v);
-  load_qk<T>(m.q, m.k, p, at.sp.row, at.sp.start + t0, at.hk, L);
-  for (int e = threadIdx.x; e < C * VS; e += THREADS) {
-    const int i = e / VS, j = e % VS;
-    const int64_t t = at.sp.start + t0 + i;
-    m.v[i][j] = i < L && j < at.cols
-                    ? to_f32(v[at.sp.row * p.v_st.batch + t * p.v_st.token + at.h * p.v_st.head + at.j0 + j])
-                    : 0.f;
-  }
-  if (threadIdx.x < 32) load_decays(p, at.token(p.shape, t0, 0), at.h, L, m.gamma, m.beta, m.bg, m.tail);
-}
-
 // X = (I + beta A)^-1 from A without beta (strictly lower): the diagonal blocks of 8 by substitution, a column
 // per thread, then blocks of 16 and 32 from their halves, [[P, 0], [Q, R]]^-1 = [[P^-1, 0], [-R^-1 Q P^-1, R^-1]],
 // T = Q P^-1 in t: a chain of 8 steps where substitution over 32 rows takes 32.
@@ -257,27 +212,6 @@ __device__ void invert(const float (&a)[C][CP], float (&x)[C][CP], float (&t)[C]
       x[r][c] = -acc;
     }
     __syncthreads();
-  }
-}
-
-// X and v' as the forward's replay left them in the scratch.
-__device__ void replayed(Chunk &m, const GatedDeltaRuleBackward &p, int64_t chunk, const Place &at) {
-  const int tid = threadIdx.x;
-  const int64_t V = p.shape.v_dim;
-  for (int e = tid; e < C * C; e += THREADS) m.x[e / C][e % C] = p.x[chunk * C * C + e];
-  const float *vn = p.vn + chunk * C * V;
-  for (int e = tid; e < C * VS; e += THREADS) {
-    const int i = e / VS, j = e % VS;
-    m.vn[i][j] = j < at.cols ? vn[i * V + at.j0 + j] : 0.f;
-  }
-  __syncthreads();
-}
-
-// The block's columns of a [N, Hv, K, V] state into the tile, transposed (no barrier: the caller's).
-__device__ void state_in(float4 (&h)[VS][KMAX / 4 + 1], const float *src, int K, int64_t V, const Place &at) {
-  for (int e = threadIdx.x; e < KMAX * VS; e += THREADS) {
-    const int d = e / VS, j = e % VS;
-    (&h[j][0].x)[d] = d < K && j < at.cols ? src[d * V + at.j0 + j] : 0.f;
   }
 }
 
@@ -604,20 +538,6 @@ template <int N> __device__ __forceinline__ float rows_total(const float (&part)
   return s;
 }
 
-// The shares of the gradients of q, k (per [B * T * Hv] row and key coordinate) and of g and beta (per row):
-// one per backward block's slice of V, then the keys kernel's.
-struct Shares {
-  float *dq, *dk, *dg, *db;
-  __device__ Shares(const GatedDeltaRuleBackward &p, int64_t share) {
-    const DeltaShape &s = p.shape;
-    const int64_t rows = s.batch * s.tokens * s.v_heads, n = shares(s);
-    dq = p.partial + share * rows * s.k_dim;
-    dk = p.partial + (n + share) * rows * s.k_dim;
-    dg = p.partial + 2 * n * rows * s.k_dim + share * rows;
-    db = p.partial + 2 * n * rows * s.k_dim + (n + share) * rows;
-  }
-};
-
 // A sequence's chunks in reverse for one value head and VS columns of dh (Place), as the state pass walks them
 // forward: each chunk's dh (the gradient of its final state) into dstates, dv' = M^T do + kt dh, then
 // dh <- G_last dh + (G q)^T do - W^T dv', dh in registers (rows_in). The next chunk's W, kt, G q, M and do are
@@ -707,63 +627,117 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   rows_out(static_cast<float *>(p.grad_initial_state) + head_state, dh, K, V, at);
 }
 
-// A chunk (blockIdx.x its slot), value head and VS columns (blockIdx.y = head * slices + slice), from its state
-// h and the walk's dh and dv': the terms of dq, dk, g and beta that need the block's columns, dv; and its
-// shares of dM, of dT's v term and of dW for the keys kernel.
+// A backward block's tiles: the chunk's, then those of one slice of V at a time, or, once the slices are summed,
+// those of the products over the keys.
+struct Slice {
+  float4 h[VS][K4 / 4], dh[VS][K4 / 4];  // h^T and dh^T: a row per column of the state
+  float v[C][VP], vn[C][VP], dout[C][VP], dvn[C][VP];
+};
+struct KeyTiles {
+  float dw[C][K4];
+  float a[C][CP], qk[C][CP], dm[C][CP], xm[C][CP], dt[C][CP], y[C][CP];
+};
+struct Backward {
+  float q[C][K4], k[C][K4];
+  float x[C][CP];
+  float gamma[C], beta[C], bg[C], tail[C];  // bg = beta G, tail = exp(gamma_last - gamma)
+  union {
+    Slice slice;
+    KeyTiles keys;
+  };
+  float part[2][WARPS][C];  // per-warp row sums
+  float vdv[VS / 8][C];     // per column group row sums: v . dVb
+  float hdh[THREADS];
+  float dgamma[C], dbeta[C];
+};
+static_assert(sizeof(KeyTiles) <= sizeof(Slice) && sizeof(Backward) == GDR_BACKWARD_SHARED);
+
+// A chunk (blockIdx.x its slot) and value head (blockIdx.y), from its state h and the walk's dh and dv': the
+// slices of V in turn (h, dh, v, v', do and dv' of VS columns each) sum do h^T, v' dh^T, dv' h^T, dM and dT's
+// v term in registers and write dv; then the products over the keys take dM, dT and dW through X and A into
+// q's, k's, g's and beta's gradients. q's and k's go to the reduce kernel, which sums the value heads.
 template <class T> __device__ __forceinline__ void backward(const GatedDeltaRuleBackward &p) {
-  Backward &b = *reinterpret_cast<Backward *>(shared_raw);
-  Chunk &m = b.c;
+  Backward &m = *reinterpret_cast<Backward *>(shared_raw);
+  Slice &sl = m.slice;
+  KeyTiles &kt = m.keys;
   const DeltaShape &s = p.shape;
-  const ChunkAt at_chunk(s, p.cu_seqlens, blockIdx.x);
-  if (at_chunk.L == 0) return;
-  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, slices = shares(s) - 1, L = at_chunk.L;
-  const int64_t V = s.v_dim, t0 = at_chunk.t0;
-  const Place at(s, p.cu_seqlens, at_chunk.n, blockIdx.y / slices, blockIdx.y % slices);
-  const Shares out(p, blockIdx.y % slices);
-  const T *grad_o = static_cast<const T *>(p.grad_o);
-  const int64_t chunk = blockIdx.x * s.v_heads + at.h;
-  state_in(m.h, p.states + chunk * K * V, K, V, at);
-  state_in(b.dh, p.dstates + chunk * K * V, K, V, at);
-  load_chunk<T>(m, p, at, t0, L);
-  const float *dvn = p.dvn + chunk * C * V;
-  for (int e = tid; e < C * VS; e += THREADS) {
-    const int i = e / VS, j = e % VS;
-    b.dout[i][j] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
-    b.dvn[i][j] = j < at.cols ? dvn[i * V + at.j0 + j] : 0.f;
-  }
-  replayed(m, p, chunk, at);
-  // The sum of h * dh for gamma_last
-  const float last = __expf(m.gamma[L - 1]);
-  float hdh = 0.f;
-  for (int e = tid; e < VS * KMAX; e += THREADS) hdh += (&m.h[e / KMAX][0].x)[e % KMAX] * (&b.dh[e / KMAX][0].x)[e % KMAX];
-  b.hdh[tid] = hdh;
-  // Warp w takes every row and key coordinates [16 w, 16 w + 16): do h^T, v' dh^T and dv' h^T on tensor cores,
-  // then dq's and dk's terms here, and dW in w (zeros past K, which the keys kernel reads).
-  const float *hs = &m.h[0][0].x, *dhs = &b.dh[0][0].x;  // h^T[j][d] at j * K4 + d
-  const int d0 = warp * ROWS;
-  float doh[2][2][4] = {}, vdh[2][2][4] = {}, dw[2][2][4] = {};
-#pragma unroll
-  for (int j0 = 0; j0 < VS; j0 += 8) {
-    FragB fh[2], fdh[2];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      fh[n] = frag_b([&](int j, int d) { return hs[j * K4 + d]; }, j0, d0 + 8 * n);
-      fdh[n] = frag_b([&](int j, int d) { return dhs[j * K4 + d]; }, j0, d0 + 8 * n);
+  const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
+  if (c.L == 0) return;
+  const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, L = c.L;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t V = s.v_dim, chunk = blockIdx.x * s.v_heads + h, first = c.sp.row * s.tokens + c.sp.start + c.t0;
+  load_qk<T, K4>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
+  if (tid < 32) load_decays(p, first, h, L, m.gamma, m.beta, m.bg, m.tail);
+  for (int e = tid; e < C * C; e += THREADS) m.x[e / C][e % C] = p.x[chunk * C * C + e];
+  // Warp w takes every row and key coordinates [16 w, 16 w + 16) of the C x K products, and rows
+  // [16 (w / 4), + 16) and columns [8 (w % 4), + 8) of the C x C and C x VS ones.
+  static_assert(WARPS == 8 && ROWS == 16 && C == 32 && VS == 32, "the warps' tiles of the products");
+  const int d0 = warp * ROWS, r0 = 16 * (warp / 4), c0 = 8 * (warp % 4);
+  float doh[2][2][4] = {}, vdh[2][2][4] = {}, dw[2][2][4] = {}, dm[4] = {}, dt[4] = {}, bv[2] = {}, hdh = 0.f;
+  const float *hs = &sl.h[0][0].x, *dhs = &sl.dh[0][0].x;  // h^T[j][d] at j * K4 + d
+  const float *state = p.states + chunk * K * V, *dstate = p.dstates + chunk * K * V;
+  const float *vn = p.vn + chunk * C * V, *dvn = p.dvn + chunk * C * V;
+  const T *v = static_cast<const T *>(p.v), *grad_o = static_cast<const T *>(p.grad_o);
+  for (int64_t v0 = 0; v0 < V; v0 += VS) {
+    const int cols = (int)min((int64_t)VS, V - v0);
+    for (int e = tid; e < KMAX * VS; e += THREADS) {
+      const int d = e / VS, j = e % VS;
+      const bool in = d < K && j < cols;
+      (&sl.h[j][0].x)[d] = in ? state[d * V + v0 + j] : 0.f;
+      (&sl.dh[j][0].x)[d] = in ? dstate[d * V + v0 + j] : 0.f;
     }
+    for (int e = tid; e < C * VS; e += THREADS) {
+      const int i = e / VS, j = e % VS;
+      const bool in = i < L && j < cols;
+      const int64_t t = c.sp.start + c.t0 + i;
+      sl.v[i][j] = in ? to_f32(v[c.sp.row * p.v_st.batch + t * p.v_st.token + h * p.v_st.head + v0 + j]) : 0.f;
+      sl.dout[i][j] = in ? to_f32(grad_o[((first + i) * s.v_heads + h) * V + v0 + j]) : 0.f;
+      sl.vn[i][j] = j < cols ? vn[i * V + v0 + j] : 0.f;
+      sl.dvn[i][j] = j < cols ? dvn[i * V + v0 + j] : 0.f;
+    }
+    __syncthreads();
+    for (int e = tid; e < VS * KMAX; e += THREADS) hdh += hs[e / KMAX * K4 + e % KMAX] * dhs[e / KMAX * K4 + e % KMAX];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const FragA fo = frag_a([&](int i, int j) { return b.dout[i][j]; }, 16 * r, j0);
-      const FragA fvn = frag_a([&](int i, int j) { return m.vn[i][j]; }, 16 * r, j0);
-      const FragA fdv = frag_a([&](int i, int j) { return b.dvn[i][j]; }, 16 * r, j0);
+    for (int j0 = 0; j0 < VS; j0 += 8) {
+      FragB fh[2], fdh[2];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        mma3(doh[r][n], fo, fh[n]);
-        mma3(vdh[r][n], fvn, fdh[n]);
-        mma3(dw[r][n], fdv, fh[n]);
+        fh[n] = frag_b([&](int j, int d) { return hs[j * K4 + d]; }, j0, d0 + 8 * n);
+        fdh[n] = frag_b([&](int j, int d) { return dhs[j * K4 + d]; }, j0, d0 + 8 * n);
       }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const FragA fo = frag_a([&](int i, int j) { return sl.dout[i][j]; }, 16 * r, j0);
+        const FragA fvn = frag_a([&](int i, int j) { return sl.vn[i][j]; }, 16 * r, j0);
+        const FragA fdv = frag_a([&](int i, int j) { return sl.dvn[i][j]; }, 16 * r, j0);
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          mma3(doh[r][n], fo, fh[n]);
+          mma3(vdh[r][n], fvn, fdh[n]);
+          mma3(dw[r][n], fdv, fh[n]);
+        }
+      }
+      mma3(dm, frag_a([&](int r, int j) { return sl.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.vn[l][j]; }, j0, c0));
+      mma3(dt, frag_a([&](int r, int j) { return sl.dvn[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.v[l][j]; }, j0, c0));
     }
+    float dv[4] = {};  // dv = beta X^T dv', and beta's share of v
+#pragma unroll
+    for (int l0 = 0; l0 < C; l0 += 8)
+      mma3(dv, frag_a([&](int i, int l) { return m.x[l][i]; }, r0, l0), frag_b([&](int l, int j) { return sl.dvn[l][j]; }, l0, c0));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = frag_row(r0, e), j = frag_col(c0, e);
+      bv[e / 2] += sl.v[i][j] * dv[e];
+      if (i < L && j < cols)
+        static_cast<T *>(p.grad_v)[((first + i) * s.v_heads + h) * V + v0 + j] = from_f32<T>(m.beta[i] * dv[e]);
+    }
+    __syncthreads();
   }
+  // The value side's terms: dq = G do h^T, dk = tail v' dh^T and their parts of gamma's gradient; dW, dM (before
+  // the decay, l <= r) and dT's v term (l < r) into the tiles.
+  m.hdh[tid] = hdh;
   float inter[4] = {}, kterm[4] = {};  // rows g, g + 8, g + 16, g + 24
+  float (&dq)[2][2][4] = doh, (&dk)[2][2][4] = vdh;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -771,134 +745,62 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = frag_row(16 * r, e), d = frag_col(d0 + 8 * n, e);
-        const float dq = __expf(m.gamma[i]) * doh[r][n][e], dk = m.tail[i] * vdh[r][n][e];
-        inter[2 * r + e / 2] += m.q[i][d] * dq;
-        kterm[2 * r + e / 2] += m.k[i][d] * dk;
-        m.w[i][d] = -dw[r][n][e];
-        if (i < L && d < K) {
-          const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
-          out.dq[row * K + d] = dq;
-          out.dk[row * K + d] = dk;
-        }
+        dq[r][n][e] *= __expf(m.gamma[i]);
+        dk[r][n][e] *= m.tail[i];
+        inter[2 * r + e / 2] += m.q[i][d] * dq[r][n][e];
+        kterm[2 * r + e / 2] += m.k[i][d] * dk[r][n][e];
+        kt.dw[i][d] = -dw[r][n][e];
       }
 #pragma unroll
   for (int x = 0; x < 4; ++x) {
-    const float a = quad_sum(inter[x]), c = quad_sum(kterm[x]);
+    const float a = quad_sum(inter[x]), b = quad_sum(kterm[x]);
     if (lane % 4 == 0) {
-      b.part[0][warp][frag_row(8 * x, 0)] = a;
-      b.part[1][warp][frag_row(8 * x, 0)] = c;
+      m.part[0][warp][frag_row(8 * x, 0)] = a;
+      m.part[1][warp][frag_row(8 * x, 0)] = b;
     }
-  }
-  // The keys kernel's inputs: dM before the decay (l <= r), dT's v term (l < r), dW; and dv = beta X^T dv'
-  // with beta's share of v. Warp w takes rows [16 (w / 4), + 16) and columns [8 (w % 4), + 8) of each.
-  static_assert(WARPS == 8 && ROWS == 16 && C == 32 && VS == 32, "the warps' tiles of the products");
-  float *keys = p.keys + (blockIdx.y % slices * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
-  const int r0 = 16 * (warp / 4), c0 = 8 * (warp % 4);
-  float dm[4] = {}, dt[4] = {}, dv[4] = {};
-#pragma unroll
-  for (int j0 = 0; j0 < VS; j0 += 8) {
-    mma3(dm, frag_a([&](int r, int j) { return b.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return m.vn[l][j]; }, j0, c0));
-    mma3(dt, frag_a([&](int r, int j) { return b.dvn[r][j]; }, r0, j0), frag_b([&](int j, int l) { return m.v[l][j]; }, j0, c0));
-  }
-#pragma unroll
-  for (int l0 = 0; l0 < C; l0 += 8)
-    mma3(dv, frag_a([&](int i, int l) { return m.x[l][i]; }, r0, l0), frag_b([&](int l, int j) { return b.dvn[l][j]; }, l0, c0));
-  float bv[2] = {};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int r = frag_row(r0, e), c = frag_col(c0, e);
-    keys[r * C + c] = c <= r ? dm[e] : 0.f;
-    keys[C * C + r * C + c] = c < r ? m.beta[c] * dt[e] : 0.f;
-    bv[e / 2] += m.v[r][c] * dv[e];
-    if (r < L && c < at.cols)
-      static_cast<T *>(p.grad_v)[(at.token(s, t0, r) * s.v_heads + at.h) * V + at.j0 + c] = from_f32<T>(m.beta[r] * dv[e]);
   }
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     const float a = quad_sum(bv[x]);
-    if (lane % 4 == 0) b.vdv[warp % 4][frag_row(r0 + 8 * x, 0)] = a;
+    if (lane % 4 == 0) m.vdv[warp % 4][frag_row(r0 + 8 * x, 0)] = a;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int r = frag_row(r0, e), l = frag_col(c0, e);
+    kt.dm[r][l] = l <= r ? dm[e] : 0.f;
+    kt.dt[r][l] = l < r ? m.beta[l] * dt[e] : 0.f;
   }
   __syncthreads();
-  for (int e = tid; e < C * KMAX; e += THREADS) keys[2 * C * C + e] = m.w[e / KMAX][e % KMAX];
-  if (warp == 0) {  // row i's shares of g (gamma's, summed from the chunk's end) and beta
+  if (warp == 0) {  // row i's shares of gamma's and beta's gradients from the value side
     const int i = lane;
-    const int64_t row = at.token(s, t0, i) * s.v_heads + at.h;
-    const float y = lane < L ? rows_total(b.part[1], i) : 0.f;
+    const float y = i < L ? rows_total(m.part[1], i) : 0.f;
     float hdh_sum = 0.f;
-    for (int t = lane; t < THREADS; t += 32) hdh_sum += b.hdh[t];
+    for (int t = lane; t < THREADS; t += 32) hdh_sum += m.hdh[t];
     const float y_all = warp_sum(y), hdh_all = warp_sum(hdh_sum);
-    float dgam = rows_total(b.part[0], i) - y;
-    if (i == L - 1) dgam += y_all + last * hdh_all;
-    if (i >= L) dgam = 0.f;
-    const float run = suffix_sum(dgam);
-    if (i < L) {
-      out.dg[row] = run;
-      out.db[row] = rows_total(b.vdv, i);
-    }
+    float dgam = rows_total(m.part[0], i) - y;
+    if (i == L - 1) dgam += y_all + __expf(m.gamma[L - 1]) * hdh_all;
+    m.dgamma[i] = dgam;
+    m.dbeta[i] = rows_total(m.vdv, i);
   }
-}
-
-// The terms of a chunk's (blockIdx.x its slot) backward, for value head blockIdx.y, that sum over the value
-// columns: from dM, dT's v term and dW summed over the backward's blocks, through X and A into q, k, g and beta.
-struct Keys {
-  float q[C][K4], k[C][K4], dw[C][K4];
-  float a[C][CP], x[C][CP], qk[C][CP], dm[C][CP], xm[C][CP], dt[C][CP], y[C][CP];
-  float gamma[C], beta[C], bg[C], tail[C];
-  float part[2][WARPS][C];  // per-warp row sums: M's share of gamma's, X^T dW . k
-  float dgamma[C], dbeta[C];
-};
-static_assert(sizeof(Keys) == GDR_KEYS_SHARED);
-
-template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBackward &p) {
-  Keys &m = *reinterpret_cast<Keys *>(shared_raw);
-  const DeltaShape &s = p.shape;
-  const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
-  if (c.L == 0) return;
-  const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, L = c.L;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t chunk = blockIdx.x * s.v_heads + h, first = c.sp.row * s.tokens + c.sp.start + c.t0;
-  const int slices = shares(s) - 1;
-  load_qk<T, K4>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
-  if (tid < 32) load_decays(p, first, h, L, m.gamma, m.beta, m.bg, m.tail);
-  for (int e = tid; e < C * C; e += THREADS) {
-    float dm = 0.f, dt = 0.f;
-    for (int sl = 0; sl < slices; ++sl) {
-      const float *in = p.keys + (sl * p.chunks + chunk) * GDR_KEYS_PER_CHUNK;
-      dm += in[e];
-      dt += in[C * C + e];
-    }
-    m.dm[e / C][e % C] = dm;
-    m.dt[e / C][e % C] = dt;
-    m.x[e / C][e % C] = p.x[chunk * C * C + e];
-  }
-  for (int e = tid; e < C * KMAX; e += THREADS) {
-    float dw = 0.f;
-    for (int sl = 0; sl < slices; ++sl) dw += p.keys[(sl * p.chunks + chunk) * GDR_KEYS_PER_CHUNK + 2 * C * C + e];
-    m.dw[e / KMAX][e % KMAX] = dw;
-  }
-  __syncthreads();
-  // A (without beta), M; dM * D and dM * M (gamma's share); dT's k term (l < r). Warp w takes rows
-  // [16 (w / 4), + 16) and columns [8 (w % 4), + 8) of each C x C product here.
-  static_assert(WARPS == 8 && ROWS == 16 && C == 32, "the warps' tiles of the products");
-  const int r0 = 16 * (warp / 4), c0 = 8 * (warp % 4);
+  // A (without beta), M; dM * D and dM * M (gamma's share); dT's k term (l < r)
   {
-    float kk[4] = {}, qk[4] = {}, dt[4] = {};
+    float kk[4] = {}, qk[4] = {}, dtk[4] = {};
     if (c0 < r0 + 16)  // else above the diagonal
-      for (int d0 = 0; d0 < K; d0 += 8) {  // zeros past K
-        const FragB fk = frag_b([&](int d, int l) { return m.k[l][d]; }, d0, c0);
-        mma3(kk, frag_a([&](int r, int d) { return m.k[r][d]; }, r0, d0), fk);
-        mma3(qk, frag_a([&](int r, int d) { return m.q[r][d]; }, r0, d0), fk);
-        mma3(dt, frag_a([&](int r, int d) { return m.dw[r][d]; }, r0, d0), fk);
+      for (int k0 = 0; k0 < K; k0 += 8) {  // zeros past K
+        const FragB fk = frag_b([&](int d, int l) { return m.k[l][d]; }, k0, c0);
+        mma3(kk, frag_a([&](int r, int d) { return m.k[r][d]; }, r0, k0), fk);
+        mma3(qk, frag_a([&](int r, int d) { return m.q[r][d]; }, r0, k0), fk);
+        mma3(dtk, frag_a([&](int r, int d) { return kt.dw[r][d]; }, r0, k0), fk);
       }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = frag_row(r0, e), l = frag_col(c0, e);
       const float decay = l <= r ? __expf(m.gamma[r] - m.gamma[l]) : 0.f;
-      m.a[r][l] = l < r ? decay * kk[e] : 0.f;
-      m.qk[r][l] = qk[e] * decay;
-      m.xm[r][l] = m.dm[r][l] * qk[e] * decay;
-      m.dm[r][l] *= decay;
-      if (l < r) m.dt[r][l] += dt[e] * m.bg[l];
+      kt.a[r][l] = l < r ? decay * kk[e] : 0.f;
+      kt.qk[r][l] = qk[e] * decay;
+      kt.xm[r][l] = kt.dm[r][l] * qk[e] * decay;
+      kt.dm[r][l] *= decay;
+      if (l < r) kt.dt[r][l] += dtk[e] * m.bg[l];
     }
   }
   __syncthreads();
@@ -906,47 +808,44 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
     float y[4] = {};
 #pragma unroll
     for (int n0 = 0; n0 < C; n0 += 8)
-      mma3(y, frag_a([&](int r, int n) { return m.dt[r][n]; }, r0, n0), frag_b([&](int n, int j) { return m.x[j][n]; }, n0, c0));
+      mma3(y, frag_a([&](int r, int n) { return kt.dt[r][n]; }, r0, n0), frag_b([&](int n, int j) { return m.x[j][n]; }, n0, c0));
 #pragma unroll
-    for (int e = 0; e < 4; ++e) m.y[frag_row(r0, e)][frag_col(c0, e)] = y[e];
+    for (int e = 0; e < 4; ++e) kt.y[frag_row(r0, e)][frag_col(c0, e)] = y[e];
   }
   __syncthreads();
   {  // dA = -X^T Y, strictly lower, into dt
     float da[4] = {};
 #pragma unroll
     for (int n0 = 0; n0 < C; n0 += 8)
-      mma3(da, frag_a([&](int r, int n) { return m.x[n][r]; }, r0, n0), frag_b([&](int n, int j) { return m.y[n][j]; }, n0, c0));
+      mma3(da, frag_a([&](int r, int n) { return m.x[n][r]; }, r0, n0), frag_b([&](int n, int j) { return kt.y[n][j]; }, n0, c0));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = frag_row(r0, e), j = frag_col(c0, e);
-      m.dt[r][j] = j < r ? -da[e] : 0.f;
+      kt.dt[r][j] = j < r ? -da[e] : 0.f;
     }
   }
   __syncthreads();
-  const int i = lane;
-  // Row i's scalars: gamma from M and A, beta from A; then dA becomes G2 = dA beta_i D (for k).
+  // Row i's shares of gamma's (from M and A) and beta's (from A); then dA becomes dA beta_i D (for k).
   if (tid < C) {
+    const int i = tid;
     float dgam = 0.f, dbet = 0.f;
     for (int l = 0; l < C; ++l) {
-      dgam += m.xm[i][l] - m.xm[l][i];
-      const float da = m.dt[i][l] * m.a[i][l], da_t = m.dt[l][i] * m.a[l][i];
+      dgam += kt.xm[i][l] - kt.xm[l][i];
+      const float da = kt.dt[i][l] * kt.a[i][l], da_t = kt.dt[l][i] * kt.a[l][i];
       dbet += da;
       dgam += m.beta[i] * da - m.beta[l] * da_t;
     }
-    m.dgamma[i] = dgam;
-    m.dbeta[i] = dbet;
+    m.dgamma[i] += dgam;
+    m.dbeta[i] += dbet;
   }
   __syncthreads();
   for (int e = tid; e < C * C; e += THREADS) {
     const int r = e / C, j = e % C;
-    m.dt[r][j] *= j < r ? m.beta[r] * __expf(m.gamma[r] - m.gamma[j]) : 0.f;
+    kt.dt[r][j] *= j < r ? m.beta[r] * __expf(m.gamma[r] - m.gamma[j]) : 0.f;
   }
   __syncthreads();
-  // dq and dk: M's, W's (through X^T dW) and A's terms; warp w takes every row and key coordinates
-  // [16 w, 16 w + 16).
-  const Shares out(p, slices);
-  const int d0 = warp * ROWS;
-  float dq[2][2][4] = {}, dk[2][2][4] = {}, dkb[2][2][4] = {};
+  // dq and dk: M's, W's (through X^T dW) and A's terms, onto the value side's.
+  float dkb[2][2][4] = {};
 #pragma unroll
   for (int l0 = 0; l0 < C; l0 += 8) {
     FragB fk[2], fq[2], fw[2];
@@ -954,13 +853,13 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
     for (int n = 0; n < 2; ++n) {
       fk[n] = frag_b([&](int l, int d) { return m.k[l][d]; }, l0, d0 + 8 * n);
       fq[n] = frag_b([&](int l, int d) { return m.q[l][d]; }, l0, d0 + 8 * n);
-      fw[n] = frag_b([&](int l, int d) { return m.dw[l][d]; }, l0, d0 + 8 * n);
+      fw[n] = frag_b([&](int l, int d) { return kt.dw[l][d]; }, l0, d0 + 8 * n);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const FragA fm = frag_a([&](int i, int l) { return m.dm[i][l]; }, 16 * r, l0);
-      const FragA fmt = frag_a([&](int i, int l) { return m.dm[l][i]; }, 16 * r, l0);
-      const FragA fa = frag_a([&](int i, int l) { return m.dt[i][l] + m.dt[l][i]; }, 16 * r, l0);
+      const FragA fm = frag_a([&](int i, int l) { return kt.dm[i][l]; }, 16 * r, l0);
+      const FragA fmt = frag_a([&](int i, int l) { return kt.dm[l][i]; }, 16 * r, l0);
+      const FragA fa = frag_a([&](int i, int l) { return kt.dt[i][l] + kt.dt[l][i]; }, 16 * r, l0);
       const FragA fx = frag_a([&](int i, int l) { return m.x[l][i]; }, 16 * r, l0);
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
@@ -972,6 +871,7 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
     }
   }
   float z[4] = {};  // rows g, g + 8, g + 16, g + 24
+  float *out_dq = p.partial, *out_dk = p.partial + s.batch * s.tokens * s.v_heads * K;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -982,8 +882,8 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
         z[2 * r + e / 2] += m.k[i][d] * dkb[r][n][e];
         if (i < L && d < K) {
           const int64_t row = (first + i) * s.v_heads + h;
-          out.dq[row * K + d] = dq[r][n][e];
-          out.dk[row * K + d] = dk[r][n][e] + m.bg[i] * dkb[r][n][e];
+          out_dq[row * K + d] = dq[r][n][e];
+          out_dk[row * K + d] = dk[r][n][e] + m.bg[i] * dkb[r][n][e];
         }
       }
 #pragma unroll
@@ -992,20 +892,20 @@ template <class T> __device__ __forceinline__ void keys(const GatedDeltaRuleBack
     if (lane % 4 == 0) m.part[0][warp][frag_row(8 * x, 0)] = a;
   }
   __syncthreads();
-  const int64_t row = (first + i) * s.v_heads + h;
-  if (warp == 0) {  // row i's shares of g (gamma's, summed from the chunk's end) and beta
+  if (warp == 0) {  // g's gradient: gamma's, summed from the chunk's end
+    const int i = lane;
     const float z_i = rows_total(m.part[0], i);
-    float dgam = i < L ? m.dgamma[i] + m.bg[i] * z_i : 0.f;
-    const float run = suffix_sum(dgam);
+    const float run = suffix_sum(i < L ? m.dgamma[i] + m.bg[i] * z_i : 0.f);
     if (i < L) {
-      out.dg[row] = run;
-      out.db[row] = m.dbeta[i] + __expf(m.gamma[i]) * z_i;
+      const int64_t row = (first + i) * s.v_heads + h;
+      static_cast<float *>(p.grad_g)[row] = run;
+      static_cast<float *>(p.grad_beta)[row] = m.dbeta[i] + __expf(m.gamma[i]) * z_i;
     }
   }
 }
 
-// A warp per token and key head: q's and k's gradients summed over the shares and value heads that read them,
-// through the l2norm (dx = r (dy - y (y . dy)), y = x r), and g's and beta's summed over the shares.
+// A warp per token and key head: q's and k's gradients summed over the value heads that read them, through
+// the l2norm (dx = r (dy - y (y . dy)), y = x r).
 template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBackward &p) {
   const DeltaShape &s = p.shape;
   const int K = s.k_dim, lane = threadIdx.x % 32, rep = s.v_heads / s.k_heads;
@@ -1013,9 +913,8 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
   if (pair >= s.batch * s.tokens * s.k_heads) return;
   const int64_t token = pair / s.k_heads, bt = token / s.tokens, t = token % s.tokens;
   const int hk = pair % s.k_heads;
-  const int64_t rows = s.batch * s.tokens * s.v_heads, slices = shares(s);
-  const float *dq_part = p.partial, *dk_part = p.partial + slices * rows * K;
-  const float *dg_part = p.partial + 2 * slices * rows * K, *db_part = dg_part + slices * rows;
+  const int64_t rows = s.batch * s.tokens * s.v_heads;
+  const float *dq_part = p.partial, *dk_part = p.partial + rows * K;
   constexpr int PER = KMAX / 32;
   float q[PER], k[PER], dq[PER], dk[PER];
   float qq = 0.f, kk = 0.f;
@@ -1028,12 +927,10 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
     k[r] = to_f32(static_cast<const T *>(p.k)[bt * p.k_st.batch + t * p.k_st.token + hk * p.k_st.head + d]);
     qq += q[r] * q[r];
     kk += k[r] * k[r];
-    for (int h = hk * rep; h < (hk + 1) * rep; ++h)
-      for (int64_t sl = 0; sl < slices; ++sl) {
-        const int64_t at = (sl * rows + token * s.v_heads + h) * K + d;
-        dq[r] += dq_part[at];
-        dk[r] += dk_part[at];
-      }
+    for (int h = hk * rep; h < (hk + 1) * rep; ++h) {
+      dq[r] += dq_part[(token * s.v_heads + h) * K + d];
+      dk[r] += dk_part[(token * s.v_heads + h) * K + d];
+    }
     dq[r] *= s.scale;
   }
   float rq = 1.f, rk = 1.f, qdq = 0.f, kdk = 0.f;
@@ -1056,15 +953,6 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
     grad_q[d] = from_f32<T>(s.l2norm_qk ? rq * (dq[r] - q[r] * rq * qdq) : dq[r]);
     grad_k[d] = from_f32<T>(s.l2norm_qk ? rk * (dk[r] - k[r] * rk * kdk) : dk[r]);
   }
-  for (int h = hk * rep + lane; h < (hk + 1) * rep; h += 32) {
-    float dg = 0.f, db = 0.f;
-    for (int64_t sl = 0; sl < slices; ++sl) {
-      dg += dg_part[sl * rows + token * s.v_heads + h];
-      db += db_part[sl * rows + token * s.v_heads + h];
-    }
-    static_cast<float *>(p.grad_g)[token * s.v_heads + h] = dg;
-    static_cast<float *>(p.grad_beta)[token * s.v_heads + h] = db;
-  }
 }
 
 }  // namespace
@@ -1084,7 +972,7 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
   }
 GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)
 // The threads of each backward stage's blocks.
-constexpr int walk_threads = WALK_THREADS, keys_threads = THREADS, reduce_threads = THREADS;
+constexpr int walk_threads = WALK_THREADS, reduce_threads = THREADS;
 #define BACKWARD_STAGE(dir, stage, dt)                                                                 \
   extern "C" __global__ void __launch_bounds__(stage##_threads)                                        \
       gated_delta_rule_##dir##_##stage##_##dt(const GatedDeltaRuleBackward p) {                        \

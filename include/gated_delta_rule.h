@@ -87,11 +87,7 @@ typedef struct GatedDeltaRuleBackward {
   int64_t chunks;   /* slots * Hv: the chunks of the scratch */
   float *dstates;   /* CUDA: [slots, Hv, K, V] f32: dh, the gradient of the state at each chunk's end */
   float *dvn;       /* CUDA: [slots, Hv, C, V] f32: dv', the gradient of v' */
-  float *keys;      /* CUDA: [V / VS][chunks][GDR_KEYS_PER_CHUNK] f32: each backward block's dM (before the
-                       decay), dT's v term and dW ([C][GDR_MAX_DIM]), which the keys kernel sums */
-  float *partial;           /* CUDA: [4][V / VS + 1][B * T * Hv][...] f32: the shares of the gradients of q and
-                               k ([K] a token and value head) and of g and beta ([1]), one per backward block's
-                               slice and the keys kernel's, which reduce sums */
+  float *partial;   /* CUDA: [2][B * T * Hv][K] f32: the gradients of q and k by value head, which reduce sums */
   TokenStrides q_st;
   TokenStrides k_st;
   TokenStrides v_st;
@@ -114,18 +110,12 @@ typedef struct GatedDeltaRuleBackward {
   (4 * (4 * GDR_CHUNK * GDR_MAX_DIM + (GDR_WALK_WARPS + 3) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
 #define GDR_OUT_SHARED \
   (4 * ((GDR_MAX_DIM + GDR_CHUNK) * (GDR_OUT_COLS + 8) + GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_CHUNK + 1)))
-#define GDR_CHUNK_SHARED \
-  (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 1) + GDR_CHUNK * (GDR_CHUNK + 1) + 2 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
-        GDR_MAX_DIM * (GDR_V_SLICE + 1) + 4 * GDR_CHUNK))
 #define GDR_WALK_SHARED \
   (4 * (6 * GDR_CHUNK * GDR_MAX_DIM + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (GDR_WALK_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
 #define GDR_BACKWARD_SHARED \
-  (GDR_CHUNK_SHARED + 4 * (2 * GDR_CHUNK * (GDR_V_SLICE + 1) + GDR_MAX_DIM * (GDR_V_SLICE + 1) + \
-                           2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
-#define GDR_KEYS_PER_CHUNK (2 * GDR_CHUNK * GDR_CHUNK + GDR_CHUNK * GDR_MAX_DIM)
-#define GDR_KEYS_SHARED \
-  (4 * (3 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 7 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK + \
-        2 * GDR_WARPS * GDR_CHUNK + 2 * GDR_CHUNK))
+  (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK + \
+        2 * GDR_V_SLICE * (GDR_MAX_DIM + 4) + 4 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_WARPS * GDR_CHUNK + \
+        GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
 
 /* The forward in three kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt, gamma, G q and M,
  * the chunks in parallel), gated_delta_rule_fwd_state (the chunks of a sequence in order: the states and v') and
@@ -134,10 +124,8 @@ typedef struct GatedDeltaRuleBackward {
   STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STATE(fwd, state) STAGE(fwd, out, f32) \
       STAGE(fwd, out, f16) STAGE(fwd, out, bf16)
 /* gated_delta_rule_bwd_walk_<dtype> (the chunks of a sequence in reverse: dh and dv'),
- * gated_delta_rule_bwd_<dtype> (the rest that needs the value columns, the chunks in parallel),
- * gated_delta_rule_bwd_keys_<dtype> (what sums over the value columns, the chunks in parallel) and
- * gated_delta_rule_bwd_reduce_<dtype> (the sums of the shares). */
+ * gated_delta_rule_bwd_<dtype> (the rest, the chunks in parallel) and gated_delta_rule_bwd_reduce_<dtype>
+ * (q's and k's gradients summed over the value heads). */
 #define GATED_DELTA_RULE_BACKWARD_KERNELS(K, STAGE)                                                          \
   STAGE(bwd, walk, f32) STAGE(bwd, walk, f16) STAGE(bwd, walk, bf16) K(bwd, f32) K(bwd, f16) K(bwd, bf16)   \
-      STAGE(bwd, keys, f32) STAGE(bwd, keys, f16) STAGE(bwd, keys, bf16) STAGE(bwd, reduce, f32)          \
-      STAGE(bwd, reduce, f16) STAGE(bwd, reduce, bf16)
+      STAGE(bwd, reduce, f32) STAGE(bwd, reduce, f16) STAGE(bwd, reduce, bf16)

@@ -9,7 +9,7 @@ use crate::geometry::ceil_div;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, DeltaShape, GatedDeltaRuleBackward, GatedDeltaRuleForward, TokenStrides, GDR_BACKWARD_SHARED,
-    GDR_CHUNK, GDR_KEYS_PER_CHUNK, GDR_KEYS_SHARED, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WALK_SHARED, GDR_WALK_WARPS, GDR_WARPS,
+    GDR_CHUNK, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WALK_SHARED, GDR_WALK_WARPS, GDR_WARPS,
 };
 use std::ops::Range;
 
@@ -303,23 +303,21 @@ fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan>
 }
 
 /// The backward replays the forward's first two kernels into their scratch (the first part of its own), walks
-/// the chunks in reverse for dh and dv', writes each chunk's shares of the gradients and the keys kernel's
-/// inputs, the chunks in parallel, runs the keys kernel, and folds the shares.
+/// the chunks in reverse for dh and dv', takes the rest of each chunk's gradients, the chunks in parallel, and
+/// sums q's and k's over the value heads.
 fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Plan> {
     let s = p.shape;
     let tag = dtype(&s)?;
     let forward = Forward::new(&s, !p.cu_seqlens.is_null(), dev)?;
     let walk = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Walk, tag], WALK_THREADS, 1)?;
-    let columns = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 2)?;
-    let keys = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Keys, tag], THREADS, 1)?;
+    let chunked = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 2)?;
     let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
     let grid = forward.grid;
     let replayed = forward.scratch(&s);
     let rows = s.batch * s.tokens * s.v_heads;
     let chunks = forward.slots * s.v_heads;
-    let key_terms = grid.1 as i64 * chunks * GDR_KEYS_PER_CHUNK as i64;
     let walked = chunks * (s.k_dim + GDR_CHUNK as i64) * s.v_dim;
-    let partial = 2 * (grid.1 as i64 + 1) * rows * (s.k_dim + 1);
+    let partial = 2 * rows * s.k_dim;
     let mut replay = GatedDeltaRuleForward {
         q: p.q,
         k: p.k,
@@ -347,10 +345,10 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     p.chunks = chunks;
     let pairs = s.batch * s.tokens * s.k_heads;
     let reduce_grid = ceil_div(pairs, (THREADS / 32) as i64) as u32;
-    Ok(Plan::new((replayed + walked + key_terms + partial) * 4, move |memory, stream| {
+    Ok(Plan::new((replayed + walked + partial) * 4, move |memory, stream| {
         let memory = memory.cast::<f32>();
-        // SAFETY: the scratch holds the forward's part, the walk's dh and dv', the keys kernel's inputs, then the
-        // shares; the C++ layer checked every other pointer.
+        // SAFETY: the scratch holds the forward's part, the walk's dh and dv', then q's and k's gradients by value
+        // head; the C++ layer checked every other pointer.
         unsafe {
             forward.launch(&mut replay, memory, stream)?;
             p.states = replay.states;
@@ -363,13 +361,11 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
             p.m = replay.m;
             p.dvn = memory.add(replayed as usize);
             p.dstates = p.dvn.add((chunks * GDR_CHUNK as i64 * s.v_dim) as usize);
-            p.keys = p.dvn.add(walked as usize);
-            p.partial = p.keys.add(key_terms as usize);
+            p.partial = p.dvn.add(walked as usize);
             let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
             driver::launch(walk, LaunchConfig { grid, block: (WALK_THREADS, 1), shared: GDR_WALK_SHARED }, stream, &p)?;
             let per_chunk = (forward.slots as u32, s.v_heads as u32);
-            driver::launch(columns, cfg((per_chunk.0, per_chunk.1 * grid.1), GDR_BACKWARD_SHARED), stream, &p)?;
-            driver::launch(keys, cfg(per_chunk, GDR_KEYS_SHARED), stream, &p)?;
+            driver::launch(chunked, cfg(per_chunk, GDR_BACKWARD_SHARED), stream, &p)?;
             driver::launch(reduce, LaunchConfig { grid: (reduce_grid, 1), block: (THREADS, 1), shared: 0 }, stream, &p)
         }
     }))
