@@ -29,16 +29,15 @@ namespace {
 
 constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, OC = GDR_OUT_COLS, WARPS = GDR_WARPS,
               THREADS = 32 * WARPS, ROWS = KMAX / WARPS;
-// The walks (the state pass and the backward's): a warp per WALK_ROWS rows of the state.
-constexpr int WALK_WARPS = GDR_WALK_WARPS, WALK_THREADS = 32 * WALK_WARPS, WALK_ROWS = KMAX / WALK_WARPS;
+// The walks' blocks (the state pass and the backward's).
+constexpr int WALK_WARPS = GDR_WALK_WARPS, WALK_THREADS = 32 * WALK_WARPS;
 // Rows padded by one float: a warp reading a column of a row-major tile hits 32 banks.
 constexpr int KP = KMAX + 1, CP = C + 1, VP = VS + 1;
-// The output's rows OC + 8 wide: the lanes of an mma reading rows t at columns g (see frag_b) hit 32 banks.
-constexpr int OP = OC + 8;
+// Rows OC + 8 or VS + 8 wide: the lanes of an mma reading rows t at columns g (see frag_b) hit 32 banks, 8t + g.
+constexpr int OP = OC + 8, SP = VS + 8;
 // Rows KMAX + 4 wide: the lanes of an mma reading rows g at columns t (see frag_a) hit 32 banks, 4g + t.
 constexpr int K4 = KMAX + 4;
 static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
-static_assert(WALK_ROWS % 4 == 0, "the walks' rows go by float4");
 
 extern __shared__ __align__(16) unsigned char shared_raw[];
 
@@ -351,12 +350,12 @@ __device__ __forceinline__ void copies_landed(bool pending) {
   else asm volatile("cp.async.wait_group 0;");
 }
 
-// C rows of KMAX floats (a chunk's W, kt or G q in the scratch) into a tile.
-__device__ __forceinline__ void copy_rows(float4 (&dst)[C][KMAX / 4], const float *src) {
-  for (int e = threadIdx.x; e < C * KMAX / 4; e += WALK_THREADS) copy16(&dst[0][0] + e, src + 4 * e);
+// C rows of KMAX floats (a chunk's W, kt or G q in the scratch) into a K4-wide tile.
+__device__ __forceinline__ void copy_rows(float (&dst)[C][K4], const float *src) {
+  for (int e = threadIdx.x; e < C * KMAX / 4; e += WALK_THREADS) copy16(&dst[e / (KMAX / 4)][e % (KMAX / 4) * 4], src + 4 * e);
 }
 
-// The block's VS columns of C rows of V (a chunk's U, v' or dv' in the scratch) into a tile, zeros past them.
+// The block's VS columns of C rows of V (a chunk's U in the scratch) into a tile, zeros past them.
 __device__ __forceinline__ void copy_columns(float (&dst)[C][VP], const float *src, int64_t V, const Place &at) {
   for (int e = threadIdx.x; e < C * VS; e += WALK_THREADS) {
     const int i = e / VS, j = e % VS;
@@ -364,46 +363,61 @@ __device__ __forceinline__ void copy_columns(float (&dst)[C][VP], const float *s
   }
 }
 
-// A walk's thread keeps WALK_ROWS rows of a state's column in registers: warp w rows [WALK_ROWS w,
-// WALK_ROWS (w+1)), lane j the block's column j. They come from and go to [K, V] states (zeros for none).
-__device__ __forceinline__ void rows_in(float (&rows)[WALK_ROWS], const float *src, int K, int64_t V, const Place &at) {
-  const int lane = threadIdx.x % 32, d0 = threadIdx.x / 32 * WALK_ROWS;
+// A walk's state, K x VS of it, is held in registers as mma results: warp w rows [16 (w / 2), + 16) and
+// columns [16 (w % 2), + 16), two 16 x 8 tiles. It comes from and goes to [K, V] states (zeros for none), and
+// is mirrored into shared memory for the products that read all of it.
+static_assert(WALK_WARPS == 16 && KMAX == 128 && C == 32 && VS == 32, "the walks' tiles of the state");
+using Held = float[2][4];
+template <class F> __device__ __forceinline__ void held_each(F f) {
+  const int warp = threadIdx.x / 32;
 #pragma unroll
-  for (int r = 0; r < WALK_ROWS; ++r)
-    rows[r] = src && lane < at.cols && d0 + r < K ? src[(d0 + r) * V + at.j0 + lane] : 0.f;
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(n, e, frag_row(16 * (warp / 2), e), frag_col(16 * (warp % 2) + 8 * n, e));
 }
-
-__device__ __forceinline__ void rows_out(float *dst, const float (&rows)[WALK_ROWS], int K, int64_t V, const Place &at) {
-  const int lane = threadIdx.x % 32, d0 = threadIdx.x / 32 * WALK_ROWS;
-#pragma unroll
-  for (int r = 0; r < WALK_ROWS; ++r)
-    if (lane < at.cols && d0 + r < K) dst[(d0 + r) * V + at.j0 + lane] = rows[r];
+__device__ __forceinline__ void held_in(Held &h, const float *src, int K, int64_t V, const Place &at) {
+  held_each([&](int n, int e, int d, int j) { h[n][e] = src && d < K && j < at.cols ? src[d * V + at.j0 + j] : 0.f; });
 }
-
-// Each warp's share of x (C rows of KMAX) times the state in registers, for the lane's column, into part[warp]:
-// summed over the warps, x times the state.
-__device__ __forceinline__ void rows_product(float (&part)[WALK_WARPS][C][VP], const float4 (&x)[C][KMAX / 4],
-                                             const float (&rows)[WALK_ROWS]) {
-  const int warp = threadIdx.x / 32, d0 = warp * WALK_ROWS;
-#pragma unroll 4
-  for (int i = 0; i < C; ++i) {
-    float acc = 0.f;
+__device__ __forceinline__ void held_out(float *dst, const Held &h, int K, int64_t V, const Place &at) {
+  held_each([&](int n, int e, int d, int j) {
+    if (d < K && j < at.cols) dst[d * V + at.j0 + j] = h[n][e];
+  });
+}
+__device__ __forceinline__ void held_mirror(float (&mirror)[KMAX][SP], const Held &h) {
+  held_each([&](int n, int e, int d, int j) { mirror[d][j] = h[n][e]; });
+}
+// x (C rows of keys) times the mirrored state: warp w the result's 16 x 8 tile w % 8 over keys
+// [64 (w / 8), + 64), into part[w / 8]; `extra` adds to part[0] before it is written.
+template <class F>
+__device__ __forceinline__ void held_product(float (&part)[2][C][VP], const float (&x)[C][K4], const float (&mirror)[KMAX][SP], F extra) {
+  const int warp = threadIdx.x / 32, r0 = 16 * (warp % 8 / 4), c0 = 8 * (warp % 4), half = warp / 8;
+  float acc[4] = {};
 #pragma unroll
-    for (int r = 0; r < WALK_ROWS; r += 4) {
-      const float4 xi = x[i][(d0 + r) / 4];
-      acc += xi.x * rows[r] + xi.y * rows[r + 1] + xi.z * rows[r + 2] + xi.w * rows[r + 3];
-    }
-    part[warp][i][threadIdx.x % 32] = acc;
+  for (int k0 = 64 * half; k0 < 64 * half + 64; k0 += 8)
+    mma3(acc, frag_a([&](int i, int d) { return x[i][d]; }, r0, k0), frag_b([&](int d, int j) { return mirror[d][j]; }, k0, c0));
+  if (half == 0) extra(acc, r0, c0);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) part[half][frag_row(r0, e)][frag_col(c0, e)] = acc[e];
+}
+// h += a^T b over the chunk's rows (a: C rows of keys, b: C rows of the block's columns).
+__device__ __forceinline__ void held_update(Held &h, const float (&a)[C][K4], const float (&b)[C][SP]) {
+  const int warp = threadIdx.x / 32, d0 = 16 * (warp / 2), n0 = 16 * (warp % 2);
+#pragma unroll
+  for (int i0 = 0; i0 < C; i0 += 8) {
+    const FragA fa = frag_a([&](int d, int i) { return a[i][d]; }, d0, i0);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) mma3(h[n], fa, frag_b([&](int i, int j) { return b[i][j]; }, i0, n0 + 8 * n));
   }
 }
 
 // A sequence's chunks in order for one value head and VS columns of the state (Place): each chunk's starting
-// state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v', the state in registers (rows_in).
-// The next chunk's W, kt and U are copied in while this one's products run.
+// state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v' (Held). The next chunk's W, kt and
+// U are copied in while this one's products run.
 struct State {
-  float4 w[2][C][KMAX / 4], kt[2][C][KMAX / 4];
-  float u[2][C][VP], vn[C][VP];
-  float part[WALK_WARPS][C][VP];
+  float w[2][C][K4], kt[2][C][K4];
+  float u[2][C][VP], vn[C][SP];
+  float part[2][C][VP];
+  float mirror[KMAX][SP];
   float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
 static_assert(sizeof(State) == GDR_STATE_SHARED);
@@ -412,9 +426,8 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
   State &m = *reinterpret_cast<State *>(shared_raw);
   const DeltaShape &s = p.shape;
   const Place at(s, p.cu_seqlens);
-  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * WALK_ROWS;
+  const int K = s.k_dim, tid = threadIdx.x;
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
-  const bool mine = lane < at.cols;
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
   const auto fetch = [&](int64_t t0, int buf) {
     const int64_t chunk = chunk_at(t0);
@@ -424,44 +437,34 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
   };
-  float h[WALK_ROWS];
-  rows_in(h, p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr, K, V, at);
+  Held h;
+  held_in(h, p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr, K, V, at);
+  held_mirror(m.mirror, h);
   if (at.sp.len > 0) fetch(0, 0);
   for (int64_t t0 = 0, buf = 0; t0 < at.sp.len; t0 += C, buf ^= 1) {
     const int64_t chunk = chunk_at(t0);
-    rows_out(p.states + chunk * K * V, h, K, V, at);
+    held_out(p.states + chunk * K * V, h, K, V, at);
     const bool ahead = t0 + C < at.sp.len;
     if (ahead) fetch(t0 + C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
-    rows_product(m.part, m.w[buf], h);
+    held_product(m.part, m.w[buf], m.mirror, [](float (&)[4], int, int) {});
     __syncthreads();
     float *u = p.u + chunk * C * V;
-    for (int i = warp; i < C; i += WALK_WARPS) {
-      float acc = m.u[buf][i][lane];
-      for (int v = 0; v < WALK_WARPS; ++v) acc -= m.part[v][i][lane];
-      m.vn[i][lane] = acc;
-      if (mine) u[i * V + at.j0 + lane] = acc;
+    for (int e = tid; e < C * VS; e += WALK_THREADS) {
+      const int i = e / VS, j = e % VS;
+      const float vn = m.u[buf][i][j] - m.part[0][i][j] - m.part[1][i][j];
+      m.vn[i][j] = vn;
+      if (j < at.cols) u[i * V + at.j0 + j] = vn;
     }
     __syncthreads();
     const float last = __expf(m.gamma[buf]);
-#pragma unroll
-    for (int r = 0; r < WALK_ROWS; ++r) h[r] *= last;
-#pragma unroll 4
-    for (int i = 0; i < C; ++i) {
-      const float vi = m.vn[i][lane];
-#pragma unroll
-      for (int r = 0; r < WALK_ROWS; r += 4) {
-        const float4 ki = m.kt[buf][i][(d0 + r) / 4];
-        h[r] += ki.x * vi;
-        h[r + 1] += ki.y * vi;
-        h[r + 2] += ki.z * vi;
-        h[r + 3] += ki.w * vi;
-      }
-    }
+    held_each([&](int n, int e, int, int) { h[n][e] *= last; });
+    held_update(h, m.kt[buf], m.vn);
+    held_mirror(m.mirror, h);
     __syncthreads();
   }
-  if (p.final_state) rows_out(static_cast<float *>(p.final_state) + head_state, h, K, V, at);
+  if (p.final_state) held_out(static_cast<float *>(p.final_state) + head_state, h, K, V, at);
 }
 
 // o of a chunk (blockIdx.x its slot), value head and OC columns (blockIdx.y = head * column blocks + block):
@@ -540,13 +543,14 @@ template <int N> __device__ __forceinline__ float rows_total(const float (&part)
 
 // A sequence's chunks in reverse for one value head and VS columns of dh (Place), as the state pass walks them
 // forward: each chunk's dh (the gradient of its final state) into dstates, dv' = M^T do + kt dh, then
-// dh <- G_last dh + (G q)^T do - W^T dv', dh in registers (rows_in). The next chunk's W, kt, G q, M and do are
-// read while this one's products run.
+// dh <- G_last dh + (G q)^T do - W^T dv' (Held). The next chunk's W, kt, G q, M and do are read while this
+// one's products run.
 struct Walk {
-  float4 w[2][C][KMAX / 4], kt[2][C][KMAX / 4], qg[2][C][KMAX / 4];
+  float w[2][C][K4], kt[2][C][K4], qg[2][C][K4];
   float mq[2][C][CP];
-  float dout[C][VP], dvn[C][VP];
-  float part[WALK_WARPS][C][VP];
+  float dout[C][SP], dvn[C][SP];
+  float part[2][C][VP];
+  float mirror[KMAX][SP];
   float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
 static_assert(sizeof(Walk) == GDR_WALK_SHARED);
@@ -555,9 +559,8 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   Walk &m = *reinterpret_cast<Walk *>(shared_raw);
   const DeltaShape &s = p.shape;
   const Place at(s, p.cu_seqlens);
-  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32, lane = tid % 32, d0 = warp * WALK_ROWS;
+  const int K = s.k_dim, tid = threadIdx.x;
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
-  const bool mine = lane < at.cols;
   const T *grad_o = static_cast<const T *>(p.grad_o);
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
   constexpr int PER = C * VS / WALK_THREADS;  // of do, a thread's
@@ -581,8 +584,9 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
 #pragma unroll
     for (int r = 0; r < PER; ++r) m.dout[(tid + r * WALK_THREADS) / VS][(tid + r * WALK_THREADS) % VS] = dout[r];
   };
-  float dh[WALK_ROWS];
-  rows_in(dh, p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr, K, V, at);
+  Held dh;
+  held_in(dh, p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr, K, V, at);
+  held_mirror(m.mirror, dh);
   const int64_t first = at.sp.len > 0 ? (at.sp.len - 1) / C * C : -1;
   if (first >= 0) {
     fetch(first, 0);
@@ -590,41 +594,34 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   }
   for (int64_t t0 = first, buf = 0; t0 >= 0; t0 -= C, buf ^= 1) {
     const int64_t chunk = chunk_at(t0);
-    rows_out(p.dstates + chunk * K * V, dh, K, V, at);
+    held_out(p.dstates + chunk * K * V, dh, K, V, at);
     const bool ahead = t0 > 0;
     if (ahead) fetch(t0 - C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
-    rows_product(m.part, m.kt[buf], dh);
+    held_product(m.part, m.kt[buf], m.mirror, [&](float (&acc)[4], int r0, int c0) {  // + M^T do
+#pragma unroll
+      for (int l0 = 0; l0 < C; l0 += 8)
+        mma3(acc, frag_a([&](int i, int l) { return m.mq[buf][l][i]; }, r0, l0), frag_b([&](int l, int j) { return m.dout[l][j]; }, l0, c0));
+    });
     __syncthreads();
     float *dvn = p.dvn + chunk * C * V;
-    for (int i = warp; i < C; i += WALK_WARPS) {
-      float acc = 0.f;
-      for (int l = i; l < C; ++l) acc += m.mq[buf][l][i] * m.dout[l][lane];
-      for (int v = 0; v < WALK_WARPS; ++v) acc += m.part[v][i][lane];
-      m.dvn[i][lane] = acc;
-      if (mine) dvn[i * V + at.j0 + lane] = acc;
+    for (int e = tid; e < C * VS; e += WALK_THREADS) {
+      const int i = e / VS, j = e % VS;
+      const float dv = m.part[0][i][j] + m.part[1][i][j];
+      m.dvn[i][j] = -dv;  // -dv': the update's W^T term adds
+      if (j < at.cols) dvn[i * V + at.j0 + j] = dv;
     }
     __syncthreads();
     const float last = __expf(m.gamma[buf]);
-#pragma unroll
-    for (int r = 0; r < WALK_ROWS; ++r) dh[r] *= last;
-#pragma unroll 4
-    for (int i = 0; i < C; ++i) {
-      const float o = m.dout[i][lane], dv = m.dvn[i][lane];
-#pragma unroll
-      for (int r = 0; r < WALK_ROWS; r += 4) {
-        const float4 qi = m.qg[buf][i][(d0 + r) / 4], wi = m.w[buf][i][(d0 + r) / 4];
-        dh[r] += qi.x * o - wi.x * dv;
-        dh[r + 1] += qi.y * o - wi.y * dv;
-        dh[r + 2] += qi.z * o - wi.z * dv;
-        dh[r + 3] += qi.w * o - wi.w * dv;
-      }
-    }
+    held_each([&](int n, int e, int, int) { dh[n][e] *= last; });
+    held_update(dh, m.qg[buf], m.dout);
+    held_update(dh, m.w[buf], m.dvn);
+    held_mirror(m.mirror, dh);
     __syncthreads();
     if (ahead) keep_dout();
   }
-  rows_out(static_cast<float *>(p.grad_initial_state) + head_state, dh, K, V, at);
+  held_out(static_cast<float *>(p.grad_initial_state) + head_state, dh, K, V, at);
 }
 
 // A backward block's tiles: the chunk's, then those of one slice of V at a time, or, once the slices are summed,

@@ -107,11 +107,12 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_PREP_SHARED \
   (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_V_SLICE + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
 #define GDR_STATE_SHARED \
-  (4 * (4 * GDR_CHUNK * GDR_MAX_DIM + (GDR_WALK_WARPS + 3) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
+  (4 * (4 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 4 * GDR_CHUNK * (GDR_V_SLICE + 1) + (GDR_CHUNK + GDR_MAX_DIM) * (GDR_V_SLICE + 8) + 4))
 #define GDR_OUT_SHARED \
   (4 * ((GDR_MAX_DIM + GDR_CHUNK) * (GDR_OUT_COLS + 8) + GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_CHUNK + 1)))
 #define GDR_WALK_SHARED \
-  (4 * (6 * GDR_CHUNK * GDR_MAX_DIM + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (GDR_WALK_WARPS + 2) * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
+  (4 * (6 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (2 * GDR_CHUNK + GDR_MAX_DIM) * (GDR_V_SLICE + 8) + \
+        2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
 #define GDR_BACKWARD_SHARED \
   (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK + \
         2 * GDR_V_SLICE * (GDR_MAX_DIM + 4) + 4 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_WARPS * GDR_CHUNK + \
