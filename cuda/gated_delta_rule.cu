@@ -18,8 +18,8 @@
 // The block takes the state's columns VS at a time with what needs them (the terms through h and dh, dv),
 // summing in registers what sums over them (do h^T, v' dh^T, dM, dT's v term, dW), then the products over the
 // keys through X and A. The reduce kernel sums q's and k's gradients over the value heads that share a key
-// head, with the l2norm's backward. The chunk-local products run on tensor cores at f32's precision (3xTF32);
-// the walks multiply on the CUDA cores.
+// head, with the l2norm's backward. Every product runs on tensor cores (mma_add): TF32 for bf16 inputs, at f32's
+// precision (3xTF32) for f16 and f32 ones.
 #include "common.cuh"
 #include "gated_delta_rule.h"
 
@@ -60,8 +60,8 @@ __device__ __forceinline__ int64_t slot(const DeltaShape &s, bool packed, int64_
 
 __device__ __forceinline__ float warp_sum(float v) { return warp_group_sum(v, 32); }
 
-// Products on tensor cores at f32's precision: each operand split into a TF32 part and the TF32 of what is
-// left, the three products that matter summed (3xTF32) in an m16n8k8 mma. A lane holds, of a 16 x 8 tile of
+// Products on tensor cores, in m16n8k8 mma: at f32's precision, each operand split into a TF32 part and the
+// TF32 of what is left, the three products that matter summed (3xTF32). A lane holds, of a 16 x 8 tile of
 // A, rows g and g + 8 at columns t and t + 4; of an 8 x 8 of B, rows t and t + 4 at column g; of the 16 x 8
 // result, rows g and g + 8 at columns 2t and 2t + 1 (g = lane / 4, t = lane % 4).
 struct Tf32 {
@@ -94,10 +94,13 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// d += a b
-__device__ __forceinline__ void mma3(float (&d)[4], const FragA &a, const FragB &b) {
-  mma(d, a.x[0].lo, a.x[1].lo, a.x[2].lo, a.x[3].lo, b.x[0].hi, b.x[1].hi);
-  mma(d, a.x[0].hi, a.x[1].hi, a.x[2].hi, a.x[3].hi, b.x[0].lo, b.x[1].lo);
+// d += a b, for inputs of type T: bf16's carry 8 bits, fewer than TF32's 11, and take one product; f16's and
+// f32's take three (the low parts unused by one are never computed).
+template <class T> __device__ __forceinline__ void mma_add(float (&d)[4], const FragA &a, const FragB &b) {
+  if constexpr (!std::is_same_v<T, bf16>) {
+    mma(d, a.x[0].lo, a.x[1].lo, a.x[2].lo, a.x[3].lo, b.x[0].hi, b.x[1].hi);
+    mma(d, a.x[0].hi, a.x[1].hi, a.x[2].hi, a.x[3].hi, b.x[0].lo, b.x[1].lo);
+  }
   mma(d, a.x[0].hi, a.x[1].hi, a.x[2].hi, a.x[3].hi, b.x[0].hi, b.x[1].hi);
 }
 // Element e of a lane's share of a 16 x 8 result at (r0, n0): its row and column.
@@ -270,8 +273,8 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
     if (c0 < r0 + 16)  // else above the diagonal
       for (int k0 = 0; k0 < K; k0 += 8) {  // zeros past K
         const FragB fk = frag_b([&](int d, int j) { return m.k[j][d]; }, k0, c0);
-        mma3(kk, frag_a([&](int i, int d) { return m.k[i][d]; }, r0, k0), fk);
-        mma3(qk, frag_a([&](int i, int d) { return m.q[i][d]; }, r0, k0), fk);
+        mma_add<T>(kk, frag_a([&](int i, int d) { return m.k[i][d]; }, r0, k0), fk);
+        mma_add<T>(qk, frag_a([&](int i, int d) { return m.q[i][d]; }, r0, k0), fk);
       }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -296,7 +299,7 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
       for (int r = 0; r < 2; ++r) {
         const FragA fx = frag_a([&](int i, int l) { return m.x[i][l] * m.bg[l]; }, 16 * r, l0);
 #pragma unroll
-        for (int n = 0; n < 2; ++n) mma3(acc[r][n], fx, fk[n]);
+        for (int n = 0; n < 2; ++n) mma_add<T>(acc[r][n], fx, fk[n]);
       }
     }
 #pragma unroll
@@ -325,7 +328,7 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
     float acc[4] = {};  // U = X (beta v)
 #pragma unroll
     for (int l0 = 0; l0 < C; l0 += 8)
-      mma3(acc, frag_a([&](int i, int l) { return m.x[i][l]; }, r0, l0), frag_b([&](int l, int j) { return m.v[l][j]; }, l0, c0));
+      mma_add<T>(acc, frag_a([&](int i, int l) { return m.x[i][l]; }, r0, l0), frag_b([&](int l, int j) { return m.v[l][j]; }, l0, c0));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = frag_row(r0, e), j = frag_col(c0, e);
@@ -388,25 +391,25 @@ __device__ __forceinline__ void held_mirror(float (&mirror)[KMAX][SP], const Hel
 }
 // x (C rows of keys) times the mirrored state: warp w the result's 16 x 8 tile w % 8 over keys
 // [64 (w / 8), + 64), into part[w / 8]; `extra` adds to part[0] before it is written.
-template <class F>
+template <class T, class F>
 __device__ __forceinline__ void held_product(float (&part)[2][C][VP], const float (&x)[C][K4], const float (&mirror)[KMAX][SP], F extra) {
   const int warp = threadIdx.x / 32, r0 = 16 * (warp % 8 / 4), c0 = 8 * (warp % 4), half = warp / 8;
   float acc[4] = {};
 #pragma unroll
   for (int k0 = 64 * half; k0 < 64 * half + 64; k0 += 8)
-    mma3(acc, frag_a([&](int i, int d) { return x[i][d]; }, r0, k0), frag_b([&](int d, int j) { return mirror[d][j]; }, k0, c0));
+    mma_add<T>(acc, frag_a([&](int i, int d) { return x[i][d]; }, r0, k0), frag_b([&](int d, int j) { return mirror[d][j]; }, k0, c0));
   if (half == 0) extra(acc, r0, c0);
 #pragma unroll
   for (int e = 0; e < 4; ++e) part[half][frag_row(r0, e)][frag_col(c0, e)] = acc[e];
 }
 // h += a^T b over the chunk's rows (a: C rows of keys, b: C rows of the block's columns).
-__device__ __forceinline__ void held_update(Held &h, const float (&a)[C][K4], const float (&b)[C][SP]) {
+template <class T> __device__ __forceinline__ void held_update(Held &h, const float (&a)[C][K4], const float (&b)[C][SP]) {
   const int warp = threadIdx.x / 32, d0 = 16 * (warp / 2), n0 = 16 * (warp % 2);
 #pragma unroll
   for (int i0 = 0; i0 < C; i0 += 8) {
     const FragA fa = frag_a([&](int d, int i) { return a[i][d]; }, d0, i0);
 #pragma unroll
-    for (int n = 0; n < 2; ++n) mma3(h[n], fa, frag_b([&](int i, int j) { return b[i][j]; }, i0, n0 + 8 * n));
+    for (int n = 0; n < 2; ++n) mma_add<T>(h[n], fa, frag_b([&](int i, int j) { return b[i][j]; }, i0, n0 + 8 * n));
   }
 }
 
@@ -422,7 +425,7 @@ struct State {
 };
 static_assert(sizeof(State) == GDR_STATE_SHARED);
 
-__device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
+template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleForward &p) {
   State &m = *reinterpret_cast<State *>(shared_raw);
   const DeltaShape &s = p.shape;
   const Place at(s, p.cu_seqlens);
@@ -448,7 +451,7 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
     if (ahead) fetch(t0 + C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
-    held_product(m.part, m.w[buf], m.mirror, [](float (&)[4], int, int) {});
+    held_product<T>(m.part, m.w[buf], m.mirror, [](float (&)[4], int, int) {});
     __syncthreads();
     float *u = p.u + chunk * C * V;
     for (int e = tid; e < C * VS; e += WALK_THREADS) {
@@ -460,7 +463,7 @@ __device__ __forceinline__ void state_pass(const GatedDeltaRuleForward &p) {
     __syncthreads();
     const float last = __expf(m.gamma[buf]);
     held_each([&](int n, int e, int, int) { h[n][e] *= last; });
-    held_update(h, m.kt[buf], m.vn);
+    held_update<T>(h, m.kt[buf], m.vn);
     held_mirror(m.mirror, h);
     __syncthreads();
   }
@@ -505,13 +508,13 @@ template <class T> __device__ __forceinline__ void out(const GatedDeltaRuleForwa
   for (int k0 = 0; k0 < K; k0 += 8) {  // zeros past K
     const FragA fq = frag_a([&](int i, int d) { return m.qg[i][d]; }, r0, k0);
 #pragma unroll
-    for (int n = 0; n < 2; ++n) mma3(acc[n], fq, frag_b([&](int d, int j) { return m.h[d][j]; }, k0, n0 + 8 * n));
+    for (int n = 0; n < 2; ++n) mma_add<T>(acc[n], fq, frag_b([&](int d, int j) { return m.h[d][j]; }, k0, n0 + 8 * n));
   }
 #pragma unroll
   for (int l0 = 0; l0 < C; l0 += 8) {
     const FragA fm = frag_a([&](int i, int l) { return m.mq[i][l]; }, r0, l0);
 #pragma unroll
-    for (int n = 0; n < 2; ++n) mma3(acc[n], fm, frag_b([&](int l, int j) { return m.vn[l][j]; }, l0, n0 + 8 * n));
+    for (int n = 0; n < 2; ++n) mma_add<T>(acc[n], fm, frag_b([&](int l, int j) { return m.vn[l][j]; }, l0, n0 + 8 * n));
   }
   T *o = static_cast<T *>(p.o);
 #pragma unroll
@@ -599,10 +602,10 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     if (ahead) fetch(t0 - C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
-    held_product(m.part, m.kt[buf], m.mirror, [&](float (&acc)[4], int r0, int c0) {  // + M^T do
+    held_product<T>(m.part, m.kt[buf], m.mirror, [&](float (&acc)[4], int r0, int c0) {  // + M^T do
 #pragma unroll
       for (int l0 = 0; l0 < C; l0 += 8)
-        mma3(acc, frag_a([&](int i, int l) { return m.mq[buf][l][i]; }, r0, l0), frag_b([&](int l, int j) { return m.dout[l][j]; }, l0, c0));
+        mma_add<T>(acc, frag_a([&](int i, int l) { return m.mq[buf][l][i]; }, r0, l0), frag_b([&](int l, int j) { return m.dout[l][j]; }, l0, c0));
     });
     __syncthreads();
     float *dvn = p.dvn + chunk * C * V;
@@ -615,8 +618,8 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     __syncthreads();
     const float last = __expf(m.gamma[buf]);
     held_each([&](int n, int e, int, int) { dh[n][e] *= last; });
-    held_update(dh, m.qg[buf], m.dout);
-    held_update(dh, m.w[buf], m.dvn);
+    held_update<T>(dh, m.qg[buf], m.dout);
+    held_update<T>(dh, m.w[buf], m.dvn);
     held_mirror(m.mirror, dh);
     __syncthreads();
     if (ahead) keep_dout();
@@ -709,18 +712,18 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
         const FragA fdv = frag_a([&](int i, int j) { return sl.dvn[i][j]; }, 16 * r, j0);
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
-          mma3(doh[r][n], fo, fh[n]);
-          mma3(vdh[r][n], fvn, fdh[n]);
-          mma3(dw[r][n], fdv, fh[n]);
+          mma_add<T>(doh[r][n], fo, fh[n]);
+          mma_add<T>(vdh[r][n], fvn, fdh[n]);
+          mma_add<T>(dw[r][n], fdv, fh[n]);
         }
       }
-      mma3(dm, frag_a([&](int r, int j) { return sl.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.vn[l][j]; }, j0, c0));
-      mma3(dt, frag_a([&](int r, int j) { return sl.dvn[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.v[l][j]; }, j0, c0));
+      mma_add<T>(dm, frag_a([&](int r, int j) { return sl.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.vn[l][j]; }, j0, c0));
+      mma_add<T>(dt, frag_a([&](int r, int j) { return sl.dvn[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.v[l][j]; }, j0, c0));
     }
     float dv[4] = {};  // dv = beta X^T dv', and beta's share of v
 #pragma unroll
     for (int l0 = 0; l0 < C; l0 += 8)
-      mma3(dv, frag_a([&](int i, int l) { return m.x[l][i]; }, r0, l0), frag_b([&](int l, int j) { return sl.dvn[l][j]; }, l0, c0));
+      mma_add<T>(dv, frag_a([&](int i, int l) { return m.x[l][i]; }, r0, l0), frag_b([&](int l, int j) { return sl.dvn[l][j]; }, l0, c0));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = frag_row(r0, e), j = frag_col(c0, e);
@@ -785,9 +788,9 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     if (c0 < r0 + 16)  // else above the diagonal
       for (int k0 = 0; k0 < K; k0 += 8) {  // zeros past K
         const FragB fk = frag_b([&](int d, int l) { return m.k[l][d]; }, k0, c0);
-        mma3(kk, frag_a([&](int r, int d) { return m.k[r][d]; }, r0, k0), fk);
-        mma3(qk, frag_a([&](int r, int d) { return m.q[r][d]; }, r0, k0), fk);
-        mma3(dtk, frag_a([&](int r, int d) { return kt.dw[r][d]; }, r0, k0), fk);
+        mma_add<T>(kk, frag_a([&](int r, int d) { return m.k[r][d]; }, r0, k0), fk);
+        mma_add<T>(qk, frag_a([&](int r, int d) { return m.q[r][d]; }, r0, k0), fk);
+        mma_add<T>(dtk, frag_a([&](int r, int d) { return kt.dw[r][d]; }, r0, k0), fk);
       }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -805,7 +808,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     float y[4] = {};
 #pragma unroll
     for (int n0 = 0; n0 < C; n0 += 8)
-      mma3(y, frag_a([&](int r, int n) { return kt.dt[r][n]; }, r0, n0), frag_b([&](int n, int j) { return m.x[j][n]; }, n0, c0));
+      mma_add<T>(y, frag_a([&](int r, int n) { return kt.dt[r][n]; }, r0, n0), frag_b([&](int n, int j) { return m.x[j][n]; }, n0, c0));
 #pragma unroll
     for (int e = 0; e < 4; ++e) kt.y[frag_row(r0, e)][frag_col(c0, e)] = y[e];
   }
@@ -814,7 +817,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     float da[4] = {};
 #pragma unroll
     for (int n0 = 0; n0 < C; n0 += 8)
-      mma3(da, frag_a([&](int r, int n) { return m.x[n][r]; }, r0, n0), frag_b([&](int n, int j) { return kt.y[n][j]; }, n0, c0));
+      mma_add<T>(da, frag_a([&](int r, int n) { return m.x[n][r]; }, r0, n0), frag_b([&](int n, int j) { return kt.y[n][j]; }, n0, c0));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = frag_row(r0, e), j = frag_col(c0, e);
@@ -860,10 +863,10 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
       const FragA fx = frag_a([&](int i, int l) { return m.x[l][i]; }, 16 * r, l0);
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        mma3(dq[r][n], fm, fk[n]);
-        mma3(dk[r][n], fmt, fq[n]);
-        mma3(dk[r][n], fa, fk[n]);
-        mma3(dkb[r][n], fx, fw[n]);
+        mma_add<T>(dq[r][n], fm, fk[n]);
+        mma_add<T>(dk[r][n], fmt, fq[n]);
+        mma_add<T>(dk[r][n], fa, fk[n]);
+        mma_add<T>(dkb[r][n], fx, fw[n]);
       }
     }
   }
@@ -954,22 +957,19 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
 
 }  // namespace
 
-#define STAGE(dir, stage, dt)                                                                          \
-  extern "C" __global__ void __launch_bounds__(THREADS)                                                \
+// The threads of each stage's blocks.
+constexpr int prep_threads = THREADS, state_threads = WALK_THREADS, out_threads = THREADS, walk_threads = WALK_THREADS,
+              reduce_threads = THREADS;
+#define FORWARD_STAGE(dir, stage, dt)                                                                  \
+  extern "C" __global__ void __launch_bounds__(stage##_threads)                                        \
       gated_delta_rule_##dir##_##stage##_##dt(const GatedDeltaRuleForward p) {                         \
     stage<BASTILE_TYPE_##dt>(p);                                                                        \
   }
-#define STATE(dir, stage)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(WALK_THREADS) gated_delta_rule_##dir##_##stage(const GatedDeltaRuleForward p) { \
-    state_pass(p);                                                                                              \
-  }
+GATED_DELTA_RULE_FORWARD_KERNELS(FORWARD_STAGE)
 #define BACKWARD(dir, dt)                                                                                         \
   extern "C" __global__ void __launch_bounds__(THREADS, 2) gated_delta_rule_##dir##_##dt(const GatedDeltaRuleBackward p) { \
     backward<BASTILE_TYPE_##dt>(p);                                                                                       \
   }
-GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)
-// The threads of each backward stage's blocks.
-constexpr int walk_threads = WALK_THREADS, reduce_threads = THREADS;
 #define BACKWARD_STAGE(dir, stage, dt)                                                                 \
   extern "C" __global__ void __launch_bounds__(stage##_threads)                                        \
       gated_delta_rule_##dir##_##stage##_##dt(const GatedDeltaRuleBackward p) {                        \

@@ -119,11 +119,11 @@ typedef struct GatedDeltaRuleBackward {
         GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
 
 /* The forward in three kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt, gamma, G q and M,
- * the chunks in parallel), gated_delta_rule_fwd_state (the chunks of a sequence in order: the states and v') and
- * gated_delta_rule_fwd_out_<dtype> (o, the chunks in parallel). */
-#define GATED_DELTA_RULE_FORWARD_KERNELS(STAGE, STATE)                                                   \
-  STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STATE(fwd, state) STAGE(fwd, out, f32) \
-      STAGE(fwd, out, f16) STAGE(fwd, out, bf16)
+ * the chunks in parallel), gated_delta_rule_fwd_state_<dtype> (the chunks of a sequence in order: the states and
+ * v') and gated_delta_rule_fwd_out_<dtype> (o, the chunks in parallel). */
+#define GATED_DELTA_RULE_FORWARD_KERNELS(STAGE)                                                           \
+  STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STAGE(fwd, state, f32) STAGE(fwd, state, f16) \
+      STAGE(fwd, state, bf16) STAGE(fwd, out, f32) STAGE(fwd, out, f16) STAGE(fwd, out, bf16)
 /* gated_delta_rule_bwd_walk_<dtype> (the chunks of a sequence in reverse: dh and dv'),
  * gated_delta_rule_bwd_<dtype> (the rest, the chunks in parallel) and gated_delta_rule_bwd_reduce_<dtype>
  * (q's and k's gradients summed over the value heads). */

@@ -252,7 +252,7 @@ impl Forward {
         }
         Ok(Forward {
             prep: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::Prep, tag], THREADS, 1)?,
-            state: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::State], WALK_THREADS, 1)?,
+            state: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::State, tag], WALK_THREADS, 1)?,
             out: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::Out, tag], THREADS, 1)?,
             slots,
             grid: grid(s)?,
