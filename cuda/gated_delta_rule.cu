@@ -627,22 +627,25 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   held_out(static_cast<float *>(p.grad_initial_state) + head_state, dh, K, V, at);
 }
 
-// A backward block's tiles: the chunk's, then those of one slice of V at a time, or, once the slices are summed,
-// those of the products over the keys.
+// A backward block's tiles: the chunk's, then those of the slices of V (two in flight: the next one's f32
+// tiles are copied in while this one's products run), or, once the slices are summed, the keys' products'.
 struct Slice {
-  float4 h[VS][K4 / 4], dh[VS][K4 / 4];  // h^T and dh^T: a row per column of the state
-  float v[C][VP], vn[C][VP], dout[C][VP], dvn[C][VP];
+  float h[VS][K4], dh[VS][K4];  // h^T and dh^T: a row per column of the state
+  float vn[C][VP], dvn[C][VP];
+};
+struct Slices {
+  Slice buf[2];
+  float v[C][VP], dout[C][VP];
 };
 struct KeyTiles {
-  float dw[C][K4];
+  float q[C][K4], k[C][K4], dw[C][K4];
   float a[C][CP], qk[C][CP], dm[C][CP], xm[C][CP], dt[C][CP], y[C][CP];
 };
 struct Backward {
-  float q[C][K4], k[C][K4];
   float x[C][CP];
   float gamma[C], beta[C], bg[C], tail[C];  // bg = beta G, tail = exp(gamma_last - gamma)
   union {
-    Slice slice;
+    Slices slices;
     KeyTiles keys;
   };
   float part[2][WARPS][C];  // per-warp row sums
@@ -650,7 +653,7 @@ struct Backward {
   float hdh[THREADS];
   float dgamma[C], dbeta[C];
 };
-static_assert(sizeof(KeyTiles) <= sizeof(Slice) && sizeof(Backward) == GDR_BACKWARD_SHARED);
+static_assert(sizeof(KeyTiles) <= sizeof(Slices) && sizeof(Backward) == GDR_BACKWARD_SHARED);
 
 // A chunk (blockIdx.x its slot) and value head (blockIdx.y), from its state h and the walk's dh and dv': the
 // slices of V in turn (h, dh, v, v', do and dv' of VS columns each) sum do h^T, v' dh^T, dv' h^T, dM and dT's
@@ -658,7 +661,7 @@ static_assert(sizeof(KeyTiles) <= sizeof(Slice) && sizeof(Backward) == GDR_BACKW
 // q's, k's, g's and beta's gradients. q's and k's go to the reduce kernel, which sums the value heads.
 template <class T> __device__ __forceinline__ void backward(const GatedDeltaRuleBackward &p) {
   Backward &m = *reinterpret_cast<Backward *>(shared_raw);
-  Slice &sl = m.slice;
+  Slices &sl = m.slices;
   KeyTiles &kt = m.keys;
   const DeltaShape &s = p.shape;
   const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
@@ -666,7 +669,6 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, L = c.L;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t V = s.v_dim, chunk = blockIdx.x * s.v_heads + h, first = c.sp.row * s.tokens + c.sp.start + c.t0;
-  load_qk<T, K4>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
   if (tid < 32) load_decays(p, first, h, L, m.gamma, m.beta, m.bg, m.tail);
   for (int e = tid; e < C * C; e += THREADS) m.x[e / C][e % C] = p.x[chunk * C * C + e];
   // Warp w takes every row and key coordinates [16 w, 16 w + 16) of the C x K products, and rows
@@ -674,42 +676,53 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   static_assert(WARPS == 8 && ROWS == 16 && C == 32 && VS == 32, "the warps' tiles of the products");
   const int d0 = warp * ROWS, r0 = 16 * (warp / 4), c0 = 8 * (warp % 4);
   float doh[2][2][4] = {}, vdh[2][2][4] = {}, dw[2][2][4] = {}, dm[4] = {}, dt[4] = {}, bv[2] = {}, hdh = 0.f;
-  const float *hs = &sl.h[0][0].x, *dhs = &sl.dh[0][0].x;  // h^T[j][d] at j * K4 + d
   const float *state = p.states + chunk * K * V, *dstate = p.dstates + chunk * K * V;
   const float *vn = p.vn + chunk * C * V, *dvn = p.dvn + chunk * C * V;
   const T *v = static_cast<const T *>(p.v), *grad_o = static_cast<const T *>(p.grad_o);
-  for (int64_t v0 = 0; v0 < V; v0 += VS) {
+  const auto fetch = [&](int64_t v0, Slice &b) {
     const int cols = (int)min((int64_t)VS, V - v0);
     for (int e = tid; e < KMAX * VS; e += THREADS) {
       const int d = e / VS, j = e % VS;
       const bool in = d < K && j < cols;
-      (&sl.h[j][0].x)[d] = in ? state[d * V + v0 + j] : 0.f;
-      (&sl.dh[j][0].x)[d] = in ? dstate[d * V + v0 + j] : 0.f;
+      copy4(&b.h[j][d], in ? state + d * V + v0 + j : state, in);
+      copy4(&b.dh[j][d], in ? dstate + d * V + v0 + j : dstate, in);
     }
+    for (int e = tid; e < C * VS; e += THREADS) {
+      const int i = e / VS, j = e % VS;
+      copy4(&b.vn[i][j], j < cols ? vn + i * V + v0 + j : vn, j < cols);
+      copy4(&b.dvn[i][j], j < cols ? dvn + i * V + v0 + j : dvn, j < cols);
+    }
+    copies_sent();
+  };
+  fetch(0, sl.buf[0]);
+  for (int64_t v0 = 0, buf = 0; v0 < V; v0 += VS, buf ^= 1) {
+    const int cols = (int)min((int64_t)VS, V - v0);
+    const bool ahead = v0 + VS < V;
+    if (ahead) fetch(v0 + VS, sl.buf[buf ^ 1]);
     for (int e = tid; e < C * VS; e += THREADS) {
       const int i = e / VS, j = e % VS;
       const bool in = i < L && j < cols;
       const int64_t t = c.sp.start + c.t0 + i;
       sl.v[i][j] = in ? to_f32(v[c.sp.row * p.v_st.batch + t * p.v_st.token + h * p.v_st.head + v0 + j]) : 0.f;
       sl.dout[i][j] = in ? to_f32(grad_o[((first + i) * s.v_heads + h) * V + v0 + j]) : 0.f;
-      sl.vn[i][j] = j < cols ? vn[i * V + v0 + j] : 0.f;
-      sl.dvn[i][j] = j < cols ? dvn[i * V + v0 + j] : 0.f;
     }
+    copies_landed(ahead);
     __syncthreads();
-    for (int e = tid; e < VS * KMAX; e += THREADS) hdh += hs[e / KMAX * K4 + e % KMAX] * dhs[e / KMAX * K4 + e % KMAX];
+    const Slice &b = sl.buf[buf];
+    for (int e = tid; e < VS * KMAX; e += THREADS) hdh += b.h[e / KMAX][e % KMAX] * b.dh[e / KMAX][e % KMAX];
 #pragma unroll
     for (int j0 = 0; j0 < VS; j0 += 8) {
       FragB fh[2], fdh[2];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        fh[n] = frag_b([&](int j, int d) { return hs[j * K4 + d]; }, j0, d0 + 8 * n);
-        fdh[n] = frag_b([&](int j, int d) { return dhs[j * K4 + d]; }, j0, d0 + 8 * n);
+        fh[n] = frag_b([&](int j, int d) { return b.h[j][d]; }, j0, d0 + 8 * n);
+        fdh[n] = frag_b([&](int j, int d) { return b.dh[j][d]; }, j0, d0 + 8 * n);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const FragA fo = frag_a([&](int i, int j) { return sl.dout[i][j]; }, 16 * r, j0);
-        const FragA fvn = frag_a([&](int i, int j) { return sl.vn[i][j]; }, 16 * r, j0);
-        const FragA fdv = frag_a([&](int i, int j) { return sl.dvn[i][j]; }, 16 * r, j0);
+        const FragA fvn = frag_a([&](int i, int j) { return b.vn[i][j]; }, 16 * r, j0);
+        const FragA fdv = frag_a([&](int i, int j) { return b.dvn[i][j]; }, 16 * r, j0);
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
           mma_add<T>(doh[r][n], fo, fh[n]);
@@ -717,13 +730,13 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
           mma_add<T>(dw[r][n], fdv, fh[n]);
         }
       }
-      mma_add<T>(dm, frag_a([&](int r, int j) { return sl.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.vn[l][j]; }, j0, c0));
-      mma_add<T>(dt, frag_a([&](int r, int j) { return sl.dvn[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.v[l][j]; }, j0, c0));
+      mma_add<T>(dm, frag_a([&](int r, int j) { return sl.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return b.vn[l][j]; }, j0, c0));
+      mma_add<T>(dt, frag_a([&](int r, int j) { return b.dvn[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.v[l][j]; }, j0, c0));
     }
     float dv[4] = {};  // dv = beta X^T dv', and beta's share of v
 #pragma unroll
     for (int l0 = 0; l0 < C; l0 += 8)
-      mma_add<T>(dv, frag_a([&](int i, int l) { return m.x[l][i]; }, r0, l0), frag_b([&](int l, int j) { return sl.dvn[l][j]; }, l0, c0));
+      mma_add<T>(dv, frag_a([&](int i, int l) { return m.x[l][i]; }, r0, l0), frag_b([&](int l, int j) { return b.dvn[l][j]; }, l0, c0));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = frag_row(r0, e), j = frag_col(c0, e);
@@ -733,6 +746,8 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     }
     __syncthreads();
   }
+  load_qk<T, K4>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
+  __syncthreads();
   // The value side's terms: dq = G do h^T, dk = tail v' dh^T and their parts of gamma's gradient; dW, dM (before
   // the decay, l <= r) and dT's v term (l < r) into the tiles.
   m.hdh[tid] = hdh;
@@ -747,8 +762,8 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
         const int i = frag_row(16 * r, e), d = frag_col(d0 + 8 * n, e);
         dq[r][n][e] *= __expf(m.gamma[i]);
         dk[r][n][e] *= m.tail[i];
-        inter[2 * r + e / 2] += m.q[i][d] * dq[r][n][e];
-        kterm[2 * r + e / 2] += m.k[i][d] * dk[r][n][e];
+        inter[2 * r + e / 2] += kt.q[i][d] * dq[r][n][e];
+        kterm[2 * r + e / 2] += kt.k[i][d] * dk[r][n][e];
         kt.dw[i][d] = -dw[r][n][e];
       }
 #pragma unroll
@@ -787,9 +802,9 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     float kk[4] = {}, qk[4] = {}, dtk[4] = {};
     if (c0 < r0 + 16)  // else above the diagonal
       for (int k0 = 0; k0 < K; k0 += 8) {  // zeros past K
-        const FragB fk = frag_b([&](int d, int l) { return m.k[l][d]; }, k0, c0);
-        mma_add<T>(kk, frag_a([&](int r, int d) { return m.k[r][d]; }, r0, k0), fk);
-        mma_add<T>(qk, frag_a([&](int r, int d) { return m.q[r][d]; }, r0, k0), fk);
+        const FragB fk = frag_b([&](int d, int l) { return kt.k[l][d]; }, k0, c0);
+        mma_add<T>(kk, frag_a([&](int r, int d) { return kt.k[r][d]; }, r0, k0), fk);
+        mma_add<T>(qk, frag_a([&](int r, int d) { return kt.q[r][d]; }, r0, k0), fk);
         mma_add<T>(dtk, frag_a([&](int r, int d) { return kt.dw[r][d]; }, r0, k0), fk);
       }
 #pragma unroll
@@ -851,8 +866,8 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     FragB fk[2], fq[2], fw[2];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
-      fk[n] = frag_b([&](int l, int d) { return m.k[l][d]; }, l0, d0 + 8 * n);
-      fq[n] = frag_b([&](int l, int d) { return m.q[l][d]; }, l0, d0 + 8 * n);
+      fk[n] = frag_b([&](int l, int d) { return kt.k[l][d]; }, l0, d0 + 8 * n);
+      fq[n] = frag_b([&](int l, int d) { return kt.q[l][d]; }, l0, d0 + 8 * n);
       fw[n] = frag_b([&](int l, int d) { return kt.dw[l][d]; }, l0, d0 + 8 * n);
     }
 #pragma unroll
@@ -879,7 +894,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // zeros past K but for the outputs
         const int i = frag_row(16 * r, e), d = frag_col(d0 + 8 * n, e);
-        z[2 * r + e / 2] += m.k[i][d] * dkb[r][n][e];
+        z[2 * r + e / 2] += kt.k[i][d] * dkb[r][n][e];
         if (i < L && d < K) {
           const int64_t row = (first + i) * s.v_heads + h;
           out_dq[row * K + d] = dq[r][n][e];
