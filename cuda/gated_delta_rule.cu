@@ -6,9 +6,8 @@
 //   o = G q h + (lower(q k^T) * D) v'        (q normalized and scaled)
 //   h <- G_last h + (exp(gamma_last - gamma) k)^T v'
 // The forward computes every chunk's key side (W, U, G q, M) in parallel, then walks each sequence's chunks in
-// order with only the state's two products (v' and the update; the state in registers, a warp's share of its
-// rows per thread column), keeping each chunk's starting state; o is computed last, the chunks in parallel again.
-// The backward replays the first two (the states, X, W, v', G q and M), then walks the chunks in reverse with
+// order with the state in registers: v', o and the update. The backward replays both (its walk keeps each
+// chunk's starting state and v' instead of o: the states, X, W, v', G q and M), then walks the chunks in reverse with
 // dh, the gradient of the chunk's final state, as the forward walks them, keeping each chunk's dh and dv':
 //   dv' = M^T do + (exp(gamma_last - gamma) k) dh            (M = lower(q k^T) * D)
 //   dh <- G_last dh + (G q)^T do - W^T dv'
@@ -27,14 +26,14 @@ using namespace bastile;
 
 namespace {
 
-constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, OC = GDR_OUT_COLS, WARPS = GDR_WARPS,
+constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, WARPS = GDR_WARPS,
               THREADS = 32 * WARPS, ROWS = KMAX / WARPS;
 // The walks' blocks (the state pass and the backward's).
 constexpr int WALK_WARPS = GDR_WALK_WARPS, WALK_THREADS = 32 * WALK_WARPS;
 // Rows padded by one float: a warp reading a column of a row-major tile hits 32 banks.
 constexpr int KP = KMAX + 1, CP = C + 1, VP = VS + 1;
-// Rows OC + 8 or VS + 8 wide: the lanes of an mma reading rows t at columns g (see frag_b) hit 32 banks, 8t + g.
-constexpr int OP = OC + 8, SP = VS + 8;
+// Rows VS + 8 wide: the lanes of an mma reading rows t at columns g (see frag_b) hit 32 banks, 8t + g.
+constexpr int SP = VS + 8;
 // Rows KMAX + 4 wide: the lanes of an mma reading rows g at columns t (see frag_a) hit 32 banks, 4g + t.
 constexpr int K4 = KMAX + 4;
 static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
@@ -413,13 +412,15 @@ template <class T> __device__ __forceinline__ void held_update(Held &h, const fl
   }
 }
 
-// A sequence's chunks in order for one value head and VS columns of the state (Place): each chunk's starting
-// state into `states`, v' = U - W h over U, then h <- G_last h + kt^T v' (Held). The next chunk's W, kt and
-// U are copied in while this one's products run.
+// A sequence's chunks in order for one value head and VS columns of the state (Place): v' = U - W h, then
+// h <- G_last h + kt^T v' (Held). The forward takes o = G q h + M v' here too; its replay for the backward
+// keeps each chunk's starting state (`states`) and v' (over U) instead. The next chunk's tiles are copied in
+// while this one's products run.
 struct State {
-  float w[2][C][K4], kt[2][C][K4];
+  float w[2][C][K4], kt[2][C][K4], qg[2][C][K4];
+  float mq[2][C][CP];
   float u[2][C][VP], vn[C][SP];
-  float part[2][C][VP];
+  float part[2][C][VP], partq[2][C][VP];
   float mirror[KMAX][SP];
   float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
@@ -429,38 +430,59 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
   State &m = *reinterpret_cast<State *>(shared_raw);
   const DeltaShape &s = p.shape;
   const Place at(s, p.cu_seqlens);
-  const int K = s.k_dim, tid = threadIdx.x;
+  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32;
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
+  const bool out = p.o != nullptr;
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
   const auto fetch = [&](int64_t t0, int buf) {
     const int64_t chunk = chunk_at(t0);
     copy_rows(m.w[buf], p.w + chunk * C * KMAX);
     copy_rows(m.kt[buf], p.kt + chunk * C * KMAX);
     copy_columns(m.u[buf], p.u + chunk * C * V, V, at);
+    if (out) {
+      copy_rows(m.qg[buf], p.qg + chunk * C * KMAX);
+      for (int e = tid; e < C * C; e += WALK_THREADS) copy4(&m.mq[buf][e / C][e % C], p.m + chunk * C * C + e, true);
+    }
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
   };
+  const auto none = [](float (&)[4], int, int) {};
   Held h;
   held_in(h, p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr, K, V, at);
   held_mirror(m.mirror, h);
   if (at.sp.len > 0) fetch(0, 0);
   for (int64_t t0 = 0, buf = 0; t0 < at.sp.len; t0 += C, buf ^= 1) {
     const int64_t chunk = chunk_at(t0);
-    held_out(p.states + chunk * K * V, h, K, V, at);
+    if (!out) held_out(p.states + chunk * K * V, h, K, V, at);
     const bool ahead = t0 + C < at.sp.len;
     if (ahead) fetch(t0 + C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
-    held_product<T>(m.part, m.w[buf], m.mirror, [](float (&)[4], int, int) {});
+    held_product<T>(m.part, m.w[buf], m.mirror, none);
+    if (out) held_product<T>(m.partq, m.qg[buf], m.mirror, none);
     __syncthreads();
     float *u = p.u + chunk * C * V;
     for (int e = tid; e < C * VS; e += WALK_THREADS) {
       const int i = e / VS, j = e % VS;
       const float vn = m.u[buf][i][j] - m.part[0][i][j] - m.part[1][i][j];
       m.vn[i][j] = vn;
-      if (j < at.cols) u[i * V + at.j0 + j] = vn;
+      if (!out && j < at.cols) u[i * V + at.j0 + j] = vn;
     }
     __syncthreads();
+    if (out && warp < 8) {  // o's 16 x 8 tile `warp`, as held_product's
+      const int r0 = 16 * (warp / 4), c0 = 8 * (warp % 4), L = (int)min((int64_t)C, at.sp.len - t0);
+      float acc[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] = m.partq[0][frag_row(r0, e)][frag_col(c0, e)] + m.partq[1][frag_row(r0, e)][frag_col(c0, e)];
+#pragma unroll
+      for (int l0 = 0; l0 < C; l0 += 8)
+        mma_add<T>(acc, frag_a([&](int i, int l) { return m.mq[buf][i][l]; }, r0, l0), frag_b([&](int l, int j) { return m.vn[l][j]; }, l0, c0));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = frag_row(r0, e), j = frag_col(c0, e);
+        if (i < L && j < at.cols) static_cast<T *>(p.o)[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j] = from_f32<T>(acc[e]);
+      }
+    }
     const float last = __expf(m.gamma[buf]);
     held_each([&](int n, int e, int, int) { h[n][e] *= last; });
     held_update<T>(h, m.kt[buf], m.vn);
@@ -468,63 +490,6 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
     __syncthreads();
   }
   if (p.final_state) held_out(static_cast<float *>(p.final_state) + head_state, h, K, V, at);
-}
-
-// o of a chunk (blockIdx.x its slot), value head and OC columns (blockIdx.y = head * column blocks + block):
-// G q h + M v', from the chunk's starting state, G q, M and v'. A thread takes 2 rows and 4 columns.
-struct Out {
-  float h[KMAX][OP];
-  float vn[C][OP];
-  float qg[C][K4];
-  float mq[C][CP];
-};
-static_assert(sizeof(Out) == GDR_OUT_SHARED);
-
-template <class T> __device__ __forceinline__ void out(const GatedDeltaRuleForward &p) {
-  Out &m = *reinterpret_cast<Out *>(shared_raw);
-  const DeltaShape &s = p.shape;
-  const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
-  if (c.L == 0) return;
-  const int64_t V = s.v_dim, blocks = (V + OC - 1) / OC;
-  const int h = blockIdx.y / blocks, K = s.k_dim, tid = threadIdx.x;
-  const int64_t j0 = blockIdx.y % blocks * OC, first = c.sp.row * s.tokens + c.sp.start + c.t0;
-  const int64_t chunk = blockIdx.x * s.v_heads + h;
-  const float *state = p.states + chunk * K * V, *u = p.u + chunk * C * V;
-  for (int e = tid; e < KMAX * OC; e += THREADS) {
-    const int d = e / OC, j = e % OC;
-    m.h[d][j] = d < K && j0 + j < V ? state[d * V + j0 + j] : 0.f;
-  }
-  for (int e = tid; e < C * OC; e += THREADS) {
-    const int i = e / OC, j = e % OC;
-    m.vn[i][j] = j0 + j < V ? u[i * V + j0 + j] : 0.f;
-  }
-  for (int e = tid; e < C * KMAX; e += THREADS) m.qg[e / KMAX][e % KMAX] = p.qg[chunk * C * KMAX + e];
-  for (int e = tid; e < C * C; e += THREADS) m.mq[e / C][e % C] = p.m[chunk * C * C + e];
-  __syncthreads();
-  // Warp w takes rows [16 (w / 4), + 16) and columns [16 (w % 4), + 16).
-  static_assert(WARPS == 8 && C == 32 && OC == 64, "the warps' tiles of o");
-  const int warp = tid / 32, r0 = 16 * (warp / 4), n0 = 16 * (warp % 4);
-  float acc[2][4] = {};
-  for (int k0 = 0; k0 < K; k0 += 8) {  // zeros past K
-    const FragA fq = frag_a([&](int i, int d) { return m.qg[i][d]; }, r0, k0);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) mma_add<T>(acc[n], fq, frag_b([&](int d, int j) { return m.h[d][j]; }, k0, n0 + 8 * n));
-  }
-#pragma unroll
-  for (int l0 = 0; l0 < C; l0 += 8) {
-    const FragA fm = frag_a([&](int i, int l) { return m.mq[i][l]; }, r0, l0);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) mma_add<T>(acc[n], fm, frag_b([&](int l, int j) { return m.vn[l][j]; }, l0, n0 + 8 * n));
-  }
-  T *o = static_cast<T *>(p.o);
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = frag_row(r0, e);
-      const int64_t j = j0 + frag_col(n0 + 8 * n, e);
-      if (i < c.L && j < V) o[((first + i) * s.v_heads + h) * V + j] = from_f32<T>(acc[n][e]);
-    }
 }
 
 // The sum over the lanes from this one up (a warp's rows from i to the chunk's end).
@@ -973,7 +938,7 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
 }  // namespace
 
 // The threads of each stage's blocks.
-constexpr int prep_threads = THREADS, state_threads = WALK_THREADS, out_threads = THREADS, walk_threads = WALK_THREADS,
+constexpr int prep_threads = THREADS, state_threads = WALK_THREADS, walk_threads = WALK_THREADS,
               reduce_threads = THREADS;
 #define FORWARD_STAGE(dir, stage, dt)                                                                  \
   extern "C" __global__ void __launch_bounds__(stage##_threads)                                        \

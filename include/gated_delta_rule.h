@@ -44,10 +44,10 @@ typedef struct GatedDeltaRuleForward {
   void *o;                   /* [B, T, Hv, V] contiguous, or null (the backward's replay) */
   void *final_state;         /* [N, Hv, K, V] contiguous, or null (the backward's replay) */
   /* CUDA scratch, f32, by chunk (its slot: distinct for every chunk of every sequence) and value head: */
-  float *states; /* [slots, Hv, K, V]: the state at the chunk's start */
+  float *states; /* [slots, Hv, K, V]: the state at the chunk's start (the replay's; null in the forward) */
   float *w;      /* [slots, Hv, C, GDR_MAX_DIM]: W, zero past K */
   float *kt;     /* [slots, Hv, C, GDR_MAX_DIM]: exp(gamma_last - gamma) k, zero past K */
-  float *u;      /* [slots, Hv, C, V]: U, then v' */
+  float *u;      /* [slots, Hv, C, V]: U, then v' (the replay's) */
   float *gamma;  /* [slots, Hv, C]: the running sum of g from the chunk's start */
   float *x;      /* [slots, Hv, C, C]: X */
   float *qg;     /* [slots, Hv, C, GDR_MAX_DIM]: G q (q normalized and scaled), zero past K */
@@ -100,16 +100,14 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_CHUNK 32
 #define GDR_MAX_DIM 128
 #define GDR_V_SLICE 32
-#define GDR_OUT_COLS 64
 #define GDR_WARPS 8
 #define GDR_WALK_WARPS 16
 /* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them). */
 #define GDR_PREP_SHARED \
   (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_V_SLICE + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
 #define GDR_STATE_SHARED \
-  (4 * (4 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 4 * GDR_CHUNK * (GDR_V_SLICE + 1) + (GDR_CHUNK + GDR_MAX_DIM) * (GDR_V_SLICE + 8) + 4))
-#define GDR_OUT_SHARED \
-  (4 * ((GDR_MAX_DIM + GDR_CHUNK) * (GDR_OUT_COLS + 8) + GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_CHUNK + 1)))
+  (4 * (6 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
+        (GDR_CHUNK + GDR_MAX_DIM) * (GDR_V_SLICE + 8) + 4))
 #define GDR_WALK_SHARED \
   (4 * (6 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (2 * GDR_CHUNK + GDR_MAX_DIM) * (GDR_V_SLICE + 8) + \
         2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
@@ -117,12 +115,12 @@ typedef struct GatedDeltaRuleBackward {
   (4 * (GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK + 4 * GDR_V_SLICE * (GDR_MAX_DIM + 4) + \
         6 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
 
-/* The forward in three kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt, gamma, G q and M,
- * the chunks in parallel), gated_delta_rule_fwd_state_<dtype> (the chunks of a sequence in order: the states and
- * v') and gated_delta_rule_fwd_out_<dtype> (o, the chunks in parallel). */
+/* The forward in two kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt, gamma, G q and M, the
+ * chunks in parallel) and gated_delta_rule_fwd_state_<dtype> (the chunks of a sequence in order: o, or for the
+ * backward's replay the states and v'). */
 #define GATED_DELTA_RULE_FORWARD_KERNELS(STAGE)                                                           \
   STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STAGE(fwd, state, f32) STAGE(fwd, state, f16) \
-      STAGE(fwd, state, bf16) STAGE(fwd, out, f32) STAGE(fwd, out, f16) STAGE(fwd, out, bf16)
+      STAGE(fwd, state, bf16)
 /* gated_delta_rule_bwd_walk_<dtype> (the chunks of a sequence in reverse: dh and dv'),
  * gated_delta_rule_bwd_<dtype> (the rest, the chunks in parallel) and gated_delta_rule_bwd_reduce_<dtype>
  * (q's and k's gradients summed over the value heads). */

@@ -9,7 +9,7 @@ use crate::geometry::ceil_div;
 use crate::kernels::{self, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, DeltaShape, GatedDeltaRuleBackward, GatedDeltaRuleForward, TokenStrides, GDR_BACKWARD_SHARED,
-    GDR_CHUNK, GDR_MAX_DIM, GDR_OUT_COLS, GDR_OUT_SHARED, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WALK_SHARED, GDR_WALK_WARPS, GDR_WARPS,
+    GDR_CHUNK, GDR_MAX_DIM, GDR_PREP_SHARED, GDR_STATE_SHARED, GDR_V_SLICE, GDR_WALK_SHARED, GDR_WALK_WARPS, GDR_WARPS,
 };
 use std::ops::Range;
 
@@ -231,13 +231,12 @@ fn dtype(s: &DeltaShape) -> Result<Tag> {
 }
 
 /// The forward's kernels and their scratch (include/gated_delta_rule.h): `launch(params, scratch, stream)`
-/// points the params at the scratch and runs the key side and the state pass, and the output where
-/// `params.o` is set.
+/// points the params at the scratch and runs the key side and the state pass, which writes `params.o` where
+/// it is set and otherwise (the backward's replay) the states.
 #[derive(Clone, Copy)]
 struct Forward {
     prep: driver::Kernel,
     state: driver::Kernel,
-    out: driver::Kernel,
     slots: i64,
     grid: (u32, u32),
 }
@@ -253,16 +252,17 @@ impl Forward {
         Ok(Forward {
             prep: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::Prep, tag], THREADS, 1)?,
             state: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::State, tag], WALK_THREADS, 1)?,
-            out: kernels::kernel_sharing::<GatedDeltaRuleForward>(dev, &[Tag::Fwd, Tag::Out, tag], THREADS, 1)?,
             slots,
             grid: grid(s)?,
         })
     }
 
-    /// Floats of scratch: the states, W, kt, U, gamma, X, G q and M of every slot and value head.
-    fn scratch(&self, s: &DeltaShape) -> i64 {
+    /// Floats of scratch: W, kt, U, gamma, X, G q and M of every slot and value head, and for the replay the
+    /// states.
+    fn scratch(&self, s: &DeltaShape, replay: bool) -> i64 {
         let (c, k) = (GDR_CHUNK as i64, GDR_MAX_DIM as i64);
-        self.slots * s.v_heads * (s.k_dim * s.v_dim + 3 * c * k + c * s.v_dim + c + 2 * c * c)
+        let states = if replay { s.k_dim * s.v_dim } else { 0 };
+        self.slots * s.v_heads * (states + 3 * c * k + c * s.v_dim + c + 2 * c * c)
     }
 
     /// # Safety
@@ -279,17 +279,11 @@ impl Forward {
         p.m = p.x.add((chunks * c * c) as usize);
         p.gamma = p.m.add((chunks * c * c) as usize);
         p.u = p.gamma.add((chunks * c) as usize);
-        p.states = p.u.add((chunks * c * s.v_dim) as usize);
-        let per_chunk = (self.slots as u32, s.v_heads as u32);
-        let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
-        driver::launch(self.prep, cfg(per_chunk, GDR_PREP_SHARED), stream, p)?;
+        p.states = if p.o.is_null() { p.u.add((chunks * c * s.v_dim) as usize) } else { std::ptr::null_mut() };
+        let prep = LaunchConfig { grid: (self.slots as u32, s.v_heads as u32), block: (THREADS, 1), shared: GDR_PREP_SHARED };
+        driver::launch(self.prep, prep, stream, p)?;
         let walk = LaunchConfig { grid: self.grid, block: (WALK_THREADS, 1), shared: GDR_STATE_SHARED };
-        driver::launch(self.state, walk, stream, p)?;
-        if p.o.is_null() {
-            return Ok(());
-        }
-        let columns = ceil_div(s.v_dim, GDR_OUT_COLS as i64) as u32;
-        driver::launch(self.out, cfg((per_chunk.0, per_chunk.1 * columns), GDR_OUT_SHARED), stream, p)
+        driver::launch(self.state, walk, stream, p)
     }
 }
 
@@ -297,7 +291,7 @@ fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan>
     let forward = Forward::new(&p.shape, !p.cu_seqlens.is_null(), dev)?;
     let mut p = *p;
     // SAFETY: the plan's scratch is forward.scratch floats.
-    Ok(Plan::new(forward.scratch(&p.shape) * 4, move |memory, stream| unsafe {
+    Ok(Plan::new(forward.scratch(&p.shape, false) * 4, move |memory, stream| unsafe {
         forward.launch(&mut p, memory.cast(), stream)
     }))
 }
@@ -313,7 +307,7 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     let chunked = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 2)?;
     let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
     let grid = forward.grid;
-    let replayed = forward.scratch(&s);
+    let replayed = forward.scratch(&s, true);
     let rows = s.batch * s.tokens * s.v_heads;
     let chunks = forward.slots * s.v_heads;
     let walked = chunks * (s.k_dim + GDR_CHUNK as i64) * s.v_dim;
