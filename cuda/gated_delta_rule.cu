@@ -31,12 +31,12 @@ constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, WARPS = GDR_W
 // The walks' blocks (the state pass and the backward's).
 constexpr int WALK_WARPS = GDR_WALK_WARPS, WALK_THREADS = 32 * WALK_WARPS;
 // Rows padded by one float: a warp reading a column of a row-major tile hits 32 banks.
-constexpr int KP = KMAX + 1, CP = C + 1, VP = VS + 1;
+constexpr int CP = C + 1, VP = VS + 1;
 // Rows VS + 8 wide: the lanes of an mma reading rows t at columns g (see frag_b) hit 32 banks, 8t + g.
 constexpr int SP = VS + 8;
 // Rows KMAX + 4 wide: the lanes of an mma reading rows g at columns t (see frag_a) hit 32 banks, 4g + t.
 constexpr int K4 = KMAX + 4;
-static_assert(C == 32 && VS == 32, "a warp's lane is a chunk's row, or a column of the state pass's slice");
+static_assert(C == 32, "a warp's lane is a chunk's row (load_decays, suffix_sum)");
 
 extern __shared__ __align__(16) unsigned char shared_raw[];
 
@@ -131,8 +131,8 @@ struct Place {
 
 // Rows [start, start + L) of k (normalized) and, unless null, q (normalized and scaled) of key head hk into
 // tiles; zeros past L and past K.
-template <class T, int W = KP, class P>
-__device__ void load_qk(float (*q)[W], float (*k)[W], const P &p, int64_t row, int64_t start, int hk, int L) {
+template <class T, class P>
+__device__ void load_qk(float (*q)[K4], float (*k)[K4], const P &p, int64_t row, int64_t start, int hk, int L) {
   const DeltaShape &s = p.shape;
   const int K = s.k_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T *qs = static_cast<const T *>(p.q), *ks = static_cast<const T *>(p.k);
@@ -259,7 +259,7 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
   if (c.L == 0) return;
   const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, tid = threadIdx.x;
   const int64_t V = s.v_dim, first = c.sp.row * s.tokens + c.sp.start + c.t0;
-  load_qk<T, K4>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
+  load_qk<T>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
   if (tid < 32) load_decays(p, first, h, c.L, m.gamma, m.beta, m.bg, m.tail);
   __syncthreads();
   const int64_t at = blockIdx.x * s.v_heads + h;
@@ -711,7 +711,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     }
     __syncthreads();
   }
-  load_qk<T, K4>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
+  load_qk<T>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
   __syncthreads();
   // The value side's terms: dq = G do h^T, dk = tail v' dh^T and their parts of gamma's gradient; dW, dM (before
   // the decay, l <= r) and dT's v term (l < r) into the tiles.
