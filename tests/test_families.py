@@ -764,6 +764,27 @@ def test_gated_delta_net_padded_batch_matches_hf(family):
         assert_grad_close(got[name], exact.get(name, g), name)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_unmasked_hybrid_step_skips_hfs_packed_sequence_check(monkeypatch, family):
+    """With no attention mask, positions or cache, the Gated DeltaNet and SDPA layers need no mask: the patched
+    decoder gives None for both layer types, so HF's packed-sequence check on the positions (a host sync on
+    CUDA) does not run, and the loss is HF's."""
+    from transformers import masking_utils
+    checked = []
+    find = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: checked.append(p) or find(p))
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = mini(family, "cpu", torch.float32, use_cache=False)  # HF's with a cache does not look for packed rows
+    assert ref.config._attn_implementation == "sdpa"
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    assert checked
+    model = mini(family, "cpu", torch.float32)
+    bastile.apply(model=model, log_probs=False)
+    checked.clear()
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref_loss, rtol=1e-5, atol=0)
+    assert checked == []
+
+
 def test_gated_delta_net_subclass_and_undeclared_linear_layers_are_refused():
     """A subclass of Qwen3.5's Gated DeltaNet (whose forward Bastile replaces) is refused, as is a
     linear-attention layer type in a family whose traits have none."""

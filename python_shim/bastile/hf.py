@@ -514,6 +514,8 @@ def _gated_projection(x, gate, act, up, projection):
 
 _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
           LINEAR: create_recurrent_attention_mask}
+# The layer types whose unpadded, uncached mask is None: SDPA's is_causal, a linear attention's unmasked inputs.
+_UNMASKED = {"full_attention", LINEAR}
 
 
 def _text_positions(family: Family, position_ids):
@@ -533,7 +535,7 @@ def _masks(family, runs, decoder, input_ids, attention_mask, position_ids, past_
     itself with `is_causal`. HF finds that out only outside tracing, after a host sync on the positions (its
     packed-sequence check); under torch.compile it builds the [seq, seq] mask instead, and SDPA's masked
     kernels are ~3x slower in the backward. Decoders with `config.layer_types` take prepared masks per layer
-    type; all-full-attention ones get {"full_attention": None}, which says it without the positions.
+    type; those whose types are all _UNMASKED get None for each, which says it without the positions.
 
     A batch that may be packed (positions, no padding mask, no cache):
     - where the attention of some layers runs varlen (_varlen_types), the varlen kwargs (varlen.KEYS) if the
@@ -547,8 +549,8 @@ def _masks(family, runs, decoder, input_ids, attention_mask, position_ids, past_
         return attention_mask, input_ids, inputs_embeds, kwargs
     position_ids = _text_positions(family, position_ids)
     if position_ids is None:
-        if config._attn_implementation == "sdpa" and set(layer_types or ()) == {"full_attention"}:
-            attention_mask = {"full_attention": None}
+        if config._attn_implementation == "sdpa" and layer_types and set(layer_types) <= _UNMASKED:
+            attention_mask = dict.fromkeys(layer_types)
         return attention_mask, input_ids, inputs_embeds, kwargs
     direct = _varlen_types(family, runs, decoder, layer_types)
     if direct and kwargs.get("cu_seq_lens_q") is None:
