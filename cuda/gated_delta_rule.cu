@@ -6,9 +6,9 @@
 //   o = G q h + (lower(q k^T) * D) v'        (q normalized and scaled)
 //   h <- G_last h + (exp(gamma_last - gamma) k)^T v'
 // The forward computes every chunk's key side (W, U, G q, M) in parallel, then walks each sequence's chunks in
-// order with the state in registers: v', o and the update. The backward replays both (its walk keeps each
-// chunk's starting state and v' instead of o: the states, X, W, v', G q and M), then walks the chunks in reverse with
-// dh, the gradient of the chunk's final state, as the forward walks them, keeping each chunk's dh and dv':
+// order with the state in registers: v', o and the update, keeping for the backward each chunk's starting state
+// and v' (in q's dtype). The backward computes the key side again (X, W, G q, M), then walks the chunks in reverse
+// with dh, the gradient of the chunk's final state, as the forward walks them, keeping each chunk's dh and dv':
 //   dv' = M^T do + (exp(gamma_last - gamma) k) dh            (M = lower(q k^T) * D)
 //   dh <- G_last dh + (G q)^T do - W^T dv'
 // Everything else, the chunks in parallel, a block per chunk and value head:
@@ -285,7 +285,7 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
   }
   __syncthreads();
   invert(m.a, m.x, m.t, m.beta);
-  float *w = p.w + at * C * KMAX, *kt = p.kt + at * C * KMAX, *qg = p.qg + at * C * KMAX, *u = p.u + at * C * V;
+  float *w = p.w + at * C * KMAX, *kt = p.kt + at * C * KMAX, *qg = p.qg + at * C * KMAX;
   for (int e = tid; e < C * C; e += THREADS) p.x[at * C * C + e] = m.x[e / C][e % C];
   {  // W = X (beta G k)
     float acc[2][2][4] = {};
@@ -314,7 +314,9 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
     qg[e] = __expf(m.gamma[i]) * m.q[i][d];
   }
   if (tid < C) p.gamma[at * C + tid] = m.gamma[tid];
+  if (!p.u) return;  // the backward's: no state pass
   const T *v = static_cast<const T *>(p.v);
+  float *u = p.u + at * C * V;
   for (int64_t j0 = 0; j0 < V; j0 += VS) {
     for (int e = tid; e < C * VS; e += THREADS) {
       const int i = e / VS, j = e % VS;
@@ -337,9 +339,13 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
   }
 }
 
-// Asynchronous copies into shared memory (cp.async): 16 bytes, or 4 (zeros where `valid` is false).
+// Asynchronous copies into shared memory (cp.async): 16 bytes, or 16 or 4 (zeros where `valid` is false).
 __device__ __forceinline__ void copy16(void *dst, const void *src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void copy16(void *dst, const void *src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void copy4(void *dst, const void *src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src),
@@ -412,10 +418,25 @@ template <class T> __device__ __forceinline__ void held_update(Held &h, const fl
   }
 }
 
-// A sequence's chunks in order for one value head and VS columns of the state (Place): v' = U - W h, then
-// h <- G_last h + kt^T v' (Held). The forward takes o = G q h + M v' here too; its replay for the backward
-// keeps each chunk's starting state (`states`) and v' (over U) instead. The next chunk's tiles are copied in
-// while this one's products run.
+// The saved slice (include/gated_delta_rule.h) of chunk `chunk` and columns [VS slice, + VS).
+__device__ __forceinline__ int64_t saved_slice(const DeltaShape &s, int64_t chunk, int64_t slice) {
+  return chunk * ((s.v_dim + VS - 1) / VS) + slice;
+}
+// Rows [0, K) of a mirrored state into a saved slice [K, VS] of T, 16 bytes a thread.
+template <class T> __device__ __forceinline__ void save_mirror(T *dst, const float (&mirror)[KMAX][SP], int K) {
+  constexpr int E = 16 / sizeof(T);
+  for (int e = threadIdx.x; e < K * VS / E; e += WALK_THREADS) {
+    const int d = e / (VS / E), j = e % (VS / E) * E;
+    float x[E];
+#pragma unroll
+    for (int c = 0; c < E; ++c) x[c] = mirror[d][j + c];
+    store<E>(dst + d * VS + j, x);
+  }
+}
+
+// A sequence's chunks in order for one value head and VS columns of the state (Place): v' = U - W h, o = G q h
+// + M v', then h <- G_last h + kt^T v' (Held), keeping each chunk's starting state and v' where the backward
+// needs them. The next chunk's tiles are copied in while this one's products run.
 struct State {
   float w[2][C][K4], kt[2][C][K4], qg[2][C][K4];
   float mq[2][C][CP];
@@ -432,17 +453,15 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
   const Place at(s, p.cu_seqlens);
   const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32;
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
-  const bool out = p.o != nullptr;
+  const bool save = p.states != nullptr;
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
   const auto fetch = [&](int64_t t0, int buf) {
     const int64_t chunk = chunk_at(t0);
     copy_rows(m.w[buf], p.w + chunk * C * KMAX);
     copy_rows(m.kt[buf], p.kt + chunk * C * KMAX);
     copy_columns(m.u[buf], p.u + chunk * C * V, V, at);
-    if (out) {
-      copy_rows(m.qg[buf], p.qg + chunk * C * KMAX);
-      for (int e = tid; e < C * C; e += WALK_THREADS) copy4(&m.mq[buf][e / C][e % C], p.m + chunk * C * C + e, true);
-    }
+    copy_rows(m.qg[buf], p.qg + chunk * C * KMAX);
+    for (int e = tid; e < C * C; e += WALK_THREADS) copy4(&m.mq[buf][e / C][e % C], p.m + chunk * C * C + e, true);
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
   };
@@ -452,24 +471,24 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
   held_mirror(m.mirror, h);
   if (at.sp.len > 0) fetch(0, 0);
   for (int64_t t0 = 0, buf = 0; t0 < at.sp.len; t0 += C, buf ^= 1) {
-    const int64_t chunk = chunk_at(t0);
-    if (!out) held_out(p.states + chunk * K * V, h, K, V, at);
+    const int64_t saved = saved_slice(s, chunk_at(t0), blockIdx.y);
     const bool ahead = t0 + C < at.sp.len;
     if (ahead) fetch(t0 + C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
+    if (save) save_mirror(static_cast<T *>(p.states) + saved * K * VS, m.mirror, K);
     held_product<T>(m.part, m.w[buf], m.mirror, none);
-    if (out) held_product<T>(m.partq, m.qg[buf], m.mirror, none);
+    held_product<T>(m.partq, m.qg[buf], m.mirror, none);
     __syncthreads();
-    float *u = p.u + chunk * C * V;
+    T *v_new = save ? static_cast<T *>(p.v_new) + saved * C * VS : nullptr;
     for (int e = tid; e < C * VS; e += WALK_THREADS) {
       const int i = e / VS, j = e % VS;
       const float vn = m.u[buf][i][j] - m.part[0][i][j] - m.part[1][i][j];
       m.vn[i][j] = vn;
-      if (!out && j < at.cols) u[i * V + at.j0 + j] = vn;
+      if (save) v_new[e] = from_f32<T>(vn);
     }
     __syncthreads();
-    if (out && warp < 8) {  // o's 16 x 8 tile `warp`, as held_product's
+    if (warp < 8) {  // o's 16 x 8 tile `warp`, as held_product's
       const int r0 = 16 * (warp / 4), c0 = 8 * (warp % 4), L = (int)min((int64_t)C, at.sp.len - t0);
       float acc[4];
 #pragma unroll
@@ -561,24 +580,24 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     keep_dout();
   }
   for (int64_t t0 = first, buf = 0; t0 >= 0; t0 -= C, buf ^= 1) {
-    const int64_t chunk = chunk_at(t0);
-    held_out(p.dstates + chunk * K * V, dh, K, V, at);
+    const int64_t saved = saved_slice(s, chunk_at(t0), blockIdx.y);
     const bool ahead = t0 > 0;
     if (ahead) fetch(t0 - C, buf ^ 1);
     copies_landed(ahead);
     __syncthreads();
+    save_mirror(p.dstates + saved * K * VS, m.mirror, K);
     held_product<T>(m.part, m.kt[buf], m.mirror, [&](float (&acc)[4], int r0, int c0) {  // + M^T do
 #pragma unroll
       for (int l0 = 0; l0 < C; l0 += 8)
         mma_add<T>(acc, frag_a([&](int i, int l) { return m.mq[buf][l][i]; }, r0, l0), frag_b([&](int l, int j) { return m.dout[l][j]; }, l0, c0));
     });
     __syncthreads();
-    float *dvn = p.dvn + chunk * C * V;
+    float *dvn = p.dvn + saved * C * VS;
     for (int e = tid; e < C * VS; e += WALK_THREADS) {
       const int i = e / VS, j = e % VS;
       const float dv = m.part[0][i][j] + m.part[1][i][j];
       m.dvn[i][j] = -dv;  // -dv': the update's W^T term adds
-      if (j < at.cols) dvn[i * V + at.j0 + j] = dv;
+      dvn[e] = dv;
     }
     __syncthreads();
     const float last = __expf(m.gamma[buf]);
@@ -592,25 +611,42 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   held_out(static_cast<float *>(p.grad_initial_state) + head_state, dh, K, V, at);
 }
 
-// A backward block's tiles: the chunk's, then those of the slices of V (two in flight: the next one's f32
-// tiles are copied in while this one's products run), or, once the slices are summed, the keys' products'.
-struct Slice {
-  float h[VS][K4], dh[VS][K4];  // h^T and dh^T: a row per column of the state
-  float vn[C][VP], dvn[C][VP];
+// A backward block's tiles: the chunk's, then those of the slices of V (two in flight: the next one's tiles
+// are copied in while this one's products run), or, once the slices are summed, the keys' products'. The
+// slices of h and v' (in the input's dtype) and of dh and dv' (f32: in 16 bits, the sums over h dh in g's
+// gradient lose too much) have rows VS + 16 bytes wide: the lanes of an mma reading rows g at columns t hit
+// 32 banks.
+template <class T> constexpr int SR = VS + 16 / sizeof(T);
+template <class T> struct Slice {
+  T h[KMAX][SR<T>], vn[C][SR<T>];
+  float dh[KMAX][SR<float>], dvn[C][SR<float>];
 };
-struct Slices {
-  Slice buf[2];
+// A saved slice's K x VS of a state (zeros past K) and C x VS of values into tiles, 16 bytes a copy.
+template <class X>
+__device__ __forceinline__ void slice_tiles(X (&state)[KMAX][SR<X>], X (&values)[C][SR<X>], const X *states, const X *by_row,
+                                            int64_t saved, int K) {
+  constexpr int E = 16 / sizeof(X);
+  states += saved * K * VS;
+  by_row += saved * C * VS;
+  for (int e = threadIdx.x; e < KMAX * VS / E; e += THREADS) {
+    const int d = e / (VS / E), j = e % (VS / E) * E;
+    copy16(&state[d][j], states + min(d, K - 1) * VS + j, d < K);
+  }
+  for (int e = threadIdx.x; e < C * VS / E; e += THREADS) copy16(&values[e / (VS / E)][e % (VS / E) * E], by_row + e * E);
+}
+template <class T> struct Slices {
+  Slice<T> buf[2];
   float v[C][VP], dout[C][VP];
 };
 struct KeyTiles {
   float q[C][K4], k[C][K4], dw[C][K4];
   float a[C][CP], qk[C][CP], dm[C][CP], xm[C][CP], dt[C][CP], y[C][CP];
 };
-struct Backward {
+template <class T> struct Backward {
   float x[C][CP];
   float gamma[C], beta[C], bg[C], tail[C];  // bg = beta G, tail = exp(gamma_last - gamma)
   union {
-    Slices slices;
+    Slices<T> slices;
     KeyTiles keys;
   };
   float part[2][WARPS][C];  // per-warp row sums
@@ -618,15 +654,16 @@ struct Backward {
   float hdh[THREADS];
   float dgamma[C], dbeta[C];
 };
-static_assert(sizeof(KeyTiles) <= sizeof(Slices) && sizeof(Backward) == GDR_BACKWARD_SHARED);
+// GDR_BACKWARD_SHARED is the f32 instance's, the largest.
+static_assert(sizeof(Backward<float>) == GDR_BACKWARD_SHARED && sizeof(Backward<bf16>) < GDR_BACKWARD_SHARED);
 
 // A chunk (blockIdx.x its slot) and value head (blockIdx.y), from its state h and the walk's dh and dv': the
 // slices of V in turn (h, dh, v, v', do and dv' of VS columns each) sum do h^T, v' dh^T, dv' h^T, dM and dT's
 // v term in registers and write dv; then the products over the keys take dM, dT and dW through X and A into
 // q's, k's, g's and beta's gradients. q's and k's go to the reduce kernel, which sums the value heads.
 template <class T> __device__ __forceinline__ void backward(const GatedDeltaRuleBackward &p) {
-  Backward &m = *reinterpret_cast<Backward *>(shared_raw);
-  Slices &sl = m.slices;
+  Backward<T> &m = *reinterpret_cast<Backward<T> *>(shared_raw);
+  Slices<T> &sl = m.slices;
   KeyTiles &kt = m.keys;
   const DeltaShape &s = p.shape;
   const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
@@ -641,22 +678,11 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
   static_assert(WARPS == 8 && ROWS == 16 && C == 32 && VS == 32, "the warps' tiles of the products");
   const int d0 = warp * ROWS, r0 = 16 * (warp / 4), c0 = 8 * (warp % 4);
   float doh[2][2][4] = {}, vdh[2][2][4] = {}, dw[2][2][4] = {}, dm[4] = {}, dt[4] = {}, bv[2] = {}, hdh = 0.f;
-  const float *state = p.states + chunk * K * V, *dstate = p.dstates + chunk * K * V;
-  const float *vn = p.vn + chunk * C * V, *dvn = p.dvn + chunk * C * V;
   const T *v = static_cast<const T *>(p.v), *grad_o = static_cast<const T *>(p.grad_o);
-  const auto fetch = [&](int64_t v0, Slice &b) {
-    const int cols = (int)min((int64_t)VS, V - v0);
-    for (int e = tid; e < KMAX * VS; e += THREADS) {
-      const int d = e / VS, j = e % VS;
-      const bool in = d < K && j < cols;
-      copy4(&b.h[j][d], in ? state + d * V + v0 + j : state, in);
-      copy4(&b.dh[j][d], in ? dstate + d * V + v0 + j : dstate, in);
-    }
-    for (int e = tid; e < C * VS; e += THREADS) {
-      const int i = e / VS, j = e % VS;
-      copy4(&b.vn[i][j], j < cols ? vn + i * V + v0 + j : vn, j < cols);
-      copy4(&b.dvn[i][j], j < cols ? dvn + i * V + v0 + j : dvn, j < cols);
-    }
+  const auto fetch = [&](int64_t v0, Slice<T> &b) {
+    const int64_t saved = saved_slice(s, chunk, v0 / VS);
+    slice_tiles(b.h, b.vn, static_cast<const T *>(p.states), static_cast<const T *>(p.v_new), saved, K);
+    slice_tiles(b.dh, b.dvn, p.dstates, p.dvn, saved, K);
     copies_sent();
   };
   fetch(0, sl.buf[0]);
@@ -673,20 +699,20 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     }
     copies_landed(ahead);
     __syncthreads();
-    const Slice &b = sl.buf[buf];
-    for (int e = tid; e < VS * KMAX; e += THREADS) hdh += b.h[e / KMAX][e % KMAX] * b.dh[e / KMAX][e % KMAX];
+    const Slice<T> &b = sl.buf[buf];
+    for (int e = tid; e < KMAX * VS; e += THREADS) hdh += to_f32(b.h[e / VS][e % VS]) * b.dh[e / VS][e % VS];
 #pragma unroll
     for (int j0 = 0; j0 < VS; j0 += 8) {
       FragB fh[2], fdh[2];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        fh[n] = frag_b([&](int j, int d) { return b.h[j][d]; }, j0, d0 + 8 * n);
-        fdh[n] = frag_b([&](int j, int d) { return b.dh[j][d]; }, j0, d0 + 8 * n);
+        fh[n] = frag_b([&](int j, int d) { return to_f32(b.h[d][j]); }, j0, d0 + 8 * n);
+        fdh[n] = frag_b([&](int j, int d) { return b.dh[d][j]; }, j0, d0 + 8 * n);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const FragA fo = frag_a([&](int i, int j) { return sl.dout[i][j]; }, 16 * r, j0);
-        const FragA fvn = frag_a([&](int i, int j) { return b.vn[i][j]; }, 16 * r, j0);
+        const FragA fvn = frag_a([&](int i, int j) { return to_f32(b.vn[i][j]); }, 16 * r, j0);
         const FragA fdv = frag_a([&](int i, int j) { return b.dvn[i][j]; }, 16 * r, j0);
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
@@ -695,7 +721,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
           mma_add<T>(dw[r][n], fdv, fh[n]);
         }
       }
-      mma_add<T>(dm, frag_a([&](int r, int j) { return sl.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return b.vn[l][j]; }, j0, c0));
+      mma_add<T>(dm, frag_a([&](int r, int j) { return sl.dout[r][j]; }, r0, j0), frag_b([&](int j, int l) { return to_f32(b.vn[l][j]); }, j0, c0));
       mma_add<T>(dt, frag_a([&](int r, int j) { return b.dvn[r][j]; }, r0, j0), frag_b([&](int j, int l) { return sl.v[l][j]; }, j0, c0));
     }
     float dv[4] = {};  // dv = beta X^T dv', and beta's share of v

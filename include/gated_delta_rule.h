@@ -41,13 +41,18 @@ typedef struct GatedDeltaRuleForward {
   const void *initial_state; /* [N, Hv, K, V] contiguous, or null for zeros */
   const int64_t *cu_seqlens; /* [N + 1], or null: sequence n is batch row n. The CPU kernel checks
                                 0 = cu[0] <= ... <= cu[N] = T; CUDA kernels clamp to the row. */
-  void *o;                   /* [B, T, Hv, V] contiguous, or null (the backward's replay) */
-  void *final_state;         /* [N, Hv, K, V] contiguous, or null (the backward's replay) */
-  /* CUDA scratch, f32, by chunk (its slot: distinct for every chunk of every sequence) and value head: */
-  float *states; /* [slots, Hv, K, V]: the state at the chunk's start (the replay's; null in the forward) */
+  void *o;                   /* [B, T, Hv, V] contiguous */
+  void *final_state;         /* [N, Hv, K, V] contiguous */
+  /* What the backward reads, in q's dtype, or null (no backward), by chunk (its slot: distinct for every
+     chunk of every sequence; slots = T / C + N packed, N ceil(T / C) otherwise), value head and slice of
+     GDR_V_SLICE columns of V (zeros past V), rows past a sequence's end zero (the caller zeroes slots that hold no
+     chunk): */
+  void *states; /* [slots, Hv, ceil(V / VS), K, VS]: the state at the chunk's start */
+  void *v_new;  /* [slots, Hv, ceil(V / VS), C, VS]: v' = beta_t (v_t - a_t S_{t-1}^T k_t) */
+  /* CUDA scratch, f32, by chunk and value head: */
   float *w;      /* [slots, Hv, C, GDR_MAX_DIM]: W, zero past K */
   float *kt;     /* [slots, Hv, C, GDR_MAX_DIM]: exp(gamma_last - gamma) k, zero past K */
-  float *u;      /* [slots, Hv, C, V]: U, then v' (the replay's) */
+  float *u;      /* [slots, Hv, C, V]: U, or null (the backward's key side, which needs none) */
   float *gamma;  /* [slots, Hv, C]: the running sum of g from the chunk's start */
   float *x;      /* [slots, Hv, C, C]: X */
   float *qg;     /* [slots, Hv, C, GDR_MAX_DIM]: G q (q normalized and scaled), zero past K */
@@ -75,18 +80,18 @@ typedef struct GatedDeltaRuleBackward {
   void *grad_g;             /* [B, T, Hv] */
   void *grad_beta;          /* [B, T, Hv] */
   void *grad_initial_state; /* [N, Hv, K, V] */
-  /* CUDA: the forward's scratch, written by its replay (its first two kernels): */
-  const float *states;
+  const void *states;       /* the forward's (the CPU kernel recomputes them) */
+  const void *v_new;
+  /* CUDA: the forward's scratch, written by its key side again: */
   const float *w;
   const float *kt;
-  const float *vn; /* the forward's u: v' */
   const float *gamma;
   const float *x;
   const float *qg;
   const float *m;
   int64_t chunks;   /* slots * Hv: the chunks of the scratch */
-  float *dstates;   /* CUDA: [slots, Hv, K, V] f32: dh, the gradient of the state at each chunk's end */
-  float *dvn;       /* CUDA: [slots, Hv, C, V] f32: dv', the gradient of v' */
+  float *dstates;   /* CUDA: dh, the gradient of the state at each chunk's end, and */
+  float *dvn;       /* dv', the gradient of v': f32, laid out as states and v_new */
   float *partial;   /* CUDA: [2][B * T * Hv][K] f32: the gradients of q and k by value head, which reduce sums */
   TokenStrides q_st;
   TokenStrides k_st;
@@ -102,7 +107,8 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_V_SLICE 32
 #define GDR_WARPS 8
 #define GDR_WALK_WARPS 16
-/* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them). */
+/* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them; the backward's is its f32
+ * instance's, the largest). */
 #define GDR_PREP_SHARED \
   (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_V_SLICE + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
 #define GDR_STATE_SHARED \
@@ -111,13 +117,13 @@ typedef struct GatedDeltaRuleBackward {
 #define GDR_WALK_SHARED \
   (4 * (6 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (2 * GDR_CHUNK + GDR_MAX_DIM) * (GDR_V_SLICE + 8) + \
         2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
-#define GDR_BACKWARD_SHARED \
-  (4 * (GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK + 4 * GDR_V_SLICE * (GDR_MAX_DIM + 4) + \
-        6 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
+#define GDR_BACKWARD_SHARED                                                                                \
+  (4 * (GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK + 4 * (GDR_MAX_DIM + GDR_CHUNK) * (GDR_V_SLICE + 4) +      \
+        2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
 
 /* The forward in two kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt, gamma, G q and M, the
- * chunks in parallel) and gated_delta_rule_fwd_state_<dtype> (the chunks of a sequence in order: o, or for the
- * backward's replay the states and v'). */
+ * chunks in parallel) and gated_delta_rule_fwd_state_<dtype> (the chunks of a sequence in order: o, and the
+ * states and v' where the backward needs them). The backward runs the first again for its key side. */
 #define GATED_DELTA_RULE_FORWARD_KERNELS(STAGE)                                                           \
   STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STAGE(fwd, state, f32) STAGE(fwd, state, f16) \
       STAGE(fwd, state, bf16)

@@ -34,6 +34,9 @@ macro_rules! inputs {
 const L2_EPS: f64 = 1e-6;
 /// Tokens between the states the CPU backward keeps.
 const REPLAY: usize = 64;
+/// The chunks and slices of V of the saved states and v'.
+const CHUNK: usize = GDR_CHUNK as usize;
+const VS: usize = GDR_V_SLICE as usize;
 
 /// The tokens of sequence n: its batch row and their range in it.
 #[derive(Clone)]
@@ -231,8 +234,7 @@ fn dtype(s: &DeltaShape) -> Result<Tag> {
 }
 
 /// The forward's kernels and their scratch (include/gated_delta_rule.h): `launch(params, scratch, stream)`
-/// points the params at the scratch and runs the key side and the state pass, which writes `params.o` where
-/// it is set and otherwise (the backward's replay) the states.
+/// points the params at the scratch and runs the key side, then, where o is asked for, the state pass.
 #[derive(Clone, Copy)]
 struct Forward {
     prep: driver::Kernel,
@@ -257,31 +259,34 @@ impl Forward {
         })
     }
 
-    /// Floats of scratch: W, kt, U, gamma, X, G q and M of every slot and value head, and for the replay the
-    /// states.
-    fn scratch(&self, s: &DeltaShape, replay: bool) -> i64 {
+    /// Floats of scratch: W, kt, gamma, X, G q and M of every slot and value head, and U for the state pass.
+    fn scratch(&self, s: &DeltaShape, state_pass: bool) -> i64 {
         let (c, k) = (GDR_CHUNK as i64, GDR_MAX_DIM as i64);
-        let states = if replay { s.k_dim * s.v_dim } else { 0 };
-        self.slots * s.v_heads * (states + 3 * c * k + c * s.v_dim + c + 2 * c * c)
+        let u = if state_pass { c * s.v_dim } else { 0 };
+        self.slots * s.v_heads * (3 * c * k + u + c + 2 * c * c)
     }
 
     /// # Safety
-    /// `memory` holds `scratch` floats; the C++ layer checked every other pointer of `p`.
+    /// `memory` holds `scratch(s, state_pass)` floats, the state pass running where `p.o` is set; the C++ layer
+    /// checked every other pointer of `p`.
     unsafe fn launch(&self, p: &mut GatedDeltaRuleForward, memory: *mut f32, stream: usize) -> Result<()> {
         let s = p.shape;
+        let state_pass = !p.o.is_null();
         let (c, k) = (GDR_CHUNK as i64, GDR_MAX_DIM as i64);
         let chunks = self.slots * s.v_heads;
-        // The tiles the kernels copy 16 bytes at a time first, the states (K V floats a chunk) last.
+        // The tiles the kernels copy 16 bytes at a time first.
         p.w = memory;
         p.kt = p.w.add((chunks * c * k) as usize);
         p.qg = p.kt.add((chunks * c * k) as usize);
         p.x = p.qg.add((chunks * c * k) as usize);
         p.m = p.x.add((chunks * c * c) as usize);
         p.gamma = p.m.add((chunks * c * c) as usize);
-        p.u = p.gamma.add((chunks * c) as usize);
-        p.states = if p.o.is_null() { p.u.add((chunks * c * s.v_dim) as usize) } else { std::ptr::null_mut() };
+        p.u = if state_pass { p.gamma.add((chunks * c) as usize) } else { std::ptr::null_mut() };
         let prep = LaunchConfig { grid: (self.slots as u32, s.v_heads as u32), block: (THREADS, 1), shared: GDR_PREP_SHARED };
         driver::launch(self.prep, prep, stream, p)?;
+        if !state_pass {
+            return Ok(());
+        }
         let walk = LaunchConfig { grid: self.grid, block: (WALK_THREADS, 1), shared: GDR_STATE_SHARED };
         driver::launch(self.state, walk, stream, p)
     }
@@ -291,14 +296,14 @@ fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan>
     let forward = Forward::new(&p.shape, !p.cu_seqlens.is_null(), dev)?;
     let mut p = *p;
     // SAFETY: the plan's scratch is forward.scratch floats.
-    Ok(Plan::new(forward.scratch(&p.shape, false) * 4, move |memory, stream| unsafe {
+    Ok(Plan::new(forward.scratch(&p.shape, true) * 4, move |memory, stream| unsafe {
         forward.launch(&mut p, memory.cast(), stream)
     }))
 }
 
-/// The backward replays the forward's first two kernels into their scratch (the first part of its own), walks
-/// the chunks in reverse for dh and dv', takes the rest of each chunk's gradients, the chunks in parallel, and
-/// sums q's and k's over the value heads.
+/// The backward runs the forward's key side again into its scratch (the first part of its own), walks the chunks
+/// in reverse for dh and dv', takes the rest of each chunk's gradients from them and the forward's states and v',
+/// the chunks in parallel, and sums q's and k's over the value heads.
 fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Plan> {
     let s = p.shape;
     let tag = dtype(&s)?;
@@ -307,12 +312,15 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     let chunked = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 2)?;
     let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
     let grid = forward.grid;
-    let replayed = forward.scratch(&s, true);
+    let keys = forward.scratch(&s, false);
     let rows = s.batch * s.tokens * s.v_heads;
     let chunks = forward.slots * s.v_heads;
-    let walked = chunks * (s.k_dim + GDR_CHUNK as i64) * s.v_dim;
+    // The walk's dv' and dh by slice of V (as the saved v' and states).
+    let slices = ceil_div(s.v_dim, GDR_V_SLICE as i64);
+    let by_slice = |rows: i64| chunks * slices * rows * GDR_V_SLICE as i64;
+    let (dvn, walked) = (by_slice(GDR_CHUNK as i64), by_slice(GDR_CHUNK as i64 + s.k_dim));
     let partial = 2 * rows * s.k_dim;
-    let mut replay = GatedDeltaRuleForward {
+    let mut key_side = GatedDeltaRuleForward {
         q: p.q,
         k: p.k,
         v: p.v,
@@ -323,6 +331,7 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
         o: std::ptr::null_mut(),
         final_state: std::ptr::null_mut(),
         states: std::ptr::null_mut(),
+        v_new: std::ptr::null_mut(),
         w: std::ptr::null_mut(),
         kt: std::ptr::null_mut(),
         u: std::ptr::null_mut(),
@@ -339,23 +348,21 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     p.chunks = chunks;
     let pairs = s.batch * s.tokens * s.k_heads;
     let reduce_grid = ceil_div(pairs, (THREADS / 32) as i64) as u32;
-    Ok(Plan::new((replayed + walked + partial) * 4, move |memory, stream| {
+    Ok(Plan::new((keys + walked + partial) * 4, move |memory, stream| {
         let memory = memory.cast::<f32>();
-        // SAFETY: the scratch holds the forward's part, the walk's dh and dv', then q's and k's gradients by value
-        // head; the C++ layer checked every other pointer.
+        // SAFETY: the scratch holds the key side's part, the walk's dh and dv', then q's and k's gradients by
+        // value head; the C++ layer checked every other pointer.
         unsafe {
-            forward.launch(&mut replay, memory, stream)?;
-            p.states = replay.states;
-            p.w = replay.w;
-            p.kt = replay.kt;
-            p.vn = replay.u;
-            p.gamma = replay.gamma;
-            p.x = replay.x;
-            p.qg = replay.qg;
-            p.m = replay.m;
-            p.dvn = memory.add(replayed as usize);
-            p.dstates = p.dvn.add((chunks * GDR_CHUNK as i64 * s.v_dim) as usize);
-            p.partial = p.dvn.add(walked as usize);
+            forward.launch(&mut key_side, memory, stream)?;
+            p.w = key_side.w;
+            p.kt = key_side.kt;
+            p.gamma = key_side.gamma;
+            p.x = key_side.x;
+            p.qg = key_side.qg;
+            p.m = key_side.m;
+            p.dvn = memory.add(keys as usize);
+            p.dstates = p.dvn.add(dvn as usize);
+            p.partial = memory.add((keys + walked) as usize);
             let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
             driver::launch(walk, LaunchConfig { grid, block: (WALK_THREADS, 1), shared: GDR_WALK_SHARED }, stream, &p)?;
             let per_chunk = (forward.slots as u32, s.v_heads as u32);
@@ -389,31 +396,61 @@ unsafe fn forward_cpu<T: Element, S: Element>(p: &GatedDeltaRuleForward) -> Resu
     let s = p.shape;
     let x: Inputs<T, S> = inputs!(p);
     let spans = spans(&s, p.cu_seqlens)?;
-    let (hv, vd) = (s.v_heads as usize, s.v_dim as usize);
+    let (hv, kd, vd) = (s.v_heads as usize, s.k_dim as usize, s.v_dim as usize);
+    let save = !p.states.is_null();
     let x = &x;
     let results = cpu::parallel_map(spans.len() * hv, |task| {
         let (n, h) = (task / hv, task % hv);
         let mut state = x.initial(n, h);
-        let o: Vec<Vec<f64>> = spans[n]
-            .tokens
-            .clone()
-            .map(|t| {
-                let tok = x.token(&spans[n], t, h);
-                update(&mut state, &tok);
-                read(&state, &tok.q, vd).iter().map(|o| o * s.scale).collect()
-            })
-            .collect();
-        (o, state)
+        let (mut o, mut starts, mut v_new) = (vec![], vec![], vec![]);
+        for (i, t) in spans[n].tokens.clone().enumerate() {
+            if save && i % CHUNK == 0 {
+                starts.push(state.clone());
+            }
+            let tok = x.token(&spans[n], t, h);
+            state.iter_mut().for_each(|x| *x *= tok.a);
+            let read = absorb(&mut state, &tok);
+            if save {
+                v_new.push(tok.v.iter().zip(read).map(|(v, r)| tok.b * (v - r)).collect::<Vec<_>>());
+            }
+            o.push(self::read(&state, &tok.q, vd).iter().map(|o| o * s.scale).collect::<Vec<_>>());
+        }
+        (o, state, starts, v_new)
     });
-    for (task, (o, state)) in results.iter().enumerate() {
+    let slices = vd.div_ceil(VS);
+    // Row `row` of the slices of the saved tile [rows, V] of chunk `chunk`, value head h.
+    let saved = |out: *mut std::ffi::c_void, rows: usize, chunk: usize, h: usize, row: usize, values: &[f64]| {
+        for (slice, part) in values.chunks(VS).enumerate() {
+            store::<T>(out, (((chunk * hv + h) * slices + slice) * rows + row) * VS, part);
+        }
+    };
+    for (task, (o, state, starts, v_new)) in results.iter().enumerate() {
         let (n, h) = (task / hv, task % hv);
         let span = &spans[n];
         for (t, o) in span.tokens.clone().zip(o) {
             store::<T>(p.o, ((span.row * s.tokens as usize + t) * hv + h) * vd, o);
         }
         store::<S>(p.final_state, task * state.len(), state);
+        let chunk = |i: usize| slot(&s, !p.cu_seqlens.is_null(), n, span.tokens.start + i);
+        for (c, start) in starts.iter().enumerate() {
+            for (d, row) in start.chunks_exact(vd).enumerate() {
+                saved(p.states, kd, chunk(c * CHUNK), h, d, row);
+            }
+        }
+        for (i, row) in v_new.iter().enumerate() {
+            saved(p.v_new, CHUNK, chunk(i / CHUNK * CHUNK), h, i % CHUNK, row);
+        }
     }
     Ok(())
+}
+
+/// The slot of the chunk at token `at` of sequence n's row (cuda/gated_delta_rule.cu's `slot`).
+fn slot(s: &DeltaShape, packed: bool, n: usize, at: usize) -> usize {
+    if packed {
+        at / CHUNK + n
+    } else {
+        n * (s.tokens as usize).div_ceil(CHUNK) + at / CHUNK
+    }
 }
 
 /// The gradients of one sequence and value head.

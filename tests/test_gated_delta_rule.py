@@ -14,6 +14,7 @@ import bastile  # noqa: F401  (loads the ops)
 from conftest import Contract, needs_cuda, poison_cuda_allocator, rel_err
 
 op = torch.ops.bastile.gated_delta_rule
+forward_op = torch.ops.bastile.gated_delta_rule_forward
 backward_op = torch.ops.bastile.gated_delta_rule_backward
 L2_EPS = 1e-6
 
@@ -56,6 +57,44 @@ def recurrence(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, l2n
     if o.numel() == 0:  # no token: o is still a function of every input (their gradients are empty)
         o = o + 0 * sum(x.double().sum() for x in (q, k, v, g, beta))
     return o.to(v.dtype), final.to(state_dtype(q.dtype))
+
+
+def saved(q, k, v, g, beta, initial_state, cu_seqlens, l2norm_qk, chunk, width):
+    """What gated_delta_rule_forward keeps for the backward, from the recurrence in float64: each chunk's starting
+    state and each token's v' = beta (v - a S^T k), by slot (packed: start / chunk + n, else n * ceil(T / chunk)
+    + t / chunk), value head and slice of `width` columns of V, zeros past V; and which slots hold a chunk."""
+    batch, tokens, k_heads, k_dim = q.shape
+    v_heads, v_dim = v.shape[2:]
+    rep = v_heads // k_heads
+    kf = k.double().repeat_interleave(rep, 2)
+    if l2norm_qk:
+        kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + L2_EPS)
+    if cu_seqlens is None:
+        spans = [(b, 0, tokens) for b in range(batch)]
+        slots = batch * -(-tokens // chunk)
+    else:
+        cu = cu_seqlens.tolist()
+        spans = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+        slots = tokens // chunk + len(spans)
+    slices = -(-v_dim // width)
+    states = torch.zeros(slots, v_heads, k_dim, slices * width, dtype=torch.float64)
+    v_new = torch.zeros(slots, v_heads, chunk, slices * width, dtype=torch.float64)
+    used = torch.zeros(slots, dtype=torch.bool)
+    for n, (b, start, end) in enumerate(spans):
+        s = (initial_state[n].double().cpu() if initial_state is not None
+             else torch.zeros(v_heads, k_dim, v_dim, dtype=torch.float64))
+        for t in range(start, end):
+            i = t - start
+            slot = (start + i // chunk * chunk) // chunk + n if cu_seqlens is not None else n * (slots // batch) + i // chunk
+            used[slot] = True
+            if i % chunk == 0:
+                states[slot, :, :, :v_dim] = s
+            s = s * g[b, t].double().cpu().exp()[:, None, None]
+            delta = beta[b, t].double().cpu()[:, None] * (v[b, t].double().cpu() - torch.einsum("hk,hkv->hv", kf[b, t].cpu(), s))
+            v_new[slot, :, i % chunk, :v_dim] = delta
+            s = s + kf[b, t].cpu()[:, :, None] * delta[:, None, :]
+    by_slice = lambda x: x.unflatten(-1, (slices, width)).movedim(-2, 2)
+    return by_slice(states), by_slice(v_new), used
 
 
 def inputs(batch, tokens, k_heads, rep, k_dim, v_dim, dtype=torch.float32, device="cpu", initial=True, seed=0,
@@ -105,6 +144,11 @@ def _bad(**kw):
     return lambda: op(**args)
 
 
+def _saved():
+    """The states and v' gated_delta_rule_forward keeps for _bad's inputs."""
+    return forward_op(*inputs(2, 3, 1, 2, 4, 3)[:5], 0.5)[2:]
+
+
 BAD = [
     (_bad(q=torch.randn(2, 3, 4)), "must be \\[batch, tokens, heads, head_dim\\]"),
     (_bad(k=torch.randn(2, 3, 1, 5)), "q and k must have the same shape"),
@@ -123,10 +167,16 @@ BAD = [
      "cu_seqlens must rise from 0 to the 4 tokens"),
     (lambda: op(*inputs(1, 4, 1, 2, 4, 3, initial=False)[:5], 0.5, None, torch.tensor([0, 3])),
      "cu_seqlens must rise from 0 to the 4 tokens"),
-    (lambda: backward_op(torch.zeros(2, 3, 2, 4), None, *inputs(2, 3, 1, 2, 4, 3)[:5], 0.5),
+    (lambda: backward_op(torch.zeros(2, 3, 2, 4), None, *inputs(2, 3, 1, 2, 4, 3)[:5], *_saved(), 0.5),
      "grad_o and v must have the same shape"),
-    (lambda: backward_op(torch.zeros(2, 3, 2, 3), torch.zeros(2, 2, 4, 4), *inputs(2, 3, 1, 2, 4, 3)[:5], 0.5),
+    (lambda: backward_op(torch.zeros(2, 3, 2, 3), torch.zeros(2, 2, 4, 4), *inputs(2, 3, 1, 2, 4, 3)[:5], *_saved(),
+                         0.5),
      "grad_final_state must have the final state's shape"),
+    (lambda: backward_op(torch.zeros(2, 3, 2, 3), None, *inputs(2, 3, 1, 2, 4, 3)[:5], _saved()[1], _saved()[1], 0.5),
+     "states and v_new must be what gated_delta_rule_forward returned"),
+    (lambda: backward_op(torch.zeros(2, 3, 2, 3), None, *inputs(2, 3, 1, 2, 4, 3)[:5],
+                         *(t.double() for t in _saved()), 0.5),
+     "states and v_new must be what gated_delta_rule_forward returned"),
 ]
 
 CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=recurrence, bad=BAD)
@@ -240,6 +290,22 @@ def test_cpu_shared_key_heads_equal_repeated_ones():
     torch.testing.assert_close(dk, rdk.unflatten(2, (2, 3)).sum(3), rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("shape, cu", [((2, 70, 1, 2, 6, 40), None), ((1, 75, 2, 1, 5, 3), [0, 10, 10, 43, 75])])
+def test_cpu_forward_saves_chunk_states_and_new_values(shape, cu):
+    """gated_delta_rule_forward's o and final state are gated_delta_rule's; what it keeps for the backward is each
+    chunk's starting state and each token's v' of the recurrence, by slot, value head and slice of V, in q's
+    dtype, zeros past V and past each sequence."""
+    q, k, v, g, beta, h0 = inputs(*shape, dtype=torch.float64, sequences=None if cu is None else len(cu) - 1)
+    cu_t = None if cu is None else torch.tensor(cu)
+    o, final, states, v_new = forward_op(q, k, v, g, beta, 0.3, h0, cu_t, True)
+    want_o, want_final = op(q, k, v, g, beta, 0.3, h0, cu_t, True)
+    assert torch.equal(o, want_o) and torch.equal(final, want_final)
+    ref_states, ref_v_new, _ = saved(q, k, v, g, beta, h0, cu_t, True, v_new.shape[-2], states.shape[-1])
+    assert states.dtype == v_new.dtype == q.dtype
+    torch.testing.assert_close(states, ref_states, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(v_new, ref_v_new, rtol=1e-12, atol=1e-12)
+
+
 def test_gradcheck_without_final_state_gradient():
     q, k, v, g, beta, h0 = leaves(*inputs(1, 5, 1, 2, 3, 2, dtype=torch.float64))
     assert torch.autograd.gradcheck(lambda *a: op(*a, 0.7, None, None, True)[0], (q, k, v, g, beta))
@@ -295,6 +361,20 @@ def test_cuda_long_sequence():
     """16k tokens: the state carried over 512 chunks, against the CPU's float64 recurrence."""
     gpu, cpu = cuda_case(1, 16384, 1, 1, 32, 32, torch.bfloat16)
     assert_close_all(gpu, cpu, CUDA_TOL[torch.bfloat16])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, cu", [((3, 65, 2, 1, 100, 70), None), ((1, 140, 1, 2, 32, 48), [0, 1, 1, 33, 97, 140])])
+def test_cuda_forward_saves_what_the_cpu_does(dtype, shape, cu):
+    """The CUDA forward's saved states and v' against the recurrence's, in every slot that holds a chunk."""
+    q, k, v, g, beta, h0 = inputs(*shape, dtype=dtype, device="cuda", sequences=None if cu is None else len(cu) - 1)
+    cu_t = None if cu is None else torch.tensor(cu, device="cuda")
+    _, _, states, v_new = forward_op(q, k, v, g, beta, shape[4] ** -0.5, h0, cu_t, True)
+    ref_states, ref_v_new, used = saved(q, k, v, g, beta, h0, cu_t, True, v_new.shape[-2], states.shape[-1])
+    assert states.dtype == v_new.dtype == dtype
+    assert rel_err(states.cpu()[used], ref_states[used]) <= CUDA_TOL[dtype]
+    assert rel_err(v_new.cpu()[used], ref_v_new[used]) <= CUDA_TOL[dtype]
 
 
 @needs_cuda

@@ -5,8 +5,9 @@
 // copy), g, beta: [batch, T, v_heads] (any float dtype), initial_state: [N, v_heads, K, V] or None for zeros,
 // cu_seqlens: None (N = batch sequences, one a row) or int32/int64 [N + 1] with batch 1 (packed sequences).
 // Returns o [batch, T, v_heads, V] in v's dtype and the final state [N, v_heads, K, V] in f32 (f64 for f64
-// input). Autograd saves the inputs: the backward replays the forward. Autocast leaves the op alone, as HF
-// runs its delta rule in f32 from whatever dtype it is given.
+// input). gated_delta_rule_forward also returns what the backward reads (include/gated_delta_rule.h): each
+// chunk's starting state and v', in q's dtype; autograd saves them with the inputs. Autocast leaves the op
+// alone, as HF runs its delta rule in f32 from whatever dtype it is given.
 #include "op.h"
 
 namespace bastile {
@@ -20,6 +21,13 @@ c10::SymInt sequences(const at::Tensor& q, const Optional& cu) { return cu ? cu-
 
 std::vector<c10::SymInt> state_shape(const at::Tensor& q, const at::Tensor& v, const Optional& cu) {
   return {sequences(q, cu), v.sym_size(2), q.sym_size(3), v.sym_size(3)};
+}
+
+// The saved states' shape (rows = K) or v''s (rows = GDR_CHUNK): [slots, v_heads, slices of V, rows, GDR_V_SLICE].
+std::vector<c10::SymInt> saved_shape(const at::Tensor& q, const at::Tensor& v, const Optional& cu, c10::SymInt rows) {
+  const auto& tokens = q.sym_size(1);
+  const auto slots = cu ? tokens / GDR_CHUNK + sequences(q, cu) : q.sym_size(0) * ((tokens + GDR_CHUNK - 1) / GDR_CHUNK);
+  return {slots, v.sym_size(2), (v.sym_size(3) + GDR_V_SLICE - 1) / GDR_V_SLICE, std::move(rows), GDR_V_SLICE};
 }
 
 void check(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -94,16 +102,26 @@ using Six = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 struct GatedDeltaRuleBackwardOp {
   static constexpr const char* schema =
       "gated_delta_rule_backward(Tensor grad_o, Tensor? grad_final_state, Tensor q, Tensor k, Tensor v, Tensor g, "
-      "Tensor beta, float scale, Tensor? initial_state=None, Tensor? cu_seqlens=None, bool l2norm_qk=False) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
+      "Tensor beta, Tensor states, Tensor v_new, float scale, Tensor? initial_state=None, Tensor? cu_seqlens=None, "
+      "bool l2norm_qk=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
 
   static Six kernel(const at::Tensor& grad_o_in, const Optional& grad_final_in, const at::Tensor& q_in,
                     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in, const at::Tensor& beta_in,
-                    double scale, const Optional& initial_in, const Optional& cu_in, bool l2norm) {
+                    const at::Tensor& states_in, const at::Tensor& v_new_in, double scale, const Optional& initial_in,
+                    const Optional& cu_in, bool l2norm) {
     constexpr const char* op = "gated_delta_rule_backward";
     check(op, q_in, k_in, v_in, g_in, beta_in, initial_in, cu_in);
     check_same_shape(op, {"grad_o", grad_o_in}, {"v", v_in});
     check_same_dtype(op, {"grad_o", grad_o_in}, {"v", v_in});
+    const auto saved_states = saved_shape(q_in, v_in, cu_in, q_in.sym_size(3));
+    const auto saved_v = saved_shape(q_in, v_in, cu_in, GDR_CHUNK);
+    TORCH_CHECK(states_in.sym_sizes() == c10::SymIntArrayRef(saved_states) &&
+                    v_new_in.sym_sizes() == c10::SymIntArrayRef(saved_v) &&
+                    states_in.scalar_type() == q_in.scalar_type() && v_new_in.scalar_type() == q_in.scalar_type(),
+                "bastile.", op, ": states and v_new must be what gated_delta_rule_forward returned: ",
+                c10::SymIntArrayRef(saved_states), " and ", c10::SymIntArrayRef(saved_v), " in ", q_in.scalar_type(),
+                ", got ", states_in.sym_sizes(), " and ", v_new_in.sym_sizes(), " in ", states_in.scalar_type());
+    check_device(op, {"q", q_in}, {{"states", states_in}, {"v_new", v_new_in}});
     const auto state = state_shape(q_in, v_in, cu_in);
     const auto state_options = q_in.options().dtype(stats_dtype(q_in));
     if (grad_final_in) {
@@ -130,15 +148,58 @@ struct GatedDeltaRuleBackwardOp {
       dinitial = grad_final.defined() ? grad_final.clone() : dinitial.zero_();
       return as_given();
     }
-    const auto grad_o = grad_o_in.contiguous();
+    const auto grad_o = grad_o_in.contiguous(), states = states_in.contiguous(), v_new = v_new_in.contiguous();
     launch(x.q, GatedDeltaRuleBackward{
                     .grad_o = grad_o.data_ptr(), .grad_final_state = grad_final.defined() ? grad_final.data_ptr() : nullptr,
                     .q = x.q.data_ptr(), .k = x.k.data_ptr(), .v = x.v.data_ptr(), .g = x.g.data_ptr(),
                     .beta = x.beta.data_ptr(), .initial_state = x.initial_ptr(), .cu_seqlens = x.cu_ptr(),
                     .grad_q = dq.data_ptr(), .grad_k = dk.data_ptr(), .grad_v = dv.data_ptr(), .grad_g = dg.data_ptr(),
-                    .grad_beta = dbeta.data_ptr(), .grad_initial_state = dinitial.data_ptr(), .q_st = strides(x.q),
+                    .grad_beta = dbeta.data_ptr(), .grad_initial_state = dinitial.data_ptr(),
+                    .states = states.data_ptr(), .v_new = v_new.data_ptr(), .q_st = strides(x.q),
                     .k_st = strides(x.k), .v_st = strides(x.v), .shape = x.shape});
     return as_given();
+  }
+};
+
+using Four = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// o and the final state, and with `save` the states and v' the backward reads (else empty).
+Four run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                 const at::Tensor& beta_in, double scale, const Optional& initial_in, const Optional& cu_in, bool l2norm,
+                 bool save) {
+  check(kOp, q_in, k_in, v_in, g_in, beta_in, initial_in, cu_in);
+  const auto shape = state_shape(q_in, v_in, cu_in);
+  auto o = at::empty_symint(v_in.sym_sizes(), v_in.options());
+  const auto state_options = q_in.options().dtype(stats_dtype(q_in));
+  // The CUDA kernels write every chunk's saved tiles whole, the CPU kernel their rows and columns within the
+  // sequences and V; packed sequences leave slots without a chunk.
+  const auto saved = [&](c10::SymInt rows) {
+    const auto shape = save ? saved_shape(q_in, v_in, cu_in, std::move(rows)) : std::vector<c10::SymInt>{0};
+    const bool whole = q_in.is_cuda() && !cu_in;
+    return whole ? at::empty_symint(shape, q_in.options()) : at::zeros_symint(shape, q_in.options());
+  };
+  auto states = saved(q_in.sym_size(3)), v_new = saved(GDR_CHUNK);
+  if (q_in.is_meta()) return {o, at::empty_symint(shape, state_options), states, v_new};
+  const Inputs x(kOp, q_in, k_in, v_in, g_in, beta_in, scale, initial_in, cu_in, l2norm);
+  if (x.empty()) return {o, x.initial_or_zeros(state_options, shape), states.zero_(), v_new.zero_()};
+  auto final_state = at::empty_symint(shape, state_options);
+  launch(x.q, GatedDeltaRuleForward{.q = x.q.data_ptr(), .k = x.k.data_ptr(), .v = x.v.data_ptr(),
+                                    .g = x.g.data_ptr(), .beta = x.beta.data_ptr(), .initial_state = x.initial_ptr(),
+                                    .cu_seqlens = x.cu_ptr(), .o = o.data_ptr(), .final_state = final_state.data_ptr(),
+                                    .states = save ? states.data_ptr() : nullptr,
+                                    .v_new = save ? v_new.data_ptr() : nullptr, .q_st = strides(x.q),
+                                    .k_st = strides(x.k), .v_st = strides(x.v), .shape = x.shape});
+  return {o, final_state, states, v_new};
+}
+
+struct GatedDeltaRuleForwardOp {
+  static constexpr const char* schema =
+      "gated_delta_rule_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
+      "Tensor? initial_state=None, Tensor? cu_seqlens=None, bool l2norm_qk=False) -> (Tensor, Tensor, Tensor, Tensor)";
+
+  static Four kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                     const at::Tensor& beta, double scale, const Optional& initial, const Optional& cu, bool l2norm) {
+    return run_forward(q, k, v, g, beta, scale, initial, cu, l2norm, true);
   }
 };
 
@@ -148,32 +209,20 @@ struct GatedDeltaRuleOp {
       "Tensor? cu_seqlens=None, bool l2norm_qk=False) -> (Tensor, Tensor)";
   static constexpr size_t no_grad[] = {7};  // cu_seqlens
 
-  static Pair kernel(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
-                     const at::Tensor& beta_in, double scale, const Optional& initial_in, const Optional& cu_in,
-                     bool l2norm) {
-    check(kOp, q_in, k_in, v_in, g_in, beta_in, initial_in, cu_in);
-    const auto shape = state_shape(q_in, v_in, cu_in);
-    auto o = at::empty_symint(v_in.sym_sizes(), v_in.options());
-    const auto state_options = q_in.options().dtype(stats_dtype(q_in));
-    if (q_in.is_meta()) return {o, at::empty_symint(shape, state_options)};
-    const Inputs x(kOp, q_in, k_in, v_in, g_in, beta_in, scale, initial_in, cu_in, l2norm);
-    if (x.empty()) return {o, x.initial_or_zeros(state_options, shape)};
-    auto final_state = at::empty_symint(shape, state_options);
-    launch(x.q, GatedDeltaRuleForward{.q = x.q.data_ptr(), .k = x.k.data_ptr(), .v = x.v.data_ptr(),
-                                      .g = x.g.data_ptr(), .beta = x.beta.data_ptr(), .initial_state = x.initial_ptr(),
-                                      .cu_seqlens = x.cu_ptr(), .o = o.data_ptr(), .final_state = final_state.data_ptr(),
-                                      .q_st = strides(x.q), .k_st = strides(x.k), .v_st = strides(x.v),
-                                      .shape = x.shape});
+  static Pair kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                     const at::Tensor& beta, double scale, const Optional& initial, const Optional& cu, bool l2norm) {
+    auto [o, final_state, states, v_new] = run_forward(q, k, v, g, beta, scale, initial, cu, l2norm, false);
     return {o, final_state};
   }
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& g, const at::Tensor& beta, double scale, const Optional& initial,
                                const Optional& cu, bool l2norm) {
-    ctx->save_for_backward({q, k, v, g, beta, initial.value_or(at::Tensor()), cu.value_or(at::Tensor())});
+    auto [o, final_state, states, v_new] = call<GatedDeltaRuleForwardOp>(q, k, v, g, beta, scale, initial, cu, l2norm);
+    ctx->save_for_backward(
+        {q, k, v, g, beta, initial.value_or(at::Tensor()), cu.value_or(at::Tensor()), states, v_new});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["l2norm_qk"] = l2norm;
-    auto [o, final_state] = call<GatedDeltaRuleOp>(q, k, v, g, beta, scale, initial, cu, l2norm);
     return {o, final_state};
   }
 
@@ -181,8 +230,8 @@ struct GatedDeltaRuleOp {
     const auto s = ctx->get_saved_variables();
     const auto optional = [](const at::Tensor& t) { return t.defined() ? Optional(t) : std::nullopt; };
     auto [dq, dk, dv, dg, dbeta, dinitial] = call<GatedDeltaRuleBackwardOp>(
-        grads[0].defined() ? grads[0] : at::zeros_like(s[2]), optional(grads[1]), s[0], s[1], s[2], s[3], s[4],
-        ctx->saved_data["scale"].toDouble(), optional(s[5]), optional(s[6]), ctx->saved_data["l2norm_qk"].toBool());
+        grads[0].defined() ? grads[0] : at::zeros_like(s[2]), optional(grads[1]), s[0], s[1], s[2], s[3], s[4], s[7],
+        s[8], ctx->saved_data["scale"].toDouble(), optional(s[5]), optional(s[6]), ctx->saved_data["l2norm_qk"].toBool());
     return {dq, dk, dv, dg, dbeta, at::Tensor(), s[5].defined() ? dinitial : at::Tensor()};
   }
 };
@@ -190,4 +239,4 @@ struct GatedDeltaRuleOp {
 }  // namespace
 }  // namespace bastile
 
-BASTILE_OPS(bastile::GatedDeltaRuleOp, bastile::GatedDeltaRuleBackwardOp)
+BASTILE_OPS(bastile::GatedDeltaRuleOp, bastile::GatedDeltaRuleForwardOp, bastile::GatedDeltaRuleBackwardOp)
