@@ -922,23 +922,30 @@ template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBa
   const int64_t rows = s.batch * s.tokens * s.v_heads;
   const float *dq_part = p.partial, *dk_part = p.partial + rows * K;
   constexpr int PER = KMAX / 32;
-  float q[PER], k[PER], dq[PER], dk[PER];
+  float q[PER] = {}, k[PER] = {}, dq[PER] = {}, dk[PER] = {};
   float qq = 0.f, kk = 0.f;
 #pragma unroll
   for (int r = 0; r < PER; ++r) {
     const int d = lane + 32 * r;
-    q[r] = k[r] = dq[r] = dk[r] = 0.f;
     if (d >= K) continue;
     q[r] = to_f32(static_cast<const T *>(p.q)[bt * p.q_st.batch + t * p.q_st.token + hk * p.q_st.head + d]);
     k[r] = to_f32(static_cast<const T *>(p.k)[bt * p.k_st.batch + t * p.k_st.token + hk * p.k_st.head + d]);
     qq += q[r] * q[r];
     kk += k[r] * k[r];
-    for (int h = hk * rep; h < (hk + 1) * rep; ++h) {
-      dq[r] += dq_part[(token * s.v_heads + h) * K + d];
-      dk[r] += dk_part[(token * s.v_heads + h) * K + d];
-    }
-    dq[r] *= s.scale;
   }
+  for (int h = hk * rep; h < (hk + 1) * rep; ++h) {  // a row's loads at once: the warp waits on memory
+    const int64_t row = (token * s.v_heads + h) * K;
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+      const int d = lane + 32 * r;
+      if (d < K) {
+        dq[r] += dq_part[row + d];
+        dk[r] += dk_part[row + d];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < PER; ++r) dq[r] *= s.scale;
   float rq = 1.f, rk = 1.f, qdq = 0.f, kdk = 0.f;
   if (s.l2norm_qk) {
     rq = rsqrtf(warp_sum(qq) + 1e-6f);
