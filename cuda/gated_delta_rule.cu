@@ -68,8 +68,8 @@ struct Tf32 {
 };
 __device__ __forceinline__ Tf32 tf32(float x) {
   uint32_t hi, lo;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
   return {hi, lo};
 }
 struct FragA {
