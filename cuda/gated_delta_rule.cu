@@ -59,6 +59,14 @@ __device__ __forceinline__ int64_t slot(const DeltaShape &s, bool packed, int64_
 
 __device__ __forceinline__ float warp_sum(float v) { return warp_group_sum(v, 32); }
 
+// x[at] where `valid`, else x[0]: issued whatever `valid`, the loads of an unrolled loop are all in flight before
+// the first is used (a load under a branch waits for its value there).
+template <class T> __device__ __forceinline__ T load_any(const T *x, int64_t at, bool valid) { return x[valid ? at : 0]; }
+template <class T> __device__ __forceinline__ float load_or_zero(const T *x, int64_t at, bool valid) {
+  const float f = to_f32(load_any(x, at, valid));
+  return valid ? f : 0.f;
+}
+
 // Products on tensor cores, in m16n8k8 mma: at f32's precision, each operand split into a TF32 part and the
 // TF32 of what is left, the three products that matter summed (3xTF32). A lane holds, of a 16 x 8 tile of
 // A, rows g and g + 8 at columns t and t + 4; of an 8 x 8 of B, rows t and t + 4 at column g; of the 16 x 8
@@ -66,6 +74,7 @@ __device__ __forceinline__ float warp_sum(float v) { return warp_group_sum(v, 32
 struct Tf32 {
   uint32_t hi, lo;
 };
+// cvt.rn: one instruction on sm_90 (F2FP), where cvt.rna takes three.
 __device__ __forceinline__ Tf32 tf32(float x) {
   uint32_t hi, lo;
   asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
@@ -129,35 +138,49 @@ struct Place {
   __device__ int64_t token(const DeltaShape &s, int64_t t0, int i) const { return sp.row * s.tokens + sp.start + t0 + i; }
 };
 
-// Rows [start, start + L) of k (normalized) and, unless null, q (normalized and scaled) of key head hk into
-// tiles; zeros past L and past K.
-template <class T, class P>
-__device__ void load_qk(float (*q)[K4], float (*k)[K4], const P &p, int64_t row, int64_t start, int hk, int L) {
+// Rows [start, start + L) of q (normalized and scaled) and k (normalized) of key head hk into tiles; zeros past
+// L and past K. A warp's rows AT at a time: their loads all in flight before the first is used.
+template <class T, int AT, class P>
+__device__ void load_qk(float (&q)[C][K4], float (&k)[C][K4], const P &p, int64_t row, int64_t start, int hk, int L) {
   const DeltaShape &s = p.shape;
   const int K = s.k_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T *qs = static_cast<const T *>(p.q), *ks = static_cast<const T *>(p.k);
-  for (int i = warp; i < C; i += WARPS) {
-    const int64_t t = start + i;
-    float qq = 0.f, kk = 0.f;
-    for (int d = lane; d < KMAX; d += 32) {
-      float qv = 0.f, kv = 0.f;
-      if (i < L && d < K) {
-        if (q) qv = to_f32(qs[row * p.q_st.batch + t * p.q_st.token + hk * p.q_st.head + d]);
-        kv = to_f32(ks[row * p.k_st.batch + t * p.k_st.token + hk * p.k_st.head + d]);
+  constexpr int D = KMAX / 32;
+  static_assert(C % (WARPS * AT) == 0, "whole groups of rows");
+  for (int i0 = warp; i0 < C; i0 += WARPS * AT) {
+    T qr[AT][D], kr[AT][D];
+#pragma unroll
+    for (int a = 0; a < AT; ++a)
+#pragma unroll
+      for (int c = 0; c < D; ++c) {
+        const int i = i0 + a * WARPS, d = lane + 32 * c;
+        const int64_t t = start + i;
+        const bool in = i < L && d < K;
+        qr[a][c] = load_any(qs, row * p.q_st.batch + t * p.q_st.token + hk * p.q_st.head + d, in);
+        kr[a][c] = load_any(ks, row * p.k_st.batch + t * p.k_st.token + hk * p.k_st.head + d, in);
       }
-      if (q) q[i][d] = qv;
-      k[i][d] = kv;
-      qq += qv * qv;
-      kk += kv * kv;
-    }
-    float rq = s.scale, rk = 1.f;
-    if (s.l2norm_qk) {
-      rq *= rsqrtf(warp_sum(qq) + 1e-6f);
-      rk = rsqrtf(warp_sum(kk) + 1e-6f);
-    }
-    for (int d = lane; d < KMAX; d += 32) {
-      if (q) q[i][d] *= rq;
-      k[i][d] *= rk;
+#pragma unroll
+    for (int a = 0; a < AT; ++a) {
+      const int i = i0 + a * WARPS;
+      float qv[D], kv[D], qq = 0.f, kk = 0.f;
+#pragma unroll
+      for (int c = 0; c < D; ++c) {
+        const bool in = i < L && lane + 32 * c < K;
+        qv[c] = in ? to_f32(qr[a][c]) : 0.f;
+        kv[c] = in ? to_f32(kr[a][c]) : 0.f;
+        qq += qv[c] * qv[c];
+        kk += kv[c] * kv[c];
+      }
+      float rq = s.scale, rk = 1.f;
+      if (s.l2norm_qk) {
+        rq *= rsqrtf(warp_sum(qq) + 1e-6f);
+        rk = rsqrtf(warp_sum(kk) + 1e-6f);
+      }
+#pragma unroll
+      for (int c = 0; c < D; ++c) {
+        q[i][lane + 32 * c] = qv[c] * rq;
+        k[i][lane + 32 * c] = kv[c] * rk;
+      }
     }
   }
 }
@@ -168,8 +191,8 @@ template <class P>
 __device__ void load_decays(const P &p, int64_t first, int h, int L, float *gamma, float *beta, float *bg, float *tail) {
   const int lane = threadIdx.x % 32;
   const int64_t row = (first + lane) * p.shape.v_heads + h;
-  const float g = lane < L ? static_cast<const float *>(p.g)[row] : 0.f;
-  const float b = lane < L ? static_cast<const float *>(p.beta)[row] : 0.f;
+  const float g = load_or_zero(static_cast<const float *>(p.g), row, lane < L);
+  const float b = load_or_zero(static_cast<const float *>(p.beta), row, lane < L);
   float run = g;
   for (int o = 1; o < 32; o *= 2) {
     const float up = __shfl_up_sync(0xffffffffu, run, o);
@@ -259,7 +282,7 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
   if (c.L == 0) return;
   const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, tid = threadIdx.x;
   const int64_t V = s.v_dim, first = c.sp.row * s.tokens + c.sp.start + c.t0;
-  load_qk<T>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
+  load_qk<T, C / WARPS>(m.q, m.k, p, c.sp.row, c.sp.start + c.t0, hk, c.L);
   if (tid < 32) load_decays(p, first, h, c.L, m.gamma, m.beta, m.bg, m.tail);
   __syncthreads();
   const int64_t at = blockIdx.x * s.v_heads + h;
@@ -318,12 +341,20 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
   const T *v = static_cast<const T *>(p.v);
   float *u = p.u + at * C * V;
   for (int64_t j0 = 0; j0 < V; j0 += VS) {
-    for (int e = tid; e < C * VS; e += THREADS) {
-      const int i = e / VS, j = e % VS;
-      const int64_t t = c.sp.start + c.t0 + i;
-      m.v[i][j] = i < c.L && j0 + j < V
-                      ? m.beta[i] * to_f32(v[c.sp.row * p.v_st.batch + t * p.v_st.token + h * p.v_st.head + j0 + j])
-                      : 0.f;
+    {  // beta v: every load issued before the first is used
+      constexpr int PER = C * VS / THREADS;
+      T vr[PER];
+#pragma unroll
+      for (int r = 0; r < PER; ++r) {
+        const int e = tid + r * THREADS, i = e / VS, j = e % VS;
+        const int64_t t = c.sp.start + c.t0 + i;
+        vr[r] = load_any(v, c.sp.row * p.v_st.batch + t * p.v_st.token + h * p.v_st.head + j0 + j, i < c.L && j0 + j < V);
+      }
+#pragma unroll
+      for (int r = 0; r < PER; ++r) {
+        const int e = tid + r * THREADS, i = e / VS, j = e % VS;
+        m.v[i][j] = i < c.L && j0 + j < V ? m.beta[i] * to_f32(vr[r]) : 0.f;
+      }
     }
     __syncthreads();
     float acc[4] = {};  // U = X (beta v)
@@ -550,8 +581,9 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
   const T *grad_o = static_cast<const T *>(p.grad_o);
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
-  constexpr int PER = C * VS / WALK_THREADS;  // of do, a thread's
-  float dout[PER];
+  constexpr int PER = C * VS / WALK_THREADS;  // of do, a thread's, converted once the step's products are issued
+  T dout[PER];
+  unsigned dout_in = 0;
   const auto fetch = [&](int64_t t0, int buf) {
     const int64_t chunk = chunk_at(t0);
     copy_rows(m.w[buf], p.w + chunk * C * KMAX);
@@ -561,15 +593,19 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
     const int L = (int)min((int64_t)C, at.sp.len - t0);
+    dout_in = 0;
 #pragma unroll
     for (int r = 0; r < PER; ++r) {
       const int e = tid + r * WALK_THREADS, i = e / VS, j = e % VS;
-      dout[r] = i < L && j < at.cols ? to_f32(grad_o[(at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j]) : 0.f;
+      const bool in = i < L && j < at.cols;
+      dout[r] = load_any(grad_o, (at.token(s, t0, i) * s.v_heads + at.h) * V + at.j0 + j, in);
+      dout_in |= (unsigned)in << r;
     }
   };
   const auto keep_dout = [&] {
 #pragma unroll
-    for (int r = 0; r < PER; ++r) m.dout[(tid + r * WALK_THREADS) / VS][(tid + r * WALK_THREADS) % VS] = dout[r];
+    for (int r = 0; r < PER; ++r)
+      m.dout[(tid + r * WALK_THREADS) / VS][(tid + r * WALK_THREADS) % VS] = dout_in >> r & 1 ? to_f32(dout[r]) : 0.f;
   };
   Held dh;
   held_in(dh, p.grad_final_state ? static_cast<const float *>(p.grad_final_state) + head_state : nullptr, K, V, at);
@@ -690,12 +726,24 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     const int cols = (int)min((int64_t)VS, V - v0);
     const bool ahead = v0 + VS < V;
     if (ahead) fetch(v0 + VS, sl.buf[buf ^ 1]);
-    for (int e = tid; e < C * VS; e += THREADS) {
-      const int i = e / VS, j = e % VS;
-      const bool in = i < L && j < cols;
-      const int64_t t = c.sp.start + c.t0 + i;
-      sl.v[i][j] = in ? to_f32(v[c.sp.row * p.v_st.batch + t * p.v_st.token + h * p.v_st.head + v0 + j]) : 0.f;
-      sl.dout[i][j] = in ? to_f32(grad_o[((first + i) * s.v_heads + h) * V + v0 + j]) : 0.f;
+    {  // v and do: every load issued before the first is used
+      constexpr int PER = C * VS / THREADS;
+      T vr[PER], dr[PER];
+#pragma unroll
+      for (int r = 0; r < PER; ++r) {
+        const int e = tid + r * THREADS, i = e / VS, j = e % VS;
+        const bool in = i < L && j < cols;
+        const int64_t t = c.sp.start + c.t0 + i;
+        vr[r] = load_any(v, c.sp.row * p.v_st.batch + t * p.v_st.token + h * p.v_st.head + v0 + j, in);
+        dr[r] = load_any(grad_o, ((first + i) * s.v_heads + h) * V + v0 + j, in);
+      }
+#pragma unroll
+      for (int r = 0; r < PER; ++r) {
+        const int e = tid + r * THREADS, i = e / VS, j = e % VS;
+        const bool in = i < L && j < cols;
+        sl.v[i][j] = in ? to_f32(vr[r]) : 0.f;
+        sl.dout[i][j] = in ? to_f32(dr[r]) : 0.f;
+      }
     }
     copies_landed(ahead);
     __syncthreads();
@@ -737,7 +785,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     }
     __syncthreads();
   }
-  load_qk<T>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
+  load_qk<T, 1>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
   __syncthreads();
   // The value side's terms: dq = G do h^T, dk = tail v' dh^T and their parts of gamma's gradient; dW, dM (before
   // the decay, l <= r) and dT's v term (l < r) into the tiles.
