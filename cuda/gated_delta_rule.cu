@@ -34,8 +34,9 @@ constexpr int WALK_WARPS = GDR_WALK_WARPS, WALK_THREADS = 32 * WALK_WARPS;
 constexpr int CP = C + 1, VP = VS + 1;
 // Rows VS + 8 wide: the lanes of an mma reading rows t at columns g (see frag_b) hit 32 banks, 8t + g.
 constexpr int SP = VS + 8;
-// Rows KMAX + 4 wide: the lanes of an mma reading rows g at columns t (see frag_a) hit 32 banks, 4g + t.
-constexpr int K4 = KMAX + 4;
+// Rows KMAX + 4 wide: the lanes of an mma reading rows g at columns t (see frag_a) hit 32 banks, 4g + t;
+// KMAX + 8 (C + 8, SP) wide for tiles read transposed, rows t at columns g: 8t + g.
+constexpr int K4 = KMAX + 4, K8 = KMAX + 8, C4 = C + 4, C8 = C + 8;
 static_assert(C == 32, "a warp's lane is a chunk's row (load_decays, suffix_sum)");
 
 extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -389,13 +390,21 @@ __device__ __forceinline__ void copies_landed(bool pending) {
   else asm volatile("cp.async.wait_group 0;");
 }
 
-// C rows of KMAX floats (a chunk's W, kt or G q in the scratch) into a K4-wide tile.
-__device__ __forceinline__ void copy_rows(float (&dst)[C][K4], const float *src) {
-  for (int e = threadIdx.x; e < C * KMAX / 4; e += WALK_THREADS) copy16(&dst[e / (KMAX / 4)][e % (KMAX / 4) * 4], src + 4 * e);
+// C rows of N floats (a chunk's W, kt, G q or M in the scratch) into a tile.
+template <int N, int W> __device__ __forceinline__ void copy_rows(float (&dst)[C][W], const float *src) {
+  for (int e = threadIdx.x; e < C * N / 4; e += WALK_THREADS) copy16(&dst[e / (N / 4)][e % (N / 4) * 4], src + 4 * e);
 }
 
-// The block's VS columns of C rows of V (a chunk's U in the scratch) into a tile, zeros past them.
-__device__ __forceinline__ void copy_columns(float (&dst)[C][VP], const float *src, int64_t V, const Place &at) {
+// The block's VS columns of C rows of V (a chunk's U in the scratch) into a tile, zeros past them; 16 bytes a
+// copy where V's rows keep them aligned.
+__device__ __forceinline__ void copy_columns(float (&dst)[C][VS + 4], const float *src, int64_t V, const Place &at) {
+  if (V % 4 == 0) {
+    for (int e = threadIdx.x; e < C * VS / 4; e += WALK_THREADS) {
+      const int i = e / (VS / 4), j = e % (VS / 4) * 4;
+      copy16(&dst[i][j], j < at.cols ? src + i * V + at.j0 + j : src, j < at.cols);
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < C * VS; e += WALK_THREADS) {
     const int i = e / VS, j = e % VS;
     copy4(&dst[i][j], j < at.cols ? src + i * V + at.j0 + j : src, j < at.cols);
@@ -425,21 +434,34 @@ __device__ __forceinline__ void held_out(float *dst, const Held &h, int K, int64
 __device__ __forceinline__ void held_mirror(float (&mirror)[KMAX][SP], const Held &h) {
   held_each([&](int n, int e, int d, int j) { mirror[d][j] = h[n][e]; });
 }
+// A lane's share of a 16 x 8 result at (r0, c0) into or from an SP-wide tile, two columns at once: the lanes
+// of each half warp hit 32 banks.
+__device__ __forceinline__ void put_pairs(float (&tile)[C][SP], const float (&acc)[4], int r0, int c0) {
+#pragma unroll
+  for (int e = 0; e < 4; e += 2) *reinterpret_cast<float2 *>(&tile[frag_row(r0, e)][frag_col(c0, e)]) = make_float2(acc[e], acc[e + 1]);
+}
+__device__ __forceinline__ void add_pairs(float (&acc)[4], const float (&tile)[C][SP], int r0, int c0) {
+#pragma unroll
+  for (int e = 0; e < 4; e += 2) {
+    const float2 x = *reinterpret_cast<const float2 *>(&tile[frag_row(r0, e)][frag_col(c0, e)]);
+    acc[e] += x.x;
+    acc[e + 1] += x.y;
+  }
+}
 // x (C rows of keys) times the mirrored state: warp w the result's 16 x 8 tile w % 8 over keys
 // [64 (w / 8), + 64), into part[w / 8]; `extra` adds to part[0] before it is written.
 template <class T, class F>
-__device__ __forceinline__ void held_product(float (&part)[2][C][VP], const float (&x)[C][K4], const float (&mirror)[KMAX][SP], F extra) {
+__device__ __forceinline__ void held_product(float (&part)[2][C][SP], const float (&x)[C][K4], const float (&mirror)[KMAX][SP], F extra) {
   const int warp = threadIdx.x / 32, r0 = 16 * (warp % 8 / 4), c0 = 8 * (warp % 4), half = warp / 8;
   float acc[4] = {};
 #pragma unroll
   for (int k0 = 64 * half; k0 < 64 * half + 64; k0 += 8)
     mma_add<T>(acc, frag_a([&](int i, int d) { return x[i][d]; }, r0, k0), frag_b([&](int d, int j) { return mirror[d][j]; }, k0, c0));
   if (half == 0) extra(acc, r0, c0);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) part[half][frag_row(r0, e)][frag_col(c0, e)] = acc[e];
+  put_pairs(part[half], acc, r0, c0);
 }
 // h += a^T b over the chunk's rows (a: C rows of keys, b: C rows of the block's columns).
-template <class T> __device__ __forceinline__ void held_update(Held &h, const float (&a)[C][K4], const float (&b)[C][SP]) {
+template <class T> __device__ __forceinline__ void held_update(Held &h, const float (&a)[C][K8], const float (&b)[C][SP]) {
   const int warp = threadIdx.x / 32, d0 = 16 * (warp / 2), n0 = 16 * (warp % 2);
 #pragma unroll
   for (int i0 = 0; i0 < C; i0 += 8) {
@@ -469,10 +491,10 @@ template <class T> __device__ __forceinline__ void save_mirror(T *dst, const flo
 // + M v', then h <- G_last h + kt^T v' (Held), keeping each chunk's starting state and v' where the backward
 // needs them. The next chunk's tiles are copied in while this one's products run.
 struct State {
-  float w[2][C][K4], kt[2][C][K4], qg[2][C][K4];
-  float mq[2][C][CP];
-  float u[2][C][VP], vn[C][SP];
-  float part[2][C][VP], partq[2][C][VP];
+  float w[2][C][K4], kt[2][C][K8], qg[2][C][K4];
+  float mq[2][C][C4];
+  float u[2][C][VS + 4], vn[C][SP];
+  float part[2][C][SP], partq[2][C][SP];
   float mirror[KMAX][SP];
   float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
@@ -488,11 +510,11 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
   const auto fetch = [&](int64_t t0, int buf) {
     const int64_t chunk = chunk_at(t0);
-    copy_rows(m.w[buf], p.w + chunk * C * KMAX);
-    copy_rows(m.kt[buf], p.kt + chunk * C * KMAX);
+    copy_rows<KMAX>(m.w[buf], p.w + chunk * C * KMAX);
+    copy_rows<KMAX>(m.kt[buf], p.kt + chunk * C * KMAX);
     copy_columns(m.u[buf], p.u + chunk * C * V, V, at);
-    copy_rows(m.qg[buf], p.qg + chunk * C * KMAX);
-    for (int e = tid; e < C * C; e += WALK_THREADS) copy4(&m.mq[buf][e / C][e % C], p.m + chunk * C * C + e, true);
+    copy_rows<KMAX>(m.qg[buf], p.qg + chunk * C * KMAX);
+    copy_rows<C>(m.mq[buf], p.m + chunk * C * C);
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
   };
@@ -521,9 +543,9 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
     __syncthreads();
     if (warp < 8) {  // o's 16 x 8 tile `warp`, as held_product's
       const int r0 = 16 * (warp / 4), c0 = 8 * (warp % 4), L = (int)min((int64_t)C, at.sp.len - t0);
-      float acc[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] = m.partq[0][frag_row(r0, e)][frag_col(c0, e)] + m.partq[1][frag_row(r0, e)][frag_col(c0, e)];
+      float acc[4] = {};
+      add_pairs(acc, m.partq[0], r0, c0);
+      add_pairs(acc, m.partq[1], r0, c0);
 #pragma unroll
       for (int l0 = 0; l0 < C; l0 += 8)
         mma_add<T>(acc, frag_a([&](int i, int l) { return m.mq[buf][i][l]; }, r0, l0), frag_b([&](int l, int j) { return m.vn[l][j]; }, l0, c0));
@@ -564,10 +586,10 @@ template <int N> __device__ __forceinline__ float rows_total(const float (&part)
 // dh <- G_last dh + (G q)^T do - W^T dv' (Held). The next chunk's W, kt, G q, M and do are read while this
 // one's products run.
 struct Walk {
-  float w[2][C][K4], kt[2][C][K4], qg[2][C][K4];
-  float mq[2][C][CP];
+  float w[2][C][K8], kt[2][C][K4], qg[2][C][K8];
+  float mq[2][C][C8];
   float dout[C][SP], dvn[C][SP];
-  float part[2][C][VP];
+  float part[2][C][SP];
   float mirror[KMAX][SP];
   float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
@@ -586,10 +608,10 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   unsigned dout_in = 0;
   const auto fetch = [&](int64_t t0, int buf) {
     const int64_t chunk = chunk_at(t0);
-    copy_rows(m.w[buf], p.w + chunk * C * KMAX);
-    copy_rows(m.kt[buf], p.kt + chunk * C * KMAX);
-    copy_rows(m.qg[buf], p.qg + chunk * C * KMAX);
-    for (int e = tid; e < C * C; e += WALK_THREADS) copy4(&m.mq[buf][e / C][e % C], p.m + chunk * C * C + e, true);
+    copy_rows<KMAX>(m.w[buf], p.w + chunk * C * KMAX);
+    copy_rows<KMAX>(m.kt[buf], p.kt + chunk * C * KMAX);
+    copy_rows<KMAX>(m.qg[buf], p.qg + chunk * C * KMAX);
+    copy_rows<C>(m.mq[buf], p.m + chunk * C * C);
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
     const int L = (int)min((int64_t)C, at.sp.len - t0);

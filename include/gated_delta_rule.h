@@ -111,12 +111,12 @@ typedef struct GatedDeltaRuleBackward {
  * instance's, the largest). */
 #define GDR_PREP_SHARED \
   (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_V_SLICE + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
-#define GDR_STATE_SHARED \
-  (4 * (6 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK * (GDR_V_SLICE + 1) + \
-        (GDR_CHUNK + GDR_MAX_DIM) * (GDR_V_SLICE + 8) + 4))
-#define GDR_WALK_SHARED \
-  (4 * (6 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 2 * GDR_CHUNK * (GDR_CHUNK + 1) + (2 * GDR_CHUNK + GDR_MAX_DIM) * (GDR_V_SLICE + 8) + \
-        2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 4))
+#define GDR_STATE_SHARED                                                                                           \
+  (4 * (2 * GDR_CHUNK * (3 * GDR_MAX_DIM + 16) + 2 * GDR_CHUNK * (GDR_CHUNK + 4) + 2 * GDR_CHUNK * (GDR_V_SLICE + 4) + \
+        5 * GDR_CHUNK * (GDR_V_SLICE + 8) + GDR_MAX_DIM * (GDR_V_SLICE + 8) + 4))
+#define GDR_WALK_SHARED                                                                                            \
+  (4 * (2 * GDR_CHUNK * (3 * GDR_MAX_DIM + 20) + 2 * GDR_CHUNK * (GDR_CHUNK + 8) + 4 * GDR_CHUNK * (GDR_V_SLICE + 8) + \
+        GDR_MAX_DIM * (GDR_V_SLICE + 8) + 4))
 #define GDR_BACKWARD_SHARED                                                                                \
   (4 * (GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK + 4 * (GDR_MAX_DIM + GDR_CHUNK) * (GDR_V_SLICE + 4) +      \
         2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
