@@ -694,14 +694,14 @@ __device__ __forceinline__ void slice_tiles(X (&state)[KMAX][SR<X>], X (&values)
 }
 template <class T> struct Slices {
   Slice<T> buf[2];
-  float v[C][VP], dout[C][VP];
+  float v[C][VS + 4], dout[C][VS + 4];
 };
 struct KeyTiles {
   float q[C][K4], k[C][K4], dw[C][K4];
   float a[C][CP], qk[C][CP], dm[C][CP], xm[C][CP], dt[C][CP], y[C][CP];
 };
 template <class T> struct Backward {
-  float x[C][CP];
+  float x[C][C8];  // read transposed but by Y = dT X^T
   float gamma[C], beta[C], bg[C], tail[C];  // bg = beta G, tail = exp(gamma_last - gamma)
   union {
     Slices<T> slices;

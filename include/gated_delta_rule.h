@@ -118,8 +118,8 @@ typedef struct GatedDeltaRuleBackward {
   (4 * (2 * GDR_CHUNK * (3 * GDR_MAX_DIM + 20) + 2 * GDR_CHUNK * (GDR_CHUNK + 8) + 4 * GDR_CHUNK * (GDR_V_SLICE + 8) + \
         GDR_MAX_DIM * (GDR_V_SLICE + 8) + 4))
 #define GDR_BACKWARD_SHARED                                                                                \
-  (4 * (GDR_CHUNK * (GDR_CHUNK + 1) + 6 * GDR_CHUNK + 4 * (GDR_MAX_DIM + GDR_CHUNK) * (GDR_V_SLICE + 4) +      \
-        2 * GDR_CHUNK * (GDR_V_SLICE + 1) + 2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
+  (4 * (GDR_CHUNK * (GDR_CHUNK + 8) + 6 * GDR_CHUNK + 4 * (GDR_MAX_DIM + GDR_CHUNK) * (GDR_V_SLICE + 4) +      \
+        2 * GDR_CHUNK * (GDR_V_SLICE + 4) + 2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
 
 /* The forward in two kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt, gamma, G q and M, the
  * chunks in parallel) and gated_delta_rule_fwd_state_<dtype> (the chunks of a sequence in order: o, and the
