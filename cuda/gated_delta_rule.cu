@@ -16,8 +16,8 @@
 // and q, k, beta and gamma take the terms of every product above (gamma's summed from the chunk's end into g's).
 // The block takes the state's columns VS at a time with what needs them (the terms through h and dh, dv),
 // summing in registers what sums over them (do h^T, v' dh^T, dM, dT's v term, dW), then the products over the
-// keys through X and A. The reduce kernel sums q's and k's gradients over the value heads that share a key
-// head, with the l2norm's backward. Every product runs on tensor cores (mma_add): TF32 for bf16 inputs, at f32's
+// keys through X and A; a block takes the value heads that share a key head in turn, summing q's and k's
+// gradients over them before the l2norm's backward. Every product runs on tensor cores (mma_add): TF32 for bf16 inputs, at f32's
 // precision (3xTF32) for f16 and f32 ones.
 #include "common.cuh"
 #include "gated_delta_rule.h"
@@ -140,9 +140,11 @@ struct Place {
 };
 
 // Rows [start, start + L) of q (normalized and scaled) and k (normalized) of key head hk into tiles; zeros past
-// L and past K. A warp's rows AT at a time: their loads all in flight before the first is used.
+// L and past K; where `norms` is given, each row's factors of the normalization (1 without it) into norms[0]
+// (q's) and norms[1] (k's). A warp's rows AT at a time: their loads all in flight before the first is used.
 template <class T, int AT, class P>
-__device__ void load_qk(float (&q)[C][K4], float (&k)[C][K4], const P &p, int64_t row, int64_t start, int hk, int L) {
+__device__ void load_qk(float (&q)[C][K4], float (&k)[C][K4], const P &p, int64_t row, int64_t start, int hk, int L,
+                        float (*norms)[C] = nullptr) {
   const DeltaShape &s = p.shape;
   const int K = s.k_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T *qs = static_cast<const T *>(p.q), *ks = static_cast<const T *>(p.k);
@@ -172,10 +174,15 @@ __device__ void load_qk(float (&q)[C][K4], float (&k)[C][K4], const P &p, int64_
         qq += qv[c] * qv[c];
         kk += kv[c] * kv[c];
       }
-      float rq = s.scale, rk = 1.f;
+      float nq = 1.f, rk = 1.f;
       if (s.l2norm_qk) {
-        rq *= rsqrtf(warp_sum(qq) + 1e-6f);
+        nq = rsqrtf(warp_sum(qq) + 1e-6f);
         rk = rsqrtf(warp_sum(kk) + 1e-6f);
+      }
+      const float rq = (float)s.scale * nq;
+      if (norms && lane == 0) {
+        norms[0][i] = nq;
+        norms[1][i] = rk;
       }
 #pragma unroll
       for (int c = 0; c < D; ++c) {
@@ -707,26 +714,27 @@ template <class T> struct Backward {
     Slices<T> slices;
     KeyTiles keys;
   };
-  float part[2][WARPS][C];  // per-warp row sums
+  float part[3][WARPS][C];  // per-warp row sums
   float vdv[VS / 8][C];     // per column group row sums: v . dVb
   float hdh[THREADS];
   float dgamma[C], dbeta[C];
+  float norms[2][C], dots[2][C];  // q's and k's rows: the l2norm's factors, y . dy
 };
 // GDR_BACKWARD_SHARED is the f32 instance's, the largest.
 static_assert(sizeof(Backward<float>) == GDR_BACKWARD_SHARED && sizeof(Backward<bf16>) < GDR_BACKWARD_SHARED);
 
-// A chunk (blockIdx.x its slot) and value head (blockIdx.y), from its state h and the walk's dh and dv': the
-// slices of V in turn (h, dh, v, v', do and dv' of VS columns each) sum do h^T, v' dh^T, dv' h^T, dM and dT's
-// v term in registers and write dv; then the products over the keys take dM, dT and dW through X and A into
-// q's, k's, g's and beta's gradients. q's and k's go to the reduce kernel, which sums the value heads.
-template <class T> __device__ __forceinline__ void backward(const GatedDeltaRuleBackward &p) {
+// Chunk c and value head h of key head hk, from its state h and the walk's dh and dv': the slices of V in turn
+// (h, dh, v, v', do and dv' of VS columns each) sum do h^T, v' dh^T, dv' h^T, dM and dT's v term in registers
+// and write dv; then the products over the keys take dM, dT and dW through X and A into q's, k's, g's and
+// beta's gradients. q's and k's are summed over the key head's value heads, in order, in `partial`; the last
+// one takes them through the l2norm.
+template <class T>
+__device__ __forceinline__ void value_head(const GatedDeltaRuleBackward &p, const ChunkAt &c, int hk, int h, bool first_head, bool last_head) {
   Backward<T> &m = *reinterpret_cast<Backward<T> *>(shared_raw);
   Slices<T> &sl = m.slices;
   KeyTiles &kt = m.keys;
   const DeltaShape &s = p.shape;
-  const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
-  if (c.L == 0) return;
-  const int h = blockIdx.y, hk = h / (s.v_heads / s.k_heads), K = s.k_dim, L = c.L;
+  const int K = s.k_dim, L = c.L;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t V = s.v_dim, chunk = blockIdx.x * s.v_heads + h, first = c.sp.row * s.tokens + c.sp.start + c.t0;
   if (tid < 32) load_decays(p, first, h, L, m.gamma, m.beta, m.bg, m.tail);
@@ -807,7 +815,7 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
     }
     __syncthreads();
   }
-  load_qk<T, 1>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L);
+  load_qk<T, 1>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L, m.norms);
   __syncthreads();
   // The value side's terms: dq = G do h^T, dk = tail v' dh^T and their parts of gamma's gradient; dW, dM (before
   // the decay, l <= r) and dT's v term (l < r) into the tiles.
@@ -946,8 +954,8 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
       }
     }
   }
-  float z[4] = {};  // rows g, g + 8, g + 16, g + 24
-  float *out_dq = p.partial, *out_dk = p.partial + s.batch * s.tokens * s.v_heads * K;
+  float z[4] = {}, qdot[4] = {}, kdot[4] = {};  // rows g, g + 8, g + 16, g + 24
+  float *sum_dq = p.partial, *sum_dk = p.partial + s.batch * s.tokens * s.k_heads * K;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -955,17 +963,29 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // zeros past K but for the outputs
         const int i = frag_row(16 * r, e), d = frag_col(d0 + 8 * n, e);
+        const int64_t at = ((first + i) * s.k_heads + hk) * K + d;
+        const bool in = i < L && d < K;
         z[2 * r + e / 2] += kt.k[i][d] * dkb[r][n][e];
-        if (i < L && d < K) {
-          const int64_t row = (first + i) * s.v_heads + h;
-          out_dq[row * K + d] = dq[r][n][e];
-          out_dk[row * K + d] = dk[r][n][e] + m.bg[i] * dkb[r][n][e];
+        dk[r][n][e] += m.bg[i] * dkb[r][n][e];
+        if (!first_head && in) {
+          dq[r][n][e] += sum_dq[at];
+          dk[r][n][e] += sum_dk[at];
         }
+        if (!last_head && in) {
+          sum_dq[at] = dq[r][n][e];
+          sum_dk[at] = dk[r][n][e];
+        }
+        qdot[2 * r + e / 2] += kt.q[i][d] * dq[r][n][e];
+        kdot[2 * r + e / 2] += kt.k[i][d] * dk[r][n][e];
       }
 #pragma unroll
   for (int x = 0; x < 4; ++x) {
-    const float a = quad_sum(z[x]);
-    if (lane % 4 == 0) m.part[0][warp][frag_row(8 * x, 0)] = a;
+    const float a = quad_sum(z[x]), b = quad_sum(qdot[x]), e = quad_sum(kdot[x]);
+    if (lane % 4 == 0) {
+      m.part[0][warp][frag_row(8 * x, 0)] = a;
+      m.part[1][warp][frag_row(8 * x, 0)] = b;
+      m.part[2][warp][frag_row(8 * x, 0)] = e;
+    }
   }
   __syncthreads();
   if (warp == 0) {  // g's gradient: gamma's, summed from the chunk's end
@@ -977,72 +997,48 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
       static_cast<float *>(p.grad_g)[row] = run;
       static_cast<float *>(p.grad_beta)[row] = m.dbeta[i] + __expf(m.gamma[i]) * z_i;
     }
+    m.dots[0][i] = rows_total(m.part[1], i);
+    m.dots[1][i] = rows_total(m.part[2], i);
   }
+  if (!last_head) return;
+  __syncthreads();
+  // Through the l2norm, y = x r: dx = r (dy - y (y . dy)); q's dy is scale times its sum (kt.q = scale y).
+  const float unscale = s.scale != 0 ? (float)(1 / s.scale) : 0.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = frag_row(16 * r, e), d = frag_col(d0 + 8 * n, e);
+        if (i >= L || d >= K) continue;
+        float gq = (float)s.scale * dq[r][n][e], gk = dk[r][n][e];
+        if (s.l2norm_qk) {
+          gq = m.norms[0][i] * (gq - kt.q[i][d] * unscale * m.dots[0][i]);
+          gk = m.norms[1][i] * (gk - kt.k[i][d] * m.dots[1][i]);
+        }
+        const int64_t at = ((first + i) * s.k_heads + hk) * K + d;
+        static_cast<T *>(p.grad_q)[at] = from_f32<T>(gq);
+        static_cast<T *>(p.grad_k)[at] = from_f32<T>(gk);
+      }
 }
 
-// A warp per token and key head: q's and k's gradients summed over the value heads that read them, through
-// the l2norm (dx = r (dy - y (y . dy)), y = x r).
-template <class T> __device__ __forceinline__ void reduce(const GatedDeltaRuleBackward &p) {
+// A chunk (blockIdx.x its slot) and key head (blockIdx.y): the value heads that read the key head in turn.
+template <class T> __device__ __forceinline__ void backward(const GatedDeltaRuleBackward &p) {
   const DeltaShape &s = p.shape;
-  const int K = s.k_dim, lane = threadIdx.x % 32, rep = s.v_heads / s.k_heads;
-  const int64_t pair = blockIdx.x * (int64_t)WARPS + threadIdx.x / 32;  // (b * T + t) * Hk + hk
-  if (pair >= s.batch * s.tokens * s.k_heads) return;
-  const int64_t token = pair / s.k_heads, bt = token / s.tokens, t = token % s.tokens;
-  const int hk = pair % s.k_heads;
-  const int64_t rows = s.batch * s.tokens * s.v_heads;
-  const float *dq_part = p.partial, *dk_part = p.partial + rows * K;
-  constexpr int PER = KMAX / 32;
-  float q[PER] = {}, k[PER] = {}, dq[PER] = {}, dk[PER] = {};
-  float qq = 0.f, kk = 0.f;
-#pragma unroll
-  for (int r = 0; r < PER; ++r) {
-    const int d = lane + 32 * r;
-    if (d >= K) continue;
-    q[r] = to_f32(static_cast<const T *>(p.q)[bt * p.q_st.batch + t * p.q_st.token + hk * p.q_st.head + d]);
-    k[r] = to_f32(static_cast<const T *>(p.k)[bt * p.k_st.batch + t * p.k_st.token + hk * p.k_st.head + d]);
-    qq += q[r] * q[r];
-    kk += k[r] * k[r];
-  }
-  for (int h = hk * rep; h < (hk + 1) * rep; ++h) {  // a row's loads at once: the warp waits on memory
-    const int64_t row = (token * s.v_heads + h) * K;
-#pragma unroll
-    for (int r = 0; r < PER; ++r) {
-      const int d = lane + 32 * r;
-      if (d < K) {
-        dq[r] += dq_part[row + d];
-        dk[r] += dk_part[row + d];
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < PER; ++r) dq[r] *= s.scale;
-  float rq = 1.f, rk = 1.f, qdq = 0.f, kdk = 0.f;
-  if (s.l2norm_qk) {
-    rq = rsqrtf(warp_sum(qq) + 1e-6f);
-    rk = rsqrtf(warp_sum(kk) + 1e-6f);
-#pragma unroll
-    for (int r = 0; r < PER; ++r) {
-      qdq += q[r] * rq * dq[r];
-      kdk += k[r] * rk * dk[r];
-    }
-    qdq = warp_sum(qdq);
-    kdk = warp_sum(kdk);
-  }
-  T *grad_q = static_cast<T *>(p.grad_q) + pair * K, *grad_k = static_cast<T *>(p.grad_k) + pair * K;
-#pragma unroll
-  for (int r = 0; r < PER; ++r) {
-    const int d = lane + 32 * r;
-    if (d >= K) continue;
-    grad_q[d] = from_f32<T>(s.l2norm_qk ? rq * (dq[r] - q[r] * rq * qdq) : dq[r]);
-    grad_k[d] = from_f32<T>(s.l2norm_qk ? rk * (dk[r] - k[r] * rk * kdk) : dk[r]);
+  const ChunkAt c(s, p.cu_seqlens, blockIdx.x);
+  if (c.L == 0) return;
+  const int hk = blockIdx.y, rep = (int)(s.v_heads / s.k_heads);
+  for (int h = hk * rep; h < hk * rep + rep; ++h) {
+    if (h > hk * rep) __syncthreads();  // the last one's tiles read
+    value_head<T>(p, c, hk, h, h == hk * rep, h == hk * rep + rep - 1);
   }
 }
 
 }  // namespace
 
 // The threads of each stage's blocks.
-constexpr int prep_threads = THREADS, state_threads = WALK_THREADS, walk_threads = WALK_THREADS,
-              reduce_threads = THREADS;
+constexpr int prep_threads = THREADS, state_threads = WALK_THREADS, walk_threads = WALK_THREADS;
 #define FORWARD_STAGE(dir, stage, dt)                                                                  \
   extern "C" __global__ void __launch_bounds__(stage##_threads)                                        \
       gated_delta_rule_##dir##_##stage##_##dt(const GatedDeltaRuleForward p) {                         \

@@ -92,7 +92,8 @@ typedef struct GatedDeltaRuleBackward {
   int64_t chunks;   /* slots * Hv: the chunks of the scratch */
   float *dstates;   /* CUDA: dh, the gradient of the state at each chunk's end, and */
   float *dvn;       /* dv', the gradient of v': f32, laid out as states and v_new */
-  float *partial;   /* CUDA: [2][B * T * Hv][K] f32: the gradients of q and k by value head, which reduce sums */
+  float *partial;   /* CUDA: [2][B * T * Hk][K] f32: q's and k's gradients summed over a key head's value heads
+                       but the last, or null where each key head has one */
   TokenStrides q_st;
   TokenStrides k_st;
   TokenStrides v_st;
@@ -119,7 +120,8 @@ typedef struct GatedDeltaRuleBackward {
         GDR_MAX_DIM * (GDR_V_SLICE + 8) + 4))
 #define GDR_BACKWARD_SHARED                                                                                \
   (4 * (GDR_CHUNK * (GDR_CHUNK + 8) + 6 * GDR_CHUNK + 4 * (GDR_MAX_DIM + GDR_CHUNK) * (GDR_V_SLICE + 4) +      \
-        2 * GDR_CHUNK * (GDR_V_SLICE + 4) + 2 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS))
+        2 * GDR_CHUNK * (GDR_V_SLICE + 4) + 3 * GDR_WARPS * GDR_CHUNK + GDR_V_SLICE / 8 * GDR_CHUNK + 32 * GDR_WARPS + \
+        4 * GDR_CHUNK))
 
 /* The forward in two kernels: gated_delta_rule_fwd_prep_<dtype> (every chunk's W, U, kt, gamma, G q and M, the
  * chunks in parallel) and gated_delta_rule_fwd_state_<dtype> (the chunks of a sequence in order: o, and the
@@ -127,9 +129,7 @@ typedef struct GatedDeltaRuleBackward {
 #define GATED_DELTA_RULE_FORWARD_KERNELS(STAGE)                                                           \
   STAGE(fwd, prep, f32) STAGE(fwd, prep, f16) STAGE(fwd, prep, bf16) STAGE(fwd, state, f32) STAGE(fwd, state, f16) \
       STAGE(fwd, state, bf16)
-/* gated_delta_rule_bwd_walk_<dtype> (the chunks of a sequence in reverse: dh and dv'),
- * gated_delta_rule_bwd_<dtype> (the rest, the chunks in parallel) and gated_delta_rule_bwd_reduce_<dtype>
- * (q's and k's gradients summed over the value heads). */
+/* gated_delta_rule_bwd_walk_<dtype> (the chunks of a sequence in reverse: dh and dv') and
+ * gated_delta_rule_bwd_<dtype> (the rest, the chunks in parallel, a block per chunk and key head). */
 #define GATED_DELTA_RULE_BACKWARD_KERNELS(K, STAGE)                                                          \
-  STAGE(bwd, walk, f32) STAGE(bwd, walk, f16) STAGE(bwd, walk, bf16) K(bwd, f32) K(bwd, f16) K(bwd, bf16)   \
-      STAGE(bwd, reduce, f32) STAGE(bwd, reduce, f16) STAGE(bwd, reduce, bf16)
+  STAGE(bwd, walk, f32) STAGE(bwd, walk, f16) STAGE(bwd, walk, bf16) K(bwd, f32) K(bwd, f16) K(bwd, bf16)

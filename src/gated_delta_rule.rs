@@ -303,23 +303,21 @@ fn forward_plan(p: &GatedDeltaRuleForward, dev: &'static Device) -> Result<Plan>
 
 /// The backward runs the forward's key side again into its scratch (the first part of its own), walks the chunks
 /// in reverse for dh and dv', takes the rest of each chunk's gradients from them and the forward's states and v',
-/// the chunks in parallel, and sums q's and k's over the value heads.
+/// the chunks in parallel, a block summing q's and k's over the value heads of its key head.
 fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Plan> {
     let s = p.shape;
     let tag = dtype(&s)?;
     let forward = Forward::new(&s, !p.cu_seqlens.is_null(), dev)?;
     let walk = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Walk, tag], WALK_THREADS, 1)?;
     let chunked = kernels::kernel_sharing::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, tag], THREADS, 2)?;
-    let reduce = kernels::kernel::<GatedDeltaRuleBackward>(dev, &[Tag::Bwd, Tag::Reduce, tag], THREADS)?;
     let grid = forward.grid;
     let keys = forward.scratch(&s, false);
-    let rows = s.batch * s.tokens * s.v_heads;
     let chunks = forward.slots * s.v_heads;
     // The walk's dv' and dh by slice of V (as the saved v' and states).
     let slices = ceil_div(s.v_dim, GDR_V_SLICE as i64);
     let by_slice = |rows: i64| chunks * slices * rows * GDR_V_SLICE as i64;
     let (dvn, walked) = (by_slice(GDR_CHUNK as i64), by_slice(GDR_CHUNK as i64 + s.k_dim));
-    let partial = 2 * rows * s.k_dim;
+    let partial = if s.v_heads > s.k_heads { 2 * s.batch * s.tokens * s.k_heads * s.k_dim } else { 0 };
     let mut key_side = GatedDeltaRuleForward {
         q: p.q,
         k: p.k,
@@ -346,8 +344,6 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
     };
     let mut p = *p;
     p.chunks = chunks;
-    let pairs = s.batch * s.tokens * s.k_heads;
-    let reduce_grid = ceil_div(pairs, (THREADS / 32) as i64) as u32;
     Ok(Plan::new((keys + walked + partial) * 4, move |memory, stream| {
         let memory = memory.cast::<f32>();
         // SAFETY: the scratch holds the key side's part, the walk's dh and dv', then q's and k's gradients by
@@ -362,12 +358,11 @@ fn backward_plan(p: &GatedDeltaRuleBackward, dev: &'static Device) -> Result<Pla
             p.m = key_side.m;
             p.dvn = memory.add(keys as usize);
             p.dstates = p.dvn.add(dvn as usize);
-            p.partial = memory.add((keys + walked) as usize);
+            p.partial = if partial > 0 { memory.add((keys + walked) as usize) } else { std::ptr::null_mut() };
             let cfg = |grid, shared| LaunchConfig { grid, block: (THREADS, 1), shared };
             driver::launch(walk, LaunchConfig { grid, block: (WALK_THREADS, 1), shared: GDR_WALK_SHARED }, stream, &p)?;
-            let per_chunk = (forward.slots as u32, s.v_heads as u32);
-            driver::launch(chunked, cfg(per_chunk, GDR_BACKWARD_SHARED), stream, &p)?;
-            driver::launch(reduce, LaunchConfig { grid: (reduce_grid, 1), block: (THREADS, 1), shared: 0 }, stream, &p)
+            let per_chunk = (forward.slots as u32, s.k_heads as u32);
+            driver::launch(chunked, cfg(per_chunk, GDR_BACKWARD_SHARED), stream, &p)
         }
     }))
 }

@@ -334,7 +334,7 @@ CUDA_TOL = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 1, 1, 1, 8, 8), (2, 33, 1, 2, 16, 40), (1, 100, 2, 2, 64, 32),
-                                   (1, 130, 1, 2, 128, 128), (3, 65, 2, 1, 100, 70)])
+                                   (1, 130, 1, 2, 128, 128), (3, 65, 2, 1, 100, 70), (1, 70, 2, 3, 64, 48)])
 def test_cuda_matches_cpu(dtype, shape):
     gpu, cpu = cuda_case(*shape, dtype)
     assert_close_all(gpu, cpu, CUDA_TOL[dtype])
