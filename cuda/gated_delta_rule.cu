@@ -31,7 +31,7 @@ constexpr int C = GDR_CHUNK, KMAX = GDR_MAX_DIM, VS = GDR_V_SLICE, WARPS = GDR_W
 // The walks' blocks (the state pass and the backward's).
 constexpr int WALK_WARPS = GDR_WALK_WARPS, WALK_THREADS = 32 * WALK_WARPS;
 // Rows padded by one float: a warp reading a column of a row-major tile hits 32 banks.
-constexpr int CP = C + 1, VP = VS + 1;
+constexpr int CP = C + 1;
 // Rows VS + 8 wide: the lanes of an mma reading rows t at columns g (see frag_b) hit 32 banks, 8t + g.
 constexpr int SP = VS + 8;
 // Rows KMAX + 4 wide: the lanes of an mma reading rows g at columns t (see frag_a) hit 32 banks, 4g + t;
@@ -147,21 +147,23 @@ __device__ void load_qk(float (&q)[C][K4], float (&k)[C][K4], const P &p, int64_
                         float (*norms)[C] = nullptr) {
   const DeltaShape &s = p.shape;
   const int K = s.k_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T *qs = static_cast<const T *>(p.q), *ks = static_cast<const T *>(p.k);
+  const T *qs = static_cast<const T *>(p.q) + row * p.q_st.batch + hk * p.q_st.head;
+  const T *ks = static_cast<const T *>(p.k) + row * p.k_st.batch + hk * p.k_st.head;
   constexpr int D = KMAX / 32;
   static_assert(C % (WARPS * AT) == 0, "whole groups of rows");
   for (int i0 = warp; i0 < C; i0 += WARPS * AT) {
     T qr[AT][D], kr[AT][D];
 #pragma unroll
-    for (int a = 0; a < AT; ++a)
+    for (int a = 0; a < AT; ++a) {  // rows past L and columns past K read ones inside, zeroed below
+      const int64_t t = start + min(i0 + a * WARPS, L - 1);
+      const T *qrow = qs + t * p.q_st.token, *krow = ks + t * p.k_st.token;
 #pragma unroll
       for (int c = 0; c < D; ++c) {
-        const int i = i0 + a * WARPS, d = lane + 32 * c;
-        const int64_t t = start + i;
-        const bool in = i < L && d < K;
-        qr[a][c] = load_any(qs, row * p.q_st.batch + t * p.q_st.token + hk * p.q_st.head + d, in);
-        kr[a][c] = load_any(ks, row * p.k_st.batch + t * p.k_st.token + hk * p.k_st.head + d, in);
+        const int d = min(lane + 32 * c, K - 1);
+        qr[a][c] = qrow[d];
+        kr[a][c] = krow[d];
       }
+    }
 #pragma unroll
     for (int a = 0; a < AT; ++a) {
       const int i = i0 + a * WARPS;
@@ -276,8 +278,7 @@ struct ChunkAt {
 // The key side of a chunk (blockIdx.x its slot) and value head (blockIdx.y): W, kt, gamma, U, G q and M, into
 // the scratch.
 struct Prep {
-  float q[C][K4], k[C][K4];
-  float v[C][VP];
+  float q[C][K4], k[C][K4];  // q's takes beta v once W, kt and G q are out
   float a[C][CP], x[C][CP], t[C][CP];
   float gamma[C], beta[C], bg[C], tail[C];
 };
@@ -337,44 +338,60 @@ template <class T> __device__ __forceinline__ void prep(const GatedDeltaRuleForw
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) w[frag_row(16 * r, e) * KMAX + frag_col(d0 + 8 * n, e)] = acc[r][n][e];
+        for (int e = 0; e < 4; e += 2)
+          *reinterpret_cast<float2 *>(&w[frag_row(16 * r, e) * KMAX + frag_col(d0 + 8 * n, e)]) = make_float2(acc[r][n][e], acc[r][n][e + 1]);
   }
-  for (int e = tid; e < C * KMAX; e += THREADS) {
-    const int i = e / KMAX, d = e % KMAX;
-    kt[e] = m.tail[i] * m.k[i][d];
-    qg[e] = __expf(m.gamma[i]) * m.q[i][d];
+  for (int e = tid; e < C * KMAX / 4; e += THREADS) {  // 4 keys a thread, 16 bytes a load and store
+    const int i = e / (KMAX / 4), d = e % (KMAX / 4) * 4;
+    const float tail = m.tail[i], gq = __expf(m.gamma[i]);
+    const float4 k4 = *reinterpret_cast<const float4 *>(&m.k[i][d]), q4 = *reinterpret_cast<const float4 *>(&m.q[i][d]);
+    reinterpret_cast<float4 *>(kt)[e] = make_float4(tail * k4.x, tail * k4.y, tail * k4.z, tail * k4.w);
+    reinterpret_cast<float4 *>(qg)[e] = make_float4(gq * q4.x, gq * q4.y, gq * q4.z, gq * q4.w);
   }
   if (tid < C) p.gamma[at * C + tid] = m.gamma[tid];
   if (!p.u) return;  // the backward's: no state pass
-  const T *v = static_cast<const T *>(p.v);
+  // U = X (beta v), KMAX columns of V at a time, beta v in q's tile: warp w rows [16 (w / 4), + 16) and columns
+  // [32 (w % 4), + 32).
+  float (&bv)[C][K4] = m.q;
+  const T *v = static_cast<const T *>(p.v) + c.sp.row * p.v_st.batch + h * p.v_st.head;
   float *u = p.u + at * C * V;
-  for (int64_t j0 = 0; j0 < V; j0 += VS) {
-    {  // beta v: every load issued before the first is used
-      constexpr int PER = C * VS / THREADS;
-      T vr[PER];
+  const int n0 = 32 * (warp % 4);
+  for (int64_t j0 = 0; j0 < V; j0 += KMAX) {
+    __syncthreads();  // q's tile read
+    {  // warp w rows [R w, + R): every load issued before the first is used; rows past L and columns past V
+       // read ones inside
+      constexpr int R = C / WARPS, D = KMAX / 32;
+      const int lane = tid % 32;
+      T vr[R][D];
 #pragma unroll
-      for (int r = 0; r < PER; ++r) {
-        const int e = tid + r * THREADS, i = e / VS, j = e % VS;
-        const int64_t t = c.sp.start + c.t0 + i;
-        vr[r] = load_any(v, c.sp.row * p.v_st.batch + t * p.v_st.token + h * p.v_st.head + j0 + j, i < c.L && j0 + j < V);
+      for (int a = 0; a < R; ++a) {
+        const T *row = v + (c.sp.start + c.t0 + min(R * warp + a, c.L - 1)) * p.v_st.token;
+#pragma unroll
+        for (int d = 0; d < D; ++d) vr[a][d] = row[min(j0 + lane + 32 * d, V - 1)];
       }
 #pragma unroll
-      for (int r = 0; r < PER; ++r) {
-        const int e = tid + r * THREADS, i = e / VS, j = e % VS;
-        m.v[i][j] = i < c.L && j0 + j < V ? m.beta[i] * to_f32(vr[r]) : 0.f;
+      for (int a = 0; a < R; ++a)
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+          const int i = R * warp + a, j = lane + 32 * d;
+          bv[i][j] = i < c.L && j0 + j < V ? m.beta[i] * to_f32(vr[a][d]) : 0.f;
+        }
+    }
+    __syncthreads();
+    float acc[4][4] = {};
+#pragma unroll
+    for (int l0 = 0; l0 < C; l0 += 8) {
+      const FragA fx = frag_a([&](int i, int l) { return m.x[i][l]; }, r0, l0);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) mma_add<T>(acc[n], fx, frag_b([&](int l, int j) { return bv[l][j]; }, l0, n0 + 8 * n));
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = frag_row(r0, e), j = frag_col(n0 + 8 * n, e);
+        if (j0 + j < V) u[i * V + j0 + j] = acc[n][e];
       }
-    }
-    __syncthreads();
-    float acc[4] = {};  // U = X (beta v)
-#pragma unroll
-    for (int l0 = 0; l0 < C; l0 += 8)
-      mma_add<T>(acc, frag_a([&](int i, int l) { return m.x[i][l]; }, r0, l0), frag_b([&](int l, int j) { return m.v[l][j]; }, l0, c0));
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = frag_row(r0, e), j = frag_col(c0, e);
-      if (j0 + j < V) u[i * V + j0 + j] = acc[e];
-    }
-    __syncthreads();
   }
 }
 
@@ -1037,10 +1054,11 @@ template <class T> __device__ __forceinline__ void backward(const GatedDeltaRule
 
 }  // namespace
 
-// The threads of each stage's blocks.
+// The threads of each stage's blocks, and the forward's blocks an SM holds: the key side's tiles let it hold four.
 constexpr int prep_threads = THREADS, state_threads = WALK_THREADS, walk_threads = WALK_THREADS;
+constexpr int prep_blocks = 4, state_blocks = 1;
 #define FORWARD_STAGE(dir, stage, dt)                                                                  \
-  extern "C" __global__ void __launch_bounds__(stage##_threads)                                        \
+  extern "C" __global__ void __launch_bounds__(stage##_threads, stage##_blocks)                        \
       gated_delta_rule_##dir##_##stage##_##dt(const GatedDeltaRuleForward p) {                         \
     stage<BASTILE_TYPE_##dt>(p);                                                                        \
   }

@@ -111,7 +111,7 @@ typedef struct GatedDeltaRuleBackward {
 /* Bytes of each kernel's tiles (their dynamic shared memory; the kernels assert them; the backward's is its f32
  * instance's, the largest). */
 #define GDR_PREP_SHARED \
-  (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + GDR_CHUNK * (GDR_V_SLICE + 1) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
+  (4 * (2 * GDR_CHUNK * (GDR_MAX_DIM + 4) + 3 * GDR_CHUNK * (GDR_CHUNK + 1) + 4 * GDR_CHUNK))
 #define GDR_STATE_SHARED                                                                                           \
   (4 * (2 * GDR_CHUNK * (3 * GDR_MAX_DIM + 16) + 2 * GDR_CHUNK * (GDR_CHUNK + 4) + 2 * GDR_CHUNK * (GDR_V_SLICE + 4) + \
         5 * GDR_CHUNK * (GDR_V_SLICE + 8) + GDR_MAX_DIM * (GDR_V_SLICE + 8) + 4))
