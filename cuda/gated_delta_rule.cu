@@ -472,17 +472,22 @@ __device__ __forceinline__ void add_pairs(float (&acc)[4], const float (&tile)[C
     acc[e + 1] += x.y;
   }
 }
-// x (C rows of keys) times the mirrored state: warp w the result's 16 x 8 tile w % 8 over keys
-// [64 (w / 8), + 64), into part[w / 8]; `extra` adds to part[0] before it is written.
-template <class T, class F>
-__device__ __forceinline__ void held_product(float (&part)[2][C][SP], const float (&x)[C][K4], const float (&mirror)[KMAX][SP], F extra) {
-  const int warp = threadIdx.x / 32, r0 = 16 * (warp % 8 / 4), c0 = 8 * (warp % 4), half = warp / 8;
-  float acc[4] = {};
+// x (C rows of keys) times the mirrored state by 4 S warps, w of them: the result's 16 x 16 tile w % 4 over
+// keys [KMAX / S (w / 4), + KMAX / S), into part[w / 4] once `extra(acc, r0, n0, w / 4)` has added to it. A
+// fragment of x serves two mma.
+template <class T, int S, class F>
+__device__ __forceinline__ void held_product(float (&part)[S][C][SP], const float (&x)[C][K4], const float (&mirror)[KMAX][SP], int w, F extra) {
+  const int r0 = 16 * (w % 4 / 2), n0 = 16 * (w % 2), s = w / 4;
+  float acc[2][4] = {};
 #pragma unroll
-  for (int k0 = 64 * half; k0 < 64 * half + 64; k0 += 8)
-    mma_add<T>(acc, frag_a([&](int i, int d) { return x[i][d]; }, r0, k0), frag_b([&](int d, int j) { return mirror[d][j]; }, k0, c0));
-  if (half == 0) extra(acc, r0, c0);
-  put_pairs(part[half], acc, r0, c0);
+  for (int k0 = KMAX / S * s; k0 < KMAX / S * (s + 1); k0 += 8) {
+    const FragA fa = frag_a([&](int i, int d) { return x[i][d]; }, r0, k0);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) mma_add<T>(acc[n], fa, frag_b([&](int d, int j) { return mirror[d][j]; }, k0, n0 + 8 * n));
+  }
+  extra(acc, r0, n0, s);
+#pragma unroll
+  for (int n = 0; n < 2; ++n) put_pairs(part[s], acc[n], r0, n0 + 8 * n);
 }
 // h += a^T b over the chunk's rows (a: C rows of keys, b: C rows of the block's columns).
 template <class T> __device__ __forceinline__ void held_update(Held &h, const float (&a)[C][K8], const float (&b)[C][SP]) {
@@ -542,7 +547,6 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
     if (tid == 0) copy4(&m.gamma[buf], p.gamma + chunk * C + C - 1, true);
     copies_sent();
   };
-  const auto none = [](float (&)[4], int, int) {};
   Held h;
   held_in(h, p.initial_state ? static_cast<const float *>(p.initial_state) + head_state : nullptr, K, V, at);
   held_mirror(m.mirror, h);
@@ -554,8 +558,9 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
     copies_landed(ahead);
     __syncthreads();
     if (save) save_mirror(static_cast<T *>(p.states) + saved * K * VS, m.mirror, K);
-    held_product<T>(m.part, m.w[buf], m.mirror, none);
-    held_product<T>(m.partq, m.qg[buf], m.mirror, none);
+    const auto none = [](float (&)[2][4], int, int, int) {};
+    if (warp < 8) held_product<T, 2>(m.part, m.w[buf], m.mirror, warp, none);
+    else held_product<T, 2>(m.partq, m.qg[buf], m.mirror, warp - 8, none);
     __syncthreads();
     T *v_new = save ? static_cast<T *>(p.v_new) + saved * C * VS : nullptr;
     for (int e = tid; e < C * VS; e += WALK_THREADS) {
@@ -613,7 +618,7 @@ struct Walk {
   float w[2][C][K8], kt[2][C][K4], qg[2][C][K8];
   float mq[2][C][C8];
   float dout[C][SP], dvn[C][SP];
-  float part[2][C][SP];
+  float part[4][C][SP];
   float mirror[KMAX][SP];
   float gamma[4];  // [buf]: of the chunk's last token (4: the tiles stay a multiple of 16 bytes)
 };
@@ -623,7 +628,7 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
   Walk &m = *reinterpret_cast<Walk *>(shared_raw);
   const DeltaShape &s = p.shape;
   const Place at(s, p.cu_seqlens);
-  const int K = s.k_dim, tid = threadIdx.x;
+  const int K = s.k_dim, tid = threadIdx.x, warp = tid / 32;
   const int64_t V = s.v_dim, head_state = (at.n * s.v_heads + at.h) * K * V;
   const T *grad_o = static_cast<const T *>(p.grad_o);
   const auto chunk_at = [&](int64_t t0) { return slot(s, p.cu_seqlens, at.n, at.sp.start + t0) * s.v_heads + at.h; };
@@ -668,16 +673,16 @@ template <class T> __device__ __forceinline__ void walk(const GatedDeltaRuleBack
     copies_landed(ahead);
     __syncthreads();
     save_mirror(p.dstates + saved * K * VS, m.mirror, K);
-    held_product<T>(m.part, m.kt[buf], m.mirror, [&](float (&acc)[4], int r0, int c0) {  // + M^T do
+    held_product<T, 4>(m.part, m.kt[buf], m.mirror, warp, [&](float (&acc)[2][4], int r0, int n0, int s) {  // + M^T do's rows [8 s, + 8)
+      const FragA fm = frag_a([&](int i, int l) { return m.mq[buf][l][i]; }, r0, 8 * s);
 #pragma unroll
-      for (int l0 = 0; l0 < C; l0 += 8)
-        mma_add<T>(acc, frag_a([&](int i, int l) { return m.mq[buf][l][i]; }, r0, l0), frag_b([&](int l, int j) { return m.dout[l][j]; }, l0, c0));
+      for (int n = 0; n < 2; ++n) mma_add<T>(acc[n], fm, frag_b([&](int l, int j) { return m.dout[l][j]; }, 8 * s, n0 + 8 * n));
     });
     __syncthreads();
     float *dvn = p.dvn + saved * C * VS;
     for (int e = tid; e < C * VS; e += WALK_THREADS) {
       const int i = e / VS, j = e % VS;
-      const float dv = m.part[0][i][j] + m.part[1][i][j];
+      const float dv = m.part[0][i][j] + m.part[1][i][j] + m.part[2][i][j] + m.part[3][i][j];
       m.dvn[i][j] = -dv;  // -dv': the update's W^T term adds
       dvn[e] = dv;
     }

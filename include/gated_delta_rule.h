@@ -116,7 +116,7 @@ typedef struct GatedDeltaRuleBackward {
   (4 * (2 * GDR_CHUNK * (3 * GDR_MAX_DIM + 16) + 2 * GDR_CHUNK * (GDR_CHUNK + 4) + 2 * GDR_CHUNK * (GDR_V_SLICE + 4) + \
         5 * GDR_CHUNK * (GDR_V_SLICE + 8) + GDR_MAX_DIM * (GDR_V_SLICE + 8) + 4))
 #define GDR_WALK_SHARED                                                                                            \
-  (4 * (2 * GDR_CHUNK * (3 * GDR_MAX_DIM + 20) + 2 * GDR_CHUNK * (GDR_CHUNK + 8) + 4 * GDR_CHUNK * (GDR_V_SLICE + 8) + \
+  (4 * (2 * GDR_CHUNK * (3 * GDR_MAX_DIM + 20) + 2 * GDR_CHUNK * (GDR_CHUNK + 8) + 6 * GDR_CHUNK * (GDR_V_SLICE + 8) + \
         GDR_MAX_DIM * (GDR_V_SLICE + 8) + 4))
 #define GDR_BACKWARD_SHARED                                                                                \
   (4 * (GDR_CHUNK * (GDR_CHUNK + 8) + 6 * GDR_CHUNK + 4 * (GDR_MAX_DIM + GDR_CHUNK) * (GDR_V_SLICE + 4) +      \
