@@ -837,7 +837,7 @@ __device__ __forceinline__ void value_head(const GatedDeltaRuleBackward &p, cons
     }
     __syncthreads();
   }
-  load_qk<T, 1>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L, m.norms);
+  load_qk<T, 2>(kt.q, kt.k, p, c.sp.row, c.sp.start + c.t0, hk, L, m.norms);
   __syncthreads();
   // The value side's terms: dq = G do h^T, dk = tail v' dh^T and their parts of gamma's gradient; dW, dM (before
   // the decay, l <= r) and dT's v term (l < r) into the tiles.
