@@ -759,8 +759,7 @@ __device__ __forceinline__ void value_head(const GatedDeltaRuleBackward &p, cons
   const int K = s.k_dim, L = c.L;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t V = s.v_dim, chunk = blockIdx.x * s.v_heads + h, first = c.sp.row * s.tokens + c.sp.start + c.t0;
-  if (tid < 32) load_decays(p, first, h, L, m.gamma, m.beta, m.bg, m.tail);
-  for (int e = tid; e < C * C; e += THREADS) m.x[e / C][e % C] = p.x[chunk * C * C + e];
+  for (int e = tid; e < C * C / 4; e += THREADS) copy16(&m.x[e / (C / 4)][e % (C / 4) * 4], p.x + chunk * C * C + 4 * e);
   // Warp w takes every row and key coordinates [16 w, 16 w + 16) of the C x K products, and rows
   // [16 (w / 4), + 16) and columns [8 (w % 4), + 8) of the C x C and C x VS ones.
   static_assert(WARPS == 8 && ROWS == 16 && C == 32 && VS == 32, "the warps' tiles of the products");
@@ -773,7 +772,8 @@ __device__ __forceinline__ void value_head(const GatedDeltaRuleBackward &p, cons
     slice_tiles(b.dh, b.dvn, p.dstates, p.dvn, saved, K);
     copies_sent();
   };
-  fetch(0, sl.buf[0]);
+  fetch(0, sl.buf[0]);  // with X
+  if (tid < 32) load_decays(p, first, h, L, m.gamma, m.beta, m.bg, m.tail);
   for (int64_t v0 = 0, buf = 0; v0 < V; v0 += VS, buf ^= 1) {
     const int cols = (int)min((int64_t)VS, V - v0);
     const bool ahead = v0 + VS < V;
@@ -800,7 +800,17 @@ __device__ __forceinline__ void value_head(const GatedDeltaRuleBackward &p, cons
     copies_landed(ahead);
     __syncthreads();
     const Slice<T> &b = sl.buf[buf];
-    for (int e = tid; e < KMAX * VS; e += THREADS) hdh += to_f32(b.h[e / VS][e % VS]) * b.dh[e / VS][e % VS];
+    constexpr int E = 16 / sizeof(T);  // of h, 16 bytes a load
+    for (int e = tid; e < KMAX * VS / E; e += THREADS) {
+      const int d = e / (VS / E), j = e % (VS / E) * E;
+      T hv[E];
+      float dhv[E];
+      *reinterpret_cast<uint4 *>(hv) = *reinterpret_cast<const uint4 *>(&b.h[d][j]);
+#pragma unroll
+      for (int x = 0; x < E / 4; ++x) reinterpret_cast<float4 *>(dhv)[x] = reinterpret_cast<const float4 *>(&b.dh[d][j])[x];
+#pragma unroll
+      for (int x = 0; x < E; ++x) hdh += to_f32(hv[x]) * dhv[x];
+    }
 #pragma unroll
     for (int j0 = 0; j0 < VS; j0 += 8) {
       FragB fh[2], fdh[2];
