@@ -11,14 +11,13 @@
 // with dh, the gradient of the chunk's final state, as the forward walks them, keeping each chunk's dh and dv':
 //   dv' = M^T do + (exp(gamma_last - gamma) k) dh            (M = lower(q k^T) * D)
 //   dh <- G_last dh + (G q)^T do - W^T dv'
-// Everything else, the chunks in parallel, a block per chunk and value head:
+// Everything else, the chunks in parallel, a block per chunk and key head taking its value heads in turn:
 //   dW = -dv' h^T,  dU = dv',  dT = dU (beta v)^T + dW (beta G k)^T,  dA = -X^T dT X^T (strictly lower)
 // and q, k, beta and gamma take the terms of every product above (gamma's summed from the chunk's end into g's).
 // The block takes the state's columns VS at a time with what needs them (the terms through h and dh, dv),
 // summing in registers what sums over them (do h^T, v' dh^T, dM, dT's v term, dW), then the products over the
-// keys through X and A; a block takes the value heads that share a key head in turn, summing q's and k's
-// gradients over them before the l2norm's backward. Every product runs on tensor cores (mma_add): TF32 for bf16 inputs, at f32's
-// precision (3xTF32) for f16 and f32 ones.
+// keys through X and A, q's and k's gradients summed over the value heads before the l2norm's backward. Every
+// product runs on tensor cores (mma_add): TF32 for bf16 inputs, at f32's precision (3xTF32) for f16 and f32 ones.
 #include "common.cuh"
 #include "gated_delta_rule.h"
 
@@ -570,7 +569,7 @@ template <class T> __device__ __forceinline__ void state(const GatedDeltaRuleFor
       if (save) v_new[e] = from_f32<T>(vn);
     }
     __syncthreads();
-    if (warp < 8) {  // o's 16 x 8 tile `warp`, as held_product's
+    if (warp < 8) {  // o's 16 x 8 tile `warp`
       const int r0 = 16 * (warp / 4), c0 = 8 * (warp % 4), L = (int)min((int64_t)C, at.sp.len - t0);
       float acc[4] = {};
       add_pairs(acc, m.partq[0], r0, c0);
