@@ -1,6 +1,8 @@
 //! Builds the three layers of libbastile.so:
 //! - every `cuda/*.cu` into one fatbin (SASS for sm_90a, sm_100f, sm_120f and compute_80 PTX),
-//!   embedded; nvcc runs again only for a file whose own inputs (it and what it includes) changed;
+//!   embedded; nvcc runs again only for a file whose own inputs (it and what it includes) changed, the
+//!   files in parallel with each other and with the C++ layer, as many jobs at once as cargo's jobserver
+//!   allows (`-j`, the cores by default);
 //! - every `include/*.h` (parameter blocks) into Rust structs with bindgen, and their kernel lists
 //!   (`<BLOCK>_KERNELS(K)`) and decision blocks (`<BLOCK>_DECISION`) into Rust tables of kernel names
 //!   and ids (`kernels.rs`) and C++ block ids (`blocks.h`);
@@ -55,11 +57,24 @@ fn main() {
     println!("cargo:rustc-env=BASTILE_CUDA_VERSION={}", cuda_version(&nvcc));
 
     let ops = stems("cuda", "cu");
-    compile_kernels(&nvcc, &out, &ops);
-    generate_params(&out);
-    generate_kernel_tables(&out, &ops);
-    generate_op_modules(&out, &ops);
-    compile_torch_layer(&torch, &cuda_include, &out);
+    let kernels = Kernels::new(&nvcc, &out, &ops);
+    let jobs = jobserver();
+    std::thread::scope(|s| {
+        // Each worker holds a token of cargo's while it runs nvcc; this thread, on the build script's own
+        // token, builds the C++ layer (cc's further jobs take tokens too), then compiles what is left.
+        for _ in 0..kernels.pending.len() {
+            s.spawn(|| {
+                let _token = jobs.acquire().unwrap_or_else(|e| fail(&format!("waiting for a job slot: {e}")));
+                kernels.compile_next();
+            });
+        }
+        generate_params(&out);
+        generate_kernel_tables(&out, &ops);
+        generate_op_modules(&out, &ops);
+        compile_torch_layer(&torch, &cuda_include, &out);
+        while kernels.compile_next() {}
+    });
+    kernels.write_table(&out, &ops);
 
     println!("cargo:rustc-env=BASTILE_TORCH_VERSION={}", torch.version);
     println!("cargo:rustc-env=BASTILE_TORCH_CXX11_ABI={}", u8::from(torch.cxx11_abi));
@@ -181,52 +196,92 @@ fn included(file: &Path, files: &mut BTreeSet<PathBuf>) {
     }
 }
 
-fn compile_kernels(nvcc: &Path, out: &Path, ops: &[String]) {
-    let mut args: Vec<String> = ["-fatbin", "-O3", "-std=c++17", "-Iinclude", "-Icuda", "-Xptxas=-warn-spills"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(GENCODE.iter().map(|g| format!("-gencode={g}")));
-    if let Ok(extra) = env::var("BASTILE_NVCC_FLAGS") {
-        args.extend(extra.split_whitespace().map(String::from));
-    }
-    let mut rust = String::new();
-    for stem in ops {
-        let src = PathBuf::from(format!("cuda/{stem}.cu"));
-        let fatbin = out.join(format!("{stem}.fatbin"));
-        let stamp = out.join(format!("{stem}.fatbin.inputs"));
-        let mut hasher = DefaultHasher::new();
-        (nvcc, &args).hash(&mut hasher);
-        let mut files = BTreeSet::new();
-        included(&src, &mut files);
-        for f in &files {
-            (f, read(f)).hash(&mut hasher);
+/// cargo's jobserver (the build script holds one token of its own besides those it acquires), or one of as
+/// many tokens as cores outside cargo.
+fn jobserver() -> jobserver::Client {
+    // SAFETY: called once, before any thread starts, on the descriptors cargo passed to this process.
+    unsafe { jobserver::Client::from_env() }.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        jobserver::Client::new(cores).unwrap_or_else(|e| fail(&format!("creating a jobserver: {e}")))
+    })
+}
+
+/// The nvcc runs a build needs: the `.cu` files whose fatbin is missing or was made from other inputs.
+struct Kernels<'a> {
+    nvcc: &'a Path,
+    args: Vec<String>,
+    /// (source, fatbin, stamp file, hash of its inputs)
+    pending: Vec<(PathBuf, PathBuf, PathBuf, String)>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl<'a> Kernels<'a> {
+    fn new(nvcc: &'a Path, out: &Path, ops: &[String]) -> Self {
+        let mut args: Vec<String> = ["-fatbin", "-O3", "-std=c++17", "-Iinclude", "-Icuda", "-Xptxas=-warn-spills"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.extend(GENCODE.iter().map(|g| format!("-gencode={g}")));
+        if let Ok(extra) = env::var("BASTILE_NVCC_FLAGS") {
+            args.extend(extra.split_whitespace().map(String::from));
         }
-        let inputs = format!("{:016x}", hasher.finish());
-        if !(fatbin.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == inputs)) {
-            let status = Command::new(nvcc)
-                .args(&args)
-                .arg(&src)
-                .arg("-o")
-                .arg(&fatbin)
-                .status()
-                .unwrap_or_else(|e| fail(&format!("could not run {}: {e}", nvcc.display())));
-            if !status.success() {
-                fail(&format!("nvcc failed on {}", src.display()));
+        let mut pending = Vec::new();
+        for stem in ops {
+            let src = PathBuf::from(format!("cuda/{stem}.cu"));
+            let fatbin = out.join(format!("{stem}.fatbin"));
+            let stamp = out.join(format!("{stem}.fatbin.inputs"));
+            let mut hasher = DefaultHasher::new();
+            (nvcc, &args).hash(&mut hasher);
+            let mut files = BTreeSet::new();
+            included(&src, &mut files);
+            for f in &files {
+                (f, read(f)).hash(&mut hasher);
             }
-            std::fs::write(&stamp, inputs).unwrap();
+            let inputs = format!("{:016x}", hasher.finish());
+            if !(fatbin.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == inputs)) {
+                pending.push((src, fatbin, stamp, inputs));
+            }
         }
-        writeln!(
-            rust,
-            "pub static {}: &crate::driver::Fatbin = &crate::driver::Fatbin(*include_bytes!({:?}));",
-            stem.to_uppercase(),
-            fatbin.display().to_string()
-        )
-        .unwrap();
+        Kernels { nvcc, args, pending, next: Default::default() }
     }
-    let all: Vec<String> = ops.iter().map(|s| s.to_uppercase()).collect();
-    writeln!(rust, "pub static ALL: &[&crate::driver::Fatbin] = &[{}];", all.join(", ")).unwrap();
-    std::fs::write(out.join("fatbins.rs"), rust).unwrap();
+
+    /// Compiles the next pending file, if one is left (false otherwise).
+    fn compile_next(&self) -> bool {
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some((src, fatbin, stamp, inputs)) = self.pending.get(i) else { return false };
+        let output = Command::new(self.nvcc)
+            .args(&self.args)
+            .arg(src)
+            .arg("-o")
+            .arg(fatbin)
+            .output()
+            .unwrap_or_else(|e| fail(&format!("could not run {}: {e}", self.nvcc.display())));
+        // A file's diagnostics in one piece: the jobs' outputs would interleave.
+        eprint!("{}", String::from_utf8_lossy(&output.stderr));
+        if !output.status.success() {
+            fail(&format!("nvcc failed on {}", src.display()));
+        }
+        std::fs::write(stamp, inputs).unwrap();
+        true
+    }
+
+    /// `fatbins.rs`: each op's fatbin embedded, and the list of them all.
+    fn write_table(&self, out: &Path, ops: &[String]) {
+        let mut rust = String::new();
+        for stem in ops {
+            let fatbin = out.join(format!("{stem}.fatbin"));
+            writeln!(
+                rust,
+                "pub static {}: &crate::driver::Fatbin = &crate::driver::Fatbin(*include_bytes!({:?}));",
+                stem.to_uppercase(),
+                fatbin.display().to_string()
+            )
+            .unwrap();
+        }
+        let all: Vec<String> = ops.iter().map(|s| s.to_uppercase()).collect();
+        writeln!(rust, "pub static ALL: &[&crate::driver::Fatbin] = &[{}];", all.join(", ")).unwrap();
+        std::fs::write(out.join("fatbins.rs"), rust).unwrap();
+    }
 }
 
 fn generate_params(out: &Path) {
