@@ -695,17 +695,27 @@ def test_gemma4_moe_training_matches_hf_cpu_fp32():
         assert_grad_close(grads[name], g, name)
 
 
-def test_undeclared_multimodal_config_key_is_refused():
+def newer_modeling_reads(monkeypatch, family, *keys):
+    """families.reads as if the family's modeling module (a newer release's) also read `keys`."""
+    module, reads = TRAITS[family].module, bastile.families.reads
+    monkeypatch.setattr(bastile.families, "reads", lambda m: reads(m) | set(keys) if m == module else reads(m))
+
+
+def test_undeclared_multimodal_config_key_is_refused(monkeypatch):
     model = gemma3_multimodal()
     model.config.audio_config = {}
+    bastile.apply(model=model)  # read by no modeling code: no reason to refuse
+    bastile.reset()
+    newer_modeling_reads(monkeypatch, "gemma3_text", "audio_config")
     with pytest.raises(Unsupported, match=r"config of gemma3 has \['audio_config'\]"):
         bastile.apply(model=model)
     assert bastile.get_patched_ops() == []
 
 
-def test_undeclared_config_key_is_refused_before_patching():
+def test_undeclared_config_key_is_refused_before_patching(monkeypatch):
     model = mini("llama", "cpu", torch.float32)
     model.config.use_qk_norm = True  # a flag a newer modeling file might read
+    newer_modeling_reads(monkeypatch, "llama", "use_qk_norm")
     with pytest.raises(Unsupported, match=r"config of llama has \['use_qk_norm'\].*nothing was patched"):
         bastile.apply(model=model)
     assert bastile.get_patched_ops() == []
@@ -806,10 +816,11 @@ def test_gated_delta_net_subclass_and_undeclared_linear_layers_are_refused():
     assert bastile.get_patched_ops() == []
 
 
-def test_model_built_after_apply_is_checked_on_its_first_forward():
+def test_model_built_after_apply_is_checked_on_its_first_forward(monkeypatch):
     bastile.apply(families="llama", log_probs=False)
     model = mini("llama", "cpu", torch.float32)
     model.config.use_qk_norm = True
+    newer_modeling_reads(monkeypatch, "llama", "use_qk_norm")
     ids = torch.randint(0, 512, (1, 8))
     with pytest.raises(Unsupported, match=r"use_qk_norm.*its classes are patched, and bastile.reset\(\) restores"):
         model(input_ids=ids, labels=ids)

@@ -8,9 +8,11 @@ place of attention (Qwen3.5's Gated DeltaNet), its MLP (separate or fused gate/u
 and multipliers around each sublayer, and its head (a logit scale, the router's auxiliary loss). The shared
 forwards in hf.py read these traits; nothing there probes a module to guess what it is. `check(model)`
 refuses, naming the module or config key, a model that carries anything the traits do not declare (a
-subclass of a patched class, a config key the family's code does not have in the transformers release the
-traits were written against, a trait value out of range), before anything runs.
+subclass of a patched class, a config key that the family's modeling code reads and the traits do not cover, a
+trait value out of range, weights quantized by a method Bastile does not know), before anything runs. Keys
+that no modeling code reads are accepted: they cannot change the math (`reads`).
 """
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Dict, FrozenSet, Mapping, Optional, Tuple
@@ -157,8 +159,8 @@ class Multimodal:
     softcap: bool = False               # its head softcaps the logits as the family's (Head.softcap, text config)
 
 
-# Config keys every supported family's code reads (beyond PretrainedConfig's own): head_dim through
-# getattr where its config class has no such field.
+# Config keys every supported family's traits cover (beyond PretrainedConfig's own): head_dim through getattr
+# where its config class has no such field.
 _SHARED = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
@@ -167,7 +169,7 @@ _SHARED = frozenset({
 })
 _MOE = frozenset({"num_experts_per_tok", "num_local_experts", "output_router_logits", "router_aux_loss_coef"})
 _PER_LAYER = frozenset({"layer_types", "sliding_window"})  # a window on the layers config.layer_types says
-# Quantization methods (config.quantization_config) that change linear layers only: those run as their modules
+# Quantization methods (of a model loaded quantized) that change linear layers only: those run as their modules
 # do, bitsandbytes' 4-bit ones under LoRA inside the fused nodes (lora.py).
 QUANTIZATION = frozenset({"bitsandbytes"})
 
@@ -177,7 +179,7 @@ class Family:
     model_type: str
     module: str                          # the transformers modeling module
     prefix: str                          # of its class names: <prefix>RMSNorm, <prefix>Attention, ...
-    config: FrozenSet[str]               # config keys its code reads, beyond _SHARED
+    config: FrozenSet[str]               # config keys its traits cover, beyond _SHARED
     norm: Norm = Norm.CAST_THEN_WEIGHT
     attention: Attention = Attention()
     rotary: Rotary = Rotary()
@@ -216,7 +218,8 @@ def _family(model_type: str, prefix: str, config, module: Optional[str] = None, 
 # attention scaled by query_pre_attn_scalar, the logits softcapped by final_logit_softcapping.
 _GEMMA2 = {"attention_bias", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
            "query_pre_attn_scalar", "use_bidirectional_attention"} | _PER_LAYER
-_CAUSAL = {"use_bidirectional_attention": Off("Bastile's forwards are causal, one way only")}
+_CAUSAL_WHY = "Bastile's forwards are causal, one way only"
+_CAUSAL = {"use_bidirectional_attention": Off(_CAUSAL_WHY)}
 _GEMMA4 = {"attention_bias", "attention_k_eq_v", "enable_moe_block", "final_logit_softcapping", "hidden_activation",
            "hidden_size_per_layer_input", "moe_intermediate_size", "num_experts", "num_kv_shared_layers",
            "per_layer_config", "top_k_experts", "use_bidirectional_attention", "use_double_wide_mlp",
@@ -309,7 +312,7 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             decoder="TextModel", layer="Text",
             # "vision": image tokens attend both ways, through the masks HF's multimodal model makes (which
             # Bastile's attention takes); the text decoder alone stays causal.
-            off={"use_bidirectional_attention": Off(_CAUSAL["use_bidirectional_attention"].why, allowed=("vision",))},
+            off={"use_bidirectional_attention": Off(_CAUSAL_WHY, allowed=("vision",))},
             multimodal=Multimodal("gemma4", frozenset({"audio_config", "audio_token_id", "boa_token_id", "boi_token_id",
                                                        "eoa_token_index", "eoi_token_id", "image_token_id",
                                                        "initializer_range", "text_config", "tie_word_embeddings",
@@ -353,29 +356,63 @@ def family_of(model) -> Family:
     return family
 
 
+@functools.cache
+def reads(module: str) -> FrozenSet[str]:
+    """The config keys a transformers modeling module's source reads: `<...>config.key`, `getattr(<...>config,
+    "key")` and `hasattr(...)`, `<...>.get_text_config().key`. A key no code reads cannot change what the model
+    computes (remote-code leftovers, generation hints, legacy spellings its config class folds into others), so
+    only these are compared with a family's traits; read from the installed release, which the patches follow."""
+    import ast
+    import importlib
+    import inspect
+
+    def is_config(node) -> bool:
+        if isinstance(node, ast.Call):
+            return isinstance(node.func, ast.Attribute) and node.func.attr == "get_text_config"
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+        return name.endswith("config")
+
+    keys = set()
+    for node in ast.walk(ast.parse(inspect.getsource(importlib.import_module(module)))):
+        if isinstance(node, ast.Attribute) and is_config(node.value):
+            keys.add(node.attr)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+              and len(node.args) >= 2 and is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+            keys.add(node.args[1].value)
+    return frozenset(keys)
+
+
+def _check_quantization(family: Family, quantizer) -> None:
+    """The model's weights as loaded (its hf_quantizer: None where they are not quantized, as in a model made from
+    a config, or a checkpoint dequantized on load, whose config keeps or drops quantization_config accordingly)."""
+    if quantizer is None:
+        return
+    method = quantizer.quantization_config.quant_method
+    method = getattr(method, "value", method)  # an enum in transformers' quantization configs
+    if method not in QUANTIZATION:
+        hint = ("; load it dequantized for training: quantization_config=Mxfp4Config(dequantize=True)"
+                if method == "mxfp4" else "")
+        raise Unsupported(f"bastile: {family.model_type} quantized with {method!r}: Bastile knows "
+                          f"{sorted(QUANTIZATION)} only{hint}")
+
+
 def _check_config(family: Family, config) -> None:
     from transformers import PretrainedConfig
     keys = set(config.to_dict()) - set(PretrainedConfig().to_dict())
+    read = reads(family.module)
     if family.multimodal and config.model_type == family.multimodal.model_type:
-        unknown = sorted(keys - family.multimodal.config)
+        unknown = sorted((keys - family.multimodal.config) & read)
         if unknown:
-            raise Unsupported(f"bastile: config of {config.model_type} has {unknown}, which Bastile's "
-                              f"{family.model_type} traits do not declare")
+            raise Unsupported(f"bastile: config of {config.model_type} has {unknown}, which its transformers modeling "
+                              f"code reads and Bastile's {family.model_type} traits do not declare")
         return _check_config(family, config.text_config)
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is not None:
-        method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                  else getattr(quantization, "quant_method", None))
-        method = getattr(method, "value", method)  # an enum in transformers' quantization configs
-        if method not in QUANTIZATION:
-            raise Unsupported(f"bastile: {family.model_type} quantized with {method!r}: Bastile knows "
-                              f"{sorted(QUANTIZATION)} only")
-        keys.discard("quantization_config")
-    unknown = sorted(keys - family.keys)
+    unknown = sorted((keys - family.keys) & read)
     if unknown:
-        raise Unsupported(f"bastile: config of {family.model_type} has {unknown}, which Bastile's "
-                          f"{family.model_type} traits do not declare (a newer transformers, or a flag added to "
-                          "the config)")
+        raise Unsupported(f"bastile: config of {family.model_type} has {unknown}, which its transformers modeling "
+                          f"code reads and Bastile's {family.model_type} traits do not declare (a newer transformers, "
+                          "or a flag added to the config)")
+    if getattr(config, "is_causal", True) is not True:  # read by the masks HF makes for every family
+        raise Unsupported(f"bastile: {family.model_type} with is_causal={config.is_causal!r}: {_CAUSAL_WHY}")
     for key, off in family.off.items():
         value = getattr(config, key, None)
         if value and value not in off.allowed:
@@ -419,6 +456,7 @@ def check(model) -> Family:
     and attributes would be skipped or misread)."""
     import importlib
     family = family_of(model)
+    _check_quantization(family, getattr(model, "hf_quantizer", None))
     _check_config(family, model.config)
     classes = _classes(family, importlib.import_module(family.module))
     for name, module in model.named_modules():
