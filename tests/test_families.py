@@ -428,13 +428,13 @@ def test_roles_patch_their_targets_and_reset_restores_them():
             replaced = bastile.patch._active[f"{role}_{family}"]
             targets = [p for p in bastile.patch.PATCHES if p.name == f"{role}_{family}"]
             assert len(replaced) == len(targets) > 0, (family, role)
-            for (owner, attr, original), patch in zip(replaced, targets):
+            for (owner, attr, original, _), patch in zip(replaced, targets):
                 if isinstance(patch.replacement, bastile.patch.Wrap):  # made from the original, around it
                     assert getattr(owner, attr).__wrapped__ is original, (family, patch.target)
                 else:
                     assert getattr(owner, attr) is patch.replacement, (family, patch.target)
             bastile.reset()
-            for owner, attr, original in replaced:
+            for owner, attr, original, _ in replaced:
                 assert owner.__dict__.get(attr) is original
     assert bastile.get_patched_ops() == []
 

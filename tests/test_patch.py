@@ -133,8 +133,8 @@ def test_apply_selects_roles_and_model_and_rejects_unknown():
     # the kernel-named keywords of earlier releases select their roles
     assert bastile.apply(families=["llama"], rms_norm=False, decoder=False, log_probs=False) == [
         "mlp_llama", "attention_llama", "head_llama"]
-    with pytest.raises(ValueError, match="disagree, but they name one role, 'mlp'"):
-        bastile.apply(swiglu=True, geglu=False)
+    with pytest.raises(ValueError, match="disagree, but they name one part of the 'mlp' role, its experts"):
+        bastile.apply(moe=True, geglu=False)
 
     class Other:
         class config:

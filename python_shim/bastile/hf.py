@@ -37,7 +37,7 @@ from .ops.rms_norm_gated import rms_norm_gated
 from .ops.rope import rope
 from .ops.swiglu import swiglu
 
-Runs = Callable[[str], bool]
+Runs = Callable[..., bool]  # runs(role[, part]): whether Bastile's forwards run it (patch.py)
 Settings = Callable[[], long_context.Settings]  # apply()'s library-wide settings, as they are now
 
 
@@ -469,7 +469,7 @@ def layer_forward(family: Family, runs: Runs, settings: Settings):
         hidden_states = add(self, residual, norm(self, res.attention_out, out), 0)
         residual = hidden_states
         with normed(self, res.mlp_in, hidden_states, checkpointed) as x:
-            if (dense and checkpointed and runs("mlp")
+            if (dense and checkpointed and runs("mlp", "dense")
                     and type(self.mlp) is hf_attr(family, family.name("MLP")) and "forward" not in vars(self.mlp)):
                 chunk = long_context.chunk_tokens(settings(), x, self.mlp.down_proj.in_features)
                 # Bastile's forward (mlp_forward), whole or over chunks

@@ -12,9 +12,10 @@ Which class attribute a role replaces in a family, and with what, follows from t
 all targets of that role in that family: apply() returns it once and reset() restores them all. TRAINERS
 does the same for trainer libraries (TRL), whose patches apply whatever the model.
 
-The keywords of earlier releases name kernels; they stay as aliases of the role their kernel served:
-rms_norm -> norm, swiglu and geglu (and moe, geglu's first name) -> mlp, rope -> attention,
-fused_linear_cross_entropy -> head. Patch names made of them (`rope_llama`) are accepted by reset().
+The keywords of earlier releases name kernels; each switches the part of a role its kernel served (KERNELS):
+rms_norm the norms, swiglu the dense MLP, moe (and geglu, GPT-OSS's experts' activation) the MoE experts, rope
+the attention, fused_linear_cross_entropy the head. Patch names made of them (`rope_llama`) are accepted by
+reset().
 """
 import importlib
 import importlib.util
@@ -29,8 +30,10 @@ from . import heads, hf, long_context, lora, versions
 from .families import FAMILIES, Family, Unsupported, check
 
 ROLES = ("norm", "mlp", "attention", "decoder", "head")
-ALIASES = {"rms_norm": "norm", "swiglu": "mlp", "geglu": "mlp", "moe": "mlp", "rope": "attention",
-           "fused_linear_cross_entropy": "head"}
+# Kernel-named keywords: the role and the part of it (None: all of it) each switches. The mlp role's parts are the
+# dense MLP and the MoE experts.
+KERNELS = {"rms_norm": ("norm", None), "swiglu": ("mlp", "dense"), "moe": ("mlp", "experts"),
+           "geglu": ("mlp", "experts"), "rope": ("attention", None), "fused_linear_cross_entropy": ("head", None)}
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,14 @@ class Patch:
     module: str       # module holding the target
     target: str       # "Class.attribute" or "function"
     replacement: Callable | Wrap
+    part: Optional[str] = None  # the part of its role that a kernel keyword switches (KERNELS)
 
     @property
     def name(self) -> str:
         return f"{self.role}_{self.family}"
 
 
-# name -> [(owner, attribute, original value as found in owner.__dict__), ...], one per target
+# name -> [(owner, attribute, original value as found in owner.__dict__, part), ...], one per target patched
 _active: Dict[str, list] = {}
 
 # apply()'s library-wide settings (long_context.Settings), read by the patched forwards at each call.
@@ -79,15 +83,18 @@ def _check(model) -> None:
     _checked.add(model)
 
 
-def _runs(family: str) -> Callable[[str], bool]:
-    return lambda role: f"{role}_{family}" in _active
+def _runs(family: str) -> hf.Runs:
+    """Whether Bastile's forwards run a role of the family (its `part` only, where given)."""
+    def runs(role: str, part: Optional[str] = None) -> bool:
+        return any(part in (None, p) for *_, p in _active.get(f"{role}_{family}", ()))
+    return runs
 
 
 def _targets(f: Family) -> Dict[str, list]:
-    """role -> [(target, replacement), ...] of a family, from its traits."""
+    """role -> [(target, replacement[, part]), ...] of a family, from its traits."""
     n, runs = f.name, _runs(f.model_type)
-    mlp = [(f"{n('MLP')}.forward", hf.mlp_forward(f.mlp))] if f.mlp.dense else []
-    mlp += [(f"{n('Experts')}._apply_gate", hf.APPLY_GATES[f.mlp.experts])] if f.mlp.experts else []
+    mlp = [(f"{n('MLP')}.forward", hf.mlp_forward(f.mlp), "dense")] if f.mlp.dense else []
+    mlp += [(f"{n('Experts')}._apply_gate", hf.APPLY_GATES[f.mlp.experts], "experts")] if f.mlp.experts else []
     return {
         "norm": [(f"{n('RMSNorm')}.forward", hf.NORM_FORWARDS[f.norm])],
         "mlp": mlp,
@@ -114,11 +121,11 @@ TRAINERS: Dict[str, tuple] = {
 }
 
 PATCHES: List[Patch] = [
-    Patch(role, name, module, target, replacement)
+    Patch(role, name, module, *target)
     for name, (module, per_role) in {**{f.model_type: (f.module, _targets(f)) for f in FAMILIES.values()},
                                      **TRAINERS}.items()
     for role, targets in per_role.items()
-    for target, replacement in targets
+    for target in targets
 ]
 
 
@@ -140,17 +147,28 @@ def supported_families() -> List[str]:
     return sorted(FAMILIES)
 
 
-def _selected(given: Dict[str, Optional[bool]]) -> Dict[str, bool]:
-    """role -> on, from apply()'s role keywords and their aliases: the names of one role must agree."""
-    out = {}
-    for role in (*ROLES, "log_probs"):
-        names = [role] + [a for a, r in ALIASES.items() if r == role]
-        values = {n: given[n] for n in names if given.get(n) is not None}
-        if len(set(values.values())) > 1:
-            raise ValueError(f"bastile.apply: {values} disagree, but they name one role, {role!r} (the others are "
-                             "its aliases)")
-        out[role] = next(iter(values.values()), True)
-    return out
+def _agreed(given: Dict[str, Optional[bool]], names: List[str], what: str) -> Optional[bool]:
+    values = {n: given[n] for n in names if given.get(n) is not None}
+    if len(set(values.values())) > 1:
+        raise ValueError(f"bastile.apply: {values} disagree, but they name one {what}")
+    return next(iter(values.values()), None)
+
+
+def _selected(given: Dict[str, Optional[bool]]) -> Callable[[str, Optional[str]], bool]:
+    """(role, part) -> on, from apply()'s keywords: a part's kernel keyword where given (swiglu=False, moe=True:
+    the experts without the dense MLP), else its role's (`mlp`, or a kernel keyword for the whole role, such as
+    rms_norm), else on. Keywords that name the same part, or the same whole role, must agree."""
+    roles = {role: _agreed(given, [role] + [k for k, (r, part) in KERNELS.items() if r == role and part is None],
+                           f"role, {role!r}")
+             for role in (*ROLES, "log_probs")}
+    parts = {(role, part): _agreed(given, [k for k, rp in KERNELS.items() if rp == (role, part)],
+                                   f"part of the {role!r} role, its {part}")
+             for role, part in set(KERNELS.values()) if part is not None}
+
+    def on(role: str, part: Optional[str]) -> bool:
+        value = parts.get((role, part))
+        return (roles[role] if value is None else value) is not False
+    return on
 
 
 def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention: Optional[bool] = None,
@@ -166,8 +184,9 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
     `<role>_<family>` of the patches active from this call, e.g. ['norm_qwen3', 'mlp_qwen3', ...]. Applying
     twice is harmless. `log_probs` is TRL's fused LM head (its trainers' per-token log-probabilities) on
     Bastile's fused_linear_log_probs, whatever the model, where TRL is installed (trl==1.16; another TRL
-    whose internals differ is an error here). The kernel-named keywords of earlier releases are aliases
-    (patch.ALIASES).
+    whose internals differ is an error here). The kernel-named keywords of earlier releases switch the part of
+    a role their kernel served (patch.KERNELS): `swiglu` the dense MLP, `moe` and `geglu` the MoE experts, within
+    the mlp role; `rms_norm`, `rope` and `fused_linear_cross_entropy` the norm, attention and head roles.
 
     `offload_checkpoints=True` (off by default; None keeps the current setting) is for long context under
     gradient checkpointing (HF's gradient_checkpointing_enable(), TRL's gradient_checkpointing=True): the
@@ -196,7 +215,7 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
         if unknown:
             raise ValueError(f"bastile.apply: unknown families {unknown}; supported: {', '.join(supported_families())}")
     chosen = [p for p in PATCHES
-              if selected[p.role] and (families is None or p.family in families or p.family in TRAINERS)]
+              if selected(p.role, p.part) and (families is None or p.family in families or p.family in TRAINERS)]
     # Resolve everything first, so that a missing target leaves nothing half-patched.
     by_name: Dict[str, list] = {}
     for p in chosen:
@@ -214,16 +233,17 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
         if missing:
             raise RuntimeError(f"bastile.apply: this transformers lacks the targets of {missing}")
         _checked.add(model)
-    # Replacements are made (and a Wrap's factory may refuse its original) before anything is patched.
+    # Replacements are made (and a Wrap's factory may refuse its original) before anything is patched. A target
+    # already patched stays as it is (applying twice is harmless); a part left out before is added.
     todo = {}
     for name, found in by_name.items():
-        found = [(p, t) for p, t in found if t is not None]
-        if found and name not in _active:
-            todo[name] = [(owner, attr, p.replacement.factory(getattr(owner, attr))
-                           if isinstance(p.replacement, Wrap) else p.replacement) for p, (owner, attr) in found]
+        done = {(owner, attr) for owner, attr, *_ in _active.get(name, ())}
+        todo[name] = [(owner, attr, p.replacement.factory(getattr(owner, attr))
+                       if isinstance(p.replacement, Wrap) else p.replacement, p.part)
+                      for p, t in found if t is not None and t not in done for owner, attr in [t]]
     for name, targets in todo.items():
-        _active[name] = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in targets]
-        for owner, attr, replacement in targets:
+        for owner, attr, replacement, part in targets:
+            _active.setdefault(name, []).append((owner, attr, owner.__dict__.get(attr), part))
             setattr(owner, attr, replacement)
     chunk = _settings.mlp_chunk if mlp_chunk is None else mlp_chunk
     _settings = long_context.Settings(offload, chunk if offload else None)
@@ -231,8 +251,8 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
 
 
 def _canonical(name: str) -> str:
-    """A patch name with an alias's prefix (`rope_llama`) as its role's (`attention_llama`)."""
-    for alias, role in ALIASES.items():
+    """A patch name with a kernel keyword's prefix (`rope_llama`) as its role's (`attention_llama`)."""
+    for alias, (role, _) in KERNELS.items():
         if name.startswith(alias + "_") and name[len(alias) + 1:] in FAMILIES:
             return f"{role}_{name[len(alias) + 1:]}"
     return name
@@ -253,7 +273,7 @@ def reset(names: Optional[Sequence[str]] = None) -> List[str]:
         raise ValueError(f"bastile.reset: unknown patches {unknown}; the patches are: {', '.join(sorted(known))}")
     names = [n for n in names if n in _active]
     for name in names:
-        for owner, attr, original in reversed(_active.pop(name)):
+        for owner, attr, original, _ in reversed(_active.pop(name)):
             if original is None:
                 delattr(owner, attr)
             else:
@@ -272,7 +292,7 @@ def lora_modules(model) -> Dict[str, str]:
             fused[hf.hf_attr(f, f.name("Attention"))] = None
             if f.linear_attention:
                 fused[hf.hf_attr(f, f.name("GatedDeltaNet"))] = hf.delta_net_why_not
-        if runs("mlp") and f.mlp.dense:
+        if runs("mlp", "dense") and f.mlp.dense:
             fused[hf.hf_attr(f, f.name("MLP"))] = hf.mlp_why_not(f.mlp)
         if runs("decoder") and f.residual.per_layer_input:  # the per-layer input's gate and projection
             fused[hf.hf_attr(f, f.name("DecoderLayer"))] = hf.mlp_why_not(f.mlp)
