@@ -671,6 +671,45 @@ def test_bidirectional_gemma_is_refused_before_patching():
     assert bastile.get_patched_ops() == []
 
 
+def test_gemma4_gradients_are_the_exact_derivative():
+    """Gemma 4 at Gemma4TextConfig's defaults made small (3 sliding layers and a full one of twice the head width,
+    per-layer inputs): in float64 Bastile's step-1 gradients are those of HF's math (its norms, which round
+    through float32, and its loss, taken in float64) to 1e-10; in float32 they are no further from them than HF's
+    own, which attention scaled by 1 over wide normed heads puts 1e-4 to 1e-3 away."""
+    from transformers.models.gemma4 import modeling_gemma4
+
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size_per_layer_input=2048, hidden_size_per_layer_input=16,
+        attn_implementation="sdpa", tie_word_embeddings=False, **IDS)
+    assert config.layer_types == ["sliding_attention"] * 3 + ["full_attention"] and config.hidden_size_per_layer_input
+    base = transformers.Gemma4ForCausalLM(config).train()
+    ids = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+
+    def grads(dtype, loss):
+        model = copy.deepcopy(base).to(dtype)
+        loss(model).backward()
+        return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+
+    def exact_loss(model):  # HF's causal LM loss without its float32 upcast of the logits
+        logits = model(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(modeling_gemma4.Gemma4RMSNorm, "forward",
+                  lambda self, x: self._norm(x) * self.weight if self.with_scale else self._norm(x))
+        exact = grads(torch.float64, exact_loss)
+    hf32 = grads(torch.float32, lambda model: model(input_ids=ids, labels=ids).loss)
+    bastile.apply(model=base, log_probs=False)
+    ours = {dtype: grads(dtype, lambda model: model(input_ids=ids, labels=ids).loss)
+            for dtype in (torch.float64, torch.float32)}
+    worst = lambda g: max(float((g[n] - e).abs().max() / e.abs().max()) for n, e in exact.items())
+    assert ours.keys() and all(g.keys() == exact.keys() for g in (*ours.values(), hf32))
+    assert worst(ours[torch.float64]) < 1e-10
+    assert worst(ours[torch.float32]) <= 2 * worst(hf32), (worst(ours[torch.float32]), worst(hf32))
+
+
 def test_gemma4_moe_training_matches_hf_cpu_fp32():
     """Gemma 4's MoE layers (enable_moe_block: a router and GELU-tanh experts beside the dense MLP, each with
     its norms): the losses of 2 AdamW steps and the first step's gradients as HF's, the experts' gate through
