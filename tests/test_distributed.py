@@ -107,7 +107,7 @@ def _parallel_worker(rank, world, port, out, device, jobs, steps):
                 model = mini_qwen3(dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=tie)
                 model = _wrap(model, strategy, device)
                 inner = model.module if strategy == "ddp" else model
-                fused = bastile.hf._fused_loss_applies(inner, data[0][0][1])
+                fused = bastile.roles.head._fused_loss_applies(inner, data[0][0][1])
                 losses = train(model, data)
                 params = {n: _full(p) for n, p in model.named_parameters()}
                 same_as_rank0 = True
@@ -377,7 +377,7 @@ def _trainer_run(tmp_path, patched):
     if patched:
         bastile.apply()  # before the model is built
     model = mini_qwen3("cpu", torch.float32)
-    assert (type(model).forward.__module__ == "bastile.hf") == patched
+    assert (type(model).forward.__module__ == "bastile.roles.head") == patched
     dataset = [{"input_ids": ids[i], "labels": labels[i]}
                for [(ids, labels)] in batches(8, 1, 2, 64, "cpu", 0.3) for i in range(2)]
     args = TrainingArguments(output_dir=str(tmp_path / f"patched_{patched}"), use_cpu=True, report_to="none",

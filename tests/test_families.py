@@ -723,9 +723,9 @@ def test_gemma4_moe_training_matches_hf_cpu_fp32():
     bastile.apply(model=model, log_probs=False)
     assert all(type(layer.experts).__name__ == "Gemma4TextExperts" for layer in model.model.layers)
     calls = []
-    real = bastile.hf.swiglu
+    real = bastile.roles.mlp.swiglu
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(bastile.hf, "swiglu", lambda *a: calls.append(1) or real(*a))
+        m.setattr(bastile.roles.mlp, "swiglu", lambda *a: calls.append(1) or real(*a))
         losses, grads = train(model, data)
     assert len(calls) >= steps * len(model.model.layers)  # each layer's experts, each step
     assert losses == pytest.approx(ref_losses, rel=1e-5) and ref_losses[-1] < ref_losses[0]

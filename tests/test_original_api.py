@@ -55,9 +55,9 @@ def test_kernel_keywords_switch_the_part_they_name():
     names = bastile.apply(rms_norm=True, moe=True, rope=True, swiglu=False)
     assert {"mlp_gpt_oss", "norm_qwen3", "attention_llama", "mlp_qwen3_moe"} <= set(names)
     assert "mlp_qwen3" not in names  # its one part, the dense MLP, is off
-    assert modeling_gpt_oss.GptOssExperts._apply_gate is bastile.hf.geglu_apply_gate
+    assert modeling_gpt_oss.GptOssExperts._apply_gate.__name__ == "mlp.geglu_apply_gate[gpt_oss]"
     assert modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"] is moe_mlp
-    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is bastile.hf.swiglu_apply_gate
+    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate.__name__ == "mlp.swiglu_apply_gate[qwen3_moe]"
     assert "mlp_qwen3" in bastile.apply(swiglu=True)  # the part left out is added; the rest stays
     assert modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"] is not moe_mlp
     assert bastile.reset(["mlp_qwen3_moe"]) == ["mlp_qwen3_moe"]
@@ -314,7 +314,7 @@ def test_reset_an_unknown_name_restores_nothing():
     with pytest.raises(ValueError, match=r"bastile.reset: unknown patches \['norm_qwen4'\]; the patches are: "):
         bastile.reset(["norm_qwen3", "norm_qwen4"])
     assert "norm_qwen3" in bastile.get_patched_ops()
-    assert modeling_qwen3.Qwen3RMSNorm.forward is bastile.hf.rms_norm_forward
+    assert modeling_qwen3.Qwen3RMSNorm.forward.__name__ == "norm.forward[qwen3]"
 
 
 def test_apply_takes_one_family_by_name():

@@ -74,7 +74,7 @@ def replacement(name, target):
 def test_multi_target_role_applies_and_resets_as_one_name():
     assert bastile.apply(families=["qwen3_moe"], **ONLY_MLP) == ["mlp_qwen3_moe"]
     assert bastile.get_patched_ops() == ["mlp_qwen3_moe"]
-    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is bastile.hf.swiglu_apply_gate
+    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate.__name__ == "mlp.swiglu_apply_gate[qwen3_moe]"
     assert modeling_qwen3_moe.Qwen3MoeMLP.forward is replacement("mlp_qwen3_moe", "Qwen3MoeMLP.forward")
     assert bastile.apply(families=["qwen3_moe"], **ONLY_MLP) == ["mlp_qwen3_moe"]  # twice is harmless
     assert bastile.reset(["mlp_qwen3_moe"]) == ["mlp_qwen3_moe"]
@@ -187,16 +187,16 @@ def same_loss_and_grads(make, device, apply_before_build, **apply_kw):
 def test_tiny_qwen3_same_loss_and_gradients(device, apply_before_build):
     model = same_loss_and_grads(tiny_qwen3, device, apply_before_build)
     # The patched model really runs Bastile.
-    assert type(model).forward.__module__ == "bastile.hf"
+    assert type(model).forward.__module__ == "bastile.roles.head"
     for m in model.modules():
         if isinstance(m, (modeling_qwen3.Qwen3RMSNorm, modeling_qwen3.Qwen3MLP, modeling_qwen3.Qwen3Attention)):
-            assert type(m).forward.__module__ == "bastile.hf"
+            assert type(m).forward.__module__.startswith("bastile.roles.")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tiny_llama_same_loss_and_gradients(device):
     same_loss_and_grads(tiny_llama, device, True)
-    assert modeling_llama.LlamaAttention.forward.__module__ == "bastile.hf"
+    assert modeling_llama.LlamaAttention.forward.__module__ == "bastile.roles.attention"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -348,7 +348,7 @@ def test_mlp_recomputes_the_activation_instead_of_saving_it(device):
         return out, grads, {(t.numel(), t.data_ptr()) for t in saved}
 
     unfused = lambda m, x: m.down_proj(bastile.swiglu(m.gate_proj(x), m.up_proj(x)))
-    out, grads, saved = run(bastile.hf.mlp_forward(Mlp()))
+    out, grads, saved = run(bastile.roles.mlp.mlp_forward(Mlp()))
     ref_out, ref_grads, ref_saved = run(unfused)
     assert torch.equal(out, ref_out)
     for a, b in zip(grads, ref_grads):

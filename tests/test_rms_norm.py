@@ -201,7 +201,7 @@ def test_offset_patch_replaces_gemma_rms_norm():
     with torch.no_grad():
         m.weight.normal_()
     x = torch.randn(2, 3, 64).bfloat16()
-    torch.testing.assert_close(bastile.hf.rms_norm_offset_forward(m, x), HF_GEMMA_FORWARD(m, x), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(bastile.roles.norm.norm_forward(bastile.roles.norm.offset_then_cast)(m, x), HF_GEMMA_FORWARD(m, x), rtol=2 ** -7, atol=0)
 
 
 def test_cast_after_weight_patch_replaces_gpt_oss_rms_norm():
@@ -210,7 +210,7 @@ def test_cast_after_weight_patch_replaces_gpt_oss_rms_norm():
         m.weight.normal_()
     x = torch.randn(2, 3, 64).bfloat16()
     ref = HF_GPT_OSS_FORWARD(m, x)
-    y = bastile.hf.rms_norm_cast_after_weight_forward(m, x)
+    y = bastile.roles.norm.norm_forward(bastile.roles.norm.weight_then_cast)(m, x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0)
 

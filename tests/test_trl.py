@@ -106,12 +106,12 @@ def assert_same_logs(got, want):
 def head_calls(monkeypatch):
     """The uniform_grad of every call of Bastile's head through TRL."""
     calls = []
-    real = bastile.heads.fused_linear_log_probs
+    real = bastile.trainers.fused_linear_log_probs
 
     def counting(*args, **kwargs):
         calls.append(kwargs["uniform_grad"])
         return real(*args, **kwargs)
-    monkeypatch.setattr(bastile.heads, "fused_linear_log_probs", counting)
+    monkeypatch.setattr(bastile.trainers, "fused_linear_log_probs", counting)
     return calls
 
 
@@ -140,7 +140,7 @@ def test_reset_restores_trls_head():
     import trl.trainer.utils as utils
     original = utils._ChunkedLogProbFunction, utils._use_triton, trl.SFTTrainer.compute_loss
     bastile.apply()
-    assert utils._ChunkedLogProbFunction is bastile.heads.ChunkedLogProbs
+    assert utils._ChunkedLogProbFunction is bastile.trainers.ChunkedLogProbs
     bastile.reset()
     assert (utils._ChunkedLogProbFunction, utils._use_triton, trl.SFTTrainer.compute_loss) == original
 

@@ -6,7 +6,6 @@
 from . import data, ops
 from ._library import PATH as library_path
 from ._library import VERSION as __version__
-from .modules import BastileRMSNorm, BastileSwiGLUMLP
 from .ops.causal_conv1d import causal_conv1d
 from .ops.dequantize_4bit import dequantize_4bit
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -14,10 +13,10 @@ from .ops.fused_linear_log_probs import fused_linear_log_probs
 from .ops.gated_delta_rule import gated_delta_rule
 from .ops.geglu import geglu
 from .ops.qk_norm_rope import qk_norm_rope
-from .ops.rms_norm import rms_norm
+from .ops.rms_norm import BastileRMSNorm, rms_norm
 from .ops.rms_norm_gated import rms_norm_gated
 from .ops.rope import rope
-from .ops.swiglu import swiglu
+from .ops.swiglu import BastileSwiGLUMLP, swiglu
 from .patch import apply, get_patched_ops, lora_modules, reset, supported_families
 from .runtime import clear_autotune_cache, warmup_all_kernels
 

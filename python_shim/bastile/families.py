@@ -5,17 +5,18 @@ A family (an HF `model_type`) is its traits: how its RMSNorm rounds, what its at
 projections (fused q/k/v, q/k norms per head or over the whole width, the rotary layout, NoPE layers, the
 sliding-window source, a position-dependent query scale, sinks, an output gate), linear-attention layers in
 place of attention (Qwen3.5's Gated DeltaNet), its MLP (separate or fused gate/up, MoE experts), the norms
-and multipliers around each sublayer, and its head (a logit scale, the router's auxiliary loss). The shared
-forwards in hf.py read these traits; nothing there probes a module to guess what it is. `check(model)`
-refuses, naming the module or config key, a model that carries anything the traits do not declare (a
-subclass of a patched class, a config key that the family's modeling code reads and the traits do not cover, a
-trait value out of range, weights quantized by a method Bastile does not know), before anything runs. Keys
-that no modeling code reads are accepted: they cannot change the math (`reads`).
+and multipliers around each sublayer, and its head (a logit scale, the router's auxiliary loss). The forwards
+(roles/) are built from stages these traits choose; nothing there probes a module to guess what it is.
+`check(model, parts)` refuses, naming the module or config key, a model that carries anything the traits do
+not declare (a subclass of a class the forwards replace or call into, a config key that the family's modeling
+code reads and the traits do not cover, a trait value out of range, weights quantized by a method Bastile does
+not know), before anything runs. Keys that no modeling code reads are accepted: they cannot change the math
+(`reads`).
 """
 import functools
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Dict, FrozenSet, Mapping, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple
 
 
 class Norm(Enum):
@@ -78,10 +79,9 @@ class Attention:
     query_scale: bool = False           # Ministral 3: q *= 1 + beta * log(1 + floor(position / original max))
     sinks: bool = False                 # GPT-OSS: learned sinks, HF's eager attention only
     softcap: bool = False               # Gemma 2: the module's attn_logit_softcapping goes to HF's attention
-    # Gemma 4: v through the module's v_norm; a module without v_proj takes k's projection as v
+    # Gemma 4's K/V: v through the module's v_norm; a module without v_proj takes k's projection as v
     # (attention_k_eq_v); a module whose is_kv_shared_layer is set takes k and v from shared_kv_states, where
     # the last earlier layer of its type (store_full_length_kv) put them (num_kv_shared_layers).
-    value_norm: bool = False
     shared_kv: bool = False
     # Qwen3.5: q_proj gives each head's query followed by as wide a gate, and the attention's output is
     # multiplied by sigmoid(gate) before o_proj.
@@ -112,9 +112,9 @@ class Residual:
     multiplier: Optional[str] = None    # the layer's attribute (Granite's residual_multiplier)
     dropout: Optional[Tuple[str, str]] = None  # the layer's dropout modules after attention and MLP (Phi-3)
     # Gemma 4's per-layer embeddings: after the MLP, h + post_per_layer_input_norm(per_layer_projection(
-    # act_fn(per_layer_input_gate(h)) * per_layer_input)), per_layer_input the layer's second argument.
+    # act_fn(per_layer_input_gate(h)) * per_layer_input)), per_layer_input the layer's second argument; then the
+    # output times the layer's layer_scalar.
     per_layer_input: bool = False
-    scalar: Optional[str] = None        # the layer's buffer its output is multiplied by (Gemma 4's layer_scalar)
 
 
 PRE_NORM = Residual()
@@ -122,7 +122,7 @@ SANDWICH = Residual(attention_out="post_self_attn_layernorm", mlp_out="post_mlp_
 GEMMA = Residual(attention_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
                  mlp_out="post_feedforward_layernorm")
 GEMMA4 = Residual(attention_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
-                  mlp_out="post_feedforward_layernorm", per_layer_input=True, scalar="layer_scalar")
+                  mlp_out="post_feedforward_layernorm", per_layer_input=True)
 POST_NORM = Residual(attention_in=None, attention_out="post_attention_layernorm", mlp_in=None,
                      mlp_out="post_feedforward_layernorm")
 
@@ -307,7 +307,7 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     # (tables as wide as the head, zero past the rotated fraction), per-layer embeddings, K/V shared by the
     # last layers, the logits softcapped; in the MoE model (26B-A4B) experts beside each dense MLP.
     _family("gemma4_text", "Gemma4", _GEMMA4, module="gemma4", norm=Norm.OPTIONAL_WEIGHT_THEN_CAST,
-            attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER, value_norm=True, shared_kv=True),
+            attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER, shared_kv=True),
             mlp=Mlp(experts="swiglu", beside=True), residual=GEMMA4, head=Head(softcap="final_logit_softcapping", output="CausalLMOutputWithPast"),
             decoder="TextModel", layer="Text",
             # "vision": image tokens attend both ways, through the masks HF's multimodal model makes (which
@@ -433,32 +433,23 @@ def _check_config(family: Family, config) -> None:
                               f"are not among {list(known)}")
 
 
-def _classes(family: Family, module) -> list:
-    """The family's HF classes that Bastile's forwards replace or call into."""
-    names = ["RMSNorm", "Attention", "DecoderLayer", family.decoder, "ForCausalLM"]
-    names += [family.multimodal.head] if family.multimodal else []
-    names += ["MLP"] if family.mlp.dense else []
-    names += ["Experts"] if family.mlp.experts else []
-    names += ["GatedDeltaNet", "RMSNormGated"] if family.linear_attention else []
-    return [getattr(module, family.name(n)) for n in names]
-
-
 def _wrapper_of(t: type, cls: type) -> bool:
     """Whether t is the class torch.distributed makes to wrap cls in place (FSDP2's FSDP<cls>): its own
     wrapper's methods over cls, none of the model's."""
     return len(t.__bases__) == 2 and t.__bases__[1] is cls and t.__bases__[0].__module__.startswith("torch.distributed")
 
 
-def check(model) -> Family:
+def check(model, parts: Callable[[Family], Iterable[str]]) -> Family:
     """The model's family, after checking that the model is what the family declares; Unsupported, naming
-    what is not, otherwise. Checks the config (declared keys, rotation and layer types in range) and every
-    module: none may be a subclass of a class whose forward Bastile replaces or calls into (its overrides
-    and attributes would be skipped or misread)."""
+    what is not, otherwise. Checks its weights' quantization, the config (declared keys, rotation and layer
+    types in range) and every module: none may be a subclass of a class whose forward Bastile replaces or calls
+    into, `parts(family)` (its overrides and attributes would be skipped or misread)."""
     import importlib
     family = family_of(model)
     _check_quantization(family, getattr(model, "hf_quantizer", None))
     _check_config(family, model.config)
-    classes = _classes(family, importlib.import_module(family.module))
+    module = importlib.import_module(family.module)
+    classes = [getattr(module, family.name(part)) for part in dict.fromkeys(parts(family))]
     for name, module in model.named_modules():
         for cls in classes:
             if isinstance(module, cls) and type(module) is not cls and not _wrapper_of(type(module), cls):

@@ -1,16 +1,10 @@
-"""bastile.apply(): swaps HF forward functions for Bastile ones, and puts them back.
+"""bastile.apply(): swaps HF forward functions for Bastile's, and puts them back.
 
-Patches are named by role: what part of a model they replace, the same in every family.
-- norm: the RMSNorms
-- mlp: the dense MLP and the MoE experts' activation
-- attention: the token mixers: the attention (projections, q/k norms, rotation, varlen attention on packed
-  batches) and the linear attention (Qwen3.5's Gated DeltaNet)
-- decoder: the decoder (masks, cache, the packed batch's bounds) and its layers (norms and residuals)
-- head: the causal LM's head and loss (the fused linear cross-entropy)
-Which class attribute a role replaces in a family, and with what, follows from the family's traits
-(families.py); the forwards are hf.py's, made for the family. A patch name `<role>_<family>` stands for
-all targets of that role in that family: apply() returns it once and reset() restores them all. TRAINERS
-does the same for trainer libraries (TRL), whose patches apply whatever the model.
+Patches are named by role (roles/): what part of a model they replace, the same in every family. Which class
+attributes a role replaces in a family, and with what, is its declaration for the family (`<role>.declare`,
+made from the family's traits). A patch name `<role>_<family>` stands for all targets of that role in that
+family: apply() returns it once and reset() restores them all. trainers.TRAINERS does the same for trainer
+libraries (TRL), whose patches apply whatever the model.
 
 The keywords of earlier releases name kernels; each switches the part of a role its kernel served (KERNELS):
 rms_norm the norms, swiglu the dense MLP, moe (and geglu, GPT-OSS's experts' activation) the MoE experts, rope
@@ -24,12 +18,20 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-import transformers
 
-from . import heads, hf, long_context, lora, versions
-from .families import FAMILIES, Family, Unsupported, check
+from . import families as traits
+from . import long_context, lora, versions
+from .families import FAMILIES, Family, Unsupported
+from .roles import Context, Declaration, Target, attention, decoder, head, hf_attr, mlp, norm
+from .trainers import TRAINERS
+
+# After roles/: loading transformers' modeling submodules puts another module object in sys.modules["transformers"],
+# the one users import (its __version__ is the one read).
+import transformers  # noqa: E402
 
 ROLES = ("norm", "mlp", "attention", "decoder", "head")
+_DECLARE = {"norm": norm.declare, "mlp": mlp.declare, "attention": attention.declare, "decoder": decoder.declare,
+            "head": head.declare}
 # Kernel-named keywords: the role and the part of it (None: all of it) each switches. The mlp role's parts are the
 # dense MLP and the MoE experts.
 KERNELS = {"rms_norm": ("norm", None), "swiglu": ("mlp", "dense"), "moe": ("mlp", "experts"),
@@ -50,6 +52,7 @@ class Patch:
     target: str       # "Class.attribute" or "function"
     replacement: Callable | Wrap
     part: Optional[str] = None  # the part of its role that a kernel keyword switches (KERNELS)
+    lora: Optional[Callable] = None  # Target.lora
 
     @property
     def name(self) -> str:
@@ -67,13 +70,31 @@ def _current_settings() -> long_context.Settings:
     return _settings
 
 
-# Models already checked against their family's traits (families.check).
+def _runs(family: str) -> Callable[..., bool]:
+    """Whether Bastile's forwards run a role of the family (its `part` only, where given)."""
+    def runs(role: str, part: Optional[str] = None) -> bool:
+        return any(part in (None, p) for *_, p in _active.get(f"{role}_{family}", ()))
+    return runs
+
+
+def _parts(family: Family) -> List[str]:
+    """The family's classes (by part name) that its forwards replace or call into."""
+    return [part for d in DECLARATIONS[family.model_type].values()
+            for part in (*(t.cls for t in d.targets), *d.reads)]
+
+
+def check(model) -> Family:
+    """families.check, against the classes the family's declarations name."""
+    return traits.check(model, _parts)
+
+
+# Models already checked against their family's traits.
 _checked: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _check(model) -> None:
-    """families.check on a model's first patched forward: a model built after apply() is checked there.
-    Skipped while torch.compile traces (the check is Python bookkeeping, not part of the graph)."""
+    """check on a model's first patched forward: a model built after apply() is checked there. Skipped while
+    torch.compile traces (the check is Python bookkeeping, not part of the graph)."""
     if torch.compiler.is_compiling() or model in _checked:
         return
     try:
@@ -83,49 +104,24 @@ def _check(model) -> None:
     _checked.add(model)
 
 
-def _runs(family: str) -> hf.Runs:
-    """Whether Bastile's forwards run a role of the family (its `part` only, where given)."""
-    def runs(role: str, part: Optional[str] = None) -> bool:
-        return any(part in (None, p) for *_, p in _active.get(f"{role}_{family}", ()))
-    return runs
-
-
-def _targets(f: Family) -> Dict[str, list]:
-    """role -> [(target, replacement[, part]), ...] of a family, from its traits."""
-    n, runs = f.name, _runs(f.model_type)
-    mlp = [(f"{n('MLP')}.forward", hf.mlp_forward(f.mlp), "dense")] if f.mlp.dense else []
-    mlp += [(f"{n('Experts')}._apply_gate", hf.APPLY_GATES[f.mlp.experts], "experts")] if f.mlp.experts else []
-    return {
-        "norm": [(f"{n('RMSNorm')}.forward", hf.NORM_FORWARDS[f.norm])],
-        "mlp": mlp,
-        "attention": [(f"{n('Attention')}.forward", hf.attention_forward(f))]
-                     + ([(f"{n('GatedDeltaNet')}.forward", Wrap(hf.gated_delta_net_forward(f)))]
-                        if f.linear_attention else []),
-        "decoder": [(f"{n(f.decoder)}.forward", Wrap(hf.decoder_forward(f, runs, _current_settings, _check))),
-                    (f"{n('DecoderLayer')}.forward",
-                     hf.checkpointed(hf.layer_forward(f, runs, _current_settings)))],
-        "head": [(f"{n('ForCausalLM')}.forward", hf.causal_lm_forward(f, _check))]
-                + ([(f"{n(f.multimodal.head)}.forward", Wrap(hf.multimodal_lm_forward(f, _check)))] if f.multimodal else []),
-    }
-
-
-# library -> (module, role -> targets), as in a family's. A library that is installed but lacks a target is an
-# error at apply(): its internals moved, and Bastile must not guess.
-TRAINERS: Dict[str, tuple] = {
-    # TRL's fused LM head (heads.py): its per-token function, its choice of positions, and SFT's loss.
-    "trl": ("trl.trainer", {
-        "log_probs": [("utils._ChunkedLogProbFunction", Wrap(heads.log_prob_function)),
-                      ("utils._use_triton", heads.compact),
-                      ("SFTTrainer.compute_loss", Wrap(heads.sft_compute_loss))],
-    }),
+# model type -> role -> what the role replaces in the family
+DECLARATIONS: Dict[str, Dict[str, Declaration]] = {
+    f.model_type: {role: declare(Context(f, _runs(f.model_type), _current_settings, _check))
+                   for role, declare in _DECLARE.items()}
+    for f in FAMILIES.values()
 }
 
+
+def _patch(role: str, family: str, module: str, path: str, t: Target) -> Patch:
+    return Patch(role, family, module, f"{path}.{t.attribute}", Wrap(t.replacement) if t.wraps else t.replacement,
+                 t.part, t.lora)
+
+
 PATCHES: List[Patch] = [
-    Patch(role, name, module, *target)
-    for name, (module, per_role) in {**{f.model_type: (f.module, _targets(f)) for f in FAMILIES.values()},
-                                     **TRAINERS}.items()
-    for role, targets in per_role.items()
-    for target in targets
+    *(_patch(role, f.model_type, f.module, f.name(t.cls), t)
+      for f in FAMILIES.values() for role, d in DECLARATIONS[f.model_type].items() for t in d.targets),
+    *(_patch(role, library, module, t.cls, t)
+      for library, (module, per_role) in TRAINERS.items() for role, targets in per_role.items() for t in targets),
 ]
 
 
@@ -285,17 +281,8 @@ def lora_modules(model) -> Dict[str, str]:
     """{qualified name: "fused", or why PEFT's own forward runs it} for every PEFT LoRA layer of `model`
     (adapters on other modules than the patched attention's and MLP's projections, DoRA, several active
     adapters, LoRA bias, quantized base layers... keep PEFT's path)."""
-    fused = {}
-    for f in FAMILIES.values():
-        runs = _runs(f.model_type)
-        if runs("attention"):
-            fused[hf.hf_attr(f, f.name("Attention"))] = None
-            if f.linear_attention:
-                fused[hf.hf_attr(f, f.name("GatedDeltaNet"))] = hf.delta_net_why_not
-        if runs("mlp", "dense") and f.mlp.dense:
-            fused[hf.hf_attr(f, f.name("MLP"))] = hf.mlp_why_not(f.mlp)
-        if runs("decoder") and f.residual.per_layer_input:  # the per-layer input's gate and projection
-            fused[hf.hf_attr(f, f.name("DecoderLayer"))] = hf.mlp_why_not(f.mlp)
+    fused = {hf_attr(FAMILIES[p.family], p.target.split(".")[0]): p.lora for p in PATCHES
+             if p.lora is not None and p.family in FAMILIES and _runs(p.family)(p.role, p.part)}
     return lora.report(model, fused)
 
 

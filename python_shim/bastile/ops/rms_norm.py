@@ -1,6 +1,7 @@
 """RMSNorm (HF's LlamaRMSNorm, Qwen3RMSNorm, GptOssRMSNorm, GemmaRMSNorm): `rms_norm`, and
 `BastileRMSNorm`, the module built on it."""
 import torch
+from torch import nn
 
 from .. import _library  # noqa: F401  (loads the ops)
 
@@ -14,10 +15,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, cast_afte
     return torch.ops.bastile.rms_norm(x, weight, eps, cast_after_weight, weight_offset)
 
 
-def __getattr__(name):
-    # BastileRMSNorm (bastile.modules) runs bastile.hf's forward, and bastile.hf calls rms_norm from
-    # here: the class is fetched when asked for, so that neither import waits on the other.
-    if name == "BastileRMSNorm":
-        from ..modules import BastileRMSNorm
-        return BastileRMSNorm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class BastileRMSNorm(nn.Module):
+    """Same parameters and state-dict keys as HF's LlamaRMSNorm/Qwen3RMSNorm, whose math it computes."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

@@ -1,4 +1,4 @@
-"""TRL's fused LM head on Bastile: the `log_probs` patch of TRL (patch.TRAINERS).
+"""TRL's fused LM head on Bastile: the `log_probs` patch of TRL (TRAINERS).
 
 TRL's trainers (SFT, DPO, GRPO, KTO, RLOO...) give the model a fused head (trl.trainer.utils.add_fused_lm_head)
 that runs the backbone, gathers FSDP2 heads, keeps the valid positions, and hands hidden states, head weight
@@ -14,6 +14,7 @@ import functools
 import inspect
 
 from .ops.fused_linear_log_probs import LogProbs, fused_linear_log_probs
+from .roles import Target
 
 # What `_ChunkedLogProbFunction.forward` takes and returns in the TRL versions this patch was written
 # against (1.16): a TRL whose function differs is refused at apply(), never run with a wrong meaning.
@@ -63,3 +64,15 @@ def sft_compute_loss(compute_loss):
         finally:
             _uniform.reset(token)
     return wrapper
+
+
+# library -> (module, role -> targets), as a family's declarations (Target.cls: the path to the owner in the
+# module). A library that is installed but lacks a target is an error at apply(): its internals moved, and Bastile
+# must not guess. TRL's fused LM head: its per-token function, its choice of positions, and SFT's loss.
+TRAINERS = {
+    "trl": ("trl.trainer", {
+        "log_probs": [Target("utils", "_ChunkedLogProbFunction", log_prob_function, wraps=True),
+                      Target("utils", "_use_triton", compact),
+                      Target("SFTTrainer", "compute_loss", sft_compute_loss, wraps=True)],
+    }),
+}

@@ -1,0 +1,337 @@
+"""The decoder role: the decoder's forward (its masks, cache and the packed batch's bounds) and its layers'
+(each sublayer between the family's norms, added to the residual stream through the family's dropout or
+multiplier), each built from stages chosen once per family; Gemma 4's per-layer inputs and experts beside the
+MLP are its own (gemma4.py).
+"""
+import contextlib
+import functools
+import warnings
+import weakref
+from typing import Callable, Optional
+
+import torch
+from transformers.masking_utils import (create_causal_mask, create_recurrent_attention_mask,
+                                        create_sliding_window_causal_mask)
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .. import long_context, varlen
+from ..families import LINEAR, Family, Residual
+from . import Context, Declaration, Target, gemma4, hf_attr, mlp, named
+from .attention import varlen_rule
+
+# ------------------------------------------------------------------------------------------------ the layer
+
+
+def checkpointed(forward):
+    """A decoder layer's forward as transformers makes its own. Newer releases (5.23) wrap each
+    GradientCheckpointingLayer subclass's forward in the checkpointing when the class is made (earlier ones
+    checkpoint in __call__, and this returns `forward` itself): a forward set on the class afterwards gets
+    the same wrapper, from the same code, through a subclass made for it."""
+    return type("Checkpointed", (GradientCheckpointingLayer,), {"forward": forward}).forward
+
+
+class _Recompute:
+    """What autograd keeps of a view of a recomputed tensor: its geometry (see _recomputing)."""
+
+    def __init__(self, t):
+        self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+
+
+@contextlib.contextmanager
+def _recomputing(n, compute: Callable):
+    """Inside, autograd saves for n and its views not n but how to compute it again: `compute()`, under the
+    forward's autocast, at the first unpack; the last drops it. A norm's output, which every projection after
+    it would keep (hidden-sized, twice a layer), costs a norm forward per sublayer in the backward instead.
+    Off where n's memory is not the layer's to save: without autograd, in a checkpointed layer (the
+    checkpoint recomputes it anyway), under torch.compile, or inside other saved-tensor hooks (activation
+    offloading: these would take its tensors from them), or where such hooks are disabled."""
+    hooks = torch._C._autograd
+    if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or not n.is_contiguous()
+            or hooks._top_saved_tensors_default_hooks(False) is not None
+            or hooks._saved_tensors_hooks_get_disabled_error_message() is not None):
+        yield
+        return
+    device = n.device.type
+    amp = dict(device_type=device, enabled=torch.is_autocast_enabled(device), dtype=torch.get_autocast_dtype(device),
+               cache_enabled=torch.is_autocast_cache_enabled())
+    meta = (n.shape, n.dtype)
+    ref = weakref.ref(n)  # a strong one would keep n for as long as the hooks, the graph's lifetime
+    state = {"packed": 0, "unpacked": 0, "value": None}
+
+    def pack(t):
+        base = ref()
+        if base is None or (t is not base and t._base is not base):
+            return t
+        state["packed"] += 1
+        return _Recompute(t)
+
+    def unpack(saved):
+        if not isinstance(saved, _Recompute):
+            return saved
+        value = state["value"]
+        if value is None:
+            with torch.autocast(**amp):
+                value = compute()
+            if (value.shape, value.dtype) != meta or not value.is_contiguous():
+                raise RuntimeError(f"bastile: a norm computed again for the backward gave {value.dtype} "
+                                   f"{tuple(value.shape)}, its forward {meta[1]} {tuple(meta[0])}")
+        state["unpacked"] += 1
+        state["value"] = value if state["unpacked"] < state["packed"] else None
+        return value.as_strided(saved.size, saved.stride, saved.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+# What HF's decoder layer keeps from its Gated DeltaNet: the positions, and the cache under its own name.
+_NOT_MIXED = ("position_embeddings", "position_ids", "past_key_values")
+
+
+def attend(self, x, kwargs):
+    out, _ = self.self_attn(hidden_states=x, **kwargs)
+    return out
+
+
+def mix(self, x, kwargs):
+    """A hybrid layer's token mixer on x: its attention, or on a linear-attention layer (HF's block_type says
+    which) its Gated DeltaNet, which takes the cache as cache_params, and no positions."""
+    if self.block_type == LINEAR:
+        rest = {k: v for k, v in kwargs.items() if k not in _NOT_MIXED}
+        return self.linear_attn(hidden_states=x, cache_params=kwargs.get("past_key_values"), **rest)
+    return attend(self, x, kwargs)
+
+
+def add(self, residual, out, branch):
+    return residual + out
+
+
+def dropped(modules):
+    """Phi-3: the layer's dropout module of each branch (attention's, the MLP's) on its output."""
+    def add(self, residual, out, branch):
+        return residual + getattr(self, modules[branch])(out)
+    return add
+
+
+def multiplied(attribute):
+    """Granite: each branch's output times the layer's residual_multiplier."""
+    def add(self, residual, out, branch):
+        return residual + out * getattr(self, attribute)
+    return add
+
+
+def adder(res: Residual) -> Callable:
+    if res.dropout is not None and res.multiplier is not None:
+        raise NotImplementedError("bastile: a residual with both dropout and a multiplier")
+    return dropped(res.dropout) if res.dropout else multiplied(res.multiplier) if res.multiplier else add
+
+
+def call_mlp(self, x, checkpointed):
+    return self.mlp(x)
+
+
+def dense_mlp(ctx: Context) -> Callable:
+    """The dense MLP of a layer. A gradient-checkpointed layer's (Bastile's) keeps its activation: the
+    recomputation stops once the last tensor the backward needs is saved, the down projection's input for a plain
+    down projection, which then never runs again; the fused node would run it (and the activation once more in
+    its backward), and its memory saving lasts one layer's backward only. With offload_checkpoints, that MLP runs
+    over chunks of tokens instead where its input is longer than one (long_context.tiled_mlp)."""
+    f = ctx.family
+
+    def call(self, x, checkpointed):
+        if (checkpointed and ctx.runs("mlp", "dense") and type(self.mlp) is hf_attr(f, f.name("MLP"))
+                and "forward" not in vars(self.mlp)):
+            chunk = long_context.chunk_tokens(ctx.settings(), x, self.mlp.down_proj.in_features)
+            return long_context.tiled_mlp(self.mlp, x, chunk) if chunk else self.mlp(x, keep_activation=True)
+        return self.mlp(x)
+    return call
+
+
+def routed(out):
+    """GPT-OSS's MoE block returns (hidden, router scores)."""
+    hidden, _ = out
+    return hidden
+
+
+def unrouted(out):
+    return out
+
+
+def alone(self, out, residual):
+    return out
+
+
+def unchanged(self, hidden_states, per_layer_input):
+    return hidden_states
+
+
+def layer_forward(ctx: Context) -> Callable:
+    """The decoder layer. The output of Bastile's norm before each sublayer is computed again in the backward
+    rather than kept (_recomputing)."""
+    f = ctx.family
+    res = f.residual
+    mixer = mix if f.linear_attention else attend
+    combine = adder(res)
+    mlp = dense_mlp(ctx) if f.mlp.dense else call_mlp
+    mlp_out = routed if f.mlp.router_scores else unrouted
+    beside = gemma4.experts_beside if f.mlp.beside else alone
+    after = gemma4.per_layer_input if res.per_layer_input else unchanged
+
+    def norm(self, name, x):
+        return x if name is None else getattr(self, name)(x)
+
+    @contextlib.contextmanager
+    def normed(self, name, x, checkpointed):
+        """norm(self, name, x), recomputed in the backward where that saves memory (_recomputing)."""
+        n = norm(self, name, x)
+        if name is None or not ctx.runs("norm") or checkpointed:
+            yield n
+            return
+        with _recomputing(n, lambda: norm(self, name, x)):
+            yield n
+
+    def layer(self, hidden_states, per_layer_input, kwargs):
+        checkpointed = self.gradient_checkpointing and self.training
+        residual = hidden_states
+        with normed(self, res.attention_in, hidden_states, checkpointed) as x:
+            out = mixer(self, x, kwargs)
+        hidden_states = combine(self, residual, norm(self, res.attention_out, out), 0)
+        residual = hidden_states
+        with normed(self, res.mlp_in, hidden_states, checkpointed) as x:
+            out = mlp_out(mlp(self, x, checkpointed))
+        out = beside(self, out, residual)
+        hidden_states = combine(self, residual, norm(self, res.mlp_out, out), 1)
+        return after(self, hidden_states, per_layer_input)
+
+    return gemma4.layer_signature(layer) if res.per_layer_input else plain_signature(layer)
+
+
+def plain_signature(layer):
+    def forward(self, hidden_states, **kwargs):
+        return layer(self, hidden_states, None, kwargs)
+    return forward
+
+
+# ------------------------------------------------------------------------------------------------ the decoder
+
+
+_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
+          LINEAR: create_recurrent_attention_mask}
+# The layer types whose unpadded, uncached mask is None: SDPA's is_causal, a linear attention's unmasked inputs.
+_UNMASKED = {"full_attention", LINEAR}
+
+
+def positions_as_given(position_ids):
+    return position_ids
+
+
+def text_of_sections(position_ids):
+    """The text positions of multimodal RoPE's (Rotary.sections), as the decoder's HF forward finds them: they
+    come with the sections' rows, [4, batch, seq] with the text's first, or [3, batch, seq] with none (HF's
+    masks then take no positions)."""
+    if position_ids is None or position_ids.ndim == 2:
+        return position_ids
+    return position_ids[0] if position_ids.shape[0] == 4 else None
+
+
+def text_positions(family: Family) -> Callable:
+    """The text positions in the position ids a decoder of the family is given."""
+    return text_of_sections if family.rotary.sections else positions_as_given
+
+
+def _varlen_types(ctx: Context, takes_varlen: Callable, decoder, layer_types) -> set:
+    """The layer types (None standing for all layers, where the decoder has no layer types) whose every
+    attention layer takes a packed batch to the varlen kernel: Bastile's attention runs them, and takes_varlen
+    (attention.varlen_rule) holds for each."""
+    if not ctx.runs("attention"):
+        return set()
+    types = layer_types or [None] * len(decoder.layers)
+    # Bastile's Gated DeltaNet (the attention role's too) takes any packed batch
+    return set(types) - {t for t, layer in zip(types, decoder.layers)
+                         if t != LINEAR and not takes_varlen(layer.self_attn)}
+
+
+def masks(ctx: Context) -> Callable:
+    """The function of a decoder's call that gives (attention_mask, input_ids, inputs_embeds, kwargs) to call its
+    HF forward with.
+
+    A call with no padding mask, no positions and no cache attends causally in every layer, which SDPA does
+    itself with `is_causal`. HF finds that out only outside tracing, after a host sync on the positions (its
+    packed-sequence check); under torch.compile it builds the [seq, seq] mask instead, and SDPA's masked
+    kernels are ~3x slower in the backward. Decoders with `config.layer_types` take prepared masks per layer
+    type; those whose types are all _UNMASKED get None for each, which says it without the positions.
+
+    A batch that may be packed (positions, no padding mask, no cache):
+    - where the attention of some layers runs varlen (_varlen_types), the varlen kwargs (varlen.KEYS) if the
+      collator did not give them;
+    - a decoder that takes prepared masks gets none for the layer types that run varlen (Bastile's attention
+      ignores HF's) and HF's, made with the position ids, for the others. GPT-OSS's makes them without, so that
+      its packed rows attend across their sequences."""
+    positions, takes_varlen = text_positions(ctx.family), varlen_rule(ctx.family)
+    typed = "layer_types" in ctx.family.config
+
+    def prepare(decoder, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs):
+        config = decoder.config
+        layer_types = config.layer_types if typed else None
+        if attention_mask is not None or past_key_values is not None or use_cache:
+            return attention_mask, input_ids, inputs_embeds, kwargs
+        position_ids = positions(position_ids)
+        if position_ids is None:
+            if config._attn_implementation == "sdpa" and layer_types and set(layer_types) <= _UNMASKED:
+                attention_mask = dict.fromkeys(layer_types)
+            return attention_mask, input_ids, inputs_embeds, kwargs
+        direct = _varlen_types(ctx, takes_varlen, decoder, layer_types)
+        if direct and kwargs.get("cu_seq_lens_q") is None:
+            batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
+        if not layer_types or (direct and kwargs.get("cu_seq_lens_q") is None):  # not packed after all
+            return attention_mask, input_ids, inputs_embeds, kwargs
+        embeds = inputs_embeds
+        if embeds is None and set(layer_types) - direct:
+            # HF's masks read the embeddings' shape, dtype and device: made for them without a graph, while the
+            # decoder embeds the ids itself (Gemma 4's per-layer embeddings read the ids)
+            with torch.no_grad():
+                embeds = decoder.get_input_embeddings()(input_ids)
+        attention_mask = {t: None if t in direct else _MASKS[t](config=config, inputs_embeds=embeds, attention_mask=None,
+                                                                 past_key_values=None, position_ids=position_ids)
+                          for t in set(layer_types)}
+        return attention_mask, input_ids, inputs_embeds, kwargs
+    return prepare
+
+
+def decoder_forward(ctx: Context) -> Callable:
+    """A decoder's forward (XModel.forward, which causal LMs and TRL's fused head call) around HF's: the
+    masks of `masks`, and no cache in training unless asked for. HF's decoder makes one whenever
+    config.use_cache says so, training included, and with one it does not look for the restarting position
+    ids of packed rows: their sequences would attend to one another. With offload_checkpoints, a
+    checkpointed decoder's saved layer inputs go to host memory (long_context.offloaded). `check(model)`
+    runs on each model's first call (a model built after apply() is checked there)."""
+    f, prepare = ctx.family, masks(ctx)
+
+    def wrap(forward):
+        @functools.wraps(forward)
+        def wrapper(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    inputs_embeds=None, use_cache=None, **kwargs):
+            ctx.check(self)
+            if use_cache is None:
+                use_cache = False if self.training else self.config.use_cache
+            attention_mask, input_ids, inputs_embeds, kwargs = prepare(
+                self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs)
+            offload = (ctx.settings().offload_checkpoints and self.gradient_checkpointing and self.training
+                       and torch.is_grad_enabled())
+            with long_context.offloaded(offload):
+                return forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                               **kwargs)
+        return named(wrapper, "decoder", f)
+    return wrap
+
+
+def declare(ctx: Context) -> Declaration:
+    f = ctx.family
+    layer = named(layer_forward(ctx), "decoder", f)
+    return Declaration((
+        Target(f.decoder, "forward", decoder_forward(ctx), wraps=True),
+        # Gemma 4's per-layer input: a gated projection like the dense MLP's
+        Target("DecoderLayer", "forward", checkpointed(layer), lora=mlp.why_not(f.mlp) if f.residual.per_layer_input
+               else None),
+    ))

@@ -1,0 +1,117 @@
+"""The mlp role: the dense MLP (part "dense") and the MoE experts' gating (part "experts").
+
+The dense MLP is `down(act(gate(x)) * up(x))`, gate and up from one gate_up_proj (gate first) where the family
+fuses them. Where the activation is SiLU or GELU-tanh, the activation and product run in one op fused with the
+down projection, so the activation is not kept for the backward; PEFT LoRA adapters on the projections run in
+fused nodes (lora.py). Any other activation runs HF's own math.
+"""
+import functools
+from typing import Callable, Optional
+
+from torch import nn
+from transformers.activations import GELUTanh, SiLUActivation
+
+from .. import lora
+from ..families import Mlp
+from ..ops.geglu import geglu
+from ..ops.swiglu import swiglu
+from . import Context, Declaration, Target, named
+
+SILU = (nn.SiLU, SiLUActivation)
+
+
+def gated_activation(f) -> Optional[str]:
+    """The `swiglu` activation that computes the activation module f as HF does: "silu", "gelu_tanh"
+    (GELUTanh through torch's gelu, not its Python formula), or None."""
+    if isinstance(f, SILU):
+        return "silu"
+    if type(f) is GELUTanh and isinstance(f.act, functools.partial):
+        return "gelu_tanh"
+    return None
+
+
+def why_not(traits: Mlp) -> Callable:
+    """The function of a dense MLP module that says why its projections are not fused: None when they are."""
+    act = traits.activation
+
+    def why_not(mlp):
+        f = getattr(mlp, act)
+        return None if gated_activation(f) else f"activation {type(f).__name__} is neither SiLU nor GELU-tanh"
+    return why_not
+
+
+# gate and up of the dense MLP: through the fused nodes, or (HF's own path) its modules.
+
+def fused_gate_up(self, x):
+    gate, up = lora.project(x, self.gate_up_proj)[0].chunk(2, dim=-1)
+    return gate, up
+
+
+def separate_gate_up(self, x):
+    return lora.project(x, self.gate_proj, self.up_proj)
+
+
+def hf_fused_gate_up(self, x):
+    return self.gate_up_proj(x).chunk(2, dim=-1)
+
+
+def hf_separate_gate_up(self, x):
+    return self.gate_proj(x), self.up_proj(x)
+
+
+def mlp_forward(traits: Mlp) -> Callable:
+    """The dense MLP's forward. `keep_activation` (a checkpointed layer: decoder.py) keeps the activation for the
+    backward instead of recomputing it."""
+    act = traits.activation
+    gate_up, hf_gate_up = ((fused_gate_up, hf_fused_gate_up) if traits.fused_gate_up
+                           else (separate_gate_up, hf_separate_gate_up))
+
+    def forward(self, x, keep_activation=False):
+        activation = gated_activation(getattr(self, act))
+        if activation is None:  # HF's own
+            gate, up = hf_gate_up(self, x)
+            return self.down_proj(getattr(self, act)(gate) * up)
+        gate, up = gate_up(self, x)
+        if keep_activation:
+            (out,) = lora.project(swiglu(gate, up, activation), self.down_proj)
+            return out
+        return lora.swiglu_down(gate, up, self.down_proj, activation)
+    return forward
+
+
+def gated_projection(x, gate, act, up, projection):
+    """projection(act(gate(x)) * up), the activation and product fused with the projection where the activation
+    is one `swiglu` computes and up has gate's dtype (as lora.swiglu_down needs), else HF's math."""
+    (g,) = lora.project(x, gate)
+    activation = gated_activation(act)
+    if activation is None or up.dtype != g.dtype:
+        return projection(act(g) * up)
+    return lora.swiglu_down(g, up, projection, activation)
+
+
+def swiglu_apply_gate(self, gate_up):
+    """The experts' gating of transformers' grouped/batched expert implementations (`_apply_gate`):
+    act(gate) * up of the halves of gate_up, fused when the activation is SiLU or GELU-tanh."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    activation = gated_activation(self.act_fn)
+    if activation is None:
+        return self.act_fn(gate) * up
+    return swiglu(gate, up, activation)
+
+
+def geglu_apply_gate(self, gate_up):
+    """GptOssExperts._apply_gate: clamped, interleaved GEGLU of gate_up in one kernel."""
+    return geglu(gate_up, self.alpha, self.limit)
+
+
+APPLY_GATES = {"swiglu": swiglu_apply_gate, "geglu": geglu_apply_gate}
+
+
+def declare(ctx: Context) -> Declaration:
+    f, m = ctx.family, ctx.family.mlp
+    targets = []
+    if m.dense:
+        targets.append(Target("MLP", "forward", named(mlp_forward(m), "mlp", f), part="dense", lora=why_not(m)))
+    if m.experts:
+        targets.append(Target("Experts", "_apply_gate", named(APPLY_GATES[m.experts], "mlp", f), part="experts"))
+    return Declaration(tuple(targets))
