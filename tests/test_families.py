@@ -168,11 +168,17 @@ def assert_grad_close(a, b, name):
 def train(model, data, seed=7):
     """AdamW steps (each of one micro-batch) from a fixed RNG state (Phi-3's residual dropout); the losses,
     and the gradients of the first step."""
+    return adam_steps(model, [dict(input_ids=ids, labels=labels) for (ids, labels), in data], seed)
+
+
+def adam_steps(model, inputs, seed=7):
+    """An AdamW step on each of `inputs` (the model's keyword arguments) from a fixed RNG state; the losses, and the
+    gradients of the first step."""
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, first = [], None
-    for (ids, labels), in data:
-        loss = model(input_ids=ids, labels=labels).loss
+    for kwargs in inputs:
+        loss = model(**kwargs).loss
         loss.backward()
         if first is None:
             first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -555,19 +561,7 @@ def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
     build, family, tolerance, tower = MULTIMODAL[model_type]
     inputs, labels = multimodal_batch(model_type, image)
 
-    def run(model):
-        torch.manual_seed(7)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses, first = [], None
-        for _ in range(STEPS):
-            loss = model(**inputs, labels=labels).loss
-            loss.backward()
-            if first is None:
-                first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses, first
+    run = lambda model: adam_steps(model, [dict(**inputs, labels=labels)] * STEPS)
 
     exact = exact_grads(family, build(), lambda m: m(**inputs, labels=labels).loss)
     ref_losses, ref_grads = run(build())

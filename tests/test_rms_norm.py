@@ -127,6 +127,23 @@ def test_mixed_dtypes_match_hf(x_dtype, w_dtype, device):
     assert rel_err(gx, rgx) < 8 * ulp_of(x_dtype) and rel_err(gw, rgw) < 8 * ulp_of(x_dtype, w_dtype, y.dtype)
 
 
+def one_rounding_from_hf(y, x, w, hf):
+    """y (a norm rounding after its weight) and its gradients for a random upstream g against hf(x, w) in x's
+    dtype: one rounding to x's dtype of f32 values that agree to a few f32 ulps (the statistic's summation
+    order), so at most one ulp of x's dtype apart; HF's backward runs in f32 too. Returns g and the gradients."""
+    x_dtype, w_dtype = x.dtype, w.dtype
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = hf(x2, w2)
+    assert y.dtype == ref.dtype == x_dtype  # x's dtype even with an f32 weight
+    torch.testing.assert_close(y, ref, rtol=2 * ulp_of(x_dtype) + 2 ** -21, atol=0)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
+    assert gx.dtype == x_dtype and gw.dtype == w_dtype
+    assert rel_err(gx, rgx) < 2 * ulp_of(x_dtype) + 1e-6 and rel_err(gw, rgw) < 2 * ulp_of(w_dtype) + 1e-6
+    return g, gx, gw
+
+
 # GPT-OSS's rounding, from HF's expression (weight * (x.float() * rsqrt(mean(x.float()^2) + eps))).to(x.dtype):
 # the product stays in f32 and only the result is rounded, so y and its gradients follow HF to the
 # last rounding, up to f32 summation order.
@@ -139,18 +156,7 @@ def test_cast_after_weight_matches_hf_gpt_oss(x_dtype, w_dtype, device):
     x = (3 * torch.randn(16, 512, device=device)).to(x_dtype).requires_grad_()
     w = (1 + 0.5 * torch.randn(512, device=device)).to(w_dtype).requires_grad_()
     y = op(x, w, EPS, True)
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = hf_rms_norm(x2, w2, cast_after_weight=True)
-    assert y.dtype == ref.dtype == x_dtype  # x's dtype even with an f32 weight
-    # One rounding, to x's dtype, of f32 values that agree to a few f32 ulps (the statistic's summation
-    # order): at most one ulp of x's dtype apart.
-    torch.testing.assert_close(y, ref, rtol=2 * ulp_of(x_dtype) + 2 ** -21, atol=0)
-    g = torch.randn_like(y)
-    gx, gw = torch.autograd.grad(y, (x, w), g)
-    rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
-    assert gx.dtype == x_dtype and gw.dtype == w_dtype
-    # HF's backward runs in f32 too: one final rounding apart (plus f32 summation order).
-    assert rel_err(gx, rgx) < 2 * ulp_of(x_dtype) + 1e-6 and rel_err(gw, rgw) < 2 * ulp_of(w_dtype) + 1e-6
+    one_rounding_from_hf(y, x, w, lambda x2, w2: hf_rms_norm(x2, w2, cast_after_weight=True))
     # And the two modes really differ where the rounding differs (a test that could not tell them apart
     # would pass either way).
     if x_dtype != torch.float32:
@@ -180,15 +186,7 @@ def test_offset_matches_hf_gemma(x_dtype, w_dtype, device):
     x = (3 * torch.randn(16, 640, device=device)).to(x_dtype).requires_grad_()
     w = (0.5 * torch.randn(640, device=device)).to(w_dtype).requires_grad_()  # Gemma's weights are near 0
     y = op(x, w, EPS, True, 1.0)
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = hf_gemma_rms_norm(x2, w2)
-    assert y.dtype == ref.dtype == x_dtype
-    torch.testing.assert_close(y, ref, rtol=2 * ulp_of(x_dtype) + 2 ** -21, atol=0)
-    g = torch.randn_like(y)
-    gx, gw = torch.autograd.grad(y, (x, w), g)
-    rgx, rgw = torch.autograd.grad(ref, (x2, w2), g)
-    assert gx.dtype == x_dtype and gw.dtype == w_dtype
-    assert rel_err(gx, rgx) < 2 * ulp_of(x_dtype) + 1e-6 and rel_err(gw, rgw) < 2 * ulp_of(w_dtype) + 1e-6
+    g, gx, gw = one_rounding_from_hf(y, x, w, hf_gemma_rms_norm)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     exact = (1 + w64) * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
     egx, egw = torch.autograd.grad(exact, (x64, w64), g.double())

@@ -124,11 +124,9 @@ CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD)
 # ---------------------------------------------------------------- CPU and any device
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_matches_hf_and_f64_reference(dtype, device, activation):
-    g, u, dy = inputs((64, 1000), dtype, device)
+def matches_hf(shape, dtype, device, activation):
+    """The op's output and gradients against HF's expression on random inputs; returns the inputs, dy and them."""
+    g, u, dy = inputs(shape, dtype, device)
     y, (dg, du) = run_both(g, u, dy, activation)
     g2, u2 = g.clone().requires_grad_(), u.clone().requires_grad_()
     ref = hf(g2, u2, activation)
@@ -136,6 +134,14 @@ def test_matches_hf_and_f64_reference(dtype, device, activation):
     assert_matches(y, ref, "y", activation, g)
     assert_matches(dg, rdg, "grad_gate", activation, g)
     assert_matches(du, rdu, "grad_up", activation, g)
+    return g, u, dy, y, dg, du
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_matches_hf_and_f64_reference(dtype, device, activation):
+    g, u, dy, y, dg, du = matches_hf((64, 1000), dtype, device, activation)
     # Against the exact values: a few of the dtype's roundings (each result is rounded twice).
     tol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}[dtype]
     for got, exact in zip((y, dg, du), f64_reference(g, u, dy, activation)):
@@ -225,14 +231,7 @@ def test_cuda_matches_cpu(dtype, shape, activation):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_matches_hf(dtype, activation):
-    g, u, dy = inputs((512, 3072), dtype, "cuda")
-    y, (dg, du) = run_both(g, u, dy, activation)
-    g2, u2 = g.clone().requires_grad_(), u.clone().requires_grad_()
-    ref = hf(g2, u2, activation)
-    rdg, rdu = torch.autograd.grad(ref, (g2, u2), dy)
-    assert_matches(y, ref, "y", activation, g)
-    assert_matches(dg, rdg, "grad_gate", activation, g)
-    assert_matches(du, rdu, "grad_up", activation, g)
+    matches_hf((512, 3072), dtype, "cuda", activation)
 
 
 @needs_cuda
