@@ -22,7 +22,7 @@ torch.cuda.max_memory_allocated over the child. Writes families.csv and .log und
 
 import torch
 from bench_profile import category, kernel_times
-from common import environment, markdown, modes_main, modes_parser, run_modes, train_steps
+from common import environment, failed, markdown, modes_main, modes_parser, published, run_modes, sync, train_random, train_steps
 
 MODES = ("hf", "liger", "bastile")
 # bastile.apply(offload_checkpoints=True): for long sequences under --checkpoint, on request (--modes)
@@ -30,7 +30,8 @@ OFFLOAD = "bastile-offload"
 LORA = 16
 LR = 1e-5
 
-# name -> (model_type, config class, model class, config, LoRA targets or None for a full fine-tune, seq, batch)
+# name -> (model_type, config class, model class, config (or the folder of its published config.json in tests/configs),
+# LoRA targets or None for a full fine-tune, seq, batch)
 MODELS = {
     # transformers' default Qwen3_5TextConfig (the 9B's text model): 32 layers, a gated attention every fourth,
     # the rest Gated DeltaNet (16 key / 32 value heads of 128); LoRA on every linear projection.
@@ -103,23 +104,8 @@ MODELS = {
                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
                      pad_token_id=151329, eos_token_id=151329),
                 ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"], 4096, 1),
-    "gemma3-1b": ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM",
-                  dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-                       num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
-                       query_pre_attn_scalar=256, sliding_window=512,
-                       layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
-                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                        "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
-                       tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1),
-                  None, 4096, 2),
-    "gemma3-4b": ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM",
-                  dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-                       num_key_value_heads=4, head_dim=256, vocab_size=262208, max_position_embeddings=131072,
-                       query_pre_attn_scalar=256, sliding_window=1024,
-                       layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4,
-                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
-                       tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+    "gemma3-1b": ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", "google--gemma-3-1b-it", None, 4096, 2),
+    "gemma3-4b": ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", "google--gemma-3-4b-it",
                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
     "gemma2-2b": ("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
                   dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
@@ -129,23 +115,9 @@ MODELS = {
                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
     # Gemma 4 E2B and E4B (text): per-layer embeddings (a 262144 x layers x 256 table), the last 20 (18) layers
     # reusing earlier layers' K/V, full layers of head_dim 512 with a quarter of it rotated
-    "gemma4-e2b": ("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM",
-                   dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
-                        num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,
-                        vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, num_kv_shared_layers=20,
-                        use_double_wide_mlp=True, sliding_window=512, max_position_embeddings=131072,
-                        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
-                        final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
-                        eos_token_id=1),
+    "gemma4-e2b": ("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM", "google--gemma-4-E2B-it",
                    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
-    "gemma4-e4b": ("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM",
-                   dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8,
-                        num_key_value_heads=2, head_dim=256, global_head_dim=512, vocab_size=262144,
-                        vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, num_kv_shared_layers=18,
-                        sliding_window=512, max_position_embeddings=131072,
-                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
-                        final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
-                        eos_token_id=1),
+    "gemma4-e4b": ("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM", "google--gemma-4-E4B-it",
                    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
     # Gemma 4 26B-A4B (text): 128 experts (top 8) beside each dense MLP, v = k's projection on full layers
     "gemma4-26b-a4b": ("gemma4_text", "Gemma4TextConfig", "Gemma4ForCausalLM",
@@ -178,11 +150,13 @@ def build(mode, name, device, smoke, checkpoint):
         bastile.apply(offload_checkpoints=mode == OFFLOAD)
     import transformers
     cfg_cls = getattr(transformers, config_cls)
+    if isinstance(config, str):
+        config = {k: v for k, v in published(config).items() if k not in ("model_type", "transformers_version")}
     if smoke:
         config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
         if "layer_types" in config:  # sliding and full layers alternate, both before any that share K/V
             config["layer_types"] = ["sliding_attention", "full_attention"] * 2
-    cfg = cfg_cls(**config, use_cache=False)
+    cfg = cfg_cls(**{**config, "use_cache": False})
     torch.manual_seed(0)
     with torch.device(device):
         net = getattr(transformers, model_cls)._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -196,11 +170,6 @@ def build(mode, name, device, smoke, checkpoint):
     return net, opt, cfg.vocab_size
 
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def child(args) -> dict:
     _, _, _, _, targets, seq, batch = MODELS[args.model]
     seq, batch = (64, 2) if args.smoke else (args.seq or seq, batch)
@@ -210,19 +179,12 @@ def child(args) -> dict:
     try:
         result["env"] = environment()
         net, opt, vocab = build(args.mode, args.model, args.device, args.smoke, args.checkpoint)
-        gen = torch.Generator().manual_seed(1)
-        data = [torch.randint(0, vocab, (batch, seq), generator=gen).to(args.device) for _ in range(args.steps)]
-        losses, elapsed, peak = train_steps(net, opt, data, args.warmup, args.device, sync)
-        result.update(status="ok", tokens_per_s=batch * seq * (args.steps - args.warmup) / elapsed,
-                      peak_alloc_GiB=peak, losses=[l.item() for l in losses])
+        train_random(result, net, opt, vocab, batch, seq, args)
         if args.profile:
-            result["profile"] = profile_step(net, opt, data[-1], args.device)
-    except torch.OutOfMemoryError:
-        result["status"] = "OOM"
-    except (ImportError, LookupError) as e:
-        result["status"] = f"skipped: {e}"
+            result["profile"] = profile_step(net, opt, torch.randint(0, vocab, (batch, seq), device=args.device),
+                                             args.device)
     except Exception as e:  # noqa: BLE001
-        result["status"] = "error: " + " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        result["status"] = failed(e)
     return result
 
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import environment, markdown, modes_main, modes_parser, out_dir, run_modes, time_ms, train_steps, write_csv
+from common import environment, failed, markdown, modes_main, modes_parser, out_dir, run_modes, time_ms, train_random, write_csv
 
 MODES = ("hf", "liger", "bastile")
 LORA = 16
@@ -99,11 +99,6 @@ def build(mode, name, device, smoke):
     return net, opt, net.config.vocab_size
 
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def child(args) -> dict:
     *_, seq, batch, checkpointing = MODELS[args.model]
     seq, batch = (64, 2) if args.smoke else (seq, batch)
@@ -113,17 +108,9 @@ def child(args) -> dict:
         t0 = time.perf_counter()
         net, opt, vocab = build(args.mode, args.model, args.device, args.smoke)
         result["load_s"] = time.perf_counter() - t0
-        gen = torch.Generator().manual_seed(1)
-        data = [torch.randint(0, vocab, (batch, seq), generator=gen).to(args.device) for _ in range(args.steps)]
-        losses, elapsed, peak = train_steps(net, opt, data, args.warmup, args.device, sync)
-        result.update(status="ok", tokens_per_s=batch * seq * (args.steps - args.warmup) / elapsed,
-                      peak_alloc_GiB=peak, losses=[l.item() for l in losses])
-    except torch.OutOfMemoryError:
-        result["status"] = "OOM"
-    except (ImportError, LookupError) as e:
-        result["status"] = f"skipped: {e}"
+        train_random(result, net, opt, vocab, batch, seq, args)
     except Exception as e:  # noqa: BLE001
-        result["status"] = "error: " + " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        result["status"] = failed(e)
     return result
 
 

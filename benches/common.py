@@ -423,6 +423,38 @@ def read_csv(paths) -> list:
     return rows
 
 
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def published(folder: str) -> dict:
+    """A published config.json of the test corpus (tests/configs/<folder>), its language model's where it is a
+    multimodal model's."""
+    raw = json.loads((Path(__file__).resolve().parent.parent / "tests" / "configs" / folder / "config.json").read_text())
+    return raw.get("text_config", raw)
+
+
+def train_random(result: dict, net, opt, vocab: int, batch: int, seq: int, args):
+    """args.steps steps on random tokens (the first args.warmup not timed): tokens/s, peak GiB and losses into
+    result."""
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, vocab, (batch, seq), generator=gen).to(args.device) for _ in range(args.steps)]
+    losses, elapsed, peak = train_steps(net, opt, data, args.warmup, args.device, sync)
+    result.update(status="ok", tokens_per_s=batch * seq * (args.steps - args.warmup) / elapsed,
+                  peak_alloc_GiB=peak, losses=[l.item() for l in losses])
+
+
+def failed(e: Exception) -> str:
+    """The status of a run that raised: out of memory, skipped (a library or model it needs is missing), or the
+    error."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return "OOM"
+    if isinstance(e, (ImportError, LookupError)):
+        return f"skipped: {e}"
+    return "error: " + " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
 def train_steps(model, opt, batches, warmup: int, device, sync):
     """Trains a causal LM on each batch of token ids (inputs and labels), timing the steps after `warmup`
     between two calls of sync(). Returns the losses (0-dim tensors), the seconds of the timed steps and the
