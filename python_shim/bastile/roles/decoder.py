@@ -5,9 +5,8 @@ MLP are its own (gemma4.py).
 """
 import contextlib
 import functools
-import warnings
 import weakref
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from transformers.masking_utils import (create_causal_mask, create_recurrent_attention_mask,
