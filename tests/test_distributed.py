@@ -81,6 +81,17 @@ def _full(p):
     return torch.cat(shards)
 
 
+def _unpatched_then_patched(jobs, dev):
+    """(job, mode, spec, model) for each job's model built unpatched, then after apply() as users do; a
+    job's spec ends with whether the head is tied."""
+    for job, spec in jobs.items():
+        for mode in ("hf", "bastile"):
+            bastile.reset()
+            if mode == "bastile":
+                assert set(ALL_PATCHES) <= set(bastile.apply())
+            yield job, mode, spec, mini_qwen3(dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=spec[-1])
+
+
 def _parallel_worker(rank, world, port, out, device, jobs, steps):
     """For each job (strategy, tie), trains unpatched then patched (apply() before building, as users do);
     saves each mode's per-step losses, rank 0's full parameters, whether this rank's parameters equal
@@ -97,26 +108,20 @@ def _parallel_worker(rank, world, port, out, device, jobs, steps):
                             rank=rank, world_size=world, timeout=timedelta(minutes=3))
     try:
         data = batches(steps, 1, 2, 64, dev, 0.3, seed=1 + rank)
-        results = {}
-        for job, (strategy, tie) in jobs.items():
-            results[job] = {}
-            for mode in ("hf", "bastile"):
-                bastile.reset()
-                if mode == "bastile":
-                    assert set(ALL_PATCHES) <= set(bastile.apply())
-                model = mini_qwen3(dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=tie)
-                model = _wrap(model, strategy, device)
-                inner = model.module if strategy == "ddp" else model
-                fused = bastile.roles.head._fused_loss_applies(inner, data[0][0][1])
-                losses = train(model, data)
-                params = {n: _full(p) for n, p in model.named_parameters()}
-                same_as_rank0 = True
-                for p in params.values():
-                    q = p.to(dev).clone()
-                    dist.broadcast(q, 0)
-                    same_as_rank0 &= torch.equal(q.cpu(), p)
-                results[job][mode] = {"losses": losses, "same_as_rank0": same_as_rank0, "fused_loss": fused,
-                                      "params": params if rank == 0 else None}
+        results = {job: {} for job in jobs}
+        for job, mode, (strategy, _), model in _unpatched_then_patched(jobs, dev):
+            model = _wrap(model, strategy, device)
+            inner = model.module if strategy == "ddp" else model
+            fused = bastile.roles.head._fused_loss_applies(inner, data[0][0][1])
+            losses = train(model, data)
+            params = {n: _full(p) for n, p in model.named_parameters()}
+            same_as_rank0 = True
+            for p in params.values():
+                q = p.to(dev).clone()
+                dist.broadcast(q, 0)
+                same_as_rank0 &= torch.equal(q.cpu(), p)
+            results[job][mode] = {"losses": losses, "same_as_rank0": same_as_rank0, "fused_loss": fused,
+                                  "params": params if rank == 0 else None}
         bastile.reset()
         torch.save(results, out / f"rank{rank}.pt")
     finally:
@@ -184,7 +189,7 @@ def test_fsdp2_cuda_bf16_matches_hf(cuda_runs, job):
 
 ZERO3_STEPS = 6
 ZERO3_LR = 3e-3
-ZERO3_JOBS = {"untied": (False, None), "tied": (True, None), "lora": (False, 8)}  # (tied head, LoRA rank)
+ZERO3_JOBS = {"untied": (None, False), "tied": (None, True), "lora": (8, False)}  # (LoRA rank, tied head)
 # Every parameter partitioned (the default keeps those under 1e5 elements whole, the mini model's head among
 # them); DeepSpeed's optimizer as torch's AdamW, so no DeepSpeed extension is compiled.
 ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -204,34 +209,28 @@ def _zero3_worker(rank, port, out, jobs):
     torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="nccl")
     data = batches(ZERO3_STEPS, 1, 2, 64, torch.device("cuda", 0), 0.3)
-    results = {}
-    for job, (tie, rank_lora) in jobs.items():
-        results[job] = {}
-        for mode in ("hf", "bastile"):
-            bastile.reset()
-            if mode == "bastile":
-                bastile.apply()
-            model = mini_qwen3("cuda", torch.float32, vocab_size=VOCAB, tie_word_embeddings=tie)
-            if rank_lora:
-                model = get_peft_model(model, LoraConfig(r=rank_lora, lora_alpha=16, target_modules=SEVEN))
-            engine, *_ = deepspeed.initialize(model=model, config=ZERO3_CONFIG,
-                                              model_parameters=[p for p in model.parameters() if p.requires_grad])
-            head = model.get_output_embeddings()
-            with deepspeed.zero.GatheredParameters(list(model.parameters())):
-                initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-            partitioned, logits, losses = [], [], []
-            for (ids, labels), in data:
-                partitioned.append(head.weight.numel() == 0)
-                output = engine(input_ids=ids, labels=labels)
-                logits.append(output.logits is not None)
-                engine.backward(output.loss)
-                engine.step()
-                losses.append(output.loss.item())
-            with deepspeed.zero.GatheredParameters(list(model.parameters())):
-                params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-            results[job][mode] = {"losses": losses, "partitioned": all(partitioned), "logits": any(logits),
-                                  "initial": initial, "params": params}
-            engine.destroy()
+    results = {job: {} for job in jobs}
+    for job, mode, (rank_lora, _), model in _unpatched_then_patched(jobs, "cuda"):
+        if rank_lora:
+            model = get_peft_model(model, LoraConfig(r=rank_lora, lora_alpha=16, target_modules=SEVEN))
+        engine, *_ = deepspeed.initialize(model=model, config=ZERO3_CONFIG,
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
+        head = model.get_output_embeddings()
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        partitioned, logits, losses = [], [], []
+        for (ids, labels), in data:
+            partitioned.append(head.weight.numel() == 0)
+            output = engine(input_ids=ids, labels=labels)
+            logits.append(output.logits is not None)
+            engine.backward(output.loss)
+            engine.step()
+            losses.append(output.loss.item())
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        results[job][mode] = {"losses": losses, "partitioned": all(partitioned), "logits": any(logits),
+                              "initial": initial, "params": params}
+        engine.destroy()
     bastile.reset()
     torch.save(results, out / "zero3.pt")
     dist.destroy_process_group()
@@ -258,7 +257,7 @@ def test_deepspeed_zero3_matches_hf(zero3_runs, job):
     assert hf["logits"] and not ours["logits"], "the patched loss did not take the fused path"
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], hf["losses"]))
     assert worst < 1e-4, f"per-step losses differ by {worst:.2e} relative\n{ours['losses']}\n{hf['losses']}"
-    if not ZERO3_JOBS[job][1]:  # the head trains, and moves far more than the tolerance below: a lost gradient shows
+    if not ZERO3_JOBS[job][0]:  # the head trains, and moves far more than the tolerance below: a lost gradient shows
         head = ([n for n in hf["params"] if n.endswith("lm_head.weight")] or ["model.embed_tokens.weight"])[0]
         assert (hf["params"][head] - hf["initial"][head]).norm() > 1e-2 * hf["initial"][head].norm()
     assert_params_close(ours["params"], hf["params"], 1e-3)
