@@ -24,8 +24,8 @@
 
 namespace bastile {
 
-// A thread's place in the rows' layout: its group's size and lane, the groups of a block and its own, the
-// row's length in elements and in V-element vectors.
+// A thread's place in the rows' layout: its group's size, the groups of a block, its lane and group, the row's
+// length in elements and in V-element vectors, 1 / length.
 template <int V> struct Lanes {
   int G, rows_per_block, lane, grp;
   int64_t cols, nvec;
@@ -34,6 +34,18 @@ template <int V> struct Lanes {
   __device__ __forceinline__ explicit Lanes(const P &p)
       : G(p.geo.group), rows_per_block(blockDim.x / p.geo.group), lane(threadIdx.x % p.geo.group),
         grp(threadIdx.x / p.geo.group), cols(p.cols), nvec(p.cols / V), inv_cols(1.f / (float)p.cols) {}
+};
+
+// The backward's inputs, typed: grad_y, x, the weight (read from L1 where used, as in the forward) and rstd.
+template <class N> struct BackwardInputs {
+  const typename N::Y *gy;
+  const typename N::X *x;
+  const typename N::W *w;
+  const float *rstd;
+  template <class P>
+  __device__ __forceinline__ explicit BackwardInputs(const P &p)
+      : gy(static_cast<const typename N::Y *>(p.grad_y)), x(static_cast<const typename N::X *>(p.x)),
+        w(static_cast<const typename N::W *>(p.weight)), rstd(static_cast<const float *>(p.rstd)) {}
 };
 
 // A lane's share of one row's gate, or nothing where the norm has none.
@@ -153,10 +165,8 @@ template <class N, int V, class P> __device__ __forceinline__ void forward_strea
   const W *w = static_cast<const W *>(p.weight);
   typename N::Y *y = static_cast<typename N::Y *>(p.y);
   float *rstd = static_cast<float *>(p.rstd);
-  const Lanes<V> at(p);
-  const int G = at.G, rows_per_block = at.rows_per_block, lane = at.lane, grp = at.grp;
-  const int64_t cols = at.cols, nvec = at.nvec;
-  const float eps = (float)p.eps, inv_cols = at.inv_cols;
+  const auto [G, rows_per_block, lane, grp, cols, nvec, inv_cols] = Lanes<V>(p);
+  const float eps = (float)p.eps;
 
   FOR_EACH_ROW_GROUP(base, rows_per_block) {
     const int64_t row = base + grp;
@@ -206,17 +216,15 @@ __device__ __forceinline__ void element_grads(const N &n, const P &p, const Pack
 template <class N, int V, int K, class P>
 __device__ __forceinline__ void backward_cached(const P &p) {
   using X = typename N::X;
-  using W = typename N::W;
   using Y = typename N::Y;
   const N n(p);
-  const Y *gy = static_cast<const Y *>(p.grad_y);
-  const X *x = static_cast<const X *>(p.x);
-  const float *rstd = static_cast<const float *>(p.rstd);
+  const auto [gy, x, w, rstd] = BackwardInputs<N>(p);
+  // Copied by name: bound as the other loops bind them, nvcc 13.0 gave some of these kernels 42 more registers.
   const Lanes<V> at(p);
   const int G = at.G, rows_per_block = at.rows_per_block, lane = at.lane, grp = at.grp;
-  const int64_t cols = at.cols, nvec = at.nvec, stride = (int64_t)gridDim.x * rows_per_block;
+  const int64_t cols = at.cols, nvec = at.nvec;
   const float inv_cols = at.inv_cols;
-  const W *w = static_cast<const W *>(p.weight);  // read from L1 where used, as in the forward
+  const int64_t stride = (int64_t)gridDim.x * rows_per_block;
   constexpr bool ahead = N::template kLookahead<K>;
 
   float acc[K][V];
@@ -258,7 +266,7 @@ __device__ __forceinline__ void backward_cached(const P &p) {
 #pragma unroll
     for (int k = 0; k < K; ++k)
       if (live && lane + k * G < nvec) {
-        const Pack<W, V> wv = load<V>(w + (lane + k * G) * V);
+        const auto wv = load<V>(w + (lane + k * G) * V);
 #pragma unroll
         for (int i = 0; i < V; ++i)
           dot += n.dot(to_f32(xv[k].v[i]), zv.at(k, i), to_f32(gv[k].v[i]), to_f32(wv.v[i]));
@@ -276,7 +284,7 @@ __device__ __forceinline__ void backward_cached(const P &p) {
       for (int k = 0; k < K; ++k) {
         const int64_t j = lane + k * G;
         if (j >= nvec) continue;
-        const Pack<W, V> wv = load<V>(w + j * V);
+        const auto wv = load<V>(w + j * V);
         element_grads<N, V>(n, p, xv[k], zv.v[N::kGated ? k : 0], gv[k], wv, r, c, acc[k], row * cols + j * V);
       }
     }
@@ -297,17 +305,9 @@ __device__ __forceinline__ void backward_cached(const P &p) {
 // Streaming backward: each group owns a partial row of the weight gradient in global memory.
 template <class N, int V, class P> __device__ __forceinline__ void backward_stream(const P &p) {
   using X = typename N::X;
-  using W = typename N::W;
-  using Y = typename N::Y;
   const N n(p);
-  const Y *gy = static_cast<const Y *>(p.grad_y);
-  const X *x = static_cast<const X *>(p.x);
-  const W *w = static_cast<const W *>(p.weight);
-  const float *rstd = static_cast<const float *>(p.rstd);
-  const Lanes<V> at(p);
-  const int G = at.G, rows_per_block = at.rows_per_block, lane = at.lane, grp = at.grp;
-  const int64_t cols = at.cols, nvec = at.nvec;
-  const float inv_cols = at.inv_cols;
+  const auto [gy, x, w, rstd] = BackwardInputs<N>(p);
+  const auto [G, rows_per_block, lane, grp, cols, nvec, inv_cols] = Lanes<V>(p);
   float *own = p.partial + ((int64_t)blockIdx.x * rows_per_block + grp) * cols;
   for (int64_t j = lane; j < nvec; j += G)  // each lane the elements it adds to
 #pragma unroll
@@ -317,12 +317,12 @@ template <class N, int V, class P> __device__ __forceinline__ void backward_stre
     const int64_t row = base + grp;
     const bool live = row < p.rows;
     const X *xr = x + row * cols;
-    const Y *gr = gy + row * cols;
+    const auto *gr = gy + row * cols;
     float dot = 0.f;
     for (int64_t j = lane; live && j < nvec; j += G) {
       const Pack<X, V> xv = load<V>(xr + j * V), zv = gate_at<N, V>(p, row, j);
-      const Pack<Y, V> gv = load<V>(gr + j * V);
-      const Pack<W, V> wv = load<V>(w + j * V);
+      const auto gv = load<V>(gr + j * V);
+      const auto wv = load<V>(w + j * V);
 #pragma unroll
       for (int i = 0; i < V; ++i)
         dot += n.dot(to_f32(xv.v[i]), gate_f32<N, V>(zv, i), to_f32(gv.v[i]), to_f32(wv.v[i]));
