@@ -121,23 +121,44 @@ template <class P> __device__ __forceinline__ int64_t all_rows(const P &p) {
   return p.shape.batch * p.shape.seq * (p.shape.q_heads + p.shape.k_heads);
 }
 
+// Row r of that space: whether it exists, its tensor, its place there.
+template <class X, class W, class R> struct ForwardRow {
+  bool live;
+  Side<X, W, R> t;
+  Row row;
+};
+template <class X, class W, class R>
+__device__ __forceinline__ ForwardRow<X, W, R> forward_row(const QkNormRopeForward &p, int64_t r, int64_t rows) {
+  const int64_t q_rows = p.shape.batch * p.shape.seq * p.shape.q_heads;
+  const bool live = r < rows, is_k = r >= q_rows;
+  const auto t = side<X, W, R>(p, is_k);
+  return {live, t, live ? row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq) : Row{}};
+}
+
+// A thread's place: a row belongs to G lanes, a block holds `slots` rows; the thread's lane and slot; the
+// head's width D; cos and sin, typed.
+template <class C> struct Slots {
+  int G, slots, lane, slot;
+  int64_t D;
+  const C *cos, *sin;
+  template <class P>
+  __device__ __forceinline__ explicit Slots(const P &p)
+      : G(p.geo.group), slots(blockDim.x / p.geo.group), lane(threadIdx.x % p.geo.group),
+        slot(threadIdx.x / p.geo.group), D(p.shape.head_dim), cos(static_cast<const C *>(p.cos)), sin(static_cast<const C *>(p.sin)) {}
+};
+
 template <class X, class W, class C, int V, bool CW>
 __device__ __forceinline__ void forward_vec(const QkNormRopeForward &p) {
   using N = typename Normed<X, W, CW>::type;
   using R = typename Promote<N, C>::type;
-  const int G = p.geo.group, slots = blockDim.x / G;
-  const int lane = threadIdx.x % G, slot = threadIdx.x / G;
-  const int64_t D = p.shape.head_dim, lo = (int64_t)lane * V, hi = D / 2 + lo;
+  const auto [G, slots, lane, slot, D, cos, sin] = Slots<C>(p);
+  const int64_t lo = (int64_t)lane * V, hi = D / 2 + lo;
   const bool active = lo < D / 2;  // G is a power of two: lanes past the half's vectors idle
-  const int64_t rows = all_rows(p), q_rows = p.shape.batch * p.shape.seq * p.shape.q_heads;
+  const int64_t rows = all_rows(p);
   const float eps = (float)p.eps, inv_d = 1.f / (float)D;
-  const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
 
   FOR_EACH_ROW_GROUP(base, rows, slots) {
-    const int64_t r = base + slot;
-    const bool live = r < rows, is_k = r >= q_rows;
-    const auto t = side<X, W, R>(p, is_k);
-    const Row row = live ? row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq) : Row{};
+    const auto [live, t, row] = forward_row<X, W, R>(p, base + slot, rows);
     Pack<X, V> xl, xh;
     float ss = 0.f;
     if (live && active) {
@@ -171,18 +192,12 @@ __device__ __forceinline__ void forward_vec(const QkNormRopeForward &p) {
 template <class X, class W, class C, bool CW> __device__ __forceinline__ void forward_scalar(const QkNormRopeForward &p) {
   using N = typename Normed<X, W, CW>::type;
   using R = typename Promote<N, C>::type;
-  const int G = p.geo.group, slots = blockDim.x / G;
-  const int lane = threadIdx.x % G, slot = threadIdx.x / G;
-  const int64_t D = p.shape.head_dim, half = D / 2;
-  const int64_t rows = all_rows(p), q_rows = p.shape.batch * p.shape.seq * p.shape.q_heads;
+  const auto [G, slots, lane, slot, D, cos, sin] = Slots<C>(p);
+  const int64_t half = D / 2, rows = all_rows(p);
   const float eps = (float)p.eps, inv_d = 1.f / (float)D;
-  const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
 
   FOR_EACH_ROW_GROUP(base, rows, slots) {
-    const int64_t r = base + slot;
-    const bool live = r < rows, is_k = r >= q_rows;
-    const auto t = side<X, W, R>(p, is_k);
-    const Row row = live ? row_of(is_k ? r - q_rows : r, t.heads, p.shape.seq) : Row{};
+    const auto [live, t, row] = forward_row<X, W, R>(p, base + slot, rows);
     const X *x = t.x + (live ? offset(row, t.s0, t.s1, t.s2) : 0);
     float ss = 0.f;
     for (int64_t j = lane; live && j < half; j += G) {
@@ -235,14 +250,12 @@ template <class X, class W, class C, int V, bool CW>
 __device__ __forceinline__ void backward_vec_side(const QkNormRopeBackward &p, bool is_k, float *fold) {
   using N = typename Normed<X, W, CW>::type;
   using R = typename Promote<N, C>::type;
-  const int G = p.geo.group, slots = blockDim.x / G;
-  const int lane = threadIdx.x % G, slot = threadIdx.x / G;
-  const int64_t D = p.shape.head_dim, lo = (int64_t)lane * V, hi = D / 2 + lo;
+  const auto [G, slots, lane, slot, D, cos, sin] = Slots<C>(p);
+  const int64_t lo = (int64_t)lane * V, hi = D / 2 + lo;
   const bool active = lo < D / 2;
   const auto t = back_side<X, W, R>(p, is_k);
   const int64_t rows = p.shape.batch * p.shape.seq * t.heads;
   const float inv_d = 1.f / (float)D;
-  const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
   float wl[V], wh[V];
   if (active) {
     weight_of<V>(load<V>(t.w + lo), p.weight_offset, wl);
@@ -322,13 +335,11 @@ template <class X, class W, class C, bool CW>
 __device__ __forceinline__ void backward_scalar_side(const QkNormRopeBackward &p, bool is_k) {
   using N = typename Normed<X, W, CW>::type;
   using R = typename Promote<N, C>::type;
-  const int G = p.geo.group, slots = blockDim.x / G;
-  const int lane = threadIdx.x % G, slot = threadIdx.x / G;
-  const int64_t D = p.shape.head_dim, half = D / 2;
+  const auto [G, slots, lane, slot, D, cos, sin] = Slots<C>(p);
+  const int64_t half = D / 2;
   const auto t = back_side<X, W, R>(p, is_k);
   const int64_t rows = p.shape.batch * p.shape.seq * t.heads;
   const float inv_d = 1.f / (float)D;
-  const C *cos = static_cast<const C *>(p.cos), *sin = static_cast<const C *>(p.sin);
   float *own = p.partial + ((is_k ? p.partials : 0) + (int64_t)blockIdx.x * slots + slot) * D;
   for (int64_t c = lane; c < D; c += G) own[c] = 0.f;
 
