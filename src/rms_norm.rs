@@ -11,15 +11,24 @@ use crate::kernels::{self, Launch, Plan, Tag};
 use crate::kernels::Kernels;
 use crate::params::{BastileDType, RmsNormBackward, RmsNormForward, RowGeometry};
 
-fn dtypes(x: i32, w: i32) -> Result<(BastileDType, BastileDType)> {
-    Ok((BastileDType::from_raw(x)?, BastileDType::from_raw(w)?))
+/// The dtypes of x, the weight and y (grad_y's) and the rounding mode, as both directions' blocks say them.
+macro_rules! types {
+    ($($block:ty),*) => {$(
+        impl $block {
+            fn types(&self) -> Result<(BastileDType, BastileDType, BastileDType, bool)> {
+                let after_weight = casts_after_weight("rms_norm", self.cast_after_weight, self.weight_offset)?;
+                let dtype = BastileDType::from_raw;
+                Ok((dtype(self.x_dtype)?, dtype(self.w_dtype)?, dtype(self.y_dtype)?, after_weight))
+            }
+        }
+    )*};
 }
+types!(RmsNormForward, RmsNormBackward);
 
 /// Runs `$kernel::<X, W, Y>(p, cast_after_weight)` on the block's dtypes, Y that of y and grad_y.
 macro_rules! on_dtypes {
     ($p:expr, $kernel:ident) => {{
-        let (xd, wd) = dtypes($p.x_dtype, $p.w_dtype)?;
-        let after_weight = casts_after_weight("rms_norm", $p.cast_after_weight, $p.weight_offset)?;
+        let (xd, wd, _, after_weight) = $p.types()?;
         // SAFETY: the C++ layer checked shapes and dtypes of every pointer in the block.
         crate::with_dtypes!(xd, wd, |X, W, Y| unsafe {
             if after_weight {
@@ -73,9 +82,7 @@ fn tags(dir: Tag, after_weight: bool, x: BastileDType, w: BastileDType, geo: &Ro
 
 impl Launch for RmsNormForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
-        let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
-        let after_weight = casts_after_weight("rms_norm", self.cast_after_weight, self.weight_offset)?;
-        let y = BastileDType::from_raw(self.y_dtype)?;
+        let (x, w, y, after_weight) = self.types()?;
         let mut p = *self;
         p.geo = geometry::for_tensors(geometry::rows_warp_first, p.cols, x, &[(p.x, x), (p.y, y), (p.weight, w)], &[]);
         let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Fwd, after_weight, x, w, &p.geo), p.geo.block as u32)?;
@@ -94,9 +101,7 @@ impl Launch for RmsNormBackward {
     /// The rows kernel writes f32 partial sums of the weight gradient into the scratch ([partials, cols]),
     /// which the reduce kernel folds.
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
-        let (x, w) = dtypes(self.x_dtype, self.w_dtype)?;
-        let after_weight = casts_after_weight("rms_norm", self.cast_after_weight, self.weight_offset)?;
-        let y = BastileDType::from_raw(self.y_dtype)?;
+        let (x, w, y, after_weight) = self.types()?;
         let mut p = *self;
         p.geo = geometry::for_tensors(geometry::rows, p.cols, x, &[(p.x, x), (p.grad_x, x), (p.grad_y, y), (p.weight, w)], &[]);
         let kernel = kernels::kernel::<Self>(dev, &tags(Tag::Bwd, after_weight, x, w, &p.geo), p.geo.block as u32)?;
