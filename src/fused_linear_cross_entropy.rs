@@ -368,6 +368,7 @@ mod tests {
     use crate::kernels::Kernels;
     use crate::testing::noise;
     use half::bf16;
+    use std::ffi::c_void;
     use BastileDType::*;
 
     /// Loss of one row from its definition, with no shared code: the log of a plain sum of exps, and with
@@ -402,31 +403,40 @@ mod tests {
         count: Option<i64>,
     }
 
+    impl Case {
+        /// The chunk's block over these buffers, ignore_index -100, no scale or temperature, no count.
+        fn chunk(&self, logits: *mut c_void, target: &[i64], loss: *mut c_void, dtype: BastileDType, grad: bool) -> CrossEntropyChunk {
+            CrossEntropyChunk {
+                logits,
+                target: target.as_ptr(),
+                loss,
+                rows: self.rows as i64,
+                vocab: self.vocab as i64,
+                ld: self.ld as i64,
+                ignore_index: -100,
+                logit_scale: 1.0,
+                temperature: 1.0,
+                softcap: self.softcap,
+                z_loss: self.z_loss,
+                label_smoothing: self.eps,
+                dtype: dtype as i32,
+                grad: grad as i32,
+                vec: 1,
+                ..Default::default()
+            }
+        }
+    }
+
     fn run<T: Element, L: Element>(dtype: BastileDType, c: &Case, targets: &[i64], grad: bool) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let z = noise(c.rows * c.ld, 7, 4.0);
         let mut logits: Vec<T> = z.iter().map(|&v| T::from_f64(v)).collect();
         let inputs: Vec<f64> = logits.iter().map(|v| v.to_f64()).collect();
         let mut loss = vec![L::from_f64(f64::NAN); c.rows];
         let count = c.count.unwrap_or(0);
-        let p = CrossEntropyChunk {
-            logits: logits.as_mut_ptr().cast(),
-            target: targets.as_ptr(),
-            loss: loss.as_mut_ptr().cast(),
-            count: if c.count.is_some() { &count } else { std::ptr::null() },
-            rows: c.rows as i64,
-            vocab: c.vocab as i64,
-            ld: c.ld as i64,
-            ignore_index: -100,
-            logit_scale: 1.0,
-            temperature: 1.0,
-            softcap: c.softcap,
-            z_loss: c.z_loss,
-            label_smoothing: c.eps,
-            dtype: dtype as i32,
-            grad: grad as i32,
-            vec: 1,
-            ..Default::default()
-        };
+        let mut p = c.chunk(logits.as_mut_ptr().cast(), targets, loss.as_mut_ptr().cast(), dtype, grad);
+        if c.count.is_some() {
+            p.count = &count;
+        }
         chunk_cpu(&p).unwrap();
         (inputs, loss.iter().map(|v| v.to_f64()).collect(), logits.iter().map(|v| v.to_f64()).collect())
     }
@@ -531,20 +541,7 @@ mod tests {
             let mut loss = [0f64; 2];
             let targets = [0, bad];
             let mut logits = z.clone();
-            let p = CrossEntropyChunk {
-                logits: logits.as_mut_ptr().cast(),
-                target: targets.as_ptr(),
-                loss: loss.as_mut_ptr().cast(),
-                rows: c.rows as i64,
-                vocab: c.vocab as i64,
-                ld: c.ld as i64,
-                ignore_index: -100,
-                logit_scale: 1.0,
-                temperature: 1.0,
-                dtype: BASTILE_F64 as i32,
-                grad: 1,
-                ..Default::default()
-            };
+            let p = c.chunk(logits.as_mut_ptr().cast(), &targets, loss.as_mut_ptr().cast(), BASTILE_F64, true);
             let err = chunk_cpu(&p).unwrap_err();
             assert!(err.contains(&format!("target {bad} is outside [0, 8)")), "{err}");
             assert_eq!(logits, z, "nothing is written before the check");

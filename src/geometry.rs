@@ -176,20 +176,17 @@ mod tests {
             assert_eq!(g.vec, 8, "{cols}: {g:?}");
             assert!(g.per_thread > 0, "{cols}: {g:?}");
         }
-        // Qwen3's per-head norms: 16 threads per row, 8 rows per block.
-        let g = rows(128, 2, true);
-        assert_eq!((g.group, g.block, g.per_thread), (16, 128, 1));
-        // Llama-size rows: 256 threads holding two 16-byte vectors each.
-        let g = rows(4096, 2, true);
-        assert_eq!((g.group, g.block, g.per_thread), (256, 256, 2));
-        // Gemma-3-27B's: four vectors, not eight, over 168 threads.
-        let g = rows(5376, 2, true);
-        assert_eq!((g.group, g.block, g.per_thread), (192, 192, 4));
-        let g = rows(16384, 2, true);
-        assert_eq!((g.group, g.per_thread), (256, 8));
-        // f32 rows use 4-element vectors.
-        let g = rows(4096, 4, true);
-        assert_eq!((g.vec, g.group, g.per_thread), (4, 256, 4));
+        // (cols, element bytes) -> (vec, group, per_thread, block)
+        for (cols, bytes, want) in [
+            (128, 2, (8, 16, 1, 128)),     // Qwen3's per-head norms: 16 threads per row, 8 rows per block
+            (4096, 2, (8, 256, 2, 256)),   // Llama-size rows: 256 threads holding two 16-byte vectors each
+            (5376, 2, (8, 192, 4, 192)),   // Gemma-3-27B's: four vectors, not eight, over 168 threads
+            (16384, 2, (8, 256, 8, 256)),
+            (4096, 4, (4, 256, 4, 256)),   // f32 rows use 4-element vectors
+        ] {
+            let g = rows(cols, bytes, true);
+            assert_eq!((g.vec, g.group, g.per_thread, g.block), want, "{cols} x {bytes} bytes");
+        }
     }
 
     #[test]
@@ -208,16 +205,16 @@ mod tests {
 
     #[test]
     fn forward_gives_short_rows_a_warp_or_less() {
-        let g = rows_warp_first(1024, 2, true);
-        assert_eq!((g.group, g.per_thread, g.block), (32, 4, 128));
-        let g = rows_warp_first(2048, 2, true);
-        assert_eq!((g.group, g.per_thread), (128, 2));
-        // Qwen3's per-head norms: four lanes a row, 32 rows a block.
-        let g = rows_warp_first(128, 2, true);
-        assert_eq!((g.group, g.per_thread, g.block), (4, 4, 128));
-        // 100 vectors: 25 threads of four, rounded up to a warp.
-        let g = rows_warp_first(800, 2, true);
-        assert_eq!((g.group, g.per_thread), (32, 4));
+        // cols -> (group, per_thread, block), two-byte elements
+        for (cols, want) in [
+            (1024, (32, 4, 128)),
+            (2048, (128, 2, 128)),
+            (128, (4, 4, 128)), // Qwen3's per-head norms: four lanes a row, 32 rows a block
+            (800, (32, 4, 128)), // 100 vectors: 25 threads of four, rounded up to a warp
+        ] {
+            let g = rows_warp_first(cols, 2, true);
+            assert_eq!((g.group, g.per_thread, g.block), want, "{cols}");
+        }
         for cols in [8, 24, 64, 128, 256, 512, 800, 1000, 1024] {
             covers(&rows_warp_first(cols, 2, true), cols);
             covers(&rows_warp_first(cols, 4, true), cols);
