@@ -37,6 +37,15 @@ class Contract:
 
 # What apply() patches in trainer libraries whatever the model (patch.TRAINERS), where they are installed.
 TRAINER_PATCHES = ["log_probs_trl"] if importlib.util.find_spec("trl") else []
+# What apply() patches in PEFT with the families' MoE experts (patch.LIBRARIES), where it is installed.
+EXPERTS_PATCHES = ["mlp_peft"] if importlib.util.find_spec("peft") else []
+
+
+def patch_names(family: str, roles=bastile.patch.ROLES) -> list:
+    """What apply() returns for one family's roles, sorted: `<role>_<family>`, and PEFT's wrapper with the mlp of
+    a family with experts."""
+    experts = "mlp" in roles and bastile.families.FAMILIES[family].mlp.experts
+    return sorted([f"{role}_{family}" for role in roles] + (EXPERTS_PATCHES if experts else []))
 
 
 @pytest.fixture(autouse=True)

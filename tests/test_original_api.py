@@ -51,18 +51,18 @@ def test_kernel_keywords_switch_the_part_they_name():
     """The keywords of earlier releases keep working, each switching the part of a role its kernel served: moe and
     geglu (GPT-OSS's experts' activation) the MoE experts, swiglu the dense MLP, rms_norm the norms, rope the
     attention, fused_linear_cross_entropy the head; a part's keyword decides it over its role's."""
-    moe_mlp, experts = modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"], modeling_qwen3_moe.Qwen3MoeExperts._apply_gate
+    moe_mlp, experts = modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"], modeling_qwen3_moe.Qwen3MoeExperts.forward
     names = bastile.apply(rms_norm=True, moe=True, rope=True, swiglu=False)
     assert {"mlp_gpt_oss", "norm_qwen3", "attention_llama", "mlp_qwen3_moe"} <= set(names)
     assert "mlp_qwen3" not in names  # its one part, the dense MLP, is off
-    assert modeling_gpt_oss.GptOssExperts._apply_gate.__name__ == "mlp.geglu_apply_gate[gpt_oss]"
+    assert modeling_gpt_oss.GptOssExperts.forward.__name__ == "mlp.experts[gpt_oss]"
     assert modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"] is moe_mlp
-    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate.__name__ == "mlp.swiglu_apply_gate[qwen3_moe]"
+    assert modeling_qwen3_moe.Qwen3MoeExperts.forward.__name__ == "mlp.experts[qwen3_moe]"
     assert "mlp_qwen3" in bastile.apply(swiglu=True)  # the part left out is added; the rest stays
     assert modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"] is not moe_mlp
     assert bastile.reset(["mlp_qwen3_moe"]) == ["mlp_qwen3_moe"]
     assert modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"] is moe_mlp
-    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate is experts
+    assert modeling_qwen3_moe.Qwen3MoeExperts.forward is experts
     bastile.reset()
     assert "mlp_gpt_oss" not in bastile.apply(moe=False)
     bastile.reset()

@@ -11,7 +11,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import bastile
 from bastile.families import Mlp
-from conftest import CUDA, DEVICES, TRAINER_PATCHES
+from conftest import CUDA, DEVICES, EXPERTS_PATCHES, TRAINER_PATCHES, patch_names
 
 ROLES = ["norm", "mlp", "attention", "decoder", "head"]
 # What the patches replace, read before any test patches anything.
@@ -45,7 +45,7 @@ def tiny_llama(seed=0):
 def test_apply_reset_round_trip_restores_original_objects():
     names = bastile.apply()
     assert sorted(names) == sorted([f"{role}_{fam}" for role in ROLES for fam in bastile.supported_families()]
-                                   + TRAINER_PATCHES)
+                                   + TRAINER_PATCHES + EXPERTS_PATCHES)
     assert bastile.get_patched_ops() == sorted(names)
     for owner, attr in TARGETS:
         assert owner.__dict__[attr] is not ORIGINALS[owner, attr], (owner, attr)
@@ -61,8 +61,8 @@ def test_apply_reset_round_trip_restores_original_objects():
         assert owner.__dict__[attr] is original, (owner, attr)
 
 
-# mlp_qwen3_moe has two targets: the dense MLP of mlp_only layers and the experts' gate.
-MOE_MLP = [(modeling_qwen3_moe.Qwen3MoeMLP, "forward"), (modeling_qwen3_moe.Qwen3MoeExperts, "_apply_gate")]
+# mlp_qwen3_moe has two targets: the dense MLP of mlp_only layers and the experts.
+MOE_MLP = [(modeling_qwen3_moe.Qwen3MoeMLP, "forward"), (modeling_qwen3_moe.Qwen3MoeExperts, "forward")]
 MOE_ORIGINALS = {t: t[0].__dict__[t[1]] for t in MOE_MLP}
 ONLY_MLP = dict(norm=False, attention=False, head=False, decoder=False, log_probs=False)
 
@@ -72,12 +72,12 @@ def replacement(name, target):
 
 
 def test_multi_target_role_applies_and_resets_as_one_name():
-    assert bastile.apply(families=["qwen3_moe"], **ONLY_MLP) == ["mlp_qwen3_moe"]
-    assert bastile.get_patched_ops() == ["mlp_qwen3_moe"]
-    assert modeling_qwen3_moe.Qwen3MoeExperts._apply_gate.__name__ == "mlp.swiglu_apply_gate[qwen3_moe]"
+    assert sorted(bastile.apply(families=["qwen3_moe"], **ONLY_MLP)) == patch_names("qwen3_moe", ["mlp"])
+    assert bastile.get_patched_ops() == patch_names("qwen3_moe", ["mlp"])
+    assert modeling_qwen3_moe.Qwen3MoeExperts.forward.__name__ == "mlp.experts[qwen3_moe]"
     assert modeling_qwen3_moe.Qwen3MoeMLP.forward is replacement("mlp_qwen3_moe", "Qwen3MoeMLP.forward")
-    assert bastile.apply(families=["qwen3_moe"], **ONLY_MLP) == ["mlp_qwen3_moe"]  # twice is harmless
-    assert bastile.reset(["mlp_qwen3_moe"]) == ["mlp_qwen3_moe"]
+    assert sorted(bastile.apply(families=["qwen3_moe"], **ONLY_MLP)) == patch_names("qwen3_moe", ["mlp"])  # twice is harmless
+    assert bastile.reset(["mlp_qwen3_moe", *EXPERTS_PATCHES]) == ["mlp_qwen3_moe", *EXPERTS_PATCHES]
     for (owner, attr), original in MOE_ORIGINALS.items():
         assert owner.__dict__[attr] is original, (owner, attr)
     assert bastile.get_patched_ops() == []
@@ -88,12 +88,12 @@ def test_multi_target_role_missing_one_target(monkeypatch):
     under the one name and reset restores exactly them."""
     from test_families import mini
     model = mini("qwen3_moe", "cpu", torch.float32)
-    monkeypatch.delattr(modeling_qwen3_moe.Qwen3MoeExperts, "_apply_gate")
-    with pytest.raises(RuntimeError, match=r"mlp_qwen3_moe \(Qwen3MoeExperts._apply_gate\)"):
+    monkeypatch.delattr(modeling_qwen3_moe, "Qwen3MoeExperts")  # the model holds the class; the module lacks it
+    with pytest.raises(RuntimeError, match=r"mlp_qwen3_moe \(Qwen3MoeExperts.forward\)"):
         bastile.apply(model=model)
     assert bastile.get_patched_ops() == []
     assert modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"] is MOE_ORIGINALS[MOE_MLP[0]]
-    assert bastile.apply(families=["qwen3_moe"], **ONLY_MLP) == ["mlp_qwen3_moe"]
+    assert sorted(bastile.apply(families=["qwen3_moe"], **ONLY_MLP)) == patch_names("qwen3_moe", ["mlp"])
     assert len(bastile.patch._active["mlp_qwen3_moe"]) == 1
     assert modeling_qwen3_moe.Qwen3MoeMLP.forward is replacement("mlp_qwen3_moe", "Qwen3MoeMLP.forward")
     bastile.reset()

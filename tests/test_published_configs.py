@@ -19,6 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import bastile
 from bastile import families
 from bastile.families import Unsupported
+from conftest import patch_names
 from test_families import Dispatched, expected_ops
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -57,7 +58,7 @@ def test_published_config_is_accepted(folder):
     model = build(config, "meta")  # full size, no memory
     names = bastile.apply(model=model, log_probs=False)
     family = families.family_of(model).model_type
-    assert sorted(names) == sorted(f"{role}_{family}" for role in bastile.patch.ROLES)
+    assert sorted(names) == patch_names(family)
 
 
 def build(config, device, **kw):

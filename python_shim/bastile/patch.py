@@ -3,8 +3,9 @@
 Patches are named by role (roles/): what part of a model they replace, the same in every family. Which class
 attributes a role replaces in a family, and with what, is its declaration for the family (`<role>.declare`,
 made from the family's traits). A patch name `<role>_<family>` stands for all targets of that role in that
-family: apply() returns it once and reset() restores them all. trainers.TRAINERS does the same for trainer
-libraries (TRL), whose patches apply whatever the model.
+family: apply() returns it once and reset() restores them all. LIBRARIES does the same for libraries beside
+transformers: TRL's head (trainers.TRAINERS) applies whatever the model; PEFT's wrapper of the experts'
+parameters applies with the families' experts, the part of the mlp role it serves.
 
 The keywords of earlier releases name kernels; each switches the part of a role its kernel served (KERNELS):
 rms_norm the norms, swiglu the dense MLP, moe (and geglu, GPT-OSS's experts' activation) the MoE experts, rope
@@ -20,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import families as traits
-from . import long_context, lora, versions
+from . import experts, long_context, lora, versions
 from .families import FAMILIES, Family, Unsupported
 from .roles import Context, Declaration, Target, attention, decoder, head, hf_attr, mlp, norm
 from .trainers import TRAINERS
@@ -117,11 +118,26 @@ def _patch(role: str, family: str, module: str, path: str, t: Target) -> Patch:
                  t.part, t.lora)
 
 
+def _on_experts_path(cls) -> bool:
+    """Whether the experts class runs Bastile's experts forward now."""
+    return any(owner is cls and attr == "forward" and part == "experts"
+               for targets in _active.values() for owner, attr, _, part in targets)
+
+
+# library -> (module, role -> targets), as trainers.TRAINERS. A library target of a part (Target.part) is applied
+# with the families' targets of that part of its role.
+LIBRARIES = {
+    **TRAINERS,
+    "peft": ("peft.tuners.lora.layer", {
+        "mlp": [Target("ParamWrapper", "forward", experts.peft_wrapper(_on_experts_path), wraps=True, part="experts")],
+    }),
+}
+
 PATCHES: List[Patch] = [
     *(_patch(role, f.model_type, f.module, f.name(t.cls), t)
       for f in FAMILIES.values() for role, d in DECLARATIONS[f.model_type].items() for t in d.targets),
     *(_patch(role, library, module, t.cls, t)
-      for library, (module, per_role) in TRAINERS.items() for role, targets in per_role.items() for t in targets),
+      for library, (module, per_role) in LIBRARIES.items() for role, targets in per_role.items() for t in targets),
 ]
 
 
@@ -210,22 +226,24 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
         unknown = sorted(set(families) - set(FAMILIES))
         if unknown:
             raise ValueError(f"bastile.apply: unknown families {unknown}; supported: {', '.join(supported_families())}")
-    chosen = [p for p in PATCHES
-              if selected(p.role, p.part) and (families is None or p.family in families or p.family in TRAINERS)]
+    chosen = [p for p in PATCHES if selected(p.role, p.part) and (families is None or p.family in families)]
+    served = {(p.role, p.part) for p in chosen}
+    chosen += [p for p in PATCHES if p.family in LIBRARIES and families is not None and selected(p.role, p.part)
+               and (p.part is None or (p.role, p.part) in served)]
     # Resolve everything first, so that a missing target leaves nothing half-patched.
     by_name: Dict[str, list] = {}
     for p in chosen:
         by_name.setdefault(p.name, []).append((p, _resolve(p)))
     for name, found in by_name.items():
         moved = [f"{p.module}.{p.target}" for p, t in found
-                 if t is None and p.family in TRAINERS and importlib.util.find_spec(p.family) is not None]
+                 if t is None and p.family in LIBRARIES and importlib.util.find_spec(p.family) is not None]
         if moved:
             p = found[0][0]
             raise RuntimeError(f"bastile.apply: the installed {p.family} lacks {moved}, the targets of {name}; "
                                f"pass {p.role}=False to keep its own")
     if model is not None:
         missing = [f"{name} ({p.target})" for name, found in by_name.items() for p, t in found
-                   if t is None and p.family not in TRAINERS]
+                   if t is None and p.family not in LIBRARIES]
         if missing:
             raise RuntimeError(f"bastile.apply: this transformers lacks the targets of {missing}")
         _checked.add(model)

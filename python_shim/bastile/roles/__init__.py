@@ -38,7 +38,7 @@ def fused(module) -> Optional[str]:
 @dataclass(frozen=True)
 class Target:
     cls: str                 # the family's class, by its part name (Family.name): "Attention" is Qwen3Attention
-    attribute: str           # the attribute replaced: "forward", "_apply_gate"
+    attribute: str           # the attribute replaced: "forward"
     replacement: Callable    # the new attribute; where `wraps`, a function of the original that makes it
     wraps: bool = False
     part: Optional[str] = None  # the part of its role that a kernel keyword switches ("dense", "experts")

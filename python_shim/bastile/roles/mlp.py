@@ -1,4 +1,4 @@
-"""The mlp role: the dense MLP (part "dense") and the MoE experts' gating (part "experts").
+"""The mlp role: the dense MLP (part "dense") and the MoE experts (part "experts", experts.py).
 
 The dense MLP is `down(act(gate(x)) * up(x))`, gate and up from one gate_up_proj (gate first) where the family
 fuses them. Where the activation is SiLU or GELU-tanh, the activation and product run in one op fused with the
@@ -12,6 +12,7 @@ from torch import nn
 from transformers.activations import GELUTanh, SiLUActivation
 
 from .. import lora
+from ..experts import experts_forward
 from ..families import Mlp
 from ..ops.geglu import geglu
 from ..ops.swiglu import swiglu
@@ -89,9 +90,9 @@ def gated_projection(x, gate, act, up, projection):
     return lora.swiglu_down(g, up, projection, activation)
 
 
-def swiglu_apply_gate(self, gate_up):
-    """The experts' gating of transformers' grouped/batched expert implementations (`_apply_gate`):
-    act(gate) * up of the halves of gate_up, fused when the activation is SiLU or GELU-tanh."""
+def swiglu_gate(self, gate_up):
+    """The experts' gated activation: act(gate) * up of the halves of gate_up, fused when the activation is SiLU
+    or GELU-tanh."""
     gate, up = gate_up.chunk(2, dim=-1)
     activation = gated_activation(self.act_fn)
     if activation is None:
@@ -99,12 +100,13 @@ def swiglu_apply_gate(self, gate_up):
     return swiglu(gate, up, activation)
 
 
-def geglu_apply_gate(self, gate_up):
-    """GptOssExperts._apply_gate: clamped, interleaved GEGLU of gate_up in one kernel."""
+def geglu_gate(self, gate_up):
+    """GPT-OSS's experts' gated activation (GptOssExperts._apply_gate): clamped, interleaved GEGLU of gate_up in
+    one kernel."""
     return geglu(gate_up, self.alpha, self.limit)
 
 
-APPLY_GATES = {"swiglu": swiglu_apply_gate, "geglu": geglu_apply_gate}
+GATES = {"swiglu": swiglu_gate, "geglu": geglu_gate}
 
 
 def declare(ctx: Context) -> Declaration:
@@ -113,5 +115,6 @@ def declare(ctx: Context) -> Declaration:
     if m.dense:
         targets.append(Target("MLP", "forward", named(mlp_forward(m), "mlp", f), part="dense", lora=why_not(m)))
     if m.experts:
-        targets.append(Target("Experts", "_apply_gate", named(APPLY_GATES[m.experts], "mlp", f), part="experts"))
+        experts = named(experts_forward(named(GATES[m.experts], "mlp", f)), "mlp", f)
+        targets.append(Target("Experts", "forward", experts, part="experts"))
     return Declaration(tuple(targets))

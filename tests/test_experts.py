@@ -1,0 +1,140 @@
+"""The MoE families' experts on Bastile's path (python_shim/bastile/experts.py) against HF (+ PEFT), CPU fp32.
+
+Mini configs route 2 of 8 (or 4) experts per token, so some experts get no token in a batch. A full fine-tune
+and PEFT LoRA on the 3-D expert parameters (ParamWrapper, `target_parameters`, with B != 0): two AdamW steps'
+losses within 1e-5 of HF's, the first step's gradients as the family tests compare them; neither transformers'
+experts functions nor PEFT's parametrized weight run in the patched step.
+"""
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers.integrations import moe
+
+import bastile
+from bastile import experts
+from conftest import needs_cuda, rel_err
+from test_families import Dispatched, adam_steps, assert_grad_close, exact_grads, mini
+from test_qwen3_training import batches
+
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text"]
+EXPERT_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                   target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+
+
+def steps(model, data):
+    return adam_steps(model, [dict(input_ids=ids, labels=labels) for (ids, labels), in data])
+
+
+def hf_experts_refused(monkeypatch):
+    """transformers' experts functions, and PEFT's parametrization of a wrapped weight (W + s A B), raise if
+    called."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("transformers' experts function, or PEFT's parametrized weight, ran")
+    for name in list(moe.ALL_EXPERTS_FUNCTIONS._global_mapping):
+        monkeypatch.setitem(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, name, refuse)
+    monkeypatch.setattr(torch.nn.utils.parametrize, "register_parametrization", refuse)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "expert_lora"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_train_as_hf(family, lora, monkeypatch):
+    data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * 2
+    base = mini(family, "cpu", torch.float32)
+    (ids, labels), = data[0]
+    # Qwen3.5's decay parameters against HF's model on the exact recurrence, as the family tests compare them
+    exact = exact_grads(family, copy.deepcopy(base), lambda m: m(input_ids=ids, labels=labels).loss)
+    wrap = (lambda m: get_peft_model(m, LoraConfig(**EXPERT_LORA))) if lora else (lambda m: m)
+    torch.manual_seed(3)
+    ref = wrap(copy.deepcopy(base))
+    ref_losses, ref_grads = steps(ref, data)
+
+    bastile.apply(model=base, log_probs=False)
+    torch.manual_seed(3)
+    model = wrap(base)
+    if lora:
+        wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+        assert len(wrappers) >= 2, "PEFT wrapped no expert parameter: the test is vacuous"
+    with monkeypatch.context() as m:
+        hf_experts_refused(m)
+        with Dispatched() as seen:
+            losses, grads = steps(model, data)
+    assert {"geglu" if family == "gpt_oss" else "swiglu"} <= seen.ops
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{family} step {step}: {a} vs {b}"
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert_grad_close(grads[name], g if lora else exact.get(name, g), name)
+    if lora:  # the frozen experts get no gradient; their adapters do
+        assert not any("experts.base_layer" in n and "lora" not in n for n in grads)
+        assert any("experts" in n and "lora_B" in n for n in grads)
+
+
+def test_experts_with_no_tokens_and_a_token_routed_twice():
+    """Experts that get no pair, and one token sent to one expert twice (a router that allows it): HF's eager
+    experts (expert by expert), in fp64."""
+    model = mini("qwen3_moe", "cpu", torch.float64)
+    ex = model.model.layers[0].mlp.experts
+    x = torch.randn(5, ex.gate_up_proj.shape[-1], dtype=torch.float64)
+    index = torch.tensor([[3, 3], [3, 5], [5, 3], [3, 3], [5, 5]])  # experts 0-2, 4, 6, 7 idle
+    weights = torch.rand(5, 2, dtype=torch.float64)
+    forward = experts.experts_forward(bastile.roles.mlp.swiglu_gate)
+    torch.testing.assert_close(forward(ex, x, index, weights), type(ex).forward.__wrapped__(ex, x, index, weights),
+                               rtol=1e-12, atol=1e-12)
+
+
+@needs_cuda
+def test_expert_lora_bf16_cuda():
+    """bf16 on the GPU (torch's grouped GEMM: rank 8, rows of 16 bytes): the loss within 1e-2 of HF + PEFT's, and
+    the experts' adapters' gradients within 1e-1 of the fp32 ones in norm. The rank-8 products s (dy B) are
+    rounded to bf16 token by token before the sum over an expert's tokens, as the dense LoRA nodes round theirs
+    (lora.py), where PEFT sums x^T dy over tokens in fp32 first: at init (B random) those sums cancel, and the
+    gate/up adapters' A is 6e-2 off where PEFT's is 1.4e-2 (H200, this mini model)."""
+    (ids, labels), = batches(1, 1, 2, 64, "cuda", ignore_fraction=0.1)[0]
+    config = LoraConfig(**{**EXPERT_LORA, "r": 8})
+    base = mini("qwen3_moe", "cuda", torch.bfloat16)
+
+    def first(model):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch.manual_seed(3)
+    hf = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
+    fp32 = get_peft_model(copy.deepcopy(base).float(), copy.deepcopy(config))
+    fp32.load_state_dict({k: v.float() for k, v in hf.state_dict().items()})
+    (hf_loss, hf_grads), (_, fp32_grads) = first(hf), first(fp32)
+    bastile.apply(model=base, log_probs=False)
+    ours = get_peft_model(base, copy.deepcopy(config))
+    ours.load_state_dict(hf.state_dict())
+    loss, grads = first(ours)
+    assert loss == pytest.approx(hf_loss, rel=1e-2)
+    lora = [n for n in fp32_grads if "experts" in n and "lora_" in n]
+    assert lora
+    for name in lora:
+        err, hf_err = (rel_err(g[name], fp32_grads[name]) for g in (grads, hf_grads))
+        assert err <= max(hf_err, 1e-1), f"{name}: {err:.2e} from fp32 (HF + PEFT bf16: {hf_err:.2e})"
+
+
+def test_other_adapter_states_run_peft_own_path():
+    """Two active adapters (PEFT sums their deltas into the weight) and disabled adapters keep PEFT's path around
+    Bastile's experts: HF + PEFT's losses."""
+    (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
+    base = mini("qwen3_moe", "cpu", torch.float32)
+
+    def two_adapters(model):
+        torch.manual_seed(3)
+        model = get_peft_model(model, LoraConfig(**EXPERT_LORA))
+        model.add_adapter("other", LoraConfig(**EXPERT_LORA))
+        model.base_model.set_adapter(["default", "other"])
+        return model
+
+    def losses(model):
+        with model.disable_adapter():
+            off = model(input_ids=ids, labels=labels).loss.item()
+        return model(input_ids=ids, labels=labels).loss.item(), off
+
+    want = losses(two_adapters(copy.deepcopy(base)))
+    bastile.apply(model=base, log_probs=False)
+    assert losses(two_adapters(base)) == pytest.approx(want, rel=1e-6)
