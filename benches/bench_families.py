@@ -13,7 +13,8 @@ Models (MODELS): random init from the published configs (sizes, vocabularies, ro
 multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention. A model that fits one H100
 for a full fine-tune trains all its weights (fused AdamW, lr 1e-5); the others train PEFT LoRA r=16 (alpha
 32, no dropout, adapters in PEFT's fp32) on every linear projection of the attention and dense MLP (the MoE
-families' attention only), AdamW over the adapters. Mixtral-8x7B keeps 8 of its 32 layers (the whole model
+families' attention only; the entries of all-linear also the experts' 3-D parameters and the router), AdamW over
+the adapters. Mixtral-8x7B keeps 8 of its 32 layers (the whole model
 is 94 GB of bf16 weights). Labels = input ids. Modes: hf, liger (Liger Kernel's apply function for the
 model type, its defaults, fused linear cross-entropy included, before the model is built), bastile
 (bastile.apply()), and on request bastile-offload (bastile.apply(offload_checkpoints=True)). --steps steps (default 10), the first --warmup (3) not timed; peak GiB =
@@ -30,8 +31,9 @@ OFFLOAD = "bastile-offload"
 LORA = 16
 LR = 1e-5
 
-# name -> (model_type, config class, model class, config (or the folder of its published config.json in tests/configs),
-# LoRA targets or None for a full fine-tune, seq, batch)
+# name -> (model_type, config class, model class, config (a dict; the folder of its published config.json in
+# tests/configs, or (folder, overrides); another entry's name), LoRA targets (PEFT's target_modules) or None for a full
+# fine-tune, seq, batch)
 MODELS = {
     # transformers' default Qwen3_5TextConfig (the 9B's text model): 32 layers, a gated attention every fourth,
     # the rest Gated DeltaNet (16 key / 32 value heads of 128); LoRA on every linear projection.
@@ -56,6 +58,17 @@ MODELS = {
                              num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-5),
                         ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
+    # the same 8 layers with LoRA on every linear layer and on the experts' 3-D parameters (PEFT's all-linear wraps
+    # them, and the router's weight, with its ParamWrapper)
+    "mixtral-8x7b-8l-experts": ("mixtral", "MixtralConfig", "MixtralForCausalLM", "mixtral-8x7b-8l", "all-linear", 4096, 1),
+    # Qwen3-30B-A3B (48 layers of 128 experts, 8 a token): LoRA all-linear (the experts' parameters and the router
+    # included), or on the attention alone; its first 8 layers with every weight trained
+    "qwen3-30b-a3b": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen--Qwen3-30B-A3B", "all-linear",
+                      4096, 1),
+    "qwen3-30b-a3b-attn": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen--Qwen3-30B-A3B",
+                           ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
+    "qwen3-30b-a3b-8l": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                         ("Qwen--Qwen3-30B-A3B", dict(num_hidden_layers=8)), None, 4096, 1),
     "phi3-mini": ("phi3", "Phi3Config", "Phi3ForCausalLM",
                   dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096, sliding_window=2047,
@@ -150,8 +163,12 @@ def build(mode, name, device, smoke, checkpoint):
         bastile.apply(offload_checkpoints=mode == OFFLOAD)
     import transformers
     cfg_cls = getattr(transformers, config_cls)
-    if isinstance(config, str):
-        config = {k: v for k, v in published(config).items() if k not in ("model_type", "transformers_version")}
+    if isinstance(config, str) and config in MODELS:  # another entry's config
+        config = MODELS[config][3]
+    folder, overrides = config if isinstance(config, tuple) else (config, {})
+    if isinstance(folder, str):
+        config = {k: v for k, v in published(folder).items() if k not in ("model_type", "transformers_version")}
+    config = {**config, **overrides}
     if smoke:
         config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
         if "layer_types" in config:  # sliding and full layers alternate, both before any that share K/V
