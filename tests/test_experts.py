@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from torch.nn import functional as F
 from peft import LoraConfig, get_peft_model
 from transformers.integrations import moe
 
@@ -138,3 +139,56 @@ def test_other_adapter_states_run_peft_own_path():
     want = losses(two_adapters(copy.deepcopy(base)))
     bastile.apply(model=base, log_probs=False)
     assert losses(two_adapters(base)) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
+def test_expert_path_gradients_fp64(transposed):
+    """Every gradient of the expert path (hidden states, routing weights, the experts' weights and biases, the
+    adapters' factors) by torch.autograd.gradcheck in fp64, with idle experts and a token sent to one expert
+    twice; both stored layouts."""
+    from types import SimpleNamespace
+    torch.manual_seed(0)
+    E, H, I, r, T, k = 5, 6, 4, 3, 7, 2
+    dt = dict(dtype=torch.float64, requires_grad=True)
+    shape = (lambda i, o: (E, i, o)) if transposed else (lambda i, o: (E, o, i))
+    mod = SimpleNamespace(is_transposed=transposed, has_bias=True, num_experts=E,
+                          gate_up_proj=torch.randn(shape(H, 2 * I), **dt), gate_up_proj_bias=torch.randn(E, 2 * I, **dt),
+                          down_proj=torch.randn(shape(I, H), **dt), down_proj_bias=torch.randn(E, H, **dt))
+    lora = {"gate_up_proj": (torch.randn(E, *((H, r) if transposed else (2 * I, r)), **dt),
+                             torch.randn(E, *((r, 2 * I) if transposed else (r, H)), **dt), 0.5),
+            "down_proj": (torch.randn(E, *((I, r) if transposed else (H, r)), **dt),
+                          torch.randn(E, *((r, H) if transposed else (r, I)), **dt), 2.0)}
+    index = torch.tensor([[0, 2], [2, 2], [4, 0], [0, 0], [2, 4], [4, 4], [0, 2]])  # experts 1 and 3 idle
+    hidden, weights = torch.randn(T, H, **dt), torch.rand(T, k, **dt)
+
+    def gate(_, gate_up):
+        g, u = gate_up.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    forward = experts.experts_forward(gate)
+
+    def run(hidden, weights, w1, b1, w2, b2, l1, r1, l2, r2):
+        m = SimpleNamespace(**{**vars(mod), "gate_up_proj": w1, "gate_up_proj_bias": b1, "down_proj": w2,
+                               "down_proj_bias": b2})
+        return forward(m, hidden, index, weights, lora={"gate_up_proj": (l1, r1, 0.5), "down_proj": (l2, r2, 2.0)})
+
+    inputs = (hidden, weights, mod.gate_up_proj, mod.gate_up_proj_bias, mod.down_proj, mod.down_proj_bias,
+              *lora["gate_up_proj"][:2], *lora["down_proj"][:2])
+    assert torch.autograd.gradcheck(run, inputs)
+
+
+def test_expert_path_keeps_the_gate_input_not_the_pairs_rows():
+    """For the backward the expert path keeps gate/up's output [pairs, 2 I] and rank-sized products; the pairs'
+    rows of x [pairs, H], the gate's output [pairs, I] and the down products [pairs, H] are made again."""
+    model = get_peft_model(mini("qwen3_moe", "cpu", torch.float32, moe_intermediate_size=48), LoraConfig(**EXPERT_LORA))
+    bastile.apply(model=model.base_model.model, log_probs=False)
+    block = model.base_model.model.model.layers[0].mlp
+    hidden = torch.randn(7, block.experts.base_layer.base_layer.hidden_dim, requires_grad=True)
+    _, weights, index = block.gate(hidden)
+    pairs, I = index.numel(), block.experts.base_layer.base_layer.intermediate_dim
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        out = block.experts(hidden, index, weights)
+    out.sum().backward()  # the backward's own products (the gate made again) live within it
+    assert (pairs, 2 * I) in shapes
+    assert not {(pairs, hidden.shape[1]), (pairs, I)} & set(shapes), shapes

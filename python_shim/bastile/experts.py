@@ -20,25 +20,33 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch.nn import functional as F
 
-Factors = Tuple[Tuple[torch.Tensor, torch.Tensor, float], ...]  # PEFT's (lhs, rhs, scale): delta s lhs @ rhs
+Factors = Tuple[torch.Tensor, torch.Tensor, float]  # one PEFT adapter's (lhs, rhs, scale): delta s lhs @ rhs
 
 
-class Weight(NamedTuple):
-    """An expert parameter as [experts, in, out] (a view of the stored one), and the LoRA terms that add to it:
-    (A [experts, in, rank], B [experts, rank, out], scale)."""
+class Projection(NamedTuple):
+    """An expert parameter as the grouped products read it: w [experts, in, out] (a view of the stored one), its
+    bias [experts, out], and one LoRA adapter's A [experts, in, rank] and B [experts, rank, out] (None without)."""
     w: torch.Tensor
-    lora: Factors
+    bias: Optional[torch.Tensor]
+    a: Optional[torch.Tensor]
+    b: Optional[torch.Tensor]
 
 
-def weight(experts, name: str, factors: Factors = ()) -> Weight:
-    """`name` (gate_up_proj or down_proj) of an experts module, and its adapters' factors. transformers stores
-    [experts, out, in] unless the class says `is_transposed` ([experts, in, out]); PEFT's delta s lhs @ rhs is in
-    the stored layout: stored [in, out], x (W + s L R) = x W + s (x L) R; stored [out, in],
-    x (W + s L R)^T = x W^T + s (x R^T) L^T."""
+def projection(experts, name: str, factors: Optional[Factors]) -> Tuple[Projection, float]:
+    """`name` (gate_up_proj or down_proj) of an experts module with its bias and its adapter, and the adapter's
+    scale. transformers stores [experts, out, in] unless the class says `is_transposed` ([experts, in, out]);
+    PEFT's delta s lhs @ rhs is in the stored layout: stored [in, out], x (W + s L R) = x W + s (x L) R; stored
+    [out, in], x (W + s L R)^T = x W^T + s (x R^T) L^T."""
     w = getattr(experts, name)
-    if experts.is_transposed:
-        return Weight(w, factors)
-    return Weight(w.transpose(-2, -1), tuple((r.transpose(-2, -1), l.transpose(-2, -1), s) for l, r, s in factors))
+    bias = getattr(experts, f"{name}_bias") if experts.has_bias else None
+    if factors is None:
+        a = b = None
+        scale = 0.0
+    else:
+        lhs, rhs, scale = factors
+        a, b = (lhs, rhs) if experts.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
+        a, b = (t.to(w.dtype).contiguous() for t in (a, b))  # strided views of PEFT's weights; a few MB
+    return Projection(w if experts.is_transposed else w.transpose(-2, -1), bias, a, b), scale
 
 
 class Groups(NamedTuple):
@@ -53,51 +61,131 @@ def group(top_k_index: torch.Tensor, experts: int) -> Groups:
     ids = top_k_index.reshape(-1)
     expert, order = torch.sort(ids, stable=True)
     # bincount would size its output by the largest id: a host sync on CUDA
-    counts = torch.zeros(experts, dtype=torch.int32, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+    ones = torch.ones_like(ids, dtype=torch.int32)
+    counts = torch.zeros(experts, dtype=torch.int32, device=ids.device).scatter_add_(0, ids, ones)
     return Groups(order, counts.cumsum(0, dtype=torch.int32), expert)
 
 
 def _grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes these: bf16 on CUDA, rows of 16-byte multiples."""
-    return x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0
+    return (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
+            and w.shape[-2] % 8 == 0)
+
+
+def _bounds(offsets: torch.Tensor):
+    ends = offsets.tolist()
+    return zip([0] + ends[:-1], ends)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [pairs, in] ordered by expert times each expert's w [experts, in, out]: [pairs, out]."""
     if _grouped_kernel(x, w):
         return F.grouped_mm(x, w, offs=offsets)
-    ends = offsets.tolist()
-    starts = [0] + ends[:-1]
-    return torch.cat([x[a:b] @ we for a, b, we in zip(starts, ends, w.unbind(0))])
+    return torch.cat([x[a:b] @ we for (a, b), we in zip(_bounds(offsets), w.unbind(0))])
 
 
-def project(x: torch.Tensor, groups: Groups, p: Weight, bias=None) -> torch.Tensor:
-    """Each pair's row times its expert's weight, with the LoRA terms and the bias: [pairs, out]."""
-    x = x.to(p.w.dtype)
+def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each expert's x^T dy over its pairs: [experts, in, out], in fp32 off the grouped GEMM (whose output is
+    bf16)."""
+    if x.is_cuda and x.dtype == dy.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and dy.shape[1] % 8 == 0:
+        return F.grouped_mm(x.t(), dy, offs=offsets)
+    return torch.stack([x[a:b].float().t() @ dy[a:b].float() for a, b in _bounds(offsets)])
+
+
+def _forward(x, groups: Groups, p: Projection, scale: float):
+    """x w + s (x a) b + bias of each pair's expert, and x a (the backward's)."""
     y = grouped_mm(x, p.w, groups.offsets)
-    for a, b, scale in p.lora:  # PEFT's factors are strided views; contiguous they are a few MB
-        a, b = (t.to(x.dtype).contiguous() for t in (a, b))
-        y = y + scale * grouped_mm(grouped_mm(x, a, groups.offsets), b, groups.offsets)
-    if bias is not None:
-        y = y + bias[groups.expert]
-    return y
+    xa = None
+    if p.a is not None:
+        xa = grouped_mm(x, p.a, groups.offsets)
+        y = y + scale * grouped_mm(xa, p.b, groups.offsets)
+    if p.bias is not None:
+        y = y + p.bias[groups.expert]
+    return y, xa
+
+
+def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need):
+    """The gradients of _forward's y for dy: (dx, dw, dbias, da, db), `need` saying which of w, bias, a, b."""
+    need_w, need_bias, need_a, need_b = need
+    t = scale * grouped_mm(dy, p.b.transpose(-2, -1), groups.offsets) if p.a is not None else None
+    dx = grouped_mm(dy, p.w.transpose(-2, -1), groups.offsets)
+    if t is not None:
+        dx = dx + grouped_mm(t, p.a.transpose(-2, -1), groups.offsets)
+    dw = grouped_wgrad(x, dy, groups.offsets).to(p.w.dtype) if need_w else None
+    dbias = (torch.zeros(p.bias.shape, dtype=torch.float32, device=dy.device).index_add_(0, groups.expert, dy.float())
+             .to(p.bias.dtype) if need_bias else None)
+    da = grouped_wgrad(x, t, groups.offsets).to(p.a.dtype) if need_a else None
+    db = (scale * grouped_wgrad(xa, dy, groups.offsets)).to(p.b.dtype) if need_b else None
+    return dx, dw, dbias, da, db
+
+
+class _Experts(torch.autograd.Function):
+    """The experts of the pairs of a batch: sum over a token's k experts of weight * down(gate(gate_up(x))).
+    Saved for the backward: the gate's input (gate_up) and the rank-sized LoRA products; the pairs' rows of x,
+    the gate's output and the down products (and so the routing weights' gradient) are made again from them."""
+
+    @staticmethod
+    def forward(ctx, gate, k, scales, hidden, weights, order, offsets, expert, *params):
+        groups = Groups(order, offsets, expert)
+        p1, p2 = Projection(*params[:4]), Projection(*params[4:])
+        x = hidden[order // k].to(p1.w.dtype)
+        gate_up, xa = _forward(x, groups, p1, scales[0])
+        h = gate(gate_up)
+        out, ha = _forward(h, groups, p2, scales[1])
+        pair = out * weights.reshape(-1)[order, None]  # promoted as HF's: Mixtral's weights are fp32
+        combined = torch.empty_like(pair).index_copy_(0, order, pair).view(-1, k, pair.shape[-1]).sum(dim=1)
+        ctx.save_for_backward(hidden, weights, order, offsets, expert, gate_up, xa, ha, *params)
+        ctx.gate, ctx.k, ctx.scales = gate, k, scales
+        return combined.to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weights, order, offsets, expert, gate_up, xa, ha, *params = ctx.saved_tensors
+        groups, needs = Groups(order, offsets, expert), ctx.needs_input_grad
+        p1, p2 = Projection(*params[:4]), Projection(*params[4:])
+        s1, s2 = ctx.scales
+        token = order // ctx.k
+        w = weights.reshape(-1)[order]
+        with torch.enable_grad():
+            g = gate_up.detach().requires_grad_()
+            h = ctx.gate(g)
+        # down: with u = dpair (W2 + s2 A2 B2)^T, dh = w u and dw = <u, h> (+ <dpair, bias2>)
+        dpair = grad[token].to(p2.w.dtype)
+        t = s2 * grouped_mm(dpair, p2.b.transpose(-2, -1), offsets) if p2.a is not None else None
+        u = grouped_mm(dpair, p2.w.transpose(-2, -1), offsets)
+        if t is not None:
+            u = u + grouped_mm(t, p2.a.transpose(-2, -1), offsets)
+        dweight = (u.float() * h.detach().float()).sum(-1)
+        if p2.bias is not None:
+            dweight = dweight + (dpair.float() * p2.bias[expert].float()).sum(-1)
+        dout = (dpair * w[:, None]).to(dpair.dtype)
+        dw2 = grouped_wgrad(h.detach(), dout, offsets).to(p2.w.dtype) if needs[12] else None
+        dbias2 = (torch.zeros(p2.bias.shape, dtype=torch.float32, device=grad.device)
+                  .index_add_(0, expert, dout.float()).to(p2.bias.dtype) if needs[13] else None)
+        da2 = grouped_wgrad(h.detach(), t * w[:, None].to(t.dtype), offsets).to(p2.a.dtype) if needs[14] else None
+        db2 = (s2 * grouped_wgrad(ha, dout, offsets)).to(p2.b.dtype) if needs[15] else None
+        (dgate_up,) = torch.autograd.grad(h, g, (u * w[:, None]).to(h.dtype))
+        # gate/up, from the pairs' rows of x made again
+        x = hidden[token].to(p1.w.dtype)
+        dx, dw1, dbias1, da1, db1 = _backward(dgate_up, x, xa, groups, p1, s1, needs[8:12])
+        dhidden = (torch.zeros(hidden.shape, dtype=torch.float32, device=grad.device)
+                   .index_add_(0, token, dx.float()).to(hidden.dtype) if needs[3] else None)
+        dweights = (torch.empty_like(dweight).index_copy_(0, order, dweight).view(weights.shape).to(weights.dtype)
+                    if needs[4] else None)
+        return (None, None, None, dhidden, dweights, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
 
 
 def experts_forward(gate: Callable) -> Callable:
     """The experts' forward, `gate(experts, gate_up)` the family's gated activation stage (mlp.py). `lora`:
-    {parameter name: PEFT's factors of its adapters} (peft_wrapper)."""
+    {parameter name: PEFT's factors of its adapter} (peft_wrapper)."""
 
     def experts(self, hidden_states, top_k_index, top_k_weights, lora: Optional[Dict[str, Factors]] = None):
         lora = lora or {}
-        tokens, k = top_k_index.shape
         groups = group(top_k_index, self.num_experts)
-        x = hidden_states[groups.order // k]
-        gate_up_bias, down_bias = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
-        gate_up = project(x, groups, weight(self, "gate_up_proj", lora.get("gate_up_proj", ())), gate_up_bias)
-        out = project(gate(self, gate_up), groups, weight(self, "down_proj", lora.get("down_proj", ())), down_bias)
-        out = out * top_k_weights.reshape(-1)[groups.order, None]  # promoted as HF's: Mixtral's weights are fp32
-        by_pair = torch.empty_like(out).index_copy_(0, groups.order, out)
-        return by_pair.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        p1, s1 = projection(self, "gate_up_proj", lora.get("gate_up_proj"))
+        p2, s2 = projection(self, "down_proj", lora.get("down_proj"))
+        return _Experts.apply(lambda gate_up: gate(self, gate_up), top_k_index.shape[1], (s1, s2), hidden_states,
+                              top_k_weights, *groups, *p1, *p2)
     return experts
 
 
@@ -111,7 +199,7 @@ def _plain_factors(chain) -> Optional[Dict[str, Factors]]:
         if (w.disable_adapters or w.merged or len(active) != 1 or w.num_experts < 2 or w.parameter_name in lora
                 or any(getattr(torch, t, None) == w.get_param().dtype for t in low_precision)):
             return None
-        lora[w.parameter_name] = (w.get_delta_factors(active[0]),)
+        lora[w.parameter_name] = w.get_delta_factors(active[0])
     return lora
 
 
