@@ -80,7 +80,7 @@ def test_experts_with_no_tokens_and_a_token_routed_twice():
     x = torch.randn(5, ex.gate_up_proj.shape[-1], dtype=torch.float64)
     index = torch.tensor([[3, 3], [3, 5], [5, 3], [3, 3], [5, 5]])  # experts 0-2, 4, 6, 7 idle
     weights = torch.rand(5, 2, dtype=torch.float64)
-    forward = experts.experts_forward(bastile.roles.mlp.swiglu_gate)
+    forward = experts.experts_forward(bastile.roles.mlp.swiglu_gate, concatenated=True)
     torch.testing.assert_close(forward(ex, x, index, weights), type(ex).forward.__wrapped__(ex, x, index, weights),
                                rtol=1e-12, atol=1e-12)
 
@@ -151,9 +151,9 @@ def test_expert_path_gradients_fp64(transposed):
     E, H, I, r, T, k = 5, 6, 4, 3, 7, 2
     dt = dict(dtype=torch.float64, requires_grad=True)
     shape = (lambda i, o: (E, i, o)) if transposed else (lambda i, o: (E, o, i))
-    mod = SimpleNamespace(is_transposed=transposed, has_bias=True, num_experts=E,
-                          gate_up_proj=torch.randn(shape(H, 2 * I), **dt), gate_up_proj_bias=torch.randn(E, 2 * I, **dt),
-                          down_proj=torch.randn(shape(I, H), **dt), down_proj_bias=torch.randn(E, H, **dt))
+    mod = SimpleNamespace(is_transposed=transposed, has_bias=True, has_gate=True, is_concatenated=True, num_experts=E,
+                          gate_up_proj=torch.randn(shape(H, 2 * I), **dt), down_proj=torch.randn(shape(I, H), **dt),
+                          gate_up_proj_bias=torch.randn(E, 2 * I, **dt), down_proj_bias=torch.randn(E, H, **dt))
     lora = {"gate_up_proj": (torch.randn(E, *((H, r) if transposed else (2 * I, r)), **dt),
                              torch.randn(E, *((r, 2 * I) if transposed else (r, H)), **dt), 0.5),
             "down_proj": (torch.randn(E, *((I, r) if transposed else (H, r)), **dt),
@@ -165,7 +165,7 @@ def test_expert_path_gradients_fp64(transposed):
         g, u = gate_up.chunk(2, dim=-1)
         return F.silu(g) * u
 
-    forward = experts.experts_forward(gate)
+    forward = experts.experts_forward(gate, concatenated=True)
 
     def run(hidden, weights, w1, b1, w2, b2, l1, r1, l2, r2):
         m = SimpleNamespace(**{**vars(mod), "gate_up_proj": w1, "gate_up_proj_bias": b1, "down_proj": w2,
@@ -192,3 +192,13 @@ def test_expert_path_keeps_the_gate_input_not_the_pairs_rows():
     out.sum().backward()  # the backward's own products (the gate made again) live within it
     assert (pairs, 2 * I) in shapes
     assert not {(pairs, hidden.shape[1]), (pairs, I)} & set(shapes), shapes
+
+
+def test_a_layout_the_gate_does_not_read_raises():
+    """Experts declaring a gate/up layout other than the family's gate reads raise, naming the layout."""
+    model = mini("qwen3_moe", "cpu", torch.float32)
+    bastile.apply(model=model)
+    ex = model.model.layers[0].mlp.experts
+    ex.is_concatenated = False
+    with pytest.raises(RuntimeError, match="is_concatenated=False; Bastile's gate reads a concatenated"):
+        ex(torch.randn(3, ex.hidden_dim), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))

@@ -175,11 +175,17 @@ class _Experts(torch.autograd.Function):
         return (None, None, None, dhidden, dweights, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
 
 
-def experts_forward(gate: Callable) -> Callable:
-    """The experts' forward, `gate(experts, gate_up)` the family's gated activation stage (mlp.py). `lora`:
-    {parameter name: PEFT's factors of its adapter} (peft_wrapper)."""
+def experts_forward(gate: Callable, concatenated: bool) -> Callable:
+    """The experts' forward, `gate(experts, gate_up)` the family's gated activation stage (mlp.py), which reads
+    gate/up concatenated ([gate; up]) or interleaved. `lora`: {parameter name: PEFT's factors of its adapter}
+    (peft_wrapper)."""
 
     def experts(self, hidden_states, top_k_index, top_k_weights, lora: Optional[Dict[str, Factors]] = None):
+        if not self.has_gate or self.is_concatenated != concatenated:
+            layout = "concatenated" if concatenated else "interleaved"
+            raise RuntimeError(f"bastile: {type(self).__name__} declares has_gate={self.has_gate}, is_concatenated="
+                               f"{self.is_concatenated}; Bastile's gate reads a {layout} gate/up projection. Pass "
+                               "moe=False to keep transformers' experts")
         lora = lora or {}
         groups = group(top_k_index, self.num_experts)
         p1, s1 = projection(self, "gate_up_proj", lora.get("gate_up_proj"))

@@ -107,6 +107,7 @@ def geglu_gate(self, gate_up):
 
 
 GATES = {"swiglu": swiglu_gate, "geglu": geglu_gate}
+CONCATENATED = {"swiglu": True, "geglu": False}  # how each gate reads gate/up: [gate; up], or interleaved
 
 
 def declare(ctx: Context) -> Declaration:
@@ -115,6 +116,6 @@ def declare(ctx: Context) -> Declaration:
     if m.dense:
         targets.append(Target("MLP", "forward", named(mlp_forward(m), "mlp", f), part="dense", lora=why_not(m)))
     if m.experts:
-        experts = named(experts_forward(named(GATES[m.experts], "mlp", f)), "mlp", f)
+        experts = named(experts_forward(named(GATES[m.experts], "mlp", f), CONCATENATED[m.experts]), "mlp", f)
         targets.append(Target("Experts", "forward", experts, part="experts"))
     return Declaration(tuple(targets))
