@@ -15,7 +15,7 @@ from transformers.integrations import moe
 
 import bastile
 from bastile import experts
-from conftest import needs_cuda, rel_err
+from conftest import EXPERTS_PATCHES, needs_cuda, rel_err
 from test_families import Dispatched, adam_steps, assert_grad_close, exact_grads, mini
 from test_qwen3_training import batches
 
@@ -202,3 +202,17 @@ def test_a_layout_the_gate_does_not_read_raises():
     ex.is_concatenated = False
     with pytest.raises(RuntimeError, match="is_concatenated=False; Bastile's gate reads a concatenated"):
         ex(torch.randn(3, ex.hidden_dim), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+
+
+def test_lora_modules_reports_the_expert_adapters():
+    """bastile.lora_modules: the experts' wrappers in the expert path are "fused"; the router's, and every
+    wrapper with PEFT's own forward, say why not."""
+    model = get_peft_model(mini("qwen3_moe", "cpu", torch.float32), LoraConfig(r=4, target_modules="all-linear"))
+    wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"]
+    assert any(n.endswith("mlp.experts") for n in wrapped) and any(n.endswith("mlp.gate") for n in wrapped)
+    bastile.apply(model=model.base_model.model, log_probs=False)
+    report = bastile.lora_modules(model)
+    assert {n for n in wrapped if report[n] == "fused"} == {n for n in wrapped if ".mlp.experts" in n}
+    assert all(report[n].startswith("around Qwen3MoeTopKRouter") for n in wrapped if n.endswith("mlp.gate"))
+    bastile.reset(EXPERTS_PATCHES)
+    assert all(bastile.lora_modules(model)[n].startswith("PEFT's ParamWrapper") for n in wrapped)

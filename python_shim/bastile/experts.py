@@ -195,18 +195,51 @@ def experts_forward(gate: Callable, concatenated: bool) -> Callable:
     return experts
 
 
-def _plain_factors(chain) -> Optional[Dict[str, Factors]]:
-    """{parameter name: factors} of a chain of PEFT ParamWrappers (outermost first) when each wraps one
-    parameter with one active plain adapter, as PEFT's own factor path takes them; else None."""
+def _chain(wrapper) -> list:
+    """A PEFT ParamWrapper and the ones it wraps, outermost first."""
+    chain = [wrapper]
+    while type(chain[-1].base_layer) is type(wrapper):
+        chain.append(chain[-1].base_layer)
+    return chain
+
+
+def why_not(chain, on_path: Callable[[type], bool]) -> Optional[str]:
+    """None when a chain of ParamWrappers runs in the expert path: around experts whose class runs Bastile's
+    forward (`on_path`), each wrapping its own parameter with one active plain adapter (PEFT's factor path);
+    else why PEFT's own forward runs it."""
+    base = chain[-1].base_layer
+    if not on_path(type(base)):
+        return f"around {type(base).__name__}, whose forward is not Bastile's expert path"
     low_precision = getattr(sys.modules.get("peft.tuners.lora.layer"), "UPCAST_DTYPES", ())
-    lora = {}
+    names = [w.parameter_name for w in chain]
+    if len(set(names)) != len(names):
+        return "two wrappers of one parameter"
     for w in chain:
         active = [a for a in w.active_adapters if a in w.lora_A]
-        if (w.disable_adapters or w.merged or len(active) != 1 or w.num_experts < 2 or w.parameter_name in lora
-                or any(getattr(torch, t, None) == w.get_param().dtype for t in low_precision)):
-            return None
-        lora[w.parameter_name] = w.get_delta_factors(active[0])
-    return lora
+        dtype = w.get_param().dtype
+        if w.disable_adapters:
+            return "adapters disabled"
+        if w.merged:
+            return "adapter merged into the base weight"
+        if len(active) != 1:
+            return f"{len(active)} active adapters"
+        if any(getattr(torch, t, None) == dtype for t in low_precision):
+            return f"{dtype} weight (PEFT adds its delta in a wider type)"
+    return None
+
+
+def report(model, on_path: Optional[Callable[[type], bool]]) -> Dict[str, str]:
+    """{qualified name: "fused" or why not} for every ParamWrapper of `model`; on_path None: PEFT's wrapper is
+    not patched."""
+    wrapper = getattr(sys.modules.get("peft.tuners.lora.layer"), "ParamWrapper", None)
+    out = {}
+    for name, module in model.named_modules():
+        if wrapper is not None and type(module) is wrapper and name not in out:
+            chain = _chain(module)
+            why = why_not(chain, on_path) if on_path else "PEFT's ParamWrapper.forward is not patched (mlp_peft)"
+            why = why or "fused"
+            out.update({name + ".base_layer" * i: why for i in range(len(chain))})
+    return out
 
 
 def peft_wrapper(on_path: Callable[[type], bool]) -> Callable:
@@ -215,13 +248,11 @@ def peft_wrapper(on_path: Callable[[type], bool]) -> Callable:
 
     def factory(original):
         def forward(self, x, *args, **kwargs):
-            chain = [self]
-            while type(chain[-1].base_layer) is type(self):
-                chain.append(chain[-1].base_layer)
-            base = chain[-1].base_layer
-            lora = _plain_factors(chain) if on_path(type(base)) and not kwargs else None
-            if lora is None:
+            chain = _chain(self)
+            if kwargs or why_not(chain, on_path) is not None:
                 return original(self, x, *args, **kwargs)
-            return base(x, *args, lora=lora)
+            lora = {w.parameter_name: w.get_delta_factors(next(a for a in w.active_adapters if a in w.lora_A))
+                    for w in chain}
+            return chain[-1].base_layer(x, *args, lora=lora)
         return forward
     return factory

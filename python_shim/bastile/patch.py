@@ -297,11 +297,12 @@ def reset(names: Optional[Sequence[str]] = None) -> List[str]:
 
 def lora_modules(model) -> Dict[str, str]:
     """{qualified name: "fused", or why PEFT's own forward runs it} for every PEFT LoRA layer of `model`
-    (adapters on other modules than the patched attention's and MLP's projections, DoRA, several active
-    adapters, LoRA bias, quantized base layers... keep PEFT's path)."""
+    (adapters on other modules than the patched attention's and MLP's projections and experts, DoRA, several
+    active adapters, LoRA bias, quantized base layers... keep PEFT's path)."""
     fused = {hf_attr(FAMILIES[p.family], p.target.split(".")[0]): p.lora for p in PATCHES
              if p.lora is not None and p.family in FAMILIES and _runs(p.family)(p.role, p.part)}
-    return lora.report(model, fused)
+    # PEFT's wrappers of 3-D parameters: in the expert path where its patch is active
+    return {**lora.report(model, fused), **experts.report(model, _on_experts_path if "mlp_peft" in _active else None)}
 
 
 def get_patched_ops() -> List[str]:
