@@ -218,3 +218,14 @@ def test_lora_modules_reports_the_expert_adapters():
     assert all(report[n].startswith("around Qwen3MoeTopKRouter") for n in wrapped if n.endswith("mlp.gate"))
     bastile.reset(EXPERTS_PATCHES)
     assert all(bastile.lora_modules(model)[n].startswith("PEFT's ParamWrapper") for n in wrapped)
+
+
+def test_expert_parallelism_is_refused_before_patching():
+    """transformers' expert parallelism sends a rank's pairs of other ranks' experts to a sentinel expert, which the
+    expert path has no rows for: refused before anything is patched."""
+    from transformers import DistributedConfig
+    model = mini("qwen3_moe", "cpu", torch.float32)
+    model.config.distributed_config = DistributedConfig(enable_expert_parallel=True)
+    with pytest.raises(bastile.families.Unsupported, match="expert parallelism"):
+        bastile.apply(model=model)
+    assert bastile.get_patched_ops() == []

@@ -398,6 +398,9 @@ def _check_quantization(family: Family, quantizer) -> None:
 
 def _check_config(family: Family, config) -> None:
     from transformers import PretrainedConfig
+    if family.mlp.experts and getattr(getattr(config, "distributed_config", None), "enable_expert_parallel", False):
+        raise Unsupported(f"bastile: {family.model_type} with expert parallelism (distributed_config."
+                          "enable_expert_parallel): Bastile's expert path runs every expert on each rank")
     keys = set(config.to_dict()) - set(PretrainedConfig().to_dict())
     read = reads(family.module)
     if family.multimodal and config.model_type == family.multimodal.model_type:
