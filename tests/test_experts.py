@@ -225,7 +225,9 @@ def test_expert_parallelism_is_refused_before_patching():
     expert path has no rows for: refused before anything is patched."""
     from transformers import DistributedConfig
     model = mini("qwen3_moe", "cpu", torch.float32)
-    model.config.distributed_config = DistributedConfig(enable_expert_parallel=True)
+    config = DistributedConfig()  # EP needs several ranks (transformers 5.23: ep_size > 1), which sets this
+    config.enable_expert_parallel = True
+    model.config.distributed_config = config
     with pytest.raises(bastile.families.Unsupported, match="expert parallelism"):
         bastile.apply(model=model)
     assert bastile.get_patched_ops() == []
