@@ -104,13 +104,17 @@ def _forward(x, groups: Groups, p: Projection, scale: float):
     return y, xa
 
 
-def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need):
-    """The gradients of _forward's y for dy: (dx, dw, dbias, da, db), `need` saying which of w, bias, a, b."""
+def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows=None):
+    """The gradients of _forward's y for the pairs' dy, each scaled by `rows` (None: 1): (dx, dw, dbias, da, db),
+    `need` saying which of w, bias, a, b. dx is that of the unscaled dy."""
     need_w, need_bias, need_a, need_b = need
     t = scale * grouped_mm(dy, p.b.transpose(-2, -1), groups.offsets) if p.a is not None else None
     dx = grouped_mm(dy, p.w.transpose(-2, -1), groups.offsets)
     if t is not None:
         dx = dx + grouped_mm(t, p.a.transpose(-2, -1), groups.offsets)
+    if rows is not None:
+        dy = (dy * rows[:, None]).to(dy.dtype)
+        t = t * rows[:, None].to(t.dtype) if t is not None else None
     dw = grouped_wgrad(x, dy, groups.offsets).to(p.w.dtype) if need_w else None
     dbias = (torch.zeros(p.bias.shape, dtype=torch.float32, device=dy.device).index_add_(0, groups.expert, dy.float())
              .to(p.bias.dtype) if need_bias else None)
@@ -149,21 +153,13 @@ class _Experts(torch.autograd.Function):
         with torch.enable_grad():
             g = gate_up.detach().requires_grad_()
             h = ctx.gate(g)
-        # down: with u = dpair (W2 + s2 A2 B2)^T, dh = w u and dw = <u, h> (+ <dpair, bias2>)
+        # down, for the pairs' dpair weighted by w: with u = dpair (W2 + s2 A2 B2)^T, dh = w u and the weights'
+        # gradient <u, h> (+ <dpair, bias2>)
         dpair = grad[token].to(p2.w.dtype)
-        t = s2 * grouped_mm(dpair, p2.b.transpose(-2, -1), offsets) if p2.a is not None else None
-        u = grouped_mm(dpair, p2.w.transpose(-2, -1), offsets)
-        if t is not None:
-            u = u + grouped_mm(t, p2.a.transpose(-2, -1), offsets)
+        u, dw2, dbias2, da2, db2 = _backward(dpair, h.detach(), ha, groups, p2, s2, needs[12:16], rows=w)
         dweight = (u.float() * h.detach().float()).sum(-1)
         if p2.bias is not None:
             dweight = dweight + (dpair.float() * p2.bias[expert].float()).sum(-1)
-        dout = (dpair * w[:, None]).to(dpair.dtype)
-        dw2 = grouped_wgrad(h.detach(), dout, offsets).to(p2.w.dtype) if needs[12] else None
-        dbias2 = (torch.zeros(p2.bias.shape, dtype=torch.float32, device=grad.device)
-                  .index_add_(0, expert, dout.float()).to(p2.bias.dtype) if needs[13] else None)
-        da2 = grouped_wgrad(h.detach(), t * w[:, None].to(t.dtype), offsets).to(p2.a.dtype) if needs[14] else None
-        db2 = (s2 * grouped_wgrad(ha, dout, offsets)).to(p2.b.dtype) if needs[15] else None
         (dgate_up,) = torch.autograd.grad(h, g, (u * w[:, None]).to(h.dtype))
         # gate/up, from the pairs' rows of x made again
         x = hidden[token].to(p1.w.dtype)
