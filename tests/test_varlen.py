@@ -13,7 +13,7 @@ import torch
 from transformers.masking_utils import find_packed_sequence_indices
 
 import bastile
-from bastile import varlen
+from bastile import sinks, varlen
 from conftest import needs_cuda
 from bastile.families import FAMILIES as TRAITS
 from test_families import COMMON, assert_grad_close, exact_delta_rule, mini
@@ -109,7 +109,7 @@ VARIANTS = {
     "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     # no router loss: over a packed row it is not the count-weighted sum of the sequences' own
     "qwen3_moe": ("qwen3_moe", dict(output_router_logits=False)),
-    # attention sinks: HF's eager attention with masks made by Bastile (not varlen); HF's own are wrong
+    # attention sinks: Bastile's sink attention over the packed stream (sinks.py); HF's masks attend across it
     "gpt_oss": ("gpt_oss", dict(output_router_logits=False)),
     "mixtral_window": ("mixtral", dict(output_router_logits=False, sliding_window=4)),
     "phi3_window": ("phi3", dict(resid_pdrop=0.0, sliding_window=4)),  # dropout: other masks in each run
@@ -129,8 +129,8 @@ VARIANTS = {
     "qwen3_5": ("qwen3_5_text", {}),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(output_router_logits=False)),
 }
-# Variants whose attention has no varlen kernel (sinks, a softcap), and those where some layers have none.
-MASKED = {"gpt_oss", "gemma2_softcap"}
+# Variants whose attention has no varlen kernel (a softcap), and those where some layers have none.
+MASKED = {"gemma2_softcap"}
 VARLEN_LAYERS = {"gemma4_wide": 2, "qwen3_5": 1, "qwen3_5_moe": 1}
 MAX_HEAD_DIM = {"gemma4_wide": 8}
 
@@ -159,14 +159,14 @@ def _exact(family, monkeypatch):
         monkeypatch.setattr(sys.modules[TRAITS[family].module], "torch_chunk_gated_delta_rule", exact_delta_rule)
 
 
-def _counting(monkeypatch, name):
+def _counting(monkeypatch, name, module=varlen):
     calls = []
-    original = getattr(varlen, name)
+    original = getattr(module, name)
 
     def spy(*args, **kwargs):
         calls.append(name)
         return original(*args, **kwargs)
-    monkeypatch.setattr(varlen, name, spy)
+    monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -179,7 +179,8 @@ def test_packed_row_matches_masked_path_and_sequences_alone(variant, use_cache, 
     gradients of HF's masked path and of its sequences run one by one, whether its bounds come from the
     collator (no host read) or from the restarting positions, and whether or not the caller passed
     use_cache=False (HF makes a cache by default, and with one attends across the row). The varlen kernel
-    runs in every patched attention layer, where the family's attention is Bastile's."""
+    (GPT-OSS: the sink attention) runs in every patched attention layer, where the family's attention is
+    Bastile's."""
     family, overrides = VARIANTS[variant]
     ref = mini(family, "cpu", torch.float32, **overrides).train(training)
     model = copy.deepcopy(ref)
@@ -188,7 +189,7 @@ def test_packed_row_matches_masked_path_and_sequences_alone(variant, use_cache, 
     seqs, batch = _packed_inputs((7, 12, 5, 9))
     if not given:
         batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
-    attention_calls = _counting(monkeypatch, "attention")
+    attention_calls = _counting(monkeypatch, "attention", sinks if TRAITS[family].attention.sinks else varlen)
     reads = _counting(monkeypatch, "sequences")
     loss = model(**batch, use_cache=use_cache).loss
     grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -389,7 +390,8 @@ def test_packed_step_compiles_cuda():
 def test_decoder_called_directly_on_a_packed_row(family, monkeypatch):
     """TRL's fused head calls the decoder (model.model) itself, with the collator's kwargs: each sequence's
     hidden states are those it has alone, and a decoder that takes prepared masks makes none of HF's (Qwen3:
-    the varlen path; GPT-OSS: Bastile's, made with the positions). HF's own GPT-OSS decoder attends across the row's sequences (its masks ignore positions)."""
+    the varlen path; GPT-OSS: its sink attention). HF's own GPT-OSS decoder attends across the row's sequences
+    (its masks ignore positions)."""
     ref = mini(family, "cpu", torch.float32, **({"output_router_logits": False} if family == "gpt_oss" else {}))
     model = copy.deepcopy(ref)
     bastile.apply(model=model)

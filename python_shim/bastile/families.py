@@ -77,7 +77,7 @@ class Attention:
     qk_norm: QkNorm = QkNorm.NONE
     window: Window = Window.NONE
     query_scale: bool = False           # Ministral 3: q *= 1 + beta * log(1 + floor(position / original max))
-    sinks: bool = False                 # GPT-OSS: learned sinks, HF's eager attention only
+    sinks: bool = False                 # GPT-OSS: a learned sink logit per head (sinks.py)
     softcap: bool = False               # Gemma 2: the module's attn_logit_softcapping goes to HF's attention
     # Gemma 4's K/V: v through the module's v_norm; a module without v_proj takes k's projection as v
     # (attention_k_eq_v); a module whose is_kv_shared_layer is set takes k and v from shared_kv_states, where

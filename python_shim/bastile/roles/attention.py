@@ -8,7 +8,8 @@ The forward is `project_out(gate(attend(scale_queries(states(x)))))`, each a sta
   family's layout (none on NoPE layers), the cache update; Gemma 4's K/V sharing is its own (gemma4.py);
 - scale_queries: Ministral 3's position-dependent scale (ministral3.py);
 - attend: the varlen kernel on packed batches (varlen.py), else HF's attention interface with the family's
-  sliding window and its extras (GPT-OSS's sinks, Gemma 2's softcap);
+  sliding window and its extras (Gemma 2's softcap); GPT-OSS's sink attention (sinks.py) on every uncached
+  call, packed or not, where no dropout runs;
 - gate: the output times the sigmoid of q_proj's gate (Qwen3.5).
 """
 from typing import Callable, NamedTuple
@@ -16,7 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .. import lora, varlen
+from .. import lora, sinks, varlen
 from ..families import Family, Layout, QkNorm, Window
 from ..ops.qk_norm_rope import qk_norm_rope
 from ..ops.rms_norm import rms_norm
@@ -148,8 +149,8 @@ def no_extras(self) -> dict:
     return {}
 
 
-def sinks(self) -> dict:
-    """GPT-OSS: its learned sinks, to HF's eager attention."""
+def sink_logits(self) -> dict:
+    """GPT-OSS: its learned sinks, to HF's eager attention (generation, dropout)."""
     return {"s_aux": self.sinks}
 
 
@@ -164,12 +165,10 @@ WINDOWS = {Window.NONE: lambda self: None, Window.CONFIG: lambda self: self.conf
 
 def varlen_rule(family: Family) -> Callable:
     """Whether Bastile's attention, in an attention module of the family, takes a packed batch (without a cache)
-    to the varlen kernel: the family has no sinks, the module no softcap, no dropout in training, and heads the
-    kernel takes (varlen.MAX_HEAD_DIM). The one rule: the decoder drops HF's masks only where it holds for every
-    layer of a layer type (decoder.py)."""
+    itself (the varlen kernel; the sink attention, which takes unpacked rows too): the module has no softcap,
+    no dropout in training, and heads the kernel takes (varlen.MAX_HEAD_DIM). The one rule: the decoder drops
+    HF's masks only where it holds for every layer of a layer type (decoder.py)."""
     a = family.attention
-    if a.sinks:
-        return lambda attention: False
 
     def takes(attention) -> bool:
         return (not (a.softcap and attention.attn_logit_softcapping is not None)
@@ -178,10 +177,23 @@ def varlen_rule(family: Family) -> Callable:
     return takes
 
 
-def attention_of(family: Family) -> Callable:
+def hf_attention(family: Family) -> Callable:
+    """HF's attention interface, as the module's HF forward calls it."""
     a = family.attention
-    window, takes_varlen = WINDOWS[a.window], varlen_rule(family)
-    extras = sinks if a.sinks else softcap if a.softcap else no_extras
+    window = WINDOWS[a.window]
+    extras = sink_logits if a.sinks else softcap if a.softcap else no_extras
+
+    def attend(self, q, k, v, mask, cache, shape, kwargs):
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                          hf_attr(family, "eager_attention_forward"))
+        out, weights = interface(self, q, k, v, mask, dropout=self.attention_dropout if self.training else 0.0,
+                                 scaling=self.scaling, sliding_window=window(self), **extras(self), **kwargs)
+        return out.reshape(*shape, -1).contiguous(), weights
+    return attend
+
+
+def attention_of(family: Family) -> Callable:
+    window, takes_varlen, hf = WINDOWS[family.attention.window], varlen_rule(family), hf_attention(family)
 
     def attend(self, q, k, v, mask, cache, shape, kwargs):
         if cache is None and kwargs.get("cu_seq_lens_q") is not None and takes_varlen(self):
@@ -190,11 +202,22 @@ def attention_of(family: Family) -> Callable:
             out = varlen.attention(*tokens, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], self.scaling,
                                    window(self))
             return out.view(*shape, -1), None
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                          hf_attr(family, "eager_attention_forward"))
-        out, weights = interface(self, q, k, v, mask, dropout=self.attention_dropout if self.training else 0.0,
-                                 scaling=self.scaling, sliding_window=window(self), **extras(self), **kwargs)
-        return out.reshape(*shape, -1).contiguous(), weights
+        return hf(self, q, k, v, mask, cache, shape, kwargs)
+    return attend
+
+
+def sink_attention_of(family: Family) -> Callable:
+    """GPT-OSS: the sink attention on uncached calls that varlen_rule takes (a packed batch's sequences apart,
+    HF's mask, where the decoder made one, unused), HF's eager interface on the others (the cache, dropout)."""
+    window, takes, hf = WINDOWS[family.attention.window], varlen_rule(family), hf_attention(family)
+
+    def attend(self, q, k, v, mask, cache, shape, kwargs):
+        if cache is not None or not takes(self):
+            return hf(self, q, k, v, mask, cache, shape, kwargs)
+        cu = kwargs.get("cu_seq_lens_q")
+        out = sinks.attention(*(t.transpose(1, 2) for t in (q, k, v)), self.sinks, self.scaling, window(self),
+                              None if cu is not None else mask, cu, kwargs.get("max_length_q"))
+        return out.reshape(*shape, -1), None
     return attend
 
 
@@ -211,8 +234,9 @@ class Stages(NamedTuple):
 def stages(family: Family) -> Stages:
     a = family.attention
     states = gemma4.attention_states(norm_rotation(family)) if a.shared_kv else states_of(family)
-    return Stages(states, ministral3.scale_queries(family) if a.query_scale else no_query_scale,
-                  attention_of(family), gated if a.output_gate else ungated)
+    attend = sink_attention_of(family) if a.sinks else attention_of(family)
+    return Stages(states, ministral3.scale_queries(family) if a.query_scale else no_query_scale, attend,
+                  gated if a.output_gate else ungated)
 
 
 def attention_forward(s: Stages) -> Callable:

@@ -264,24 +264,38 @@ def masks(ctx: Context) -> Callable:
       collator did not give them;
     - a decoder that takes prepared masks gets none for the layer types that run varlen (Bastile's attention
       ignores HF's) and HF's, made with the position ids, for the others. GPT-OSS's makes them without, so that
-      its packed rows attend across their sequences."""
+      its packed rows attend across their sequences.
+
+    Where Bastile's sink attention runs every layer (GPT-OSS, `masks_itself`), it applies causality and each
+    layer's window itself: the decoder gets no masks unless a row is padded (a 2-D mask of ones is dropped, one
+    host read as HF's SDPA check makes)."""
     positions, takes_varlen = text_positions(ctx.family), varlen_rule(ctx.family)
     typed = "layer_types" in ctx.family.config
+    sinks = ctx.family.attention.sinks
 
     def prepare(decoder, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs):
         config = decoder.config
         layer_types = config.layer_types if typed else None
-        if attention_mask is not None or past_key_values is not None or use_cache:
+        if past_key_values is not None or use_cache:
+            return attention_mask, input_ids, inputs_embeds, kwargs
+        direct = _varlen_types(ctx, takes_varlen, decoder, layer_types)
+        masks_itself = sinks and typed and direct == set(layer_types)
+        if masks_itself and isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 \
+                and bool(attention_mask.all()):
+            attention_mask = None
+        if attention_mask is not None:
             return attention_mask, input_ids, inputs_embeds, kwargs
         position_ids = positions(position_ids)
         if position_ids is None:
-            if config._attn_implementation == "sdpa" and layer_types and set(layer_types) <= _UNMASKED:
+            if masks_itself or (config._attn_implementation == "sdpa" and layer_types
+                                and set(layer_types) <= _UNMASKED):
                 attention_mask = dict.fromkeys(layer_types)
             return attention_mask, input_ids, inputs_embeds, kwargs
-        direct = _varlen_types(ctx, takes_varlen, decoder, layer_types)
         if direct and kwargs.get("cu_seq_lens_q") is None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
+        if masks_itself:
+            return dict.fromkeys(layer_types), input_ids, inputs_embeds, kwargs
         if not layer_types or (direct and kwargs.get("cu_seq_lens_q") is None):  # not packed after all
             return attention_mask, input_ids, inputs_embeds, kwargs
         embeds = inputs_embeds
