@@ -10,7 +10,7 @@ the same model on the same tokens, each mode in its own process.
     python benches/bench_families.py --models llama3-8b --seq 131072 --checkpoint --modes bastile,bastile-offload
 
 Models (MODELS): random init from the published configs (sizes, vocabularies, rotary and window settings,
-multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention. A model that fits one H100
+multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention (GPT-OSS: eager, HF's only). A model that fits one H100
 for a full fine-tune trains all its weights (fused AdamW, lr 1e-5); the others train PEFT LoRA r=16 (alpha
 32, no dropout, adapters in PEFT's fp32) on every linear projection of the attention and dense MLP (the MoE
 families' attention only; the entries of all-linear also the experts' 3-D parameters and the router), AdamW over
@@ -69,6 +69,10 @@ MODELS = {
                            ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
     "qwen3-30b-a3b-8l": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                          ("Qwen--Qwen3-30B-A3B", dict(num_hidden_layers=8)), None, 4096, 1),
+    # gpt-oss-20b (24 layers, sliding and full alternating, 64 heads with sinks, 32 experts, 4 a token) in bf16
+    # (the published MXFP4 weights are a format for inference), LoRA on the attention
+    "gpt-oss-20b": ("gpt_oss", "GptOssConfig", "GptOssForCausalLM", "openai--gpt-oss-20b",
+                    ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
     "phi3-mini": ("phi3", "Phi3Config", "Phi3ForCausalLM",
                   dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096, sliding_window=2047,
@@ -145,6 +149,9 @@ MODELS = {
                        ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
 }
 
+# HF builds GPT-OSS with eager attention only (its sinks: SDPA refused), in every mode.
+ATTENTION = {"gpt_oss": "eager"}
+
 # --smoke: each model at a tiny width, on the CPU.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, head_dim=16, moe_intermediate_size=32, num_kv_shared_layers=2, pad_token_id=0, bos_token_id=1,
@@ -167,7 +174,8 @@ def build(mode, name, device, smoke, checkpoint):
         config = MODELS[config][3]
     folder, overrides = config if isinstance(config, tuple) else (config, {})
     if isinstance(folder, str):
-        config = {k: v for k, v in published(folder).items() if k not in ("model_type", "transformers_version")}
+        config = {k: v for k, v in published(folder).items()
+                  if k not in ("model_type", "transformers_version", "quantization_config")}
     config = {**config, **overrides}
     if smoke:
         config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
@@ -176,7 +184,8 @@ def build(mode, name, device, smoke, checkpoint):
     cfg = cfg_cls(**{**config, "use_cache": False})
     torch.manual_seed(0)
     with torch.device(device):
-        net = getattr(transformers, model_cls)._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        net = getattr(transformers, model_cls)._from_config(cfg, dtype=torch.bfloat16,
+                                                            attn_implementation=ATTENTION.get(model_type, "sdpa"))
     if checkpoint:
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if targets:
