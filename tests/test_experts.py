@@ -19,7 +19,7 @@ from conftest import EXPERTS_PATCHES, needs_cuda, rel_err
 from test_families import Dispatched, adam_steps, assert_grad_close, exact_grads, mini
 from test_qwen3_training import batches
 
-FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text"]
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe"]
 # Gemma 4's mini has no experts (test_families.py); here its MoE model: experts beside each dense MLP
 OVERRIDES = {"gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)}
 EXPERT_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,

@@ -76,6 +76,12 @@ CONFIGS = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM",
              dict(intermediate_size=256, num_hidden_layers=3, head_dim=32, attention_bias=True,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, **IDS)),
+    # GLM-4.5's MoE: layer 0 dense, then a sigmoid router over 2 groups of 4 experts (top group 1, a correction
+    # bias), 2 routed experts scaled by 2.5 and a shared expert; q/k norms per head, half of each head rotated
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(intermediate_size=256, num_hidden_layers=3, head_dim=32, attention_bias=True, use_qk_norm=True,
+                      moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                      routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, **IDS)),
     # (1 + w) norms, GELU-tanh MLPs, embeddings scaled by sqrt(hidden)
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=256, head_dim=32, **IDS)),
     # sandwich norms, sliding and full layers, attention and final-logit softcaps (HF applies the attention's
@@ -110,7 +116,8 @@ CONFIGS = {
                               **DELTA_NET, **IDS)),
 }
 FAMILIES = list(CONFIGS)
-NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "glm4", "gemma", "gemma2", "gemma3_text",
+NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "glm4", "glm4_moe", "gemma", "gemma2",
+       "gemma3_text",
        "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text"]
 # Qwen3's own training tests use a larger model (test_qwen3_training.py); this one is for the other tests.
 MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}

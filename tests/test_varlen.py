@@ -116,7 +116,7 @@ VARIANTS = {
     "smollm3_window": ("smollm3", dict(sliding_window=4)),
     "ministral3_window": ("ministral3", dict(sliding_window=4)),
     "olmo3_window": ("olmo3", dict(sliding_window=4)),
-    **{family: (family, {}) for family in ("granite", "olmo2", "glm4", "gemma")},
+    **{family: (family, {}) for family in ("granite", "olmo2", "glm4", "glm4_moe", "gemma")},
     "gemma3_window": ("gemma3_text", dict(sliding_window=4)),
     # attention softcap: HF's attention with masks made by Bastile (not varlen), HF's own correct
     "gemma2_softcap": ("gemma2", dict(sliding_window=4)),

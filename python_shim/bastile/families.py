@@ -75,6 +75,7 @@ class Rotary:
 class Attention:
     fused_qkv: bool = False             # one qkv_proj (Phi-3) instead of q_proj, k_proj, v_proj
     qk_norm: QkNorm = QkNorm.NONE
+    qk_norm_flag: Optional[str] = None  # the module's boolean attribute saying whether it has them (GLM-4.5's)
     window: Window = Window.NONE
     query_scale: bool = False           # Ministral 3: q *= 1 + beta * log(1 + floor(position / original max))
     sinks: bool = False                 # GPT-OSS: a learned sink logit per head (sinks.py)
@@ -281,6 +282,15 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     _family("olmo3", "Olmo3", {"attention_bias"} | _PER_LAYER, norm=Norm.WEIGHT_THEN_CAST,
             attention=Attention(qk_norm=QkNorm.FULL_WIDTH, window=Window.LAYER), rotary=Rotary(cast_back=True),
             residual=POST_NORM),
+    # GLM-4.5/4.6/4.7's MoE: HF's sigmoid router (a correction bias, group-limited top-k, routed scaling), a
+    # shared expert (a <prefix>MLP) beside the routed ones, the first first_k_dense_replace layers dense; half
+    # of each head rotated (half-split), per-head q/k norms where use_qk_norm (GLM-4.5, not Air).
+    _family("glm4_moe", "Glm4Moe",
+            {"attention_bias", "first_k_dense_replace", "moe_intermediate_size", "n_group", "n_routed_experts",
+             "n_shared_experts", "norm_topk_prob", "partial_rotary_factor", "routed_scaling_factor", "topk_group",
+             "use_qk_norm"} | _MOE,
+            attention=Attention(qk_norm=QkNorm.PER_HEAD, qk_norm_flag="use_qk_norm"), rotary=Rotary(partial=True),
+            mlp=Mlp(experts="swiglu")),
     # partial_rotary_factor is read from rope_parameters (the top-level key is its legacy spelling).
     _family("glm4", "Glm4", {"attention_bias", "partial_rotary_factor"},
             rotary=Rotary(layout=Layout.INTERLEAVED, partial=True),

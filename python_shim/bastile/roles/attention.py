@@ -94,19 +94,20 @@ def norm_rotation(family: Family) -> Callable:
     a, r = family.attention, family.rotary
     args, rotate = norm.ARGS[family.norm], rotation(family)
     rotates = always if r.layer_flag is None else (lambda self: getattr(self, r.layer_flag))
+    normed = always if a.qk_norm_flag is None else (lambda self: getattr(self, a.qk_norm_flag))
     per_head = a.qk_norm is QkNorm.PER_HEAD
     fuse = per_head and r.layout is Layout.HALF_SPLIT and not r.partial and not r.cast_back
 
     def norm_rotate(self, q, k, position_embeddings):
         cos, sin = position_embeddings
         k_in = q[:, :, :0] if k is None else k
-        if fuse and rotates(self):
+        if fuse and rotates(self) and normed(self):
             qw, eps, cast_after_weight, offset = args(self.q_norm, q)
             kw, k_eps = (qw, eps) if k is None else args(self.k_norm, k)[:2]
             if eps == k_eps:
                 q, k_out = qk_norm_rope(q, k_in, qw, kw, cos, sin, eps, cast_after_weight, offset)
                 return q.transpose(1, 2), k_out.transpose(1, 2)
-        if per_head:  # a layer that takes k from an earlier one has no k_norm
+        if per_head and normed(self):  # a layer that takes k from an earlier one has no k_norm
             q, k_in = self.q_norm(q), k_in if k is None else self.k_norm(k_in)
         q, k_in = q.transpose(1, 2), k_in.transpose(1, 2)
         return rotate(q, k_in, cos, sin) if rotates(self) else (q, k_in)
