@@ -69,6 +69,13 @@ MODELS = {
                            ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
     "qwen3-30b-a3b-8l": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                          ("Qwen--Qwen3-30B-A3B", dict(num_hidden_layers=8)), None, 4096, 1),
+    # GLM-4.5-Air's first 8 of 46 layers (one dense, then 128 experts, 8 a token, beside a shared expert):
+    # LoRA on the attention, or all-linear (the experts' 3-D parameters and the shared expert included)
+    "glm4.5-air-8l": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
+                      ("zai-org--GLM-4.5-Air", dict(num_hidden_layers=8)), ["q_proj", "k_proj", "v_proj", "o_proj"],
+                      4096, 1),
+    "glm4.5-air-8l-experts": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4.5-air-8l", "all-linear",
+                              4096, 1),
     # gpt-oss-20b (24 layers, sliding and full alternating, 64 heads with sinks, 32 experts, 4 a token) in bf16
     # (the published MXFP4 weights are a format for inference), LoRA on the attention
     "gpt-oss-20b": ("gpt_oss", "GptOssConfig", "GptOssForCausalLM", "openai--gpt-oss-20b",
