@@ -527,6 +527,21 @@ def qwen3_5_multimodal(family, seed=0):
     return getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).train()
 
 
+def mistral3_multimodal(seed=0):
+    """Mistral3ForConditionalGeneration with the ministral3 mini as its language model and a one-layer Pixtral
+    tower: a 16x16 image is 4x4 patches of 4x4 pixels, merged 2x2 to 4 image tokens (id IMAGE)."""
+    _, _, text = MINI["ministral3"]
+    torch.manual_seed(seed)
+    cfg = transformers.Mistral3Config(
+        text_config=transformers.Ministral3Config(**{**COMMON, **text}),
+        vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=2, head_dim=16, patch_size=4,
+                                                       image_size=16),
+        image_token_index=IMAGE, spatial_merge_size=2)
+    cfg.text_config._attn_implementation = cfg._attn_implementation = "sdpa"
+    return transformers.Mistral3ForConditionalGeneration(cfg).train()
+
+
 IMAGE = 600  # above the ids batches() draws
 # model type -> (its mini, its language model's family, the first-step gradients' tolerance, its vision tower).
 # Gemma 4's text mini (attention scaled by 1) amplifies fp32 rounding into the vision tower's gradients: HF's
@@ -536,7 +551,8 @@ MULTIMODAL = {"gemma3": (gemma3_multimodal, "gemma3_text", 1e-5, "model.vision_t
               "gemma4": (gemma4_multimodal, "gemma4_text", 3e-5, "model.vision_tower"),
               "qwen3_5": (lambda: qwen3_5_multimodal("qwen3_5_text"), "qwen3_5_text", 1e-5, "model.visual"),
               "qwen3_5_moe": (lambda: qwen3_5_multimodal("qwen3_5_moe_text"), "qwen3_5_moe_text", 1e-5,
-                              "model.visual")}
+                              "model.visual"),
+              "mistral3": (mistral3_multimodal, "ministral3", 1e-5, "model.vision_tower")}
 
 
 def multimodal_batch(model_type: str, image: bool):
@@ -549,6 +565,8 @@ def multimodal_batch(model_type: str, image: bool):
         pixels = torch.Generator().manual_seed(4)
         if model_type == "gemma3":
             inputs.update(token_type_ids=types, pixel_values=torch.randn(1, 3, 28, 28, generator=pixels))
+        elif model_type == "mistral3":
+            inputs.update(pixel_values=torch.randn(1, 3, 16, 16, generator=pixels), image_sizes=torch.tensor([[16, 16]]))
         elif model_type.startswith("qwen3_5"):  # the processor's patches: [patches, 3 * 2 * 4 * 4], a 4x4 grid
             inputs.update(mm_token_type_ids=types, pixel_values=torch.randn(16, 96, generator=pixels),
                           image_grid_thw=torch.tensor([[1, 4, 4]]))
@@ -563,7 +581,7 @@ def multimodal_batch(model_type: str, image: bool):
 @pytest.mark.parametrize("image", [False, True])
 @pytest.mark.parametrize("model_type", list(MULTIMODAL))
 def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
-    """The language model of Gemma 3's, Gemma 4's and Qwen3.5's multimodal models runs Bastile's forwards and
+    """The language model of Gemma 3's, Gemma 4's, Qwen3.5's and Mistral 3's multimodal models runs Bastile's forwards and
     head; the vision tower is HF's. Text-only and image+text batches: the losses of 6 AdamW steps and every first-step
     gradient (the vision tower's and projector's included) as HF's."""
     build, family, tolerance, tower = MULTIMODAL[model_type]
@@ -585,6 +603,21 @@ def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
     # elements carry the summation-order noise of the large ones.
     for name, g in ref_grads.items():
         assert rel_err(grads[name], exact.get(name, g)) < (1e-4 if name in exact else tolerance), name
+
+
+def test_a_wrapper_of_another_language_model_is_refused():
+    """Mistral 3's wrapper holding a mistral decoder (Mistral Small 3.x) where Bastile's holds Ministral 3's:
+    refused, naming both, before anything is patched."""
+    _, _, text = MINI["mistral"]
+    cfg = transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(**{**COMMON, **text}),
+        vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=2, head_dim=16, patch_size=4,
+                                                       image_size=16))
+    with pytest.raises(Unsupported, match="mistral3 with a 'mistral' language model is not supported; Bastile's "
+                                          "mistral3 holds ministral3: nothing was patched"):
+        bastile.apply(model=transformers.Mistral3ForConditionalGeneration(cfg))
+    assert bastile.get_patched_ops() == []
 
 
 @pytest.mark.parametrize("model_type", list(MULTIMODAL))

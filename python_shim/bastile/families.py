@@ -154,10 +154,20 @@ class Multimodal:
     config: FrozenSet[str]              # its config keys, beyond PretrainedConfig's
     inputs: Tuple[str, ...]             # what its forward takes beyond a causal LM's, for its inner model
     head: str = "ForConditionalGeneration"
-    # The head's output class: the first of these names (`{prefix}`: the family's) its modeling module has.
+    # The head's output class: the first of these names (`{prefix}`: the wrapper's) its modeling module has.
     # Transformers 5.17 has Qwen3.5's own subclasses (their rope_deltas), 5.23 returns HF's classes.
     output: Tuple[str, ...] = ("{prefix}CausalLMOutputWithPast",)
     softcap: bool = False               # its head softcaps the logits as the family's (Head.softcap, text config)
+    labels: bool = True                 # its inner model takes the labels (Gemma 3's masks read them)
+    # Its modeling module's name and its classes' prefix, where they are not the family's (Mistral 3's wrapper
+    # of Ministral 3, in modeling_mistral3)
+    module: Optional[str] = None
+    prefix: Optional[str] = None
+
+
+def modeling(module: str) -> str:
+    """transformers' modeling module of a model folder's name."""
+    return f"transformers.models.{module}.modeling_{module}"
 
 
 # Config keys every supported family's traits cover (beyond PretrainedConfig's own): head_dim through getattr
@@ -211,8 +221,7 @@ LAYER_PARTS = frozenset({"Attention", "MLP", "DecoderLayer", "Experts"})
 
 
 def _family(model_type: str, prefix: str, config, module: Optional[str] = None, **traits) -> Family:
-    module = module or model_type
-    return Family(model_type, f"transformers.models.{module}.modeling_{module}", prefix, frozenset(config), **traits)
+    return Family(model_type, modeling(module or model_type), prefix, frozenset(config), **traits)
 
 
 # Gemma 2 and 3: sliding and global layers (their RoPE bases per layer type in rope_parameters), sandwich norms,
@@ -275,8 +284,15 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             {"attention_bias", "attention_multiplier", "embedding_multiplier", "logits_scaling", "mlp_bias",
              "residual_multiplier"},
             residual=Residual(multiplier="residual_multiplier"), head=Head(logit_divisor="logits_scaling")),
+    # Mistral3ForConditionalGeneration (model type mistral3) holds the Ministral 3 checkpoints' decoder (that of
+    # Mistral Small 3.x's, a mistral one, is refused: one wrapper class, two families, is not declared yet).
     _family("ministral3", "Ministral3", {"sliding_window"},
-            attention=Attention(window=Window.CONFIG, query_scale=True)),
+            attention=Attention(window=Window.CONFIG, query_scale=True),
+            multimodal=Multimodal("mistral3", frozenset({"image_token_index", "multimodal_projector_bias",
+                                                         "projector_hidden_act", "spatial_merge_size", "text_config",
+                                                         "vision_config", "vision_feature_layer"}),
+                                  inputs=("pixel_values", "image_sizes", "vision_feature_layer"), labels=False,
+                                  module="mistral3", prefix="Mistral3")),
     _family("olmo2", "Olmo2", {"attention_bias"}, norm=Norm.WEIGHT_THEN_CAST,
             attention=Attention(qk_norm=QkNorm.FULL_WIDTH), rotary=Rotary(cast_back=True), residual=POST_NORM),
     _family("olmo3", "Olmo3", {"attention_bias"} | _PER_LAYER, norm=Norm.WEIGHT_THEN_CAST,
@@ -358,11 +374,16 @@ class Unsupported(ValueError):
 def family_of(model) -> Family:
     """The family of an HF model (by config.model_type; a multimodal one's is its language model's), or
     Unsupported."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type) or MULTIMODAL.get(model_type)
     if family is None:
         raise Unsupported(f"bastile: model type {model_type!r} is not supported; "
                           f"supported: {', '.join(sorted([*FAMILIES, *MULTIMODAL]))}")
+    text = config.get_text_config().model_type if model_type in MULTIMODAL else model_type
+    if text != family.model_type:
+        raise Unsupported(f"bastile: {model_type} with a {text!r} language model is not supported; Bastile's "
+                          f"{model_type} holds {family.model_type}")
     return family
 
 
@@ -413,8 +434,9 @@ def _check_config(family: Family, config) -> None:
                           "enable_expert_parallel): Bastile's expert path runs every expert on each rank")
     keys = set(config.to_dict()) - set(PretrainedConfig().to_dict())
     read = reads(family.module)
-    if family.multimodal and config.model_type == family.multimodal.model_type:
-        unknown = sorted((keys - family.multimodal.config) & read)
+    mm = family.multimodal
+    if mm and config.model_type == mm.model_type:
+        unknown = sorted((keys - mm.config) & (reads(modeling(mm.module)) if mm.module else read))
         if unknown:
             raise Unsupported(f"bastile: config of {config.model_type} has {unknown}, which its transformers modeling "
                               f"code reads and Bastile's {family.model_type} traits do not declare")

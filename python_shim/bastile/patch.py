@@ -79,9 +79,9 @@ def _runs(family: str) -> Callable[..., bool]:
 
 
 def _parts(family: Family) -> List[str]:
-    """The family's classes (by part name) that its forwards replace or call into."""
+    """The family's classes (by part name) that its forwards replace or call into, in its modeling module."""
     return [part for d in DECLARATIONS[family.model_type].values()
-            for part in (*(t.cls for t in d.targets), *d.reads)]
+            for part in (*(t.cls for t in d.targets if not t.owner), *d.reads)]
 
 
 def check(model) -> Family:
@@ -134,7 +134,8 @@ LIBRARIES = {
 }
 
 PATCHES: List[Patch] = [
-    *(_patch(role, f.model_type, f.module, f.name(t.cls), t)
+    *(_patch(role, f.model_type, t.owner[0], t.owner[1] + t.cls, t) if t.owner else
+      _patch(role, f.model_type, f.module, f.name(t.cls), t)
       for f in FAMILIES.values() for role, d in DECLARATIONS[f.model_type].items() for t in d.targets),
     *(_patch(role, library, module, t.cls, t)
       for library, (module, per_role) in LIBRARIES.items() for role, targets in per_role.items() for t in targets),

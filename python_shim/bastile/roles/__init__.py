@@ -45,6 +45,8 @@ class Target:
     # Where the forward runs the module's PEFT LoRA projections in fused nodes: why it does not for a module
     # (`fused`: it always does); None where it runs none.
     lora: Optional[Callable[[Any], Optional[str]]] = None
+    # (modeling module, class prefix) of `cls`, where not the family's: a multimodal wrapper's own module
+    owner: Optional[Tuple[str, str]] = None
 
 
 @dataclass(frozen=True)

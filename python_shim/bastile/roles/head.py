@@ -13,7 +13,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import lora
-from ..families import Family
+from ..families import Family, modeling
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from . import Context, Declaration, Target, hf_attr, named
 
@@ -172,8 +172,10 @@ def multimodal_lm_forward(ctx: Context) -> Callable:
             if by_config and kwargs.get("output_router_logits") is None:
                 kwargs["output_router_logits"] = self.config.get_text_config().output_router_logits
             inputs = {k: kwargs.pop(k) for k in mm.inputs if k in kwargs}
+            if mm.labels:
+                inputs["labels"] = labels
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                                  use_cache=no_cache_for_a_loss(use_cache, labels), return_dict=True, **inputs,
                                  **kwargs)
             cap = getattr(self.config.get_text_config(), softcap) if mm.softcap else None
@@ -194,8 +196,9 @@ def multimodal_lm_forward(ctx: Context) -> Callable:
 
 def output_class(family: Family):
     """The output class of the family's multimodal head: the first of Multimodal.output in its modeling module."""
-    module = sys.modules[family.module]
-    names = [n.format(prefix=family.prefix) for n in family.multimodal.output]
+    mm = family.multimodal
+    module = sys.modules[modeling(mm.module) if mm.module else family.module]
+    names = [n.format(prefix=mm.prefix or family.prefix) for n in mm.output]
     return getattr(module, next(n for n in names if hasattr(module, n)))
 
 
@@ -214,6 +217,8 @@ def _fused_loss(model, hidden, labels, logit_scale, softcap, num_items_in_batch=
 def declare(ctx: Context) -> Declaration:
     f = ctx.family
     targets = [Target("ForCausalLM", "forward", causal_lm_forward(ctx))]
-    if f.multimodal:
-        targets.append(Target(f.multimodal.head, "forward", multimodal_lm_forward(ctx), wraps=True))
+    mm = f.multimodal
+    if mm:
+        targets.append(Target(mm.head, "forward", multimodal_lm_forward(ctx), wraps=True,
+                              owner=(modeling(mm.module), mm.prefix) if mm.module else None))
     return Declaration(tuple(targets))
