@@ -527,13 +527,14 @@ def qwen3_5_multimodal(family, seed=0):
     return getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).train()
 
 
-def mistral3_multimodal(seed=0):
-    """Mistral3ForConditionalGeneration with the ministral3 mini as its language model and a one-layer Pixtral
-    tower: a 16x16 image is 4x4 patches of 4x4 pixels, merged 2x2 to 4 image tokens (id IMAGE)."""
-    _, _, text = MINI["ministral3"]
+def mistral3_multimodal(family, seed=0):
+    """Mistral3ForConditionalGeneration with the family's mini as its language model (Ministral 3's, or Mistral's
+    as in Mistral Small 3.x) and a one-layer Pixtral tower: a 16x16 image is 4x4 patches of 4x4 pixels, merged 2x2
+    to 4 image tokens (id IMAGE)."""
+    config, _, text = MINI[family]
     torch.manual_seed(seed)
     cfg = transformers.Mistral3Config(
-        text_config=transformers.Ministral3Config(**{**COMMON, **text}),
+        text_config=getattr(transformers, config)(**{**COMMON, **text}),
         vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                        num_attention_heads=2, head_dim=16, patch_size=4,
                                                        image_size=16),
@@ -552,7 +553,8 @@ MULTIMODAL = {"gemma3": (gemma3_multimodal, "gemma3_text", 1e-5, "model.vision_t
               "qwen3_5": (lambda: qwen3_5_multimodal("qwen3_5_text"), "qwen3_5_text", 1e-5, "model.visual"),
               "qwen3_5_moe": (lambda: qwen3_5_multimodal("qwen3_5_moe_text"), "qwen3_5_moe_text", 1e-5,
                               "model.visual"),
-              "mistral3": (mistral3_multimodal, "ministral3", 1e-5, "model.vision_tower")}
+              "mistral3": (lambda: mistral3_multimodal("ministral3"), "ministral3", 1e-5, "model.vision_tower"),
+              "mistral3_mistral": (lambda: mistral3_multimodal("mistral"), "mistral", 1e-5, "model.vision_tower")}
 
 
 def multimodal_batch(model_type: str, image: bool):
@@ -565,7 +567,7 @@ def multimodal_batch(model_type: str, image: bool):
         pixels = torch.Generator().manual_seed(4)
         if model_type == "gemma3":
             inputs.update(token_type_ids=types, pixel_values=torch.randn(1, 3, 28, 28, generator=pixels))
-        elif model_type == "mistral3":
+        elif model_type.startswith("mistral3"):
             inputs.update(pixel_values=torch.randn(1, 3, 16, 16, generator=pixels), image_sizes=torch.tensor([[16, 16]]))
         elif model_type.startswith("qwen3_5"):  # the processor's patches: [patches, 3 * 2 * 4 * 4], a 4x4 grid
             inputs.update(mm_token_type_ids=types, pixel_values=torch.randn(16, 96, generator=pixels),
@@ -606,16 +608,16 @@ def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
 
 
 def test_a_wrapper_of_another_language_model_is_refused():
-    """Mistral 3's wrapper holding a mistral decoder (Mistral Small 3.x) where Bastile's holds Ministral 3's:
-    refused, naming both, before anything is patched."""
-    _, _, text = MINI["mistral"]
+    """Mistral 3's wrapper holding a decoder of another family than the two Bastile's holds (Llama's): refused,
+    naming them, before anything is patched."""
+    _, _, text = MINI["llama"]
     cfg = transformers.Mistral3Config(
-        text_config=transformers.MistralConfig(**{**COMMON, **text}),
+        text_config=transformers.LlamaConfig(**{**COMMON, **text}),
         vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                        num_attention_heads=2, head_dim=16, patch_size=4,
                                                        image_size=16))
-    with pytest.raises(Unsupported, match="mistral3 with a 'mistral' language model is not supported; Bastile's "
-                                          "mistral3 holds ministral3: nothing was patched"):
+    with pytest.raises(Unsupported, match="mistral3 with a 'llama' language model is not supported; Bastile's "
+                                          "mistral3 holds ministral3, mistral: nothing was patched"):
         bastile.apply(model=transformers.Mistral3ForConditionalGeneration(cfg))
     assert bastile.get_patched_ops() == []
 

@@ -83,6 +83,25 @@ def test_multi_target_role_applies_and_resets_as_one_name():
     assert bastile.get_patched_ops() == []
 
 
+@pytest.mark.parametrize("first", ["head_mistral", "head_ministral3"])
+def test_a_wrapper_of_two_families_is_held_by_both(first):
+    """Mistral 3's multimodal head, declared by the mistral and ministral3 families: patched once, held by both
+    patches, Bastile's while either is active and HF's again when the last is reset, in either order."""
+    from transformers.models.mistral3 import modeling_mistral3
+    cls = modeling_mistral3.Mistral3ForConditionalGeneration
+    original = cls.__dict__["forward"]
+    bastile.apply(families=["mistral", "ministral3"], head=True, norm=False, mlp=False, attention=False,
+                  decoder=False, log_probs=False)
+    patched = cls.__dict__["forward"]
+    assert patched is not original and patched.__name__ == "head.forward[mistral]"
+    second = ({"head_mistral", "head_ministral3"} - {first}).pop()
+    assert bastile.reset([first]) == [first]
+    assert cls.__dict__["forward"] is patched
+    assert bastile.reset([second]) == [second]
+    assert cls.__dict__["forward"] is original
+    assert bastile.get_patched_ops() == []
+
+
 def test_multi_target_role_missing_one_target(monkeypatch):
     """With a model, a missing target refuses the whole call; without, the targets present are patched
     under the one name and reset restores exactly them."""

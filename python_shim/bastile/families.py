@@ -245,6 +245,15 @@ _QWEN3_5_MULTIMODAL = frozenset({"image_token_id", "text_config", "tie_word_embe
 _QWEN3_5_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
                    "mm_encoder_outputs")
 
+# Mistral3ForConditionalGeneration (model type mistral3, in a modeling module of its own) holds a Mistral decoder
+# (Mistral Small 3.1/3.2, Magistral Small) or a Ministral 3 one (the 2512 checkpoints): its head is held by both
+# families' head patches (patch.py).
+_MISTRAL3 = Multimodal("mistral3", frozenset({"image_token_index", "multimodal_projector_bias", "projector_hidden_act",
+                                              "spatial_merge_size", "text_config", "vision_config",
+                                              "vision_feature_layer"}),
+                       inputs=("pixel_values", "image_sizes", "vision_feature_layer"), labels=False, module="mistral3",
+                       prefix="Mistral3")
+
 
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     _family("qwen3", "Qwen3", {"attention_bias", "max_window_layers", "use_sliding_window"} | _PER_LAYER,
@@ -252,7 +261,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     _family("llama", "Llama", {"attention_bias", "mlp_bias", "pretraining_tp"}),
     _family("qwen2", "Qwen2", {"max_window_layers", "use_sliding_window"} | _PER_LAYER,
             attention=Attention(window=Window.LAYER)),
-    _family("mistral", "Mistral", {"sliding_window"}, attention=Attention(window=Window.CONFIG)),
+    _family("mistral", "Mistral", {"sliding_window"}, attention=Attention(window=Window.CONFIG),
+            multimodal=_MISTRAL3),
     # Layers in mlp_only_layers (or off the decoder_sparse_step) have a dense Qwen3MoeMLP.
     _family("qwen3_moe", "Qwen3Moe",
             {"attention_bias", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
@@ -284,15 +294,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             {"attention_bias", "attention_multiplier", "embedding_multiplier", "logits_scaling", "mlp_bias",
              "residual_multiplier"},
             residual=Residual(multiplier="residual_multiplier"), head=Head(logit_divisor="logits_scaling")),
-    # Mistral3ForConditionalGeneration (model type mistral3) holds the Ministral 3 checkpoints' decoder (that of
-    # Mistral Small 3.x's, a mistral one, is refused: one wrapper class, two families, is not declared yet).
     _family("ministral3", "Ministral3", {"sliding_window"},
-            attention=Attention(window=Window.CONFIG, query_scale=True),
-            multimodal=Multimodal("mistral3", frozenset({"image_token_index", "multimodal_projector_bias",
-                                                         "projector_hidden_act", "spatial_merge_size", "text_config",
-                                                         "vision_config", "vision_feature_layer"}),
-                                  inputs=("pixel_values", "image_sizes", "vision_feature_layer"), labels=False,
-                                  module="mistral3", prefix="Mistral3")),
+            attention=Attention(window=Window.CONFIG, query_scale=True), multimodal=_MISTRAL3),
     _family("olmo2", "Olmo2", {"attention_bias"}, norm=Norm.WEIGHT_THEN_CAST,
             attention=Attention(qk_norm=QkNorm.FULL_WIDTH), rotary=Rotary(cast_back=True), residual=POST_NORM),
     _family("olmo3", "Olmo3", {"attention_bias"} | _PER_LAYER, norm=Norm.WEIGHT_THEN_CAST,
@@ -360,8 +363,10 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             multimodal=Multimodal("qwen3_5_moe", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS,
                                   output=("{prefix}CausalLMOutputWithPast", "MoeCausalLMOutputWithPast"))),
 ]}
-# Multimodal model types -> the family of their language model.
-MULTIMODAL: Dict[str, Family] = {f.multimodal.model_type: f for f in FAMILIES.values() if f.multimodal}
+# Multimodal model types -> their language model's model type -> its family.
+MULTIMODAL: Dict[str, Dict[str, Family]] = {
+    mm: {f.model_type: f for f in FAMILIES.values() if f.multimodal and f.multimodal.model_type == mm}
+    for mm in {f.multimodal.model_type for f in FAMILIES.values() if f.multimodal}}
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR = "linear_attention"  # the layer type of Family.linear_attention's layers
@@ -376,15 +381,16 @@ def family_of(model) -> Family:
     Unsupported."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(model_type) or MULTIMODAL.get(model_type)
-    if family is None:
+    if model_type in MULTIMODAL:
+        text, held = config.get_text_config().model_type, MULTIMODAL[model_type]
+        if text not in held:
+            raise Unsupported(f"bastile: {model_type} with a {text!r} language model is not supported; Bastile's "
+                              f"{model_type} holds {', '.join(sorted(held))}")
+        return held[text]
+    if model_type not in FAMILIES:
         raise Unsupported(f"bastile: model type {model_type!r} is not supported; "
                           f"supported: {', '.join(sorted([*FAMILIES, *MULTIMODAL]))}")
-    text = config.get_text_config().model_type if model_type in MULTIMODAL else model_type
-    if text != family.model_type:
-        raise Unsupported(f"bastile: {model_type} with a {text!r} language model is not supported; Bastile's "
-                          f"{model_type} holds {family.model_type}")
-    return family
+    return FAMILIES[model_type]
 
 
 @functools.cache

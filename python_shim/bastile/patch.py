@@ -249,7 +249,9 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
             raise RuntimeError(f"bastile.apply: this transformers lacks the targets of {missing}")
         _checked.add(model)
     # Replacements are made (and a Wrap's factory may refuse its original) before anything is patched. A target
-    # already patched stays as it is (applying twice is harmless); a part left out before is added.
+    # already patched stays as it is (applying twice is harmless); a part left out before is added. A target
+    # that another family's patch holds (a multimodal wrapper of two families' decoders) is held by both, and
+    # restored when the last of them is reset.
     todo = {}
     for name, found in by_name.items():
         done = {(owner, attr) for owner, attr, *_ in _active.get(name, ())}
@@ -258,8 +260,10 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
                       for p, t in found if t is not None and t not in done for owner, attr in [t]]
     for name, targets in todo.items():
         for owner, attr, replacement, part in targets:
-            _active.setdefault(name, []).append((owner, attr, owner.__dict__.get(attr), part))
-            setattr(owner, attr, replacement)
+            held = _holder(owner, attr)
+            _active.setdefault(name, []).append((owner, attr, held[2] if held else owner.__dict__.get(attr), part))
+            if not held:
+                setattr(owner, attr, replacement)
     chunk = _settings.mlp_chunk if mlp_chunk is None else mlp_chunk
     _settings = long_context.Settings(offload, chunk if offload else None)
     return [name for name, found in by_name.items() if name in _active]
@@ -289,11 +293,18 @@ def reset(names: Optional[Sequence[str]] = None) -> List[str]:
     names = [n for n in names if n in _active]
     for name in names:
         for owner, attr, original, _ in reversed(_active.pop(name)):
+            if _holder(owner, attr):
+                continue
             if original is None:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, original)
     return names
+
+
+def _holder(owner, attr) -> Optional[tuple]:
+    """The entry of an active patch that holds owner.attr, or None."""
+    return next((t for targets in _active.values() for t in targets if t[0] is owner and t[1] == attr), None)
 
 
 def lora_modules(model) -> Dict[str, str]:
