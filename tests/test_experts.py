@@ -210,22 +210,21 @@ def test_expert_path_gradients_fp64(transposed):
     assert torch.autograd.gradcheck(run, inputs)
 
 
-def test_expert_path_keeps_no_row_per_pair():
-    """For the backward the expert path keeps the tokens' hidden states [tokens, H] and their routing; nothing
-    with a row per pair (x's rows, gate/up's output, the gate's, the down products, the LoRA products) is kept:
-    the backward makes them again."""
+def test_expert_path_keeps_the_gate_input_not_the_pairs_rows():
+    """For the backward the expert path keeps gate/up's output [pairs, 2 I] and rank-sized products; the pairs'
+    rows of x [pairs, H], the gate's output [pairs, I] and the down products [pairs, H] are made again."""
     model = get_peft_model(mini("qwen3_moe", "cpu", torch.float32, moe_intermediate_size=48), LoraConfig(**EXPERT_LORA))
     bastile.apply(model=model.base_model.model, log_probs=False)
     block = model.base_model.model.model.layers[0].mlp
     hidden = torch.randn(7, block.experts.base_layer.base_layer.hidden_dim, requires_grad=True)
     _, weights, index = block.gate(hidden)
-    pairs = index.numel()
+    pairs, I = index.numel(), block.experts.base_layer.base_layer.intermediate_dim
     shapes = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
         out = block.experts(hidden, index, weights)
     out.sum().backward()  # the backward's own products (the gate made again) live within it
-    assert (hidden.shape[0], hidden.shape[1]) in shapes
-    assert not [s for s in shapes if len(s) == 2 and s[0] == pairs], shapes
+    assert (pairs, 2 * I) in shapes
+    assert not {(pairs, hidden.shape[1]), (pairs, I)} & set(shapes), shapes
 
 
 def test_a_layout_the_gate_does_not_read_raises():

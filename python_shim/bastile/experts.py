@@ -125,38 +125,34 @@ def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows
 
 class _Experts(torch.autograd.Function):
     """The experts of the pairs of a batch: sum over a token's k experts of weight * down(gate(gate_up(x))).
-    Saved for the backward: the tokens' hidden states, their routing and the weights; everything per pair
-    (its row of x, gate_up and the gate's output, the LoRA products) is made again from them, one grouped
-    product more than keeping gate_up ([pairs, 2 x intermediate], 4.7 GB over Qwen3-30B-A3B's 48 layers at 4096
-    tokens)."""
+    Saved for the backward: the gate's input (gate_up) and the rank-sized LoRA products; the pairs' rows of x,
+    the gate's output and the down products (and so the routing weights' gradient) are made again from them."""
 
     @staticmethod
     def forward(ctx, gate, k, scales, hidden, weights, order, offsets, expert, *params):
         groups = Groups(order, offsets, expert)
         p1, p2 = Projection(*params[:4]), Projection(*params[4:])
         x = hidden[order // k].to(p1.w.dtype)
-        h = gate(_forward(x, groups, p1, scales[0])[0])
-        out = _forward(h, groups, p2, scales[1])[0]
+        gate_up, xa = _forward(x, groups, p1, scales[0])
+        h = gate(gate_up)
+        out, ha = _forward(h, groups, p2, scales[1])
         pair = out * weights.reshape(-1)[order, None]  # promoted as HF's: Mixtral's weights are fp32
         combined = torch.empty_like(pair).index_copy_(0, order, pair).view(-1, k, pair.shape[-1]).sum(dim=1)
-        ctx.save_for_backward(hidden, weights, order, offsets, expert, *params)
+        ctx.save_for_backward(hidden, weights, order, offsets, expert, gate_up, xa, ha, *params)
         ctx.gate, ctx.k, ctx.scales = gate, k, scales
         return combined.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weights, order, offsets, expert, *params = ctx.saved_tensors
+        hidden, weights, order, offsets, expert, gate_up, xa, ha, *params = ctx.saved_tensors
         groups, needs = Groups(order, offsets, expert), ctx.needs_input_grad
         p1, p2 = Projection(*params[:4]), Projection(*params[4:])
         s1, s2 = ctx.scales
         token = order // ctx.k
         w = weights.reshape(-1)[order]
-        x = hidden[token].to(p1.w.dtype)
-        gate_up, xa = _forward(x, groups, p1, s1)
         with torch.enable_grad():
-            g = gate_up.requires_grad_()
+            g = gate_up.detach().requires_grad_()
             h = ctx.gate(g)
-        ha = grouped_mm(h.detach(), p2.a, groups.offsets) if p2.a is not None else None
         # down, for the pairs' dpair weighted by w: with u = dpair (W2 + s2 A2 B2)^T, dh = w u and the weights'
         # gradient <u, h> (+ <dpair, bias2>)
         dpair = grad[token].to(p2.w.dtype)
@@ -165,6 +161,8 @@ class _Experts(torch.autograd.Function):
         if p2.bias is not None:
             dweight = dweight + (dpair.float() * p2.bias[expert].float()).sum(-1)
         (dgate_up,) = torch.autograd.grad(h, g, (u * w[:, None]).to(h.dtype))
+        # gate/up, from the pairs' rows of x made again
+        x = hidden[token].to(p1.w.dtype)
         dx, dw1, dbias1, da1, db1 = _backward(dgate_up, x, xa, groups, p1, s1, needs[8:12])
         dhidden = (torch.zeros(hidden.shape, dtype=torch.float32, device=grad.device)
                    .index_add_(0, token, dx.float()).to(hidden.dtype) if needs[3] else None)
