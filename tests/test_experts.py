@@ -74,6 +74,20 @@ def test_experts_train_as_hf(family, lora, monkeypatch):
         assert any("experts" in n and "lora_B" in n for n in grads)
 
 
+def test_weight_gradients_come_in_the_parameters_layout():
+    """A full fine-tune's expert weight gradients: each expert's x^T dy (fp64 reference), laid out as the stored
+    parameter is ([experts, out, in] seen through its transposed view), so that autograd keeps them without a
+    transposing copy of every expert's weights."""
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(10, 16, generator=g), torch.randn(10, 8, generator=g)
+    offsets = torch.tensor([3, 3, 10], dtype=torch.int32)  # expert 1 idle
+    stored = torch.empty(3, 8, 16)
+    got = experts.grouped_wgrad(x, dy, offsets, stored.transpose(-2, -1))
+    want = torch.stack([x[a:b].double().t() @ dy[a:b].double() for a, b in [(0, 3), (3, 3), (3, 10)]])
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert got.transpose(-2, -1).is_contiguous()
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["", "offloaded"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_checkpointed_expert_lora_trains_as_hf(reentrant, offload, monkeypatch):

@@ -84,9 +84,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch.cat([x[a:b] @ we for (a, b), we in zip(_bounds(offsets), w.unbind(0))])
 
 
-def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Each expert's x^T dy over its pairs: [experts, in, out], in fp32 off the grouped GEMM (whose output is
-    bf16)."""
+def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Each expert's x^T dy over its pairs: [experts, in, out] in the memory layout of `like` (the weight it is the
+    gradient of: a transposed view of [experts, out, in] gets dy^T x, transposed), so that autograd stores it in
+    the parameter's layout with no copy; bf16 off the grouped GEMM, fp32 off the expert-by-expert products."""
+    if like.stride(-2) == 1 and like.stride(-1) != 1:
+        return grouped_wgrad(dy, x, offsets, like.transpose(-2, -1)).transpose(-2, -1)
     if x.is_cuda and x.dtype == dy.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and dy.shape[1] % 8 == 0:
         return F.grouped_mm(x.t(), dy, offs=offsets)
     return torch.stack([x[a:b].float().t() @ dy[a:b].float() for a, b in _bounds(offsets)])
@@ -115,11 +118,11 @@ def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows
     if rows is not None:
         dy = (dy * rows[:, None]).to(dy.dtype)
         t = t * rows[:, None].to(t.dtype) if t is not None else None
-    dw = grouped_wgrad(x, dy, groups.offsets).to(p.w.dtype) if need_w else None
+    dw = grouped_wgrad(x, dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
     dbias = (torch.zeros(p.bias.shape, dtype=torch.float32, device=dy.device).index_add_(0, groups.expert, dy.float())
              .to(p.bias.dtype) if need_bias else None)
-    da = grouped_wgrad(x, t, groups.offsets).to(p.a.dtype) if need_a else None
-    db = (scale * grouped_wgrad(xa, dy, groups.offsets)).to(p.b.dtype) if need_b else None
+    da = grouped_wgrad(x, t, groups.offsets, p.a).to(p.a.dtype) if need_a else None
+    db = (scale * grouped_wgrad(xa, dy, groups.offsets, p.b)).to(p.b.dtype) if need_b else None
     return dx, dw, dbias, da, db
 
 
@@ -157,7 +160,7 @@ class _Experts(torch.autograd.Function):
         # gradient <u, h> (+ <dpair, bias2>)
         dpair = grad[token].to(p2.w.dtype)
         u, dw2, dbias2, da2, db2 = _backward(dpair, h.detach(), ha, groups, p2, s2, needs[12:16], rows=w)
-        dweight = (u.float() * h.detach().float()).sum(-1)
+        dweight = (u * h.detach()).sum(-1, dtype=torch.float32)  # 16-bit: the products rounded, their sum not
         if p2.bias is not None:
             dweight = dweight + (dpair.float() * p2.bias[expert].float()).sum(-1)
         (dgate_up,) = torch.autograd.grad(h, g, (u * w[:, None]).to(h.dtype))
