@@ -11,7 +11,9 @@ Qwen3 of test_qwen3_training.
   test is the same parity in fp32 with the LM head tied to the embedding (the weight the fused
   cross-entropy reads is then the root's unsharded embedding). A second case shards the LM head on its
   own, as torchtitan does: its weight is only gathered inside `lm_head`'s forward, so the patched model
-  must take HF's loss there (it does: the head is no longer a plain nn.Linear) and still match. On >= 2
+  must take HF's loss there (it does: the head is no longer a plain nn.Linear) and still match. A third runs
+  the family suite's mini Qwen3-MoE, its 3-D expert parameters sharded along the experts and gathered for
+  Bastile's expert path. On >= 2
   GPUs, NCCL with a bf16 MixedPrecisionPolicy (fp32 master weights and reduction), tied and untied: losses
   within 1e-2 relative as in the single-GPU bf16 test.
 - DeepSpeed ZeRO-3 (one GPU, when deepspeed is installed): every parameter partitioned, so the LM head's
@@ -44,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 import bastile
 from conftest import CUDA, DEVICES, TRAINER_PATCHES, needs_cuda, rel_err
+from test_families import mini
 from test_qwen3_training import assert_params_close, batches, mini_qwen3, train
 
 TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
@@ -81,15 +84,22 @@ def _full(p):
     return torch.cat(shards)
 
 
+def _build(dev, tied, family="qwen3"):
+    """The mini Qwen3 of test_qwen3_training, or the family suite's mini of another family (an MoE)."""
+    if family == "qwen3":
+        return mini_qwen3(dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=tied)
+    return mini(family, dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=tied)
+
+
 def _unpatched_then_patched(jobs, dev):
     """(job, mode, spec, model) for each job's model built unpatched, then after apply() as users do; a
-    job's spec ends with whether the head is tied."""
+    job's spec is (its own setting, whether the head is tied[, the model's family])."""
     for job, spec in jobs.items():
         for mode in ("hf", "bastile"):
             bastile.reset()
             if mode == "bastile":
                 assert set(ALL_PATCHES) <= set(bastile.apply())
-            yield job, mode, spec, mini_qwen3(dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=spec[-1])
+            yield job, mode, spec, _build(dev, *spec[1:])
 
 
 def _parallel_worker(rank, world, port, out, device, jobs, steps):
@@ -109,10 +119,11 @@ def _parallel_worker(rank, world, port, out, device, jobs, steps):
     try:
         data = batches(steps, 1, 2, 64, dev, 0.3, seed=1 + rank)
         results = {job: {} for job in jobs}
-        for job, mode, (strategy, _), model in _unpatched_then_patched(jobs, dev):
+        for job, mode, (strategy, *_), model in _unpatched_then_patched(jobs, dev):
             model = _wrap(model, strategy, device)
             inner = model.module if strategy == "ddp" else model
             fused = bastile.roles.head._fused_loss_applies(inner, data[0][0][1])
+            experts = [type(m).forward.__name__ for m in inner.modules() if type(m).__name__.endswith("Experts")]
             losses = train(model, data)
             params = {n: _full(p) for n, p in model.named_parameters()}
             same_as_rank0 = True
@@ -121,7 +132,7 @@ def _parallel_worker(rank, world, port, out, device, jobs, steps):
                 dist.broadcast(q, 0)
                 same_as_rank0 &= torch.equal(q.cpu(), p)
             results[job][mode] = {"losses": losses, "same_as_rank0": same_as_rank0, "fused_loss": fused,
-                                  "params": params if rank == 0 else None}
+                                  "experts": experts, "params": params if rank == 0 else None}
         bastile.reset()
         torch.save(results, out / f"rank{rank}.pt")
     finally:
@@ -148,7 +159,8 @@ def assert_parity(ranks, loss_tol, param_tol):
     assert_params_close(ranks[0]["bastile"]["params"], ranks[0]["hf"]["params"], param_tol)
 
 
-CPU_JOBS = {"ddp": ("ddp", False), "fsdp_tied": ("fsdp", True), "fsdp_lm_head_sharded": ("fsdp_head", False)}
+CPU_JOBS = {"ddp": ("ddp", False), "fsdp_tied": ("fsdp", True), "fsdp_lm_head_sharded": ("fsdp_head", False),
+            "fsdp_moe": ("fsdp", True, "qwen3_moe")}
 CUDA_JOBS = {"fsdp_tied": ("fsdp", True), "fsdp_untied": ("fsdp", False)}
 
 
@@ -174,6 +186,17 @@ def test_ddp_cpu_matches_hf(cpu_runs):
 def test_fsdp2_cpu_matches_hf(cpu_runs, job, fused):
     ranks = cpu_runs[job]
     assert ranks[0]["bastile"]["fused_loss"] == fused
+    assert_parity(ranks, 1e-5, 1e-4)
+
+
+def test_fsdp2_cpu_moe_matches_hf(cpu_runs):
+    """Qwen3-MoE's mini under FSDP2: each layer's 3-D expert parameters sharded along the experts, gathered
+    for Bastile's expert path (its one autograd node keeps them for the backward, as F.linear keeps a weight)
+    and their gradients reduce-scattered: the losses and trained parameters of unpatched FSDP2."""
+    ranks = cpu_runs["fsdp_moe"]
+    assert ranks[0]["bastile"]["fused_loss"]
+    assert ranks[0]["bastile"]["experts"] and all(n.startswith("mlp.experts") for n in ranks[0]["bastile"]["experts"])
+    assert not any(n.startswith("mlp.experts") for n in ranks[0]["hf"]["experts"])
     assert_parity(ranks, 1e-5, 1e-4)
 
 
@@ -210,7 +233,7 @@ def _zero3_worker(rank, port, out, jobs):
     deepspeed.init_distributed(dist_backend="nccl")
     data = batches(ZERO3_STEPS, 1, 2, 64, torch.device("cuda", 0), 0.3)
     results = {job: {} for job in jobs}
-    for job, mode, (rank_lora, _), model in _unpatched_then_patched(jobs, "cuda"):
+    for job, mode, (rank_lora, *_), model in _unpatched_then_patched(jobs, "cuda"):
         if rank_lora:
             model = get_peft_model(model, LoraConfig(r=rank_lora, lora_alpha=16, target_modules=SEVEN))
         engine, *_ = deepspeed.initialize(model=model, config=ZERO3_CONFIG,
