@@ -278,8 +278,7 @@ def masks(ctx: Context) -> Callable:
         layer_types = config.layer_types if typed else None
         if past_key_values is not None or use_cache:
             return attention_mask, input_ids, inputs_embeds, kwargs
-        direct = _varlen_types(ctx, takes_varlen, decoder, layer_types)
-        masks_itself = sinks and typed and direct == set(layer_types)
+        masks_itself = sinks and typed and _varlen_types(ctx, takes_varlen, decoder, layer_types) == set(layer_types)
         if masks_itself and isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 \
                 and bool(attention_mask.all()):
             attention_mask = None
@@ -291,6 +290,7 @@ def masks(ctx: Context) -> Callable:
                                 and set(layer_types) <= _UNMASKED):
                 attention_mask = dict.fromkeys(layer_types)
             return attention_mask, input_ids, inputs_embeds, kwargs
+        direct = set(layer_types) if masks_itself else _varlen_types(ctx, takes_varlen, decoder, layer_types)
         if direct and kwargs.get("cu_seq_lens_q") is None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             kwargs = {**kwargs, **(varlen.sequences(position_ids, batch) or {})}
