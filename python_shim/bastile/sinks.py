@@ -6,13 +6,15 @@ L = logaddexp(lse, s) the normaliser with the sink. The backward of attention ne
 again from the normaliser) and D = rowsum(dy * y): given L and y, the backward of the sink-free attention gives
 the sink attention's dq, dk, dv exactly (its probabilities exp(x - L) are the sink attention's, the sink adding
 nothing to dP), and the sink's gradient is -sum over rows of exp(s - L) D. The flash kernel runs unchanged both
-ways with a row factor between them: no [heads, seq, seq] tensor is formed on CUDA (16-bit, heads to 256 wide),
-nor kept anywhere. Elsewhere (the CPU, fp32/fp64, HF's padding masks) the scores of a block of queries at a time.
+ways, and Bastile's attention_sink ops between them take one pass each (the row factor and L; D and the sink's
+gradient): no [heads, seq, seq] tensor is formed on CUDA (16-bit, heads to 256 wide), nor kept anywhere.
+Elsewhere (the CPU, fp32/fp64, HF's padding masks) the scores of a block of queries at a time.
 """
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from . import _library  # noqa: F401  (loads the ops)
 from . import varlen
 
 # Query rows per block of the dense path: its [batch, heads, rows, keys] fp32 scores near this many elements.
@@ -110,8 +112,7 @@ class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, core, q, k, v, sinks):
         o, lse = core.forward(q, k, v)
-        normaliser = torch.logaddexp(lse, sinks.to(lse.dtype))
-        y = o.mul_(torch.exp(lse - normaliser)[..., None])  # in lse's dtype, rounded once to o's
+        y, normaliser = torch.ops.bastile.attention_sink_forward(o, lse, sinks)
         ctx.core = core
         ctx.save_for_backward(q, k, v, sinks, y, normaliser)
         return y
@@ -121,9 +122,8 @@ class _SinkAttention(torch.autograd.Function):
         q, k, v, sinks, y, normaliser = ctx.saved_tensors
         dy = dy.contiguous()
         dq, dk, dv = ctx.core.backward(dy, q, k, v, y, normaliser)
-        d = (dy * y).sum(-1, dtype=normaliser.dtype)  # 16-bit: the products rounded, their sum not
-        dsinks = -(torch.exp(sinks.to(normaliser.dtype) - normaliser) * d).reshape(-1, sinks.numel()).sum(0)
-        return None, dq, dk, dv, dsinks.to(sinks.dtype)
+        dsinks = torch.ops.bastile.attention_sink_backward(dy, y, normaliser, sinks)[2]
+        return None, dq, dk, dv, dsinks
 
 
 def _causal(seq: int, left: int, device) -> Callable[[slice], torch.Tensor]:
