@@ -435,7 +435,7 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
 
 def test_roles_patch_their_targets_and_reset_restores_them():
     """Each role of each family replaces what it names, and nothing else; reset puts the originals back."""
-    for family in FAMILIES:
+    for family in TRAITS:
         for role in bastile.patch.ROLES:
             others = {r: False for r in bastile.patch.ROLES if r != role}
             assert sorted(bastile.apply(families=[family], log_probs=False, **others)) == patch_names(family, [role])
@@ -477,6 +477,8 @@ def test_mini_models_have_the_traits_the_tests_rely_on():
         assert mixers[3].q_proj.out_features == 2 * mixers[3].o_proj.in_features  # the query and its gate
         cos, _ = model.model.rotary_emb(torch.ones(1), torch.arange(3)[None, None].expand(3, 1, -1))
         assert cos.shape[-1] == 16  # half the head
+    vl = qwen3_vl_multimodal()  # DeepStack's features go to the first two of three layers
+    assert len(vl.model.visual.deepstack_merger_list) == 2 < len(vl.model.language_model.layers)
 
 
 def gemma3_multimodal(seed=0):
@@ -527,6 +529,30 @@ def qwen3_5_multimodal(family, seed=0):
     return getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).train()
 
 
+# Qwen3-VL's language model (no causal LM of its own): Qwen3's layers under interleaved multimodal RoPE (sections of 8,
+# 4 and 4 frequencies); three layers, the first two of which take DeepStack's features
+QWEN3_VL_TEXT = dict(intermediate_size=256, num_hidden_layers=3, head_dim=32,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 4, 4],
+                                      "mrope_interleaved": True}, **IDS)
+
+
+def qwen3_vl_multimodal(seed=0):
+    """Qwen3VLForConditionalGeneration with QWEN3_VL_TEXT as its language model and a two-block vision tower whose
+    blocks' features DeepStack adds to the first two layers' outputs: a 16x16 image is 4x4 patches of 4x4 pixels
+    (two frames), merged 2x2 to 4 image tokens (id IMAGE), placed by multimodal RoPE."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3VLConfig(
+        text_config=transformers.Qwen3VLTextConfig(**{**COMMON, **QWEN3_VL_TEXT}),
+        vision_config=transformers.Qwen3VLVisionConfig(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+            spatial_merge_size=2, out_hidden_size=COMMON["hidden_size"], num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1]),
+        image_token_id=IMAGE, video_token_id=IMAGE + 2, vision_start_token_id=IMAGE - 1,
+        vision_end_token_id=IMAGE + 1, tie_word_embeddings=False)
+    cfg.text_config._attn_implementation = cfg._attn_implementation = "sdpa"
+    return transformers.Qwen3VLForConditionalGeneration(cfg).train()
+
+
 def mistral3_multimodal(family, seed=0):
     """Mistral3ForConditionalGeneration with the family's mini as its language model (Ministral 3's, or Mistral's
     as in Mistral Small 3.x) and a one-layer Pixtral tower: a 16x16 image is 4x4 patches of 4x4 pixels, merged 2x2
@@ -553,6 +579,7 @@ MULTIMODAL = {"gemma3": (gemma3_multimodal, "gemma3_text", 1e-5, "model.vision_t
               "qwen3_5": (lambda: qwen3_5_multimodal("qwen3_5_text"), "qwen3_5_text", 1e-5, "model.visual"),
               "qwen3_5_moe": (lambda: qwen3_5_multimodal("qwen3_5_moe_text"), "qwen3_5_moe_text", 1e-5,
                               "model.visual"),
+              "qwen3_vl": (qwen3_vl_multimodal, "qwen3_vl_text", 1e-5, "model.visual"),
               "mistral3": (lambda: mistral3_multimodal("ministral3"), "ministral3", 1e-5, "model.vision_tower"),
               "mistral3_mistral": (lambda: mistral3_multimodal("mistral"), "mistral", 1e-5, "model.vision_tower")}
 
@@ -569,7 +596,7 @@ def multimodal_batch(model_type: str, image: bool):
             inputs.update(token_type_ids=types, pixel_values=torch.randn(1, 3, 28, 28, generator=pixels))
         elif model_type.startswith("mistral3"):
             inputs.update(pixel_values=torch.randn(1, 3, 16, 16, generator=pixels), image_sizes=torch.tensor([[16, 16]]))
-        elif model_type.startswith("qwen3_5"):  # the processor's patches: [patches, 3 * 2 * 4 * 4], a 4x4 grid
+        elif model_type.startswith(("qwen3_5", "qwen3_vl")):  # the processor's patches: [patches, 3 * 2 * 4 * 4], a 4x4 grid
             inputs.update(mm_token_type_ids=types, pixel_values=torch.randn(16, 96, generator=pixels),
                           image_grid_thw=torch.tensor([[1, 4, 4]]))
         else:  # the processor's patches: [images, patches, 3 * 4 * 4] pixels in [0, 1], their (x, y) on a 4x4 grid
@@ -583,9 +610,9 @@ def multimodal_batch(model_type: str, image: bool):
 @pytest.mark.parametrize("image", [False, True])
 @pytest.mark.parametrize("model_type", list(MULTIMODAL))
 def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
-    """The language model of Gemma 3's, Gemma 4's, Qwen3.5's and Mistral 3's multimodal models runs Bastile's forwards and
-    head; the vision tower is HF's. Text-only and image+text batches: the losses of 6 AdamW steps and every first-step
-    gradient (the vision tower's and projector's included) as HF's."""
+    """The language model of Gemma 3's, Gemma 4's, Qwen3.5's, Qwen3-VL's and Mistral 3's multimodal models runs Bastile's
+    forwards and head; the vision tower is HF's. Text-only and image+text batches: the losses of 6 AdamW steps and every
+    first-step gradient (the vision tower's and projector's included, Qwen3-VL's DeepStack mergers') as HF's."""
     build, family, tolerance, tower = MULTIMODAL[model_type]
     inputs, labels = multimodal_batch(model_type, image)
 
@@ -631,8 +658,13 @@ def test_multimodal_generation_matches_hf(model_type):
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = ref.generate(**inputs, **kw)
     model = copy.deepcopy(ref)
+    family = MULTIMODAL[model_type][1]
+    originals = {p: getattr(*bastile.patch._resolve(p)) for p in bastile.patch.PATCHES if p.family == family}
     bastile.apply(model=model, log_probs=False)
     torch.testing.assert_close(model.generate(**inputs, **kw), expected, rtol=0, atol=0)
+    bastile.reset()
+    for p, original in originals.items():
+        assert getattr(*bastile.patch._resolve(p)) is original, p.target
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

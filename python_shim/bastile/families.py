@@ -201,6 +201,8 @@ class Family:
     layer: str = ""                      # <prefix><layer>Attention: the infix of the layer's classes (LAYER_PARTS)
     off: Mapping[str, Off] = field(default_factory=dict)  # config key -> Off
     multimodal: Optional[Multimodal] = None
+    # <prefix>ForCausalLM exists; Qwen3-VL's language model has no head of its own, only its multimodal model's
+    causal_lm: bool = True
     # Qwen3.5: the layers config.layer_types calls "linear_attention" mix tokens with a Gated DeltaNet
     # (<prefix>GatedDeltaNet, the layer's `linear_attn`, its output norm a <prefix>RMSNormGated) in place of
     # attention: a causal depthwise conv over the fused q/k/v projection, the gated delta rule over the
@@ -362,6 +364,15 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             module="qwen3_5_moe", **_QWEN3_5_TRAITS, mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
             multimodal=Multimodal("qwen3_5_moe", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS,
                                   output=("{prefix}CausalLMOutputWithPast", "MoeCausalLMOutputWithPast"))),
+    # Qwen3-VL: Qwen3's dense layers (per-head q/k norms) under interleaved multimodal RoPE, whose tables HF's
+    # rotary module builds from the sections' positions. DeepStack adds the vision tower's intermediate features
+    # to the first layers' outputs at the image tokens, between layers, in HF's decoder loop (which Bastile's
+    # decoder forward wraps and does not replace). Its classes are Qwen3VLText*, its head is the multimodal
+    # model's (Qwen3VLForConditionalGeneration), which takes Qwen3.5's inputs (Qwen3.5 derives from it).
+    _family("qwen3_vl_text", "Qwen3VLText", {"attention_bias"}, module="qwen3_vl",
+            attention=Attention(qk_norm=QkNorm.PER_HEAD), rotary=Rotary(sections=True), causal_lm=False,
+            multimodal=Multimodal("qwen3_vl", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS, module="qwen3_vl",
+                                  prefix="Qwen3VL", output=("{prefix}CausalLMOutputWithPast", "CausalLMOutputWithPast"))),
 ]}
 # Multimodal model types -> their language model's model type -> its family.
 MULTIMODAL: Dict[str, Dict[str, Family]] = {

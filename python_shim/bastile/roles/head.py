@@ -216,7 +216,7 @@ def _fused_loss(model, hidden, labels, logit_scale, softcap, num_items_in_batch=
 
 def declare(ctx: Context) -> Declaration:
     f = ctx.family
-    targets = [Target("ForCausalLM", "forward", causal_lm_forward(ctx))]
+    targets = [Target("ForCausalLM", "forward", causal_lm_forward(ctx))] if f.causal_lm else []
     mm = f.multimodal
     if mm:
         targets.append(Target(mm.head, "forward", multimodal_lm_forward(ctx), wraps=True,
