@@ -16,7 +16,7 @@ import bastile
 from bastile import sinks, varlen
 from conftest import needs_cuda
 from bastile.families import FAMILIES as TRAITS
-from test_families import COMMON, assert_grad_close, exact_delta_rule, mini
+from test_families import COMMON, IMAGE, assert_grad_close, exact_delta_rule, mini, qwen3_vl_multimodal
 
 LENGTHS = (7, 12, 1, 5)
 
@@ -366,6 +366,59 @@ def test_two_packed_rows_use_per_row_tables(family):
     torch.testing.assert_close(loss, alone, rtol=1e-5, atol=0)
     for g, e in zip(grads, torch.autograd.grad(alone, list(ref.parameters()))):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["text", "images"])
+@pytest.mark.parametrize("given", [False, True], ids=["positions", "cu_seq_lens"])
+def test_qwen3_vl_packed_row_matches_sequences_alone(given, image, monkeypatch):
+    """Qwen3-VL's multimodal model on a packed row: text only, with 2-D restarting positions, or with an image in two
+    of its three sequences, with each sequence's multimodal RoPE sections as HF's get_rope_index makes them alone
+    after the text positions ([4, 1, tokens], as HF's decoder reads them). The varlen kernel runs in every layer, and
+    the loss and gradients (the vision tower's and DeepStack's included) are those of the sequences run alone
+    through HF's model."""
+    ref = qwen3_vl_multimodal()
+    model = copy.deepcopy(ref)
+    bastile.apply(model=model)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 512, (n,), generator=gen) for n in (12, 9, 14)]
+    starts = {0: 2, 2: 3} if image else {}  # sequence -> its 4 image tokens' first position
+    for i, at in starts.items():
+        seqs[i][at:at + 4] = IMAGE
+    grid = torch.tensor([[1, 4, 4]])
+    pixels = {i: torch.randn(16, 96, generator=gen) for i in starts}
+
+    def alone(i, s):
+        kw = dict(input_ids=s[None], labels=s.masked_fill(s == IMAGE, -100)[None])
+        if i in pixels:
+            kw.update(mm_token_type_ids=(s == IMAGE).long()[None], pixel_values=pixels[i], image_grid_thw=grid)
+        return kw
+
+    batch = _collated(seqs)
+    batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == IMAGE, -100)
+    if image:
+        sections = [ref.model.get_rope_index(s[None], (s == IMAGE).long()[None], grid if i in pixels else None)[0]
+                    for i, s in enumerate(seqs)]
+        batch["position_ids"] = torch.cat([batch["position_ids"][None], torch.cat(sections, -1)])
+        batch.update(pixel_values=torch.cat(list(pixels.values())), image_grid_thw=grid.repeat(len(pixels), 1))
+    if not given:
+        batch = {k: v for k, v in batch.items() if k not in varlen.KEYS}
+    attention_calls = _counting(monkeypatch, "attention")
+    loss = model(**batch).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    assert len(attention_calls) == model.config.text_config.num_hidden_layers
+    bastile.reset()
+
+    runs = [alone(i, s) for i, s in enumerate(seqs)]
+    counts = [(kw["labels"][:, 1:] != -100).sum() for kw in runs]
+    expected = sum(ref(**kw).loss * n for kw, n in zip(runs, counts)) / sum(counts)
+    expected_grads = torch.autograd.grad(expected, list(ref.parameters()), allow_unused=True)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    assert any(n.startswith("model.visual.deepstack") and g is not None
+               for (n, _), g in zip(model.named_parameters(), grads)) == image
+    for (name, _), g, e in zip(model.named_parameters(), grads, expected_grads):
+        assert (g is None) == (e is None), name
+        if e is not None:
+            assert_grad_close(g, e, name)
 
 
 @needs_cuda
