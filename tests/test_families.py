@@ -479,6 +479,9 @@ def test_mini_models_have_the_traits_the_tests_rely_on():
         assert cos.shape[-1] == 16  # half the head
     vl = qwen3_vl_multimodal()  # DeepStack's features go to the first two of three layers
     assert len(vl.model.visual.deepstack_merger_list) == 2 < len(vl.model.language_model.layers)
+    vl_moe = qwen3_vl_multimodal(moe=True)
+    assert [type(layer.mlp).__name__.removeprefix("Qwen3VLMoeText") for layer in vl_moe.model.language_model.layers] \
+        == ["SparseMoeBlock", "MLP", "SparseMoeBlock"]
 
 
 def gemma3_multimodal(seed=0):
@@ -536,21 +539,29 @@ QWEN3_VL_TEXT = dict(intermediate_size=256, num_hidden_layers=3, head_dim=32,
                                       "mrope_interleaved": True}, **IDS)
 
 
-def qwen3_vl_multimodal(seed=0):
-    """Qwen3VLForConditionalGeneration with QWEN3_VL_TEXT as its language model and a two-block vision tower whose
-    blocks' features DeepStack adds to the first two layers' outputs: a 16x16 image is 4x4 patches of 4x4 pixels
-    (two frames), merged 2x2 to 4 image tokens (id IMAGE), placed by multimodal RoPE."""
+# its MoE model's: 16 experts, top-2, router aux loss on; layer 1 a dense MLP. (With 8, a last-bit difference flips
+# a token's experts in the text-only run by step 6 under transformers 5.23, whose HF eager and grouped experts
+# drift 1.7e-6 apart there, and the losses 2e-5.)
+QWEN3_VL_MOE_TEXT = dict(QWEN3_VL_TEXT, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=2,
+                         output_router_logits=True, router_aux_loss_coef=0.01, mlp_only_layers=[1])
+
+
+def qwen3_vl_multimodal(moe=False, seed=0):
+    """Qwen3VL(Moe)ForConditionalGeneration with QWEN3_VL(_MOE)_TEXT as its language model and a two-block vision
+    tower whose blocks' features DeepStack adds to the first two layers' outputs: a 16x16 image is 4x4 patches of
+    4x4 pixels (two frames), merged 2x2 to 4 image tokens (id IMAGE), placed by multimodal RoPE."""
+    prefix, text = ("Qwen3VLMoe", QWEN3_VL_MOE_TEXT) if moe else ("Qwen3VL", QWEN3_VL_TEXT)
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3VLConfig(
-        text_config=transformers.Qwen3VLTextConfig(**{**COMMON, **QWEN3_VL_TEXT}),
-        vision_config=transformers.Qwen3VLVisionConfig(
+    cfg = getattr(transformers, f"{prefix}Config")(
+        text_config=getattr(transformers, f"{prefix}TextConfig")(**{**COMMON, **text}),
+        vision_config=getattr(transformers, f"{prefix}VisionConfig")(
             depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
             spatial_merge_size=2, out_hidden_size=COMMON["hidden_size"], num_position_embeddings=16,
             deepstack_visual_indexes=[0, 1]),
         image_token_id=IMAGE, video_token_id=IMAGE + 2, vision_start_token_id=IMAGE - 1,
         vision_end_token_id=IMAGE + 1, tie_word_embeddings=False)
     cfg.text_config._attn_implementation = cfg._attn_implementation = "sdpa"
-    return transformers.Qwen3VLForConditionalGeneration(cfg).train()
+    return getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).train()
 
 
 def mistral3_multimodal(family, seed=0):
@@ -580,6 +591,7 @@ MULTIMODAL = {"gemma3": (gemma3_multimodal, "gemma3_text", 1e-5, "model.vision_t
               "qwen3_5_moe": (lambda: qwen3_5_multimodal("qwen3_5_moe_text"), "qwen3_5_moe_text", 1e-5,
                               "model.visual"),
               "qwen3_vl": (qwen3_vl_multimodal, "qwen3_vl_text", 1e-5, "model.visual"),
+              "qwen3_vl_moe": (lambda: qwen3_vl_multimodal(moe=True), "qwen3_vl_moe_text", 1e-5, "model.visual"),
               "mistral3": (lambda: mistral3_multimodal("ministral3"), "ministral3", 1e-5, "model.vision_tower"),
               "mistral3_mistral": (lambda: mistral3_multimodal("mistral"), "mistral", 1e-5, "model.vision_tower")}
 
@@ -632,6 +644,33 @@ def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
     # elements carry the summation-order noise of the large ones.
     for name, g in ref_grads.items():
         assert rel_err(grads[name], exact.get(name, g)) < (1e-4 if name in exact else tolerance), name
+
+
+def test_qwen3_vl_moe_router_loss_matches_hf():
+    """Qwen3-VL's MoE head adds the router's load-balancing loss where the call asks for it (output_router_logits;
+    transformers 5.23 also takes the text config's): on an image+text batch the loss, the aux loss and the
+    gradients are HF's, the sparse layers' experts on Bastile's expert path."""
+    inputs, labels = multimodal_batch("qwen3_vl_moe", image=True)
+
+    def step(model):
+        out = model(**inputs, labels=labels, output_router_logits=True)
+        out.loss.backward()
+        return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ref, ref_grads = step(qwen3_vl_multimodal(moe=True))
+    model = qwen3_vl_multimodal(moe=True)
+    bastile.apply(model=model, log_probs=False)
+    calls = []
+    real = bastile.roles.mlp.swiglu
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(bastile.roles.mlp, "swiglu", lambda *a: calls.append(1) or real(*a))
+        out, grads = step(model)
+    assert len(calls) >= 2  # the experts' gate of each sparse layer
+    assert ref.aux_loss is not None and out.aux_loss is not None
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys() and any(".experts." in n for n in grads)
+    for name, g in ref_grads.items():
+        assert_grad_close(grads[name], g, name)
 
 
 def test_a_wrapper_of_another_language_model_is_refused():

@@ -247,6 +247,15 @@ _QWEN3_5_MULTIMODAL = frozenset({"image_token_id", "text_config", "tie_word_embe
 _QWEN3_5_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids",
                    "mm_encoder_outputs")
 
+_QWEN3_VL_TRAITS = dict(attention=Attention(qk_norm=QkNorm.PER_HEAD), rotary=Rotary(sections=True), causal_lm=False)
+
+
+def _qwen3_vl(model_type: str, prefix: str, output: str) -> Multimodal:
+    """Qwen3-VL's multimodal model (its own output class in transformers 5.17, `output` in 5.23)."""
+    return Multimodal(model_type, _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS, module=model_type, prefix=prefix,
+                      output=("{prefix}CausalLMOutputWithPast", output))
+
+
 # Mistral3ForConditionalGeneration (model type mistral3, in a modeling module of its own) holds a Mistral decoder
 # (Mistral Small 3.1/3.2, Magistral Small) or a Ministral 3 one (the 2512 checkpoints): its head is held by both
 # families' head patches (patch.py).
@@ -364,15 +373,18 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             module="qwen3_5_moe", **_QWEN3_5_TRAITS, mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
             multimodal=Multimodal("qwen3_5_moe", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS,
                                   output=("{prefix}CausalLMOutputWithPast", "MoeCausalLMOutputWithPast"))),
-    # Qwen3-VL: Qwen3's dense layers (per-head q/k norms) under interleaved multimodal RoPE, whose tables HF's
-    # rotary module builds from the sections' positions. DeepStack adds the vision tower's intermediate features
-    # to the first layers' outputs at the image tokens, between layers, in HF's decoder loop (which Bastile's
-    # decoder forward wraps and does not replace). Its classes are Qwen3VLText*, its head is the multimodal
-    # model's (Qwen3VLForConditionalGeneration), which takes Qwen3.5's inputs (Qwen3.5 derives from it).
-    _family("qwen3_vl_text", "Qwen3VLText", {"attention_bias"}, module="qwen3_vl",
-            attention=Attention(qk_norm=QkNorm.PER_HEAD), rotary=Rotary(sections=True), causal_lm=False,
-            multimodal=Multimodal("qwen3_vl", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS, module="qwen3_vl",
-                                  prefix="Qwen3VL", output=("{prefix}CausalLMOutputWithPast", "CausalLMOutputWithPast"))),
+    # Qwen3-VL: Qwen3's layers (per-head q/k norms; in its MoE model Qwen3-MoE's experts, layers in mlp_only_layers
+    # or off the decoder_sparse_step dense) under interleaved multimodal RoPE, whose tables HF's rotary module
+    # builds from the sections' positions. DeepStack adds the vision tower's intermediate features to the first
+    # layers' outputs at the image tokens, between layers, in HF's decoder loop (which Bastile's decoder forward
+    # wraps and does not replace). Its classes are Qwen3VL(Moe)Text*, its head is the multimodal model's
+    # (Qwen3VL(Moe)ForConditionalGeneration), which takes Qwen3.5's inputs (Qwen3.5 derives from it).
+    _family("qwen3_vl_text", "Qwen3VLText", {"attention_bias"}, module="qwen3_vl", **_QWEN3_VL_TRAITS,
+            multimodal=_qwen3_vl("qwen3_vl", "Qwen3VL", "CausalLMOutputWithPast")),
+    _family("qwen3_vl_moe_text", "Qwen3VLMoeText",
+            {"attention_bias", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts"} | _MOE,
+            module="qwen3_vl_moe", **_QWEN3_VL_TRAITS, mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
+            multimodal=_qwen3_vl("qwen3_vl_moe", "Qwen3VLMoe", "MoeCausalLMOutputWithPast")),
 ]}
 # Multimodal model types -> their language model's model type -> its family.
 MULTIMODAL: Dict[str, Dict[str, Family]] = {
