@@ -385,7 +385,11 @@ def test_generation_matches_hf_and_reset_restores(family):
         assert getattr(*bastile.patch._resolve(p)) is original, target
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Families with no causal LM of their own: their multimodal model
+WRAPPED = {"qwen3_vl_text": lambda: qwen3_vl_multimodal(), "qwen3_vl_moe_text": lambda: qwen3_vl_multimodal(moe=True)}
+
+
+@pytest.mark.parametrize("family", FAMILIES + list(WRAPPED))
 def test_layer_rounds_as_hf_bf16_cpu(family):
     """bf16 on the CPU, the first attention layer's attention, MLP, norms and the whole layer on the same
     inputs, with norm weights away from 1: HF's bits almost everywhere (the CPU kernels round as HF's ops do).
@@ -395,25 +399,25 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
     and layer are compared by the training tests only. Qwen3.5's
     Gated DeltaNet ops also round once (f32 math), where HF's rounds op by op in bf16: its layers are left to
     the training tests, and its first attention layer is the one compared."""
-    model = mini(family, "cpu", torch.bfloat16).eval()
+    model = (WRAPPED[family]() if family in WRAPPED else mini(family, "cpu", torch.float32)).to(torch.bfloat16).eval()
+    decoder = model.get_decoder()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
                 p.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(2))
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 40, COMMON["hidden_size"], generator=g).bfloat16()
-    types = getattr(model.config, "layer_types", None) or ["full_attention"]
+    types = getattr(decoder.config, "layer_types", None) or ["full_attention"]
     index = next(i for i, t in enumerate(types) if t != "linear_attention")
-    layer = model.model.layers[index]
+    layer = decoder.layers[index]
     positions = torch.arange(40)[None].expand(2, -1)
-    per_type = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
+    per_type = "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters
     sections = positions[None].expand(3, -1, -1) if TRAITS[family].rotary.sections else positions
-    tables = (model.model.rotary_emb(h, positions, types[index]) if per_type
-              else model.model.rotary_emb(h, sections))
+    tables = decoder.rotary_emb(h, positions, types[index]) if per_type else decoder.rotary_emb(h, sections)
     kw = dict(attention_mask=None, position_ids=positions, position_embeddings=tables)
     if TRAITS[family].attention.shared_kv:
         kw["shared_kv_states"] = {}
-    per_layer = ([torch.randn(2, 40, model.config.hidden_size_per_layer_input, generator=g).bfloat16()]
+    per_layer = ([torch.randn(2, 40, decoder.config.hidden_size_per_layer_input, generator=g).bfloat16()]
                  if TRAITS[family].residual.per_layer_input else [])
     norms = [m for m in layer.modules() if type(m).__name__.endswith("RMSNorm") and getattr(m, "weight", None) is not None]
     inputs = [torch.randn(2, 40, m.weight.shape[0], generator=g).bfloat16() for m in norms]
