@@ -123,6 +123,8 @@ NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", 
 MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}
 LR = 2e-3
 STEPS = 6
+# Families with no causal LM of their own: their multimodal model (fp32, training mode)
+WRAPPED = {"qwen3_vl_text": lambda: qwen3_vl_multimodal(), "qwen3_vl_moe_text": lambda: qwen3_vl_multimodal(moe=True)}
 
 
 def mini(family, device, dtype, seed=0, **overrides):
@@ -332,11 +334,11 @@ def norm_recomputation(model, family, ids, labels, autocast=False):
     return kept, backward_calls, grads, plain
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if TRAITS[f].residual.attention_in])
+@pytest.mark.parametrize("family", [f for f in FAMILIES + list(WRAPPED) if TRAITS[f].residual.attention_in])
 def test_norm_outputs_are_recomputed_not_kept(family):
     """The outputs of the norms before attention and MLP are not kept for the backward, which computes each
     again once (q, k and v share it) and gets the same gradients, bit for bit, as the step that keeps them."""
-    model = mini(family, "cpu", torch.float32)
+    model = WRAPPED[family]() if family in WRAPPED else mini(family, "cpu", torch.float32)
     bastile.apply(model=model, log_probs=False)
     (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
     kept, backward_calls, grads, plain = norm_recomputation(model, family, ids, labels)
@@ -383,10 +385,6 @@ def test_generation_matches_hf_and_reset_restores(family):
     for (module, target), original in originals.items():
         p = next(p for p in bastile.patch.PATCHES if (p.module, p.target) == (module, target))
         assert getattr(*bastile.patch._resolve(p)) is original, target
-
-
-# Families with no causal LM of their own: their multimodal model
-WRAPPED = {"qwen3_vl_text": lambda: qwen3_vl_multimodal(), "qwen3_vl_moe_text": lambda: qwen3_vl_multimodal(moe=True)}
 
 
 @pytest.mark.parametrize("family", FAMILIES + list(WRAPPED))
