@@ -16,10 +16,10 @@ from transformers.integrations import moe
 import bastile
 from bastile import experts, long_context
 from conftest import EXPERTS_PATCHES, needs_cuda, rel_err
-from test_families import Dispatched, adam_steps, assert_grad_close, exact_grads, mini
+from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, exact_grads, mini
 from test_qwen3_training import batches
 
-FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe", "qwen3_vl_moe_text"]
 # Gemma 4's mini has no experts (test_families.py); here its MoE model: experts beside each dense MLP
 OVERRIDES = {"gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)}
 EXPERT_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
@@ -44,7 +44,7 @@ def hf_experts_refused(monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_train_as_hf(family, lora, monkeypatch):
     data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * 2
-    base = mini(family, "cpu", torch.float32, **OVERRIDES.get(family, {}))
+    base = WRAPPED[family]() if family in WRAPPED else mini(family, "cpu", torch.float32, **OVERRIDES.get(family, {}))
     (ids, labels), = data[0]
     # Qwen3.5's decay parameters against HF's model on the exact recurrence, as the family tests compare them
     exact = exact_grads(family, copy.deepcopy(base), lambda m: m(input_ids=ids, labels=labels).loss)
