@@ -78,6 +78,9 @@ MODELS = {
                               4096, 1),
     # gpt-oss-20b (24 layers, sliding and full alternating, 64 heads with sinks, 32 experts, 4 a token) in bf16
     # (the published MXFP4 weights are a format for inference), LoRA on the attention
+    # Qwen3-VL-8B's language model on text batches (the vision tower built, unused); LoRA on its projections only.
+    "qwen3-vl-8b": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen--Qwen3-VL-8B-Instruct",
+                    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
     "gpt-oss-20b": ("gpt_oss", "GptOssConfig", "GptOssForCausalLM", "openai--gpt-oss-20b",
                     ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
     "phi3-mini": ("phi3", "Phi3Config", "Phi3ForCausalLM",
@@ -165,6 +168,19 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
             eos_token_id=2)
 
 
+def tiny(config: dict, cfg_cls) -> dict:
+    """config at TINY's sizes: a multimodal model's text config, its vision tower at one narrow block."""
+    if "text_config" in config:
+        vision = {**config["vision_config"], "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                  "out_hidden_size": TINY["hidden_size"], "deepstack_visual_indexes": [0]}
+        return {**config, "text_config": tiny(config["text_config"], cfg_cls.sub_configs["text_config"]),
+                "vision_config": vision}
+    config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
+    if "layer_types" in config:  # sliding and full layers alternate, both before any that share K/V
+        config["layer_types"] = ["sliding_attention", "full_attention"] * 2
+    return config
+
+
 def build(mode, name, device, smoke, checkpoint):
     model_type, config_cls, model_cls, config, targets, _, _ = MODELS[name]
     if mode == "liger":
@@ -181,13 +197,12 @@ def build(mode, name, device, smoke, checkpoint):
         config = MODELS[config][3]
     folder, overrides = config if isinstance(config, tuple) else (config, {})
     if isinstance(folder, str):
-        config = {k: v for k, v in published(folder).items()
+        multimodal = "text_config" in getattr(cfg_cls, "sub_configs", {})
+        config = {k: v for k, v in published(folder, whole=multimodal).items()
                   if k not in ("model_type", "transformers_version", "quantization_config")}
     config = {**config, **overrides}
     if smoke:
-        config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
-        if "layer_types" in config:  # sliding and full layers alternate, both before any that share K/V
-            config["layer_types"] = ["sliding_attention", "full_attention"] * 2
+        config = tiny(config, cfg_cls)
     cfg = cfg_cls(**{**config, "use_cache": False})
     torch.manual_seed(0)
     with torch.device(device):
@@ -200,7 +215,7 @@ def build(mode, name, device, smoke, checkpoint):
         net = get_peft_model(net, LoraConfig(r=LORA, lora_alpha=2 * LORA, lora_dropout=0.0, target_modules=targets))
     net.train()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR, fused=device == "cuda")
-    return net, opt, cfg.vocab_size
+    return net, opt, cfg.get_text_config().vocab_size
 
 
 def child(args) -> dict:

@@ -428,11 +428,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def published(folder: str) -> dict:
-    """A published config.json of the test corpus (tests/configs/<folder>), its language model's where it is a
-    multimodal model's."""
+def published(folder: str, whole: bool = False) -> dict:
+    """A published config.json of the test corpus (tests/configs/<folder>): its language model's where it is a
+    multimodal model's, unless `whole`."""
     raw = json.loads((Path(__file__).resolve().parent.parent / "tests" / "configs" / folder / "config.json").read_text())
-    return raw.get("text_config", raw)
+    return raw if whole else raw.get("text_config", raw)
 
 
 def train_random(result: dict, net, opt, vocab: int, batch: int, seq: int, args):
