@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 
@@ -118,10 +118,20 @@ def _patch(role: str, family: str, module: str, path: str, t: Target) -> Patch:
                  t.part, t.lora)
 
 
+# The experts classes whose forward is Bastile's now, as _active says after each apply() and reset(): PEFT's
+# wrapper asks at every call, where a scan of _active would cost each expert parameter's forward.
+_experts_forward: FrozenSet[type] = frozenset()
+
+
+def _note_experts_forward():
+    global _experts_forward
+    _experts_forward = frozenset(owner for targets in _active.values() for owner, attr, _, part in targets
+                                 if attr == "forward" and part == "experts")
+
+
 def _on_experts_path(cls) -> bool:
     """Whether the experts class runs Bastile's experts forward now."""
-    return any(owner is cls and attr == "forward" and part == "experts"
-               for targets in _active.values() for owner, attr, _, part in targets)
+    return cls in _experts_forward
 
 
 # library -> (module, role -> targets), as trainers.TRAINERS. A library target of a part (Target.part) is applied
@@ -264,6 +274,7 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
             _active.setdefault(name, []).append((owner, attr, held[2] if held else owner.__dict__.get(attr), part))
             if not held:
                 setattr(owner, attr, replacement)
+    _note_experts_forward()
     chunk = _settings.mlp_chunk if mlp_chunk is None else mlp_chunk
     _settings = long_context.Settings(offload, chunk if offload else None)
     return [name for name, found in by_name.items() if name in _active]
@@ -299,6 +310,7 @@ def reset(names: Optional[Sequence[str]] = None) -> List[str]:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, original)
+    _note_experts_forward()
     return names
 
 
