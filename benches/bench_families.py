@@ -81,6 +81,11 @@ MODELS = {
     # Qwen3-VL-8B's language model on text batches (the vision tower built, unused); LoRA on its projections only.
     "qwen3-vl-8b": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen--Qwen3-VL-8B-Instruct",
                     ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
+    # Mistral Small 3.1's Mistral decoder in its multimodal model (Pixtral tower unused); LoRA on the decoder's
+    # projections (the tower's share their names).
+    "mistral-small-3.1-24b": ("mistral3", "Mistral3Config", "Mistral3ForConditionalGeneration",
+                              "mistralai--Mistral-Small-3.1-24B-Instruct-2503",
+                              r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)", 4096, 1),
     "gpt-oss-20b": ("gpt_oss", "GptOssConfig", "GptOssForCausalLM", "openai--gpt-oss-20b",
                     ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
     "phi3-mini": ("phi3", "Phi3Config", "Phi3ForCausalLM",
@@ -168,12 +173,21 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
             eos_token_id=2)
 
 
+def sub_config(cfg_cls, name: str, config: dict):
+    """The config class of config[name] (an AutoConfig slot names it by its model_type)."""
+    import transformers
+    cls = cfg_cls.sub_configs[name]
+    return transformers.CONFIG_MAPPING[config[name]["model_type"]] if cls is transformers.AutoConfig else cls
+
+
 def tiny(config: dict, cfg_cls) -> dict:
     """config at TINY's sizes: a multimodal model's text config, its vision tower at one narrow block."""
     if "text_config" in config:
-        vision = {**config["vision_config"], "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                  "out_hidden_size": TINY["hidden_size"], "deepstack_visual_indexes": [0]}
-        return {**config, "text_config": tiny(config["text_config"], cfg_cls.sub_configs["text_config"]),
+        small = dict(depth=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                     num_attention_heads=2, head_dim=16, out_hidden_size=TINY["hidden_size"], deepstack_visual_indexes=[0])
+        keys = sub_config(cfg_cls, "vision_config", config)().to_dict()
+        vision = {**config["vision_config"], **{k: v for k, v in small.items() if k in keys}}
+        return {**config, "text_config": tiny(config["text_config"], sub_config(cfg_cls, "text_config", config)),
                 "vision_config": vision}
     config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
     if "layer_types" in config:  # sliding and full layers alternate, both before any that share K/V
