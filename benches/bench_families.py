@@ -76,8 +76,6 @@ MODELS = {
                       4096, 1),
     "glm4.5-air-8l-experts": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4.5-air-8l", "all-linear",
                               4096, 1),
-    # gpt-oss-20b (24 layers, sliding and full alternating, 64 heads with sinks, 32 experts, 4 a token) in bf16
-    # (the published MXFP4 weights are a format for inference), LoRA on the attention
     # Qwen3-VL-8B's language model on text batches (the vision tower built, unused); LoRA on its projections only.
     "qwen3-vl-8b": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen--Qwen3-VL-8B-Instruct",
                     ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
@@ -86,6 +84,8 @@ MODELS = {
     "mistral-small-3.1-24b": ("mistral3", "Mistral3Config", "Mistral3ForConditionalGeneration",
                               "mistralai--Mistral-Small-3.1-24B-Instruct-2503",
                               r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)", 4096, 1),
+    # gpt-oss-20b (24 layers, sliding and full alternating, 64 heads with sinks, 32 experts, 4 a token) in bf16
+    # (the published MXFP4 weights are a format for inference), LoRA on the attention
     "gpt-oss-20b": ("gpt_oss", "GptOssConfig", "GptOssForCausalLM", "openai--gpt-oss-20b",
                     ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
     "phi3-mini": ("phi3", "Phi3Config", "Phi3ForCausalLM",
