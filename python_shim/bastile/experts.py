@@ -167,8 +167,11 @@ class _Experts(torch.autograd.Function):
         # gate/up, from the pairs' rows of x made again
         x = hidden[token].to(p1.w.dtype)
         dx, dw1, dbias1, da1, db1 = _backward(dgate_up, x, xa, groups, p1, s1, needs[8:12])
-        dhidden = (torch.zeros(hidden.shape, dtype=torch.float32, device=grad.device)
-                   .index_add_(0, token, dx.float()).to(hidden.dtype) if needs[3] else None)
+        # Each token's k pairs side by side, as the forward combines them: a sum, not atomics (index_add_) over an
+        # fp32 copy; reductions of 16-bit tensors accumulate in fp32 and round once.
+        total = torch.promote_types(dx.dtype, hidden.dtype)
+        dhidden = (torch.empty_like(dx).index_copy_(0, order, dx).view(-1, ctx.k, dx.shape[-1]).sum(1, dtype=total)
+                   .to(hidden.dtype).view(hidden.shape) if needs[3] else None)
         dweights = (torch.empty_like(dweight).index_copy_(0, order, dweight).view(weights.shape).to(weights.dtype)
                     if needs[4] else None)
         return (None, None, None, dhidden, dweights, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
