@@ -124,7 +124,8 @@ MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediat
 LR = 2e-3
 STEPS = 6
 # Families with no causal LM of their own: their multimodal model (fp32, training mode)
-WRAPPED = {"qwen3_vl_text": lambda: qwen3_vl_multimodal(), "qwen3_vl_moe_text": lambda: qwen3_vl_multimodal(moe=True)}
+WRAPPED = {"qwen3_vl_text": lambda: qwen3_vl_multimodal(), "qwen3_vl_moe_text": lambda: qwen3_vl_multimodal(moe=True),
+           "qwen2_5_vl_text": lambda: qwen2_vl_multimodal("qwen2_5_vl"), "qwen2_vl_text": lambda: qwen2_vl_multimodal("qwen2_vl")}
 
 
 def mini(family, device, dtype, seed=0, **overrides):
@@ -479,6 +480,13 @@ def test_mini_models_have_the_traits_the_tests_rely_on():
         assert mixers[3].q_proj.out_features == 2 * mixers[3].o_proj.in_features  # the query and its gate
         cos, _ = model.model.rotary_emb(torch.ones(1), torch.arange(3)[None, None].expand(3, 1, -1))
         assert cos.shape[-1] == 16  # half the head
+    for model_type in ("qwen2_5_vl", "qwen2_vl"):  # the last of three layers slides; the text MLP is a Qwen2MLP
+        decoder = qwen2_vl_multimodal(model_type).model.language_model
+        assert decoder.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"]
+        assert {type(layer.mlp).__name__ for layer in decoder.layers} == {"Qwen2MLP"}
+    # Qwen2.5-VL's vision blocks (one windowed, one full) are normed by the text's RMSNorm class, which Bastile patches
+    visual = qwen2_vl_multimodal("qwen2_5_vl").model.visual
+    assert {type(b.norm1).__name__ for b in visual.blocks} == {"Qwen2_5_VLRMSNorm"} and visual.fullatt_block_indexes == [1]
     vl = qwen3_vl_multimodal()  # DeepStack's features go to the first two of three layers
     assert len(vl.model.visual.deepstack_merger_list) == 2 < len(vl.model.language_model.layers)
     vl_moe = qwen3_vl_multimodal(moe=True)
@@ -566,6 +574,34 @@ def qwen3_vl_multimodal(moe=False, seed=0):
     return getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).train()
 
 
+# Qwen2-VL's and Qwen2.5-VL's language model (no causal LM of its own): Qwen2's layers (q/k/v biases) under multimodal
+# RoPE (sections of 8, 4 and 4 frequencies); three layers, the last on a sliding window
+QWEN2_VL_TEXT = dict(intermediate_size=256, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+                     max_window_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                           "mrope_section": [8, 4, 4]}, **IDS)
+
+
+def qwen2_vl_multimodal(model_type, seed=0):
+    """Qwen2VLForConditionalGeneration or Qwen2_5_VLForConditionalGeneration with QWEN2_VL_TEXT as its language model
+    and a two-block vision tower (Qwen2.5-VL's first block attends within windows of one merged patch): a 16x16 image
+    is 4x4 patches of 4x4 pixels (two frames), merged 2x2 to 4 image tokens (id IMAGE), placed by multimodal RoPE."""
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
+    tower = dict(depth=2, num_heads=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
+    if model_type == "qwen2_5_vl":
+        tower.update(hidden_size=32, intermediate_size=64, out_hidden_size=COMMON["hidden_size"], window_size=8,
+                     fullatt_block_indexes=[1])
+    else:
+        tower.update(embed_dim=32, mlp_ratio=2, hidden_size=COMMON["hidden_size"])
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, f"{prefix}Config")(
+        text_config=getattr(transformers, f"{prefix}TextConfig")(**{**COMMON, **QWEN2_VL_TEXT}),
+        vision_config=getattr(transformers, f"{prefix}VisionConfig")(**tower),
+        image_token_id=IMAGE, video_token_id=IMAGE + 2, vision_start_token_id=IMAGE - 1,
+        vision_end_token_id=IMAGE + 1, tie_word_embeddings=False)
+    cfg.text_config._attn_implementation = cfg._attn_implementation = "sdpa"
+    return getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).train()
+
+
 def mistral3_multimodal(family, seed=0):
     """Mistral3ForConditionalGeneration with the family's mini as its language model (Ministral 3's, or Mistral's
     as in Mistral Small 3.x) and a one-layer Pixtral tower: a 16x16 image is 4x4 patches of 4x4 pixels, merged 2x2
@@ -594,6 +630,8 @@ MULTIMODAL = {"gemma3": (gemma3_multimodal, "gemma3_text", 1e-5, "model.vision_t
                               "model.visual"),
               "qwen3_vl": (qwen3_vl_multimodal, "qwen3_vl_text", 1e-5, "model.visual"),
               "qwen3_vl_moe": (lambda: qwen3_vl_multimodal(moe=True), "qwen3_vl_moe_text", 1e-5, "model.visual"),
+              "qwen2_5_vl": (lambda: qwen2_vl_multimodal("qwen2_5_vl"), "qwen2_5_vl_text", 1e-5, "model.visual"),
+              "qwen2_vl": (lambda: qwen2_vl_multimodal("qwen2_vl"), "qwen2_vl_text", 1e-5, "model.visual"),
               "mistral3": (lambda: mistral3_multimodal("ministral3"), "ministral3", 1e-5, "model.vision_tower"),
               "mistral3_mistral": (lambda: mistral3_multimodal("mistral"), "mistral", 1e-5, "model.vision_tower")}
 
@@ -610,7 +648,7 @@ def multimodal_batch(model_type: str, image: bool):
             inputs.update(token_type_ids=types, pixel_values=torch.randn(1, 3, 28, 28, generator=pixels))
         elif model_type.startswith("mistral3"):
             inputs.update(pixel_values=torch.randn(1, 3, 16, 16, generator=pixels), image_sizes=torch.tensor([[16, 16]]))
-        elif model_type.startswith(("qwen3_5", "qwen3_vl")):  # the processor's patches: [patches, 3 * 2 * 4 * 4], a 4x4 grid
+        elif model_type.startswith(("qwen3_5", "qwen3_vl", "qwen2")):  # the processor's patches: [patches, 3 * 2 * 4 * 4], a 4x4 grid
             inputs.update(mm_token_type_ids=types, pixel_values=torch.randn(16, 96, generator=pixels),
                           image_grid_thw=torch.tensor([[1, 4, 4]]))
         else:  # the processor's patches: [images, patches, 3 * 4 * 4] pixels in [0, 1], their (x, y) on a 4x4 grid
@@ -624,9 +662,10 @@ def multimodal_batch(model_type: str, image: bool):
 @pytest.mark.parametrize("image", [False, True])
 @pytest.mark.parametrize("model_type", list(MULTIMODAL))
 def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
-    """The language model of Gemma 3's, Gemma 4's, Qwen3.5's, Qwen3-VL's and Mistral 3's multimodal models runs Bastile's
-    forwards and head; the vision tower is HF's. Text-only and image+text batches: the losses of 6 AdamW steps and every
-    first-step gradient (the vision tower's and projector's included, Qwen3-VL's DeepStack mergers') as HF's."""
+    """The language model of Gemma 3's, Gemma 4's, Qwen3.5's, Qwen3-VL's, Qwen2(.5)-VL's and Mistral 3's multimodal models
+    runs Bastile's forwards and head; the vision tower is HF's (but for Qwen2.5-VL's norms). Text-only and image+text
+    batches: the losses of 6 AdamW steps and every first-step gradient (the vision tower's and projector's included,
+    Qwen3-VL's DeepStack mergers') as HF's."""
     build, family, tolerance, tower = MULTIMODAL[model_type]
     inputs, labels = multimodal_batch(model_type, image)
 

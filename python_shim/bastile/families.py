@@ -203,6 +203,9 @@ class Family:
     multimodal: Optional[Multimodal] = None
     # <prefix>ForCausalLM exists; Qwen3-VL's language model has no head of its own, only its multimodal model's
     causal_lm: bool = True
+    # part -> its class, where that is not <prefix><layer><part>: Qwen2(.5)-VL's text MLP is a Qwen2MLP of their
+    # modeling module, whose <prefix>MLP (Qwen2.5-VL's) is the vision tower's
+    classes: Mapping[str, str] = field(default_factory=dict)
     # Qwen3.5: the layers config.layer_types calls "linear_attention" mix tokens with a Gated DeltaNet
     # (<prefix>GatedDeltaNet, the layer's `linear_attn`, its output norm a <prefix>RMSNormGated) in place of
     # attention: a causal depthwise conv over the fused q/k/v projection, the gated delta rule over the
@@ -214,8 +217,8 @@ class Family:
         return _SHARED | self.config
 
     def name(self, part: str) -> str:
-        """The class name of one of the family's parts: <prefix>RMSNorm, <prefix><layer>MLP, ..."""
-        return self.prefix + (self.layer if part in LAYER_PARTS else "") + part
+        """The class name of one of the family's parts: <prefix>RMSNorm, <prefix><layer>MLP, ... (or Family.classes')"""
+        return self.classes.get(part) or self.prefix + (self.layer if part in LAYER_PARTS else "") + part
 
 
 # The parts whose class names carry Family.layer (Gemma4TextAttention, but Gemma4RMSNorm).
@@ -254,6 +257,19 @@ def _qwen3_vl(model_type: str, prefix: str, output: str) -> Multimodal:
     """Qwen3-VL's multimodal model (its own output class in transformers 5.17, `output` in 5.23)."""
     return Multimodal(model_type, _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS, module=model_type, prefix=prefix,
                       output=("{prefix}CausalLMOutputWithPast", output))
+
+
+def _qwen2_vl(model_type: str, prefix: str, inputs: Tuple[str, ...] = ()) -> Family:
+    """Qwen2-VL's and Qwen2.5-VL's language model (<model_type>_text): Qwen2's layers (q/k/v biases, no q/k norms,
+    the window on the layers layer_types says) under multimodal RoPE, whose tables HF's rotary module builds from
+    the sections' positions and the attention applies as a plain half-split rotation. No causal LM of its own: the
+    head is the multimodal model's, whose inner model takes no labels and Qwen3.5's inputs (+ `inputs`); in
+    transformers 5.17 it has its own output class (rope_deltas), in 5.23 HF's."""
+    return _family(f"{model_type}_text", prefix, {"max_window_layers", "use_sliding_window"} | _PER_LAYER,
+                   module=model_type, attention=Attention(window=Window.LAYER), rotary=Rotary(sections=True),
+                   decoder="TextModel", causal_lm=False, classes={"MLP": "Qwen2MLP"},
+                   multimodal=Multimodal(model_type, _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS + inputs, labels=False,
+                                         output=("{prefix}CausalLMOutputWithPast", "CausalLMOutputWithPast")))
 
 
 # Mistral3ForConditionalGeneration (model type mistral3, in a modeling module of its own) holds a Mistral decoder
@@ -385,6 +401,11 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             {"attention_bias", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts"} | _MOE,
             module="qwen3_vl_moe", **_QWEN3_VL_TRAITS, mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
             multimodal=_qwen3_vl("qwen3_vl_moe", "Qwen3VLMoe", "MoeCausalLMOutputWithPast")),
+    # Qwen2.5-VL's multimodal model also takes the videos' seconds per temporal grid step (their RoPE positions'
+    # spacing). Its vision blocks' norms are of the text's RMSNorm class (Qwen2_5_VLRMSNorm, as Llama's rounds):
+    # they run Bastile's norm too.
+    _qwen2_vl("qwen2_5_vl", "Qwen2_5_VL", ("second_per_grid_ts",)),
+    _qwen2_vl("qwen2_vl", "Qwen2VL"),
 ]}
 # Multimodal model types -> their language model's model type -> its family.
 MULTIMODAL: Dict[str, Dict[str, Family]] = {
