@@ -16,7 +16,8 @@ import bastile
 from bastile import sinks, varlen
 from conftest import needs_cuda
 from bastile.families import FAMILIES as TRAITS
-from test_families import COMMON, IMAGE, assert_grad_close, exact_delta_rule, mini, qwen3_vl_multimodal
+from test_families import (COMMON, IMAGE, assert_grad_close, exact_delta_rule, mini, qwen2_vl_multimodal,
+                           qwen3_vl_multimodal)
 
 LENGTHS = (7, 12, 1, 5)
 
@@ -368,15 +369,24 @@ def test_two_packed_rows_use_per_row_tables(family):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
+# multimodal model type -> (its mini, the parameters an image's gradients reach beyond the vision blocks: Qwen3-VL's
+# DeepStack mergers, the others' patch merger)
+QWEN_VL = {"qwen3_vl": (qwen3_vl_multimodal, "model.visual.deepstack"),
+           "qwen2_5_vl": (lambda: qwen2_vl_multimodal("qwen2_5_vl"), "model.visual.merger"),
+           "qwen2_vl": (lambda: qwen2_vl_multimodal("qwen2_vl"), "model.visual.merger")}
+
+
+@pytest.mark.parametrize("model_type", list(QWEN_VL))
 @pytest.mark.parametrize("image", [False, True], ids=["text", "images"])
 @pytest.mark.parametrize("given", [False, True], ids=["positions", "cu_seq_lens"])
-def test_qwen3_vl_packed_row_matches_sequences_alone(given, image, monkeypatch):
-    """Qwen3-VL's multimodal model on a packed row: text only, with 2-D restarting positions, or with an image in two
-    of its three sequences, with each sequence's multimodal RoPE sections as HF's get_rope_index makes them alone
-    after the text positions ([4, 1, tokens], as HF's decoder reads them). The varlen kernel runs in every layer, and
-    the loss and gradients (the vision tower's and DeepStack's included) are those of the sequences run alone
-    through HF's model."""
-    ref = qwen3_vl_multimodal()
+def test_qwen_vl_packed_row_matches_sequences_alone(given, image, model_type, monkeypatch):
+    """Qwen3-VL's, Qwen2.5-VL's and Qwen2-VL's multimodal models on a packed row: text only, with 2-D restarting
+    positions, or with an image in two of its three sequences, with each sequence's multimodal RoPE sections as HF's
+    get_rope_index makes them alone after the text positions ([4, 1, tokens], as HF's decoder reads them). The varlen
+    kernel runs in every layer, and the loss and gradients (the vision tower's and DeepStack's included) are those
+    of the sequences run alone through HF's model."""
+    build, reached = QWEN_VL[model_type]
+    ref = build()
     model = copy.deepcopy(ref)
     bastile.apply(model=model)
     gen = torch.Generator().manual_seed(5)
@@ -413,7 +423,7 @@ def test_qwen3_vl_packed_row_matches_sequences_alone(given, image, monkeypatch):
     expected = sum(ref(**kw).loss * n for kw, n in zip(runs, counts)) / sum(counts)
     expected_grads = torch.autograd.grad(expected, list(ref.parameters()), allow_unused=True)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
-    assert any(n.startswith("model.visual.deepstack") and g is not None
+    assert any(n.startswith(reached) and g is not None
                for (n, _), g in zip(model.named_parameters(), grads)) == image
     for (name, _), g, e in zip(model.named_parameters(), grads, expected_grads):
         assert (g is None) == (e is None), name
