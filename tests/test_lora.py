@@ -18,7 +18,7 @@ import bastile
 from bastile import lora
 from conftest import needs_cuda
 from bastile.families import FAMILIES as TRAITS
-from test_families import NEW, mini, multimodal_batch, norm_recomputation, qwen3_vl_multimodal
+from test_families import NEW, mini, multimodal_batch, norm_recomputation, qwen2_vl_multimodal, qwen3_vl_multimodal
 from test_qwen3_training import assert_params_close, batches, train
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -104,16 +104,21 @@ def test_training_matches_peft_cpu_fp32(family, dropout):
         assert train_seeded(again, data) == losses
 
 
-# An image+text batch makes the mini chaotic sooner: HF's own eager and SDPA attention drift 1.6e-5 apart by step 17
-# (1.2e-6 through step 13); it is compared over 12 steps.
+QWEN_VL = {"qwen3_vl": qwen3_vl_multimodal, "qwen2_5_vl": lambda: qwen2_vl_multimodal("qwen2_5_vl"),
+           "qwen2_vl": lambda: qwen2_vl_multimodal("qwen2_vl")}
+
+
+# An image+text batch makes Qwen3-VL's mini chaotic sooner: HF's own eager and SDPA attention drift 1.6e-5 apart by
+# step 17 (1.2e-6 through step 13); it is compared over 12 steps.
+@pytest.mark.parametrize("model_type", list(QWEN_VL))
 @pytest.mark.parametrize("image,steps", [(False, STEPS), (True, 12)], ids=["text", "image"])
-def test_qwen3_vl_training_matches_peft_cpu_fp32(image, steps):
-    """PEFT LoRA on the seven projections of Qwen3-VL's language model (no module of its vision tower has those
-    names): every adapter in Bastile's fused nodes, and the AdamW steps of a text-only or image+text batch as HF +
-    PEFT's."""
-    ref = with_lora(qwen3_vl_multimodal())
+def test_qwen_vl_training_matches_peft_cpu_fp32(model_type, image, steps):
+    """PEFT LoRA on the seven projections of the language model of Qwen3-VL, Qwen2.5-VL or Qwen2-VL: every adapter
+    there in Bastile's fused nodes, and the AdamW steps of a text-only or image+text batch as HF + PEFT's. Of the
+    vision towers only Qwen2.5-VL's has modules of those names, its blocks' MLP (HF's forward): PEFT's path."""
+    ref = with_lora(QWEN_VL[model_type]())
     model = copy.deepcopy(ref)
-    inputs, labels = multimodal_batch("qwen3_vl", image)
+    inputs, labels = multimodal_batch(model_type, image)
 
     def run(net):
         opt = torch.optim.AdamW(net.parameters(), lr=LR)
@@ -129,9 +134,12 @@ def test_qwen3_vl_training_matches_peft_cpu_fp32(image, steps):
     ref_losses = run(ref)
     bastile.apply(model=model)
     report = bastile.lora_modules(model)
-    assert {n.rsplit(".", 1)[-1] for n in report} == set(SEVEN) and set(report.values()) == {"fused"}, report
-    assert all(".language_model." in n for n in report)
-    assert_losses_close(run(model), ref_losses, 1e-5, "qwen3_vl")
+    text = {n: why for n, why in report.items() if ".language_model." in n}
+    assert {n.rsplit(".", 1)[-1] for n in text} == set(SEVEN) and set(text.values()) == {"fused"}, report
+    vision = {n: why for n, why in report.items() if n not in text}
+    assert bool(vision) == (model_type == "qwen2_5_vl")
+    assert all(".visual.blocks." in n and ".mlp." in n and why != "fused" for n, why in vision.items()), vision
+    assert_losses_close(run(model), ref_losses, 1e-5, model_type)
     assert_params_close(adapters(model), adapters(ref), 5e-4)
 
 
