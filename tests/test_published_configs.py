@@ -39,8 +39,7 @@ def test_the_corpus_covers_every_family():
     """At least two published checkpoints per supported family (a multimodal one counts for its language model)."""
     counts = {}
     for folder in FOLDERS:
-        raw = published(folder)
-        model_type = raw.get("text_config", raw)["model_type"]
+        model_type = language_model(folder)["model_type"]
         counts[model_type] = counts.get(model_type, 0) + 1
     assert {f: counts.get(f, 0) for f in families.FAMILIES if counts.get(f, 0) < 2} == {}
 
@@ -114,8 +113,14 @@ def shrunk(raw: dict) -> dict:
 
 
 def language_model(folder) -> dict:
+    """The language model's config as published; Qwen2-VL's and Qwen2.5-VL's files keep its keys beside the vision
+    config's (from before multimodal configs had a text_config): as their config class reads them."""
     raw = published(folder)
-    return raw["text_config"] if "text_config" in raw else raw
+    if "text_config" in raw:
+        return raw["text_config"]
+    if raw["model_type"] in families.MULTIMODAL:
+        return AutoConfig.from_pretrained(CONFIGS / folder).get_text_config().to_dict()
+    return raw
 
 
 # Gemma 4 scales its attention by 1, and its q/k norms' weights start at 1: at random init its logits spread as
@@ -147,15 +152,27 @@ def train(model, ids, steps=2):
     return losses
 
 
+def tower(model_type, width) -> dict:
+    """A vision tower of one small block whose output is `width` wide, in the keys of the multimodal model's vision
+    config (Qwen2-VL's hidden_size is its output's width, embed_dim its blocks'; Qwen3-VL's DeepStack takes the
+    block's features)."""
+    if model_type == "qwen2_vl":
+        return dict(depth=1, embed_dim=32, num_heads=2, hidden_size=width)
+    deepstack = dict(deepstack_visual_indexes=[0]) if model_type.startswith("qwen3_vl") else {}
+    return dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=width, **deepstack)
+
+
 def trained(folder):
-    """The shrunk language model's config; where the language model has no causal LM of its own (Qwen3-VL's), its
-    multimodal model's around it, with a vision tower of one small block (the text-only steps never run it)."""
+    """The shrunk language model's config; where the language model has no causal LM of its own (Qwen3-VL's,
+    Qwen2(.5)-VL's), its multimodal model's around it, with a vision tower of one small block (the text-only steps
+    never run it)."""
     text = CONFIG_MAPPING[language_model(folder)["model_type"]].from_dict(shrunk(language_model(folder)))
     if families.FAMILIES[text.model_type].causal_lm:
         return text
     raw = published(folder)
-    vision = {**raw["vision_config"], "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-              "out_hidden_size": text.hidden_size, "deepstack_visual_indexes": [0]}
+    if "text_config" not in raw:  # a flat file: as its config class reads it (5.23 would keep its text keys beside)
+        raw = AutoConfig.from_pretrained(CONFIGS / folder).to_dict()
+    vision = {**raw["vision_config"], **tower(raw["model_type"], text.hidden_size)}
     return CONFIG_MAPPING[raw["model_type"]].from_dict({**raw, "text_config": text.to_dict(), "vision_config": vision})
 
 
