@@ -95,6 +95,11 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like
     return torch.stack([x[a:b].float().t() @ dy[a:b].float() for a, b in _bounds(offsets)])
 
 
+def _pair_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows of the pairs ordered by expert back in pair order (token-major, a token's k pairs side by side)."""
+    return torch.empty_like(rows).index_copy_(0, order, rows)
+
+
 def _forward(x, groups: Groups, p: Projection, scale: float):
     """x w + s (x a) b + bias of each pair's expert, and x a (the backward's)."""
     y = grouped_mm(x, p.w, groups.offsets)
@@ -140,7 +145,7 @@ class _Experts(torch.autograd.Function):
         h = gate(gate_up)
         out, ha = _forward(h, groups, p2, scales[1])
         pair = out * weights.reshape(-1)[order, None]  # promoted as HF's: Mixtral's weights are fp32
-        combined = torch.empty_like(pair).index_copy_(0, order, pair).view(-1, k, pair.shape[-1]).sum(dim=1)
+        combined = _pair_order(pair, order).view(-1, k, pair.shape[-1]).sum(dim=1)
         ctx.save_for_backward(hidden, weights, order, offsets, expert, gate_up, xa, ha, *params)
         ctx.gate, ctx.k, ctx.scales = gate, k, scales
         return combined.to(hidden.dtype)
@@ -170,10 +175,9 @@ class _Experts(torch.autograd.Function):
         # Each token's k pairs side by side, as the forward combines them: a sum, not atomics (index_add_) over an
         # fp32 copy; reductions of 16-bit tensors accumulate in fp32 and round once.
         total = torch.promote_types(dx.dtype, hidden.dtype)
-        dhidden = (torch.empty_like(dx).index_copy_(0, order, dx).view(-1, ctx.k, dx.shape[-1]).sum(1, dtype=total)
-                   .to(hidden.dtype).view(hidden.shape) if needs[3] else None)
-        dweights = (torch.empty_like(dweight).index_copy_(0, order, dweight).view(weights.shape).to(weights.dtype)
-                    if needs[4] else None)
+        dhidden = (_pair_order(dx, order).view(-1, ctx.k, dx.shape[-1]).sum(1, dtype=total).to(hidden.dtype)
+                   .view(hidden.shape) if needs[3] else None)
+        dweights = _pair_order(dweight, order).view(weights.shape).to(weights.dtype) if needs[4] else None
         return (None, None, None, dhidden, dweights, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
 
 
