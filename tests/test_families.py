@@ -114,11 +114,16 @@ CONFIGS = {
                          dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
                               num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01,
                               **DELTA_NET, **IDS)),
+    # gated short convolutions (3 taps, biased) on layers 0 and 2, attention with per-head q/k norms on 1 and 3;
+    # the MLP's width adjusted from intermediate_size by the block_* keys (2/3 of 384, a multiple of 32)
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
+             dict(intermediate_size=384, block_multiple_of=32, num_hidden_layers=4, conv_bias=True,
+                  layer_types=["conv", "full_attention"] * 2, **IDS)),
 }
 FAMILIES = list(CONFIGS)
 NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "glm4", "glm4_moe", "gemma", "gemma2",
        "gemma3_text",
-       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text"]
+       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2"]
 # Qwen3's own training tests use a larger model (test_qwen3_training.py); this one is for the other tests.
 MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}
 LR = 2e-3
@@ -154,13 +159,14 @@ class Dispatched(TorchDispatchMode):
 
 def expected_ops(family):
     """The ops a patched training step of the family must run: its norms, rotation (with the q/k norms where
-    the rotation is whole-head and half-split), MLP (or experts'), head, and Gated DeltaNet's."""
+    the rotation is whole-head and half-split), MLP (or experts'), head, Gated DeltaNet's and short convolution's."""
     t = TRAITS[family]
     fused = t.attention.qk_norm.name == "PER_HEAD" and t.rotary.layout.name == "HALF_SPLIT" and not t.rotary.partial
     attention = "qk_norm_rope" if fused else "rope"
     mlp = "geglu" if t.mlp.experts == "geglu" else "swiglu"
     delta_net = {"causal_conv1d", "gated_delta_rule", "rms_norm_gated"} if t.linear_attention else set()
-    return {"rms_norm", attention, mlp, "fused_linear_cross_entropy"} | delta_net
+    conv = {"causal_conv1d"} if t.short_conv else set()
+    return {"rms_norm", attention, mlp, "fused_linear_cross_entropy"} | delta_net | conv
 
 
 def assert_grad_close(a, b, name):
@@ -397,7 +403,8 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
     attention round once where HF rounds after each op (geglu; the scores, the softmax), so its attention, MLP
     and layer are compared by the training tests only. Qwen3.5's
     Gated DeltaNet ops also round once (f32 math), where HF's rounds op by op in bf16: its layers are left to
-    the training tests, and its first attention layer is the one compared."""
+    the training tests, and its first attention layer is the one compared; so are LFM2's (its short convolution's
+    layers)."""
     model = (WRAPPED[family]() if family in WRAPPED else mini(family, "cpu", torch.float32)).to(torch.bfloat16).eval()
     decoder = model.get_decoder()
     with torch.no_grad():
@@ -407,7 +414,7 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 40, COMMON["hidden_size"], generator=g).bfloat16()
     types = getattr(decoder.config, "layer_types", None) or ["full_attention"]
-    index = next(i for i, t in enumerate(types) if t != "linear_attention")
+    index = next(i for i, t in enumerate(types) if t not in TRAITS[family].mixer_types)
     layer = decoder.layers[index]
     positions = torch.arange(40)[None].expand(2, -1)
     per_type = "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters
@@ -425,7 +432,8 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
     def run():
         with torch.no_grad():
             outs = ([] if once else [layer.self_attn(h, **kw)[0]]) + [m(x) for m, x in zip(norms, inputs)]
-            return outs + ([] if once else [layer(h, *per_layer, **kw), layer.mlp(h)])
+            return outs + ([] if once else [layer(h, *per_layer, **kw),
+                                            getattr(layer, TRAITS[family].residual.mlp)(h)])
     want = run()
     bastile.apply(model=model)
     got = run()
@@ -487,6 +495,10 @@ def test_mini_models_have_the_traits_the_tests_rely_on():
     # Qwen2.5-VL's vision blocks (one windowed, one full) are normed by the text's RMSNorm class, which Bastile patches
     visual = qwen2_vl_multimodal("qwen2_5_vl").model.visual
     assert {type(b.norm1).__name__ for b in visual.blocks} == {"Qwen2_5_VLRMSNorm"} and visual.fullatt_block_indexes == [1]
+    lfm2 = mini("lfm2", "cpu", torch.float32)  # biased short convolutions on layers 0 and 2, the MLP 2/3 as wide
+    assert [type(getattr(layer, "conv", None) or layer.self_attn).__name__ for layer in lfm2.model.layers] \
+        == ["Lfm2ShortConv", "Lfm2Attention"] * 2
+    assert lfm2.model.layers[0].conv.conv.bias is not None and lfm2.model.layers[0].feed_forward.w1.out_features == 256
     vl = qwen3_vl_multimodal()  # DeepStack's features go to the first two of three layers
     assert len(vl.model.visual.deepstack_merger_list) == 2 < len(vl.model.language_model.layers)
     vl_moe = qwen3_vl_multimodal(moe=True)
@@ -999,6 +1011,26 @@ def test_gated_delta_net_subclass_and_undeclared_linear_layers_are_refused():
     qwen3 = mini("qwen3", "cpu", torch.float32)
     qwen3.config.layer_types = ["linear_attention", "full_attention"]
     with pytest.raises(Unsupported, match=r"qwen3 layer_types \['linear_attention'\] are not among"):
+        bastile.apply(model=qwen3)
+    assert bastile.get_patched_ops() == []
+
+
+def test_short_conv_subclass_and_undeclared_conv_layers_are_refused():
+    """A subclass of LFM2's short convolution (whose forward Bastile replaces) is refused, as is a "conv" layer type
+    in a family whose traits have none."""
+    from transformers.models.lfm2 import modeling_lfm2
+
+    class Longer(modeling_lfm2.Lfm2ShortConv):
+        pass
+
+    model = mini("lfm2", "cpu", torch.float32)
+    model.model.layers[2].conv.__class__ = Longer
+    with pytest.raises(Unsupported, match=r"model.layers.2.conv is a .*Longer, a subclass of "
+                                          "Lfm2ShortConv.*nothing was patched"):
+        bastile.apply(model=model)
+    qwen3 = mini("qwen3", "cpu", torch.float32)
+    qwen3.config.layer_types = ["conv", "full_attention"]
+    with pytest.raises(Unsupported, match=r"qwen3 layer_types \['conv'\] are not among"):
         bastile.apply(model=qwen3)
     assert bastile.get_patched_ops() == []
 

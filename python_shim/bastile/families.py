@@ -4,7 +4,7 @@ family declares.
 A family (an HF `model_type`) is its traits: how its RMSNorm rounds, what its attention does around the
 projections (fused q/k/v, q/k norms per head or over the whole width, the rotary layout, NoPE layers, the
 sliding-window source, a position-dependent query scale, sinks, an output gate), linear-attention layers in
-place of attention (Qwen3.5's Gated DeltaNet), its MLP (separate or fused gate/up, MoE experts), the norms
+place of attention (Qwen3.5's Gated DeltaNet) or gated short convolutions (LFM2's), its MLP (separate or fused gate/up, MoE experts), the norms
 and multipliers around each sublayer, and its head (a logit scale, the router's auxiliary loss). The forwards
 (roles/) are built from stages these traits choose; nothing there probes a module to guess what it is.
 `check(model, parts)` refuses, naming the module or config key, a model that carries anything the traits do
@@ -87,13 +87,21 @@ class Attention:
     # Qwen3.5: q_proj gives each head's query followed by as wide a gate, and the attention's output is
     # multiplied by sigmoid(gate) before o_proj.
     output_gate: bool = False
+    # The module's attributes: its output projection, its q and k norms, and its dropout probability (None: it
+    # has none, and HF's forward passes 0). LFM2's are out_proj, q_layernorm and k_layernorm, with no dropout.
+    output: str = "o_proj"
+    norms: Tuple[str, str] = ("q_norm", "k_norm")
+    dropout: Optional[str] = "attention_dropout"
 
 
 @dataclass(frozen=True)
 class Mlp:
     dense: bool = True                  # `<prefix>MLP` is a SwiGLU MLP (in MoE families: the dense layers')
     fused_gate_up: bool = False         # one gate_up_proj, gate first (Phi-3, GLM-4)
-    activation: str = "act_fn"          # the dense MLP's activation module
+    # The dense MLP's activation module; None where its forward calls F.silu itself (LFM2)
+    activation: Optional[str] = "act_fn"
+    # The dense MLP's gate, up (where not fused) and down projections (LFM2's w1, w3, w2)
+    projections: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     experts: Optional[str] = None       # the experts' activation: "swiglu" or "geglu" (GPT-OSS's clamped one)
     router_scores: bool = False         # the MoE block returns (hidden, router scores) (GPT-OSS)
     # Gemma 4 (enable_moe_block): the layer's router and experts run beside its dense MLP, on the MLP's
@@ -106,6 +114,7 @@ class Mlp:
 class Residual:
     """The decoder layer: the norms (attributes of the layer, None where there is none) before and after
     each sublayer, then `residual + dropout(out) * multiplier`."""
+    mlp: str = "mlp"                    # the layer's attribute holding its MLP (LFM2's feed_forward)
     attention_in: Optional[str] = "input_layernorm"
     attention_out: Optional[str] = None
     mlp_in: Optional[str] = "post_attention_layernorm"
@@ -211,10 +220,19 @@ class Family:
     # attention: a causal depthwise conv over the fused q/k/v projection, the gated delta rule over the
     # l2-normed q and k (the value heads sharing key heads in groups), a gated RMSNorm, out_proj.
     linear_attention: bool = False
+    # LFM2: the layers config.layer_types calls "conv" mix tokens with a gated short convolution
+    # (<prefix>ShortConv, the layer's `conv`) in place of attention: in_proj's three chunks B, C, x, then
+    # out_proj(C * conv(B * x)), conv a causal depthwise convolution of config.conv_L_cache taps.
+    short_conv: bool = False
 
     @property
     def keys(self) -> FrozenSet[str]:
         return _SHARED | self.config
+
+    @property
+    def mixer_types(self) -> Tuple[str, ...]:
+        """The layer types whose layers mix tokens otherwise than by attention."""
+        return (LINEAR,) * self.linear_attention + (CONV,) * self.short_conv
 
     def name(self, part: str) -> str:
         """The class name of one of the family's parts: <prefix>RMSNorm, <prefix><layer>MLP, ... (or Family.classes')"""
@@ -406,6 +424,16 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     # they run Bastile's norm too.
     _qwen2_vl("qwen2_5_vl", "Qwen2_5_VL", ("second_per_grid_ts",)),
     _qwen2_vl("qwen2_vl", "Qwen2VL"),
+    # LFM2 and LFM2.5 (Liquid AI): gated short convolutions on the layers layer_types calls "conv", attention with
+    # per-head q/k norms on the others; each sublayer after its norm (operator_norm, ffn_norm), the MLP the
+    # layer's feed_forward (w1, w3, w2 and F.silu). The MLP's width is intermediate_size adjusted by the block_*
+    # keys in its __init__ (the module holds it).
+    _family("lfm2", "Lfm2", {"block_auto_adjust_ff_dim", "block_ffn_dim_multiplier", "block_multiple_of", "conv_bias",
+                             "conv_L_cache", "layer_types", "norm_eps"},
+            attention=Attention(qk_norm=QkNorm.PER_HEAD, output="out_proj", norms=("q_layernorm", "k_layernorm"),
+                                dropout=None),
+            mlp=Mlp(activation=None, projections=("w1", "w3", "w2")),
+            residual=Residual(mlp="feed_forward", attention_in="operator_norm", mlp_in="ffn_norm"), short_conv=True),
 ]}
 # Multimodal model types -> their language model's model type -> its family.
 MULTIMODAL: Dict[str, Dict[str, Family]] = {
@@ -414,6 +442,7 @@ MULTIMODAL: Dict[str, Dict[str, Family]] = {
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR = "linear_attention"  # the layer type of Family.linear_attention's layers
+CONV = "conv"  # the layer type of Family.short_conv's layers
 
 
 class Unsupported(ValueError):
@@ -511,7 +540,7 @@ def _check_config(family: Family, config) -> None:
             raise Unsupported(f"bastile: {family.model_type} with partial_rotary_factor={factor}: Bastile's "
                               f"{family.model_type} traits rotate whole heads")
     if "layer_types" in family.config:
-        known = LAYER_TYPES + ((LINEAR,) if family.linear_attention else ())
+        known = LAYER_TYPES + family.mixer_types
         types = set(config.layer_types or ())
         if not types <= set(known):
             raise Unsupported(f"bastile: {family.model_type} layer_types {sorted(types - set(known))} "

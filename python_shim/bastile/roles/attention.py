@@ -1,5 +1,5 @@
-"""The attention role: the attention's forward, and the Gated DeltaNet's (linear_attention.py) where the family
-mixes tokens with one.
+"""The attention role: the attention's forward, and the Gated DeltaNet's (linear_attention.py) or the gated short
+convolution's (short_conv.py) where the family mixes tokens with one.
 
 The forward is `project_out(gate(attend(scale_queries(states(x)))))`, each a stage chosen once per family:
 - states: q, k, v ([batch, heads, seq, head_dim]) from the projections (q/k/v, or one fused qkv_proj) through
@@ -22,7 +22,8 @@ from ..families import Family, Layout, QkNorm, Window
 from ..ops.qk_norm_rope import qk_norm_rope
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import rope
-from . import Context, Declaration, Target, fused, gemma4, hf_attr, linear_attention, ministral3, named, norm
+from . import (Context, Declaration, Target, fused, gemma4, hf_attr, linear_attention, ministral3, named, norm,
+               short_conv)
 
 # ------------------------------------------------------------------------------------------------ projections
 
@@ -63,10 +64,13 @@ def no_full_width_norm(self, q, k):
     return q, k
 
 
-def full_width_norm(norm_args: Callable) -> Callable:
+def full_width_norm(family: Family) -> Callable:
     """OLMo 2's q and k norms, over the whole projection width before the heads are split."""
+    norm_args, (q_norm, k_norm) = norm.ARGS[family.norm], family.attention.norms
+
     def qk_norm(self, q, k):
-        return rms_norm(q, *norm_args(self.q_norm, q)), rms_norm(k, *norm_args(self.k_norm, k))
+        return (rms_norm(q, *norm_args(getattr(self, q_norm), q)),
+                rms_norm(k, *norm_args(getattr(self, k_norm), k)))
     return qk_norm
 
 
@@ -93,6 +97,7 @@ def norm_rotation(family: Family) -> Callable:
     the norm's dtype) and both norms share an epsilon."""
     a, r = family.attention, family.rotary
     args, rotate = norm.ARGS[family.norm], rotation(family)
+    q_norm, k_norm = a.norms
     rotates = always if r.layer_flag is None else (lambda self: getattr(self, r.layer_flag))
     normed = always if a.qk_norm_flag is None else (lambda self: getattr(self, a.qk_norm_flag))
     per_head = a.qk_norm is QkNorm.PER_HEAD
@@ -102,13 +107,13 @@ def norm_rotation(family: Family) -> Callable:
         cos, sin = position_embeddings
         k_in = q[:, :, :0] if k is None else k
         if fuse and rotates(self) and normed(self):
-            qw, eps, cast_after_weight, offset = args(self.q_norm, q)
-            kw, k_eps = (qw, eps) if k is None else args(self.k_norm, k)[:2]
+            qw, eps, cast_after_weight, offset = args(getattr(self, q_norm), q)
+            kw, k_eps = (qw, eps) if k is None else args(getattr(self, k_norm), k)[:2]
             if eps == k_eps:
                 q, k_out = qk_norm_rope(q, k_in, qw, kw, cos, sin, eps, cast_after_weight, offset)
                 return q.transpose(1, 2), k_out.transpose(1, 2)
         if per_head and normed(self):  # a layer that takes k from an earlier one has no k_norm
-            q, k_in = self.q_norm(q), k_in if k is None else self.k_norm(k_in)
+            q, k_in = getattr(self, q_norm)(q), k_in if k is None else getattr(self, k_norm)(k_in)
         q, k_in = q.transpose(1, 2), k_in.transpose(1, 2)
         return rotate(q, k_in, cos, sin) if rotates(self) else (q, k_in)
     return norm_rotate
@@ -122,7 +127,7 @@ def states_of(family: Family) -> Callable:
     a = family.attention
     project = project_fused_qkv if a.fused_qkv else project_qkv
     gate = split_gate if a.output_gate else no_gate
-    full_width = full_width_norm(norm.ARGS[family.norm]) if a.qk_norm is QkNorm.FULL_WIDTH else no_full_width_norm
+    full_width = full_width_norm(family) if a.qk_norm is QkNorm.FULL_WIDTH else no_full_width_norm
     norm_rotate = norm_rotation(family)
 
     def states(self, hidden_states, position_embeddings, cache, kwargs):
@@ -164,16 +169,26 @@ WINDOWS = {Window.NONE: lambda self: None, Window.CONFIG: lambda self: self.conf
            Window.LAYER: lambda self: self.sliding_window}
 
 
+def dropout_of(family: Family) -> Callable:
+    """The attention module's dropout probability in its current mode: 0 in evaluation, and where the family's
+    module has none (Attention.dropout None: HF's forward passes 0)."""
+    name = family.attention.dropout
+
+    def dropout(self) -> float:
+        return getattr(self, name) if name is not None and self.training else 0.0
+    return dropout
+
+
 def varlen_rule(family: Family) -> Callable:
     """Whether Bastile's attention, in an attention module of the family, takes a packed batch (without a cache)
     itself (the varlen kernel; the sink attention, which takes unpacked rows too): the module has no softcap,
     no dropout in training, and heads the kernel takes (varlen.MAX_HEAD_DIM). The one rule: the decoder drops
     HF's masks only where it holds for every layer of a layer type (decoder.py)."""
-    a = family.attention
+    a, dropout = family.attention, dropout_of(family)
 
     def takes(attention) -> bool:
         return (not (a.softcap and attention.attn_logit_softcapping is not None)
-                and not (attention.training and attention.attention_dropout)
+                and not dropout(attention)
                 and attention.head_dim <= varlen.MAX_HEAD_DIM)
     return takes
 
@@ -181,13 +196,13 @@ def varlen_rule(family: Family) -> Callable:
 def hf_attention(family: Family) -> Callable:
     """HF's attention interface, as the module's HF forward calls it."""
     a = family.attention
-    window = WINDOWS[a.window]
+    window, dropout = WINDOWS[a.window], dropout_of(family)
     extras = sink_logits if a.sinks else softcap if a.softcap else no_extras
 
     def attend(self, q, k, v, mask, cache, shape, kwargs):
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                           hf_attr(family, "eager_attention_forward"))
-        out, weights = interface(self, q, k, v, mask, dropout=self.attention_dropout if self.training else 0.0,
+        out, weights = interface(self, q, k, v, mask, dropout=dropout(self),
                                  scaling=self.scaling, sliding_window=window(self), **extras(self), **kwargs)
         return out.reshape(*shape, -1).contiguous(), weights
     return attend
@@ -240,20 +255,23 @@ def stages(family: Family) -> Stages:
                   gated if a.output_gate else ungated)
 
 
-def attention_forward(s: Stages) -> Callable:
+def attention_forward(s: Stages, output: str) -> Callable:
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         shape = hidden_states.shape[:-1]
         q, k, v, gate = s.states(self, hidden_states, position_embeddings, past_key_values, kwargs)
         q = s.scale_queries(self, q, kwargs)
         out, weights = s.attend(self, q, k, v, attention_mask, past_key_values, shape, kwargs)
-        (out,) = lora.project(s.gate(out, gate), self.o_proj)
+        (out,) = lora.project(s.gate(out, gate), getattr(self, output))
         return out, weights
     return forward
 
 
 def declare(ctx: Context) -> Declaration:
     f = ctx.family
-    targets = [Target("Attention", "forward", named(attention_forward(stages(f)), "attention", f), lora=fused)]
+    targets = [Target("Attention", "forward", named(attention_forward(stages(f), f.attention.output), "attention", f),
+                      lora=fused)]
+    if f.short_conv:
+        targets.append(Target("ShortConv", "forward", short_conv.short_conv(f), wraps=True, lora=short_conv.why_not))
     if not f.linear_attention:
         return Declaration(tuple(targets))
     targets.append(Target("GatedDeltaNet", "forward", linear_attention.gated_delta_net(f), wraps=True,

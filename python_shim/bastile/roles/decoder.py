@@ -14,8 +14,8 @@ from transformers.masking_utils import (create_causal_mask, create_recurrent_att
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .. import long_context, varlen
-from ..families import LINEAR, Family, Residual
-from . import Context, Declaration, Target, gemma4, hf_attr, mlp, named
+from ..families import CONV, LINEAR, Family, Residual
+from . import Context, Declaration, Target, gemma4, hf_attr, mlp, named, short_conv
 from .attention import varlen_rule
 
 # ------------------------------------------------------------------------------------------------ the layer
@@ -124,8 +124,10 @@ def adder(res: Residual) -> Callable:
     return dropped(res.dropout) if res.dropout else multiplied(res.multiplier) if res.multiplier else add
 
 
-def call_mlp(self, x, checkpointed):
-    return self.mlp(x)
+def call_mlp(attribute: str) -> Callable:
+    def call(self, x, checkpointed):
+        return getattr(self, attribute)(x)
+    return call
 
 
 def dense_mlp(ctx: Context) -> Callable:
@@ -135,13 +137,15 @@ def dense_mlp(ctx: Context) -> Callable:
     its backward), and its memory saving lasts one layer's backward only. With offload_checkpoints, that MLP runs
     over chunks of tokens instead where its input is longer than one (long_context.tiled_mlp)."""
     f = ctx.family
+    attribute, down = f.residual.mlp, f.mlp.projections[2]
 
     def call(self, x, checkpointed):
-        if (checkpointed and ctx.runs("mlp", "dense") and type(self.mlp) is hf_attr(f, f.name("MLP"))
-                and "forward" not in vars(self.mlp)):
-            chunk = long_context.chunk_tokens(ctx.settings(), x, self.mlp.down_proj.in_features)
-            return long_context.tiled_mlp(self.mlp, x, chunk) if chunk else self.mlp(x, keep_activation=True)
-        return self.mlp(x)
+        mlp = getattr(self, attribute)
+        if (checkpointed and ctx.runs("mlp", "dense") and type(mlp) is hf_attr(f, f.name("MLP"))
+                and "forward" not in vars(mlp)):
+            chunk = long_context.chunk_tokens(ctx.settings(), x, getattr(mlp, down).in_features)
+            return long_context.tiled_mlp(mlp, x, chunk) if chunk else mlp(x, keep_activation=True)
+        return mlp(x)
     return call
 
 
@@ -168,9 +172,9 @@ def layer_forward(ctx: Context) -> Callable:
     rather than kept (_recomputing)."""
     f = ctx.family
     res = f.residual
-    mixer = mix if f.linear_attention else attend
+    mixer = mix if f.linear_attention else short_conv.mix(ctx, attend) if f.short_conv else attend
     combine = adder(res)
-    mlp = dense_mlp(ctx) if f.mlp.dense else call_mlp
+    mlp = dense_mlp(ctx) if f.mlp.dense else call_mlp(res.mlp)
     mlp_out = routed if f.mlp.router_scores else unrouted
     beside = gemma4.experts_beside if f.mlp.beside else alone
     after = gemma4.per_layer_input if res.per_layer_input else unchanged
@@ -214,9 +218,10 @@ def plain_signature(layer):
 
 
 _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
-          LINEAR: create_recurrent_attention_mask}
-# The layer types whose unpadded, uncached mask is None: SDPA's is_causal, a linear attention's unmasked inputs.
-_UNMASKED = {"full_attention", LINEAR}
+          LINEAR: create_recurrent_attention_mask, CONV: create_recurrent_attention_mask}
+# The layer types whose unpadded, uncached mask is None: SDPA's is_causal, a linear attention's or short
+# convolution's unmasked inputs.
+_UNMASKED = {"full_attention", LINEAR, CONV}
 
 
 def positions_as_given(position_ids):
@@ -244,9 +249,10 @@ def _varlen_types(ctx: Context, takes_varlen: Callable, decoder, layer_types) ->
     if not ctx.runs("attention"):
         return set()
     types = layer_types or [None] * len(decoder.layers)
-    # Bastile's Gated DeltaNet (the attention role's too) takes any packed batch
+    # Bastile's Gated DeltaNet and short convolution (the attention role's too) take any packed batch
+    mixers = ctx.family.mixer_types
     return set(types) - {t for t, layer in zip(types, decoder.layers)
-                         if t != LINEAR and not takes_varlen(layer.self_attn)}
+                         if t not in mixers and not takes_varlen(layer.self_attn)}
 
 
 def masks(ctx: Context) -> Callable:

@@ -19,6 +19,8 @@ from ..ops.swiglu import swiglu
 from . import Context, Declaration, Target, named
 
 SILU = (nn.SiLU, SiLUActivation)
+# The activation of a dense MLP whose forward calls F.silu itself (Mlp.activation None: LFM2's)
+_SILU = nn.SiLU()
 
 
 def gated_activation(f) -> Optional[str]:
@@ -31,12 +33,18 @@ def gated_activation(f) -> Optional[str]:
     return None
 
 
+def activation_of(traits: Mlp) -> Callable:
+    """The function of a dense MLP module that gives its activation: its module, or SiLU (Mlp.activation None)."""
+    act = traits.activation
+    return (lambda mlp: _SILU) if act is None else (lambda mlp: getattr(mlp, act))
+
+
 def why_not(traits: Mlp) -> Callable:
     """The function of a dense MLP module that says why its projections are not fused: None when they are."""
-    act = traits.activation
+    activation = activation_of(traits)
 
     def why_not(mlp):
-        f = getattr(mlp, act)
+        f = activation(mlp)
         return None if gated_activation(f) else f"activation {type(f).__name__} is neither SiLU nor GELU-tanh"
     return why_not
 
@@ -48,35 +56,38 @@ def fused_gate_up(self, x):
     return gate, up
 
 
-def separate_gate_up(self, x):
-    return lora.project(x, self.gate_proj, self.up_proj)
-
-
 def hf_fused_gate_up(self, x):
     return self.gate_up_proj(x).chunk(2, dim=-1)
 
 
-def hf_separate_gate_up(self, x):
-    return self.gate_proj(x), self.up_proj(x)
+def separate(gate: str, up: str):
+    """gate and up from the MLP's separate projections of these names, fused, and HF's own."""
+    def gate_up(self, x):
+        return lora.project(x, getattr(self, gate), getattr(self, up))
+
+    def hf_gate_up(self, x):
+        return getattr(self, gate)(x), getattr(self, up)(x)
+    return gate_up, hf_gate_up
 
 
 def mlp_forward(traits: Mlp) -> Callable:
     """The dense MLP's forward. `keep_activation` (a checkpointed layer: decoder.py) keeps the activation for the
     backward instead of recomputing it."""
-    act = traits.activation
-    gate_up, hf_gate_up = ((fused_gate_up, hf_fused_gate_up) if traits.fused_gate_up
-                           else (separate_gate_up, hf_separate_gate_up))
+    act = activation_of(traits)
+    gate, up, down = traits.projections
+    gate_up, hf_gate_up = (fused_gate_up, hf_fused_gate_up) if traits.fused_gate_up else separate(gate, up)
 
     def forward(self, x, keep_activation=False):
-        activation = gated_activation(getattr(self, act))
+        f = act(self)
+        activation = gated_activation(f)
         if activation is None:  # HF's own
             gate, up = hf_gate_up(self, x)
-            return self.down_proj(getattr(self, act)(gate) * up)
+            return getattr(self, down)(f(gate) * up)
         gate, up = gate_up(self, x)
         if keep_activation:
-            (out,) = lora.project(swiglu(gate, up, activation), self.down_proj)
+            (out,) = lora.project(swiglu(gate, up, activation), getattr(self, down))
             return out
-        return lora.swiglu_down(gate, up, self.down_proj, activation)
+        return lora.swiglu_down(gate, up, getattr(self, down), activation)
     return forward
 
 
