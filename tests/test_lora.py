@@ -25,19 +25,20 @@ SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss", *NEW]  # qwen2, glm4: q/k/v with bias
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
 DELTA_NET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]  # Qwen3.5's Gated DeltaNet
+SHORT_CONV = ["in_proj", "out_proj"]  # LFM2's short convolution
 LR = 1e-3
 STEPS = 20  # of one batch: adapters alone learn it within them, so the losses compared are not constants
 
 
 def targets(family):
-    """Every linear projection of the attention (and Gated DeltaNet) and the dense MLP (Phi-3's and GLM-4's
-    fused ones); the MoE families' attention only (PEFT would also wrap their experts' parameters, which are
-    not projections of a patched MLP)."""
+    """Every linear projection of the attention (and Gated DeltaNet or short convolution) and the dense MLP (Phi-3's
+    and GLM-4's fused ones), by the family's names; the MoE families' attention only (PEFT would also wrap their
+    experts' parameters, which are not projections of a patched MLP)."""
     t = TRAITS[family]
-    attention = ["qkv_proj", "o_proj"] if t.attention.fused_qkv else SEVEN[:4]
-    attention += DELTA_NET if t.linear_attention else []
-    mlp = ["gate_up_proj", "down_proj"] if t.mlp.fused_gate_up else SEVEN[4:]
-    return attention + ([] if t.mlp.experts and family not in DENSE_MINI else mlp)
+    attention = ["qkv_proj"] if t.attention.fused_qkv else SEVEN[:3]
+    attention += [t.attention.output] + (DELTA_NET if t.linear_attention else []) + (SHORT_CONV if t.short_conv else [])
+    mlp = ["gate_up_proj", "down_proj"] if t.mlp.fused_gate_up else list(t.mlp.projections)
+    return list(dict.fromkeys(attention + ([] if t.mlp.experts and family not in DENSE_MINI else mlp)))
 
 
 DENSE_MINI = {"gemma4_text"}  # MoE families whose mini has no experts (Gemma 4's enable_moe_block is off)
