@@ -70,7 +70,8 @@ def shrunk(raw: dict) -> dict:
     # where the head width follows from hidden_size (and rotation tables from it, Phi-3's longrope factors), so does
     # the test's
     d["hidden_size"] = 64 if "head_dim" in raw else 4 * (full.hidden_size // heads)
-    for key, size in dict(intermediate_size=128, moe_intermediate_size=32,
+    # block_ff_dim: LFM2's first spelling of intermediate_size, which its config class takes over it
+    for key, size in dict(intermediate_size=128, block_ff_dim=128, moe_intermediate_size=32,
                           shared_expert_intermediate_size=32, num_attention_heads=4, vocab_size=VOCAB,
                           vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, linear_num_key_heads=2,
                           linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16).items():
