@@ -162,6 +162,9 @@ MODELS = {
                             final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
                             eos_token_id=1),
                        ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
+    # LFM2-2.6B: 30 layers, 22 of gated short convolutions and 8 of attention (32 q / 8 kv heads, q/k norms); every
+    # weight trained
+    "lfm2-2.6b": ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "LiquidAI--LFM2-2.6B", None, 4096, 1),
 }
 
 # HF builds GPT-OSS with eager attention only (its sinks: SDPA refused), in every mode.
@@ -190,8 +193,10 @@ def tiny(config: dict, cfg_cls) -> dict:
         return {**config, "text_config": tiny(config["text_config"], sub_config(cfg_cls, "text_config", config)),
                 "vision_config": vision}
     config = {k: v for k, v in {**config, **TINY}.items() if k in cfg_cls().to_dict() or k == "head_dim"}
-    if "layer_types" in config:  # sliding and full layers alternate, both before any that share K/V
-        config["layer_types"] = ["sliding_attention", "full_attention"] * 2
+    if "layer_types" in config:  # the published types alternate in their order (sliding and full layers, both before
+        # any that share K/V; LFM2's short convolutions and attention)
+        types, layers = list(dict.fromkeys(config["layer_types"])), TINY["num_hidden_layers"]
+        config["layer_types"] = (types * layers)[:layers]
     return config
 
 
