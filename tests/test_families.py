@@ -30,13 +30,13 @@ COMMON = dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attenti
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the mini vocabulary
 WINDOW = 16  # shorter than the test sequences, so that a wrong window shows
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
+PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}  # half of each head
 # Qwen3.5: three Gated DeltaNet layers (2 key heads, each read by 2 value heads) and a full-attention layer;
 # half of each head rotated by multimodal RoPE (sections of 4, 2 and 2 frequencies)
 DELTA_NET = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], head_dim=32,
                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                  linear_conv_kernel_dim=4,
-                 rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
-                                  "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+                 rope_parameters={**PARTIAL_ROPE, "mrope_section": [4, 2, 2], "mrope_interleaved": True})
 CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=256)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=256)),
@@ -119,11 +119,17 @@ CONFIGS = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
              dict(intermediate_size=384, block_multiple_of=32, num_hidden_layers=4, conv_bias=True,
                   layer_types=["conv", "full_attention"] * 2, **IDS)),
+    # Qwen3.5-MoE's layers with the Gated DeltaNet's projections grouped by key head, half of each head rotated by
+    # plain RoPE; layer 1 (a Gated DeltaNet's) a dense MLP, router aux loss on
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(intermediate_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                        num_experts=8, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01,
+                        mlp_only_layers=[1], **{**DELTA_NET, "rope_parameters": PARTIAL_ROPE}, **IDS)),
 }
 FAMILIES = list(CONFIGS)
 NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "glm4", "glm4_moe", "gemma", "gemma2",
        "gemma3_text",
-       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2"]
+       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "qwen3_next"]
 # Qwen3's own training tests use a larger model (test_qwen3_training.py); this one is for the other tests.
 MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}
 LR = 2e-3
@@ -225,10 +231,12 @@ def exact_delta_rule(query, key, value, g, beta, initial_state=None, output_fina
     return torch.stack(out, 1).to(dtype), state.float() if output_final_state else None
 
 
-# The parameters that reach the Gated DeltaNet's recurrence through its decay g alone. HF's chunked rule in
-# float32 gets their gradients 1e-3 off the exact ones in layers whose state decays fast (g near -20; Bastile's
-# are within 3e-8): they are compared with HF's model on the exact recurrence (exact_grads).
-DECAY = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
+# The parameters that reach the Gated DeltaNet's recurrence through its decay g (Qwen3-Next's in_proj_ba: a's rows
+# beside b's). HF's chunked rule in float32 gets their gradients 1e-3 off the exact ones in layers whose state decays
+# fast (g near -20; Bastile's are within 3e-8): they are compared with HF's model on the exact recurrence
+# (exact_grads).
+DECAY = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight",
+         "linear_attn.in_proj_ba.weight")
 
 
 def exact_grads(family, model, forward):
@@ -488,6 +496,18 @@ def test_mini_models_have_the_traits_the_tests_rely_on():
         assert mixers[3].q_proj.out_features == 2 * mixers[3].o_proj.in_features  # the query and its gate
         cos, _ = model.model.rotary_emb(torch.ones(1), torch.arange(3)[None, None].expand(3, 1, -1))
         assert cos.shape[-1] == 16  # half the head
+    # Qwen3-Next: the same mixers, the Gated DeltaNet's q, k, v, z in one projection and b, a in another; plain
+    # RoPE over half the head; layer 1 a dense MLP, the others routed experts beside a gated shared expert
+    model = mini("qwen3_next", "cpu", torch.float32)
+    mixers = [getattr(layer, "linear_attn", None) or layer.self_attn for layer in model.model.layers]
+    assert [type(m).__name__ for m in mixers] == ["Qwen3NextGatedDeltaNet"] * 3 + ["Qwen3NextAttention"]
+    assert (mixers[0].num_k_heads, mixers[0].num_v_heads) == (2, 4)
+    assert mixers[0].in_proj_qkvz.out_features == 2 * mixers[0].key_dim + 2 * mixers[0].value_dim
+    assert mixers[3].q_proj.out_features == 2 * mixers[3].o_proj.in_features
+    cos, _ = model.model.rotary_emb(torch.ones(1), torch.arange(3)[None])
+    assert cos.shape[-1] == 16
+    assert [type(layer.mlp).__name__.removeprefix("Qwen3Next") for layer in model.model.layers] \
+        == ["SparseMoeBlock", "MLP", "SparseMoeBlock", "SparseMoeBlock"]
     for model_type in ("qwen2_5_vl", "qwen2_vl"):  # the last of three layers slides; the text MLP is a Qwen2MLP
         decoder = qwen2_vl_multimodal(model_type).model.language_model
         assert decoder.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"]
@@ -947,7 +967,7 @@ def test_subclass_of_a_patched_class_is_refused_before_patching():
     assert bastile.get_patched_ops() == []
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def test_gated_delta_net_padded_batch_matches_hf(family):
     """A left-padded batch with its attention mask: the Gated DeltaNet zeroes the padding's inputs as HF's
     does (its conv and state run over them), and the loss and gradients are HF's."""
@@ -974,7 +994,7 @@ def test_gated_delta_net_padded_batch_matches_hf(family):
         assert_grad_close(got[name], exact.get(name, g), name)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def test_unmasked_hybrid_step_skips_hfs_packed_sequence_check(monkeypatch, family):
     """With no attention mask, positions or cache, the Gated DeltaNet and SDPA layers need no mask: the patched
     decoder gives None for both layer types, so HF's packed-sequence check on the positions (a host sync on
@@ -996,18 +1016,15 @@ def test_unmasked_hybrid_step_skips_hfs_packed_sequence_check(monkeypatch, famil
 
 
 def test_gated_delta_net_subclass_and_undeclared_linear_layers_are_refused():
-    """A subclass of Qwen3.5's Gated DeltaNet (whose forward Bastile replaces) is refused, as is a
+    """A subclass of Qwen3.5's or Qwen3-Next's Gated DeltaNet (whose forward Bastile replaces) is refused, as is a
     linear-attention layer type in a family whose traits have none."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-
-    class Wider(modeling_qwen3_5.Qwen3_5GatedDeltaNet):
-        pass
-
-    model = mini("qwen3_5_text", "cpu", torch.float32)
-    model.model.layers[1].linear_attn.__class__ = Wider
-    with pytest.raises(Unsupported, match=r"model.layers.1.linear_attn is a .*Wider, a subclass of "
-                                          "Qwen3_5GatedDeltaNet.*nothing was patched"):
-        bastile.apply(model=model)
+    for family in ("qwen3_5_text", "qwen3_next"):
+        model = mini(family, "cpu", torch.float32)
+        delta_net = getattr(sys.modules[TRAITS[family].module], f"{TRAITS[family].prefix}GatedDeltaNet")
+        model.model.layers[1].linear_attn.__class__ = type("Wider", (delta_net,), {})
+        with pytest.raises(Unsupported, match=rf"model.layers.1.linear_attn is a .*Wider, a subclass of "
+                                              rf"{delta_net.__name__}.*nothing was patched"):
+            bastile.apply(model=model)
     qwen3 = mini("qwen3", "cpu", torch.float32)
     qwen3.config.layer_types = ["linear_attention", "full_attention"]
     with pytest.raises(Unsupported, match=r"qwen3 layer_types \['linear_attention'\] are not among"):

@@ -4,9 +4,10 @@ family declares.
 A family (an HF `model_type`) is its traits: how its RMSNorm rounds, what its attention does around the
 projections (fused q/k/v, q/k norms per head or over the whole width, the rotary layout, NoPE layers, the
 sliding-window source, a position-dependent query scale, sinks, an output gate), linear-attention layers in
-place of attention (Qwen3.5's Gated DeltaNet) or gated short convolutions (LFM2's), its MLP (separate or fused gate/up, MoE experts), the norms
-and multipliers around each sublayer, and its head (a logit scale, the router's auxiliary loss). The forwards
-(roles/) are built from stages these traits choose; nothing there probes a module to guess what it is.
+place of attention (Qwen3.5's and Qwen3-Next's Gated DeltaNet) or gated short convolutions (LFM2's), its
+MLP (separate or fused gate/up, MoE experts), the norms and multipliers around each sublayer, and its head
+(a logit scale, the router's auxiliary loss). The forwards (roles/) are built from stages these traits
+choose; nothing there probes a module to guess what it is.
 `check(model, parts)` refuses, naming the module or config key, a model that carries anything the traits do
 not declare (a subclass of a class the forwards replace or call into, a config key that the family's modeling
 code reads and the traits do not cover, a trait value out of range, weights quantized by a method Bastile does
@@ -220,6 +221,9 @@ class Family:
     # attention: a causal depthwise conv over the fused q/k/v projection, the gated delta rule over the
     # l2-normed q and k (the value heads sharing key heads in groups), a gated RMSNorm, out_proj.
     linear_attention: bool = False
+    # Qwen3-Next: its Gated DeltaNet projects q, k, v and z in one in_proj_qkvz, b and a in one in_proj_ba, each
+    # output laid out key head by key head (roles/qwen3_next.py), where Qwen3.5's has a projection each.
+    grouped_projections: bool = False
     # LFM2: the layers config.layer_types calls "conv" mix tokens with a gated short convolution
     # (<prefix>ShortConv, the layer's `conv`) in place of attention: in_proj's three chunks B, C, x, then
     # out_proj(C * conv(B * x)), conv a causal depthwise convolution of config.conv_L_cache taps.
@@ -407,6 +411,16 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             module="qwen3_5_moe", **_QWEN3_5_TRAITS, mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
             multimodal=Multimodal("qwen3_5_moe", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS,
                                   output=("{prefix}CausalLMOutputWithPast", "MoeCausalLMOutputWithPast"))),
+    # Qwen3-Next (which Qwen3.5 derives from): Qwen3.5's MoE layers (Gated DeltaNets, the gated attention with (1 + w)
+    # q/k norms, (1 + w) norms, routed experts beside a gated shared expert) under plain RoPE, a quarter of each head
+    # rotated; its Gated DeltaNet's projections grouped by key head; layers in mlp_only_layers (or off the
+    # decoder_sparse_step) have a dense <prefix>MLP.
+    _family("qwen3_next", "Qwen3Next",
+            _QWEN3_5 | {"decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob",
+                        "num_experts", "shared_expert_intermediate_size"} | _MOE,
+            norm=Norm.OFFSET_THEN_CAST, attention=Attention(qk_norm=QkNorm.PER_HEAD, output_gate=True),
+            rotary=Rotary(partial=True), mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
+            linear_attention=True, grouped_projections=True),
     # Qwen3-VL: Qwen3's layers (per-head q/k norms; in its MoE model Qwen3-MoE's experts, layers in mlp_only_layers
     # or off the decoder_sparse_step dense) under interleaved multimodal RoPE, whose tables HF's rotary module
     # builds from the sections' positions. DeepStack adds the vision tower's intermediate features to the first

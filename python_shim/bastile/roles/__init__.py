@@ -3,14 +3,15 @@ puts there, each built from named stages chosen once per family from its traits 
 
 - norm: the RMSNorms
 - mlp: the dense MLP (its part "dense") and the MoE experts' activation (its part "experts")
-- attention: the token mixers: the attention, and the linear attention (Qwen3.5's Gated DeltaNet)
+- attention: the token mixers: the attention, and the linear attention (Qwen3.5's and Qwen3-Next's Gated DeltaNet)
 - decoder: the decoder (masks, cache, the packed batch's bounds) and its layers (norms and residuals)
 - head: the causal LM's head and loss (the fused linear cross-entropy)
 
 A role module's `declare(ctx)` says all of it for one family: the targets (class, attribute, replacement), the
 classes its forwards call into without replacing them, and which targets run PEFT LoRA projections in fused
-nodes. Structures of one family only are stages that family's module supplies (gemma4.py, ministral3.py).
-Each forward keeps its HF signature and falls back to HF's own math where a Bastile op does not apply.
+nodes. Structures of one family only are stages that family's module supplies (gemma4.py, ministral3.py,
+qwen3_next.py). Each forward keeps its HF signature and falls back to HF's own math where a Bastile op does not
+apply.
 """
 import sys
 import types

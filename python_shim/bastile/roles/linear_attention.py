@@ -1,7 +1,8 @@
-"""The Gated DeltaNet (Family.linear_attention: Qwen3.5's), of the attention role.
+"""The Gated DeltaNet (Family.linear_attention: Qwen3.5's and Qwen3-Next's), of the attention role.
 
-In training and evaluation without a cache its forward is HF's math through Bastile's ops: the four input
-projections in one fused node where PEFT LoRA adapters wrap them (lora.py), causal_conv1d with SiLU over the
+In training and evaluation without a cache its forward is HF's math through Bastile's ops: the input projections
+(Qwen3.5's four, Qwen3-Next's two grouped by key head: qwen3_next.py) in one fused node where PEFT LoRA adapters
+wrap them (lora.py), causal_conv1d with SiLU over the
 fused q/k/v projection as it is ([batch, seq, channels]), q, k and v split from it as views, the gated delta
 rule over the l2-normed q and k (unrepeated: the op reads each value head's key head), rms_norm_gated, out_proj
 in another fused node. A packed batch (the decoder's varlen kwargs: cu_seq_lens_q) runs as one stream whose
@@ -20,7 +21,7 @@ from ..families import Family
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.gated_delta_rule import gated_delta_rule
 from ..ops.rms_norm_gated import rms_norm_gated
-from . import hf_attr, named
+from . import hf_attr, named, qwen3_next
 from .mlp import SILU
 
 
@@ -30,14 +31,20 @@ def why_not(module) -> Optional[str]:
     return None if isinstance(act, SILU) else f"conv activation {type(act).__name__} is not SiLU"
 
 
+def project_separate(self, hidden_states):
+    """Qwen3.5's (q, k, v), z, b, a: a projection each."""
+    return lora.project(hidden_states, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+
 def gated_delta_net(family: Family) -> Callable:
     """The factory of the forward, from HF's (which runs with a cache)."""
+    project = qwen3_next.project_grouped if family.grouped_projections else project_separate
+
     def delta_net(self, hidden_states, attention_mask, cu_seqlens):
         hidden_states = hf_attr(family, "apply_mask_to_padding_states")(hidden_states, attention_mask)
         batch, seq, _ = hidden_states.shape
         rows = (batch, seq) if cu_seqlens is None else (1, batch * seq)  # packed: the rows as one stream
-        qkv, z, b, a = (t.reshape(*rows, -1) for t in lora.project(
-            hidden_states, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        qkv, z, b, a = (t.reshape(*rows, -1) for t in project(self, hidden_states))
         qkv = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, cu_seqlens)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.unflatten(-1, (-1, self.head_k_dim)), k.unflatten(-1, (-1, self.head_k_dim))
