@@ -26,6 +26,7 @@ FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss", *NEW] 
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
 DELTA_NET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]  # Qwen3.5's Gated DeltaNet
 SHORT_CONV = ["in_proj", "out_proj"]  # LFM2's short convolution
+GROUPED_DELTA_NET = ["in_proj_qkvz", "in_proj_ba", "out_proj"]  # Qwen3-Next's
 LR = 1e-3
 STEPS = 20  # of one batch: adapters alone learn it within them, so the losses compared are not constants
 
@@ -36,7 +37,8 @@ def targets(family):
     experts' parameters, which are not projections of a patched MLP)."""
     t = TRAITS[family]
     attention = ["qkv_proj"] if t.attention.fused_qkv else SEVEN[:3]
-    attention += [t.attention.output] + (DELTA_NET if t.linear_attention else []) + (SHORT_CONV if t.short_conv else [])
+    attention += [t.attention.output] + ((GROUPED_DELTA_NET if t.grouped_projections else DELTA_NET)
+                                         if t.linear_attention else []) + (SHORT_CONV if t.short_conv else [])
     mlp = ["gate_up_proj", "down_proj"] if t.mlp.fused_gate_up else list(t.mlp.projections)
     return list(dict.fromkeys(attention + ([] if t.mlp.experts and family not in DENSE_MINI else mlp)))
 
@@ -78,7 +80,7 @@ QUIET = {"gemma2": dict(final_logit_softcapping=None)}
 # Gemma 4's mini (attention scaled by 1 over normed q and k) is chaotic over 20 steps: HF's own eager and SDPA
 # attention drift 1e-3 apart by step 20 while its first 6 agree to 1e-6. It is compared over those 6. Qwen3.5's
 # drifts 2e-5 from its own float64 run (on the exact delta rule) by step 15, Bastile's as much, 5e-6 by step 10.
-STEPS_OF = {"gemma4_text": 6, "qwen3_5_text": 10, "qwen3_5_moe_text": 10}
+STEPS_OF = {"gemma4_text": 6, "qwen3_5_text": 10, "qwen3_5_moe_text": 10, "qwen3_next": 10}
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
