@@ -6,6 +6,7 @@ losses within 1e-5 of HF's, the first step's gradients as the family tests compa
 experts functions nor PEFT's parametrized weight run in the patched step.
 """
 import copy
+import sys
 
 import pytest
 import torch
@@ -15,11 +16,13 @@ from transformers.integrations import moe
 
 import bastile
 from bastile import experts, long_context
+from bastile.families import FAMILIES as TRAITS
 from conftest import EXPERTS_PATCHES, needs_cuda, rel_err
-from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, exact_grads, mini
+from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, exact_delta_rule, exact_grads, mini
 from test_qwen3_training import batches
 
-FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe", "qwen3_vl_moe_text"]
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe", "qwen3_vl_moe_text",
+            "qwen3_next"]
 # Gemma 4's mini has no experts (test_families.py); here its MoE model: experts beside each dense MLP
 OVERRIDES = {"gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)}
 EXPERT_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
@@ -72,6 +75,45 @@ def test_experts_train_as_hf(family, lora, monkeypatch):
     if lora:  # the frozen experts get no gradient; their adapters do
         assert not any("experts.base_layer" in n and "lora" not in n for n in grads)
         assert any("experts" in n and "lora_B" in n for n in grads)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next"])
+def test_all_linear_lora_trains_as_hf(family, monkeypatch):
+    """PEFT's `all-linear` LoRA: adapters on every linear layer (the attention's, the Gated DeltaNet's, the dense and
+    shared experts' projections, the shared expert's gate) and on the routed experts' and the router's parameters.
+    Two AdamW steps' losses as HF + PEFT's, the first step's gradients within 1e-4; the routed experts' adapters
+    fused into the expert path (neither transformers' experts functions nor PEFT's parametrized weight run for
+    them; the router's keeps PEFT's), and every projection of a patched forward in a fused node."""
+    data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * 2
+    base = mini(family, "cpu", torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    torch.manual_seed(3)
+    ref = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
+    # HF's Gated DeltaNet on the exact recurrence: its chunked rule in float32 gets the gradients of the decay's
+    # parameters 1e-3 off (test_families.DECAY), in_proj_ba's adapters' among them
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules[TRAITS[family].module], "torch_chunk_gated_delta_rule", exact_delta_rule)
+        ref_losses, ref_grads = steps(ref, data)
+    bastile.apply(model=base, log_probs=False)
+    torch.manual_seed(3)
+    model = get_peft_model(base, config)
+    report = bastile.lora_modules(model)
+    experts_wrapped = [n for n in report if n.endswith("mlp.experts")]
+    assert experts_wrapped and all(report[n] == "fused" for n in experts_wrapped), report
+    projections = ("proj", "in_proj_qkvz", "in_proj_ba")
+    assert all(why == "fused" for n, why in report.items() if n.endswith(projections)), report
+    register, parametrized = torch.nn.utils.parametrize.register_parametrization, []
+    with monkeypatch.context() as m:
+        hf_experts_refused(m)
+        # the router's wrapper (no expert path) parametrizes its weight, PEFT's way; the experts' do not
+        m.setattr(torch.nn.utils.parametrize, "register_parametrization", lambda module, *args, **kw:
+                  parametrized.append(type(module).__name__) or register(module, *args, **kw))
+        losses, grads = steps(model, data)
+    assert set(parametrized) == {f"{TRAITS[family].prefix}TopKRouter"}, parametrized
+    assert losses == pytest.approx(ref_losses, rel=1e-5) and ref_losses[-1] < ref_losses[0]
+    assert grads.keys() == ref_grads.keys() and any("experts" in n and "lora_B" in n for n in grads)
+    for name, g in ref_grads.items():  # adapters B != 0 on every layer: fp32 rounding puts some 2e-5 apart
+        assert rel_err(grads[name], g) < 1e-4, f"{name}: {rel_err(grads[name], g):.2e} of its norm apart"
 
 
 def test_weight_gradients_come_in_the_parameters_layout():
