@@ -76,6 +76,15 @@ MODELS = {
                       4096, 1),
     "glm4.5-air-8l-experts": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4.5-air-8l", "all-linear",
                               4096, 1),
+    # Qwen3-Next-80B-A3B's first 8 of 48 layers (6 Gated DeltaNets, 2 gated attention layers; 512 experts, 10 a
+    # token, beside a gated shared expert): LoRA on the attention and the Gated DeltaNet's projections, or all-linear
+    # (the experts' 3-D parameters, the shared expert and the router included)
+    "qwen3-next-80b-a3b-8l": ("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
+                              ("Qwen--Qwen3-Next-80B-A3B-Instruct", dict(num_hidden_layers=8)),
+                              ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"], 4096,
+                              1),
+    "qwen3-next-80b-a3b-8l-experts": ("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "qwen3-next-80b-a3b-8l",
+                                      "all-linear", 4096, 1),
     # Qwen3-VL-8B's language model on text batches (the vision tower built, unused); LoRA on its projections only.
     "qwen3-vl-8b": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen--Qwen3-VL-8B-Instruct",
                     ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4096, 1),
