@@ -31,25 +31,6 @@ void check(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor&
   }
 }
 
-// Dtype the weight (bias) gradient is summed over chunks in.
-at::ScalarType sum_dtype(at::ScalarType own, const Options& o) {
-  return o.fp32_weight_grad ? at::promote_types(own, at::kFloat) : own;
-}
-
-// acc = a @ b (first) or acc += a @ b, in acc's dtype. cuBLAS writes an f32 acc from 16-bit operands
-// directly; other pairs (the CPU has no such GEMM) go through a product in acc's dtype.
-void add_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
-  const double beta = first ? 0.0 : 1.0;  // beta 0: acc's (uninitialised) values are not read
-  if (acc.scalar_type() == a.scalar_type()) {
-    at::addmm_out(acc, acc, a, b, beta, 1.0);
-  } else if (acc.is_cuda() && acc.scalar_type() == at::kFloat) {
-    at::addmm_out(acc, acc, a, b, at::kFloat, beta, 1.0);
-  } else {
-    const auto prod = at::mm(a.to(acc.scalar_type()), b.to(acc.scalar_type()));
-    first ? acc.copy_(prod) : acc.add_(prod);
-  }
-}
-
 void check_grad_loss(const at::Tensor& grad_loss) {
   TORCH_CHECK(grad_loss.dim() == 0 && grad_loss.is_floating_point(),
               "bastile.fused_linear_cross_entropy_backward: grad_loss must be a 0-dim floating tensor, got ",
@@ -77,6 +58,20 @@ bool traced(const at::Tensor& t) {
 }
 
 }  // namespace
+
+at::ScalarType sum_dtype(at::ScalarType own, bool fp32) { return fp32 ? at::promote_types(own, at::kFloat) : own; }
+
+void add_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
+  const double beta = first ? 0.0 : 1.0;  // beta 0: acc's (uninitialised) values are not read
+  if (acc.scalar_type() == a.scalar_type()) {
+    at::addmm_out(acc, acc, a, b, beta, 1.0);
+  } else if (acc.is_cuda() && acc.scalar_type() == at::kFloat) {
+    at::addmm_out(acc, acc, a, b, at::kFloat, beta, 1.0);
+  } else {
+    const auto prod = at::mm(a.to(acc.scalar_type()), b.to(acc.scalar_type()));
+    first ? acc.copy_(prod) : acc.add_(prod);
+  }
+}
 
 Options options(int64_t ignore_index, c10::string_view reduction, double softcap, double z_loss,
                 bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing, double logit_scale) {
@@ -155,9 +150,9 @@ Result run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::T
   const auto count = at::ne(target, o.ignore_index).logical_and_(at::ge(target, 0)).logical_and_(at::lt(target, vocab)).sum();
   const auto row_loss = at::empty({rows}, hidden.options().dtype(stats_dtype(hidden)));
   auto grad_hidden = need_h ? at::empty({rows, cols}, hidden.options()) : none(hidden_in);
-  auto acc_w = need_w ? at::empty({vocab, cols}, weight.options().dtype(sum_dtype(weight_in.scalar_type(), o)))
+  auto acc_w = need_w ? at::empty({vocab, cols}, weight.options().dtype(sum_dtype(weight_in.scalar_type(), o.fp32_weight_grad)))
                       : at::Tensor();
-  auto acc_b = need_b ? at::empty({vocab}, bias.options().dtype(sum_dtype(bias_in->scalar_type(), o))) : at::Tensor();
+  auto acc_b = need_b ? at::empty({vocab}, bias.options().dtype(sum_dtype(bias_in->scalar_type(), o.fp32_weight_grad))) : at::Tensor();
 
   // What the Hopper path's epilogue computes (bf16, no bias, statistics, label smoothing or entropy gradient),
   // and TMA reads 16-byte aligned rows.

@@ -1,4 +1,5 @@
-// The fused heads' driver (fused_head.cpp), shared by fused_linear_cross_entropy and fused_linear_log_probs:
+// The fused heads' driver (fused_head.cpp), shared by fused_linear_cross_entropy and fused_linear_log_probs
+// (fused_linear_divergence takes its GEMM helpers and gradient scaling):
 // the loss of F.cross_entropy((hidden @ weight.T + bias).float(), target, ...) and its gradients without the
 // [rows, vocab] logits. Rows go in chunks whose logits (hidden's dtype, from cuBLAS) stay within a memory
 // budget; per chunk, our kernel (cuda/fused_linear_cross_entropy.cu) turns the logits into the loss rows
@@ -40,6 +41,13 @@ Options options(int64_t ignore_index, c10::string_view reduction, double softcap
                 bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing = 0.0, double logit_scale = 1.0);
 
 inline bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Dtype a weight (bias) gradient is summed over chunks in: with fp32, at least float32.
+at::ScalarType sum_dtype(at::ScalarType own, bool fp32);
+
+// acc = a @ b (first) or acc += a @ b, in acc's dtype. cuBLAS writes an f32 acc from 16-bit operands
+// directly; other pairs (the CPU has no such GEMM) go through a product in acc's dtype.
+void add_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first);
 
 // The mask of an autograd node, kept in its saved_data.
 void save_mask(AutogradContext* ctx, Mask m);
