@@ -36,7 +36,9 @@ class Contract:
 
 
 # What apply() patches in trainer libraries whatever the model (patch.TRAINERS), where they are installed.
-TRAINER_PATCHES = ["log_probs_trl"] if importlib.util.find_spec("trl") else []
+TRAINER_PATCHES = [f"{role}_trl" for role in bastile.trainers.TRAINER_ROLES] if importlib.util.find_spec("trl") else []
+# apply()'s keywords that leave every trainer library's patches out.
+NO_TRAINERS = {role: False for role in bastile.trainers.TRAINER_ROLES}
 # What apply() patches in PEFT with the families' MoE experts (patch.LIBRARIES), where it is installed.
 EXPERTS_PATCHES = ["mlp_peft"] if importlib.util.find_spec("peft") else []
 

@@ -17,7 +17,7 @@ from transformers.integrations import moe
 import bastile
 from bastile import experts, long_context
 from bastile.families import FAMILIES as TRAITS
-from conftest import EXPERTS_PATCHES, needs_cuda, rel_err
+from conftest import EXPERTS_PATCHES, NO_TRAINERS, needs_cuda, rel_err
 from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, exact_delta_rule, exact_grads, mini
 from test_qwen3_training import batches
 
@@ -56,7 +56,7 @@ def test_experts_train_as_hf(family, lora, monkeypatch):
     ref = wrap(copy.deepcopy(base))
     ref_losses, ref_grads = steps(ref, data)
 
-    bastile.apply(model=base, log_probs=False)
+    bastile.apply(model=base, **NO_TRAINERS)
     torch.manual_seed(3)
     model = wrap(base)
     if lora:
@@ -94,7 +94,7 @@ def test_all_linear_lora_trains_as_hf(family, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(sys.modules[TRAITS[family].module], "torch_chunk_gated_delta_rule", exact_delta_rule)
         ref_losses, ref_grads = steps(ref, data)
-    bastile.apply(model=base, log_probs=False)
+    bastile.apply(model=base, **NO_TRAINERS)
     torch.manual_seed(3)
     model = get_peft_model(base, config)
     report = bastile.lora_modules(model)
@@ -149,7 +149,7 @@ def test_checkpointed_expert_lora_trains_as_hf(reentrant, offload, monkeypatch):
         return model
     ref_losses, ref_grads = steps(checkpointed(3, copy.deepcopy(base)), data)
     monkeypatch.setattr(long_context, "_MIN_BYTES", 1)  # the mini's tensors offloaded too
-    bastile.apply(model=base, log_probs=False, offload_checkpoints=offload)
+    bastile.apply(model=base, **NO_TRAINERS, offload_checkpoints=offload)
     model = checkpointed(3, base)
     with monkeypatch.context() as m:
         hf_experts_refused(m)
@@ -195,7 +195,7 @@ def test_expert_lora_bf16_cuda():
     fp32 = get_peft_model(copy.deepcopy(base).float(), copy.deepcopy(config))
     fp32.load_state_dict({k: v.float() for k, v in hf.state_dict().items()})
     (hf_loss, hf_grads), (_, fp32_grads) = first(hf), first(fp32)
-    bastile.apply(model=base, log_probs=False)
+    bastile.apply(model=base, **NO_TRAINERS)
     ours = get_peft_model(base, copy.deepcopy(config))
     ours.load_state_dict(hf.state_dict())
     loss, grads = first(ours)
@@ -226,7 +226,7 @@ def test_other_adapter_states_run_peft_own_path():
         return model(input_ids=ids, labels=labels).loss.item(), off
 
     want = losses(two_adapters(copy.deepcopy(base)))
-    bastile.apply(model=base, log_probs=False)
+    bastile.apply(model=base, **NO_TRAINERS)
     assert losses(two_adapters(base)) == pytest.approx(want, rel=1e-6)
 
 
@@ -270,7 +270,7 @@ def test_expert_path_keeps_the_gate_input_not_the_pairs_rows():
     """For the backward the expert path keeps gate/up's output [pairs, 2 I] and rank-sized products; the pairs'
     rows of x [pairs, H], the gate's output [pairs, I] and the down products [pairs, H] are made again."""
     model = get_peft_model(mini("qwen3_moe", "cpu", torch.float32, moe_intermediate_size=48), LoraConfig(**EXPERT_LORA))
-    bastile.apply(model=model.base_model.model, log_probs=False)
+    bastile.apply(model=model.base_model.model, **NO_TRAINERS)
     block = model.base_model.model.model.layers[0].mlp
     hidden = torch.randn(7, block.experts.base_layer.base_layer.hidden_dim, requires_grad=True)
     _, weights, index = block.gate(hidden)
@@ -299,7 +299,7 @@ def test_lora_modules_reports_the_expert_adapters():
     model = get_peft_model(mini("qwen3_moe", "cpu", torch.float32), LoraConfig(r=4, target_modules="all-linear"))
     wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"]
     assert any(n.endswith("mlp.experts") for n in wrapped) and any(n.endswith("mlp.gate") for n in wrapped)
-    bastile.apply(model=model.base_model.model, log_probs=False)
+    bastile.apply(model=model.base_model.model, **NO_TRAINERS)
     report = bastile.lora_modules(model)
     assert {n for n in wrapped if report[n] == "fused"} == {n for n in wrapped if ".mlp.experts" in n}
     assert all(report[n].startswith("around Qwen3MoeTopKRouter") for n in wrapped if n.endswith("mlp.gate"))

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bastile
 from bastile.families import FAMILIES as TRAITS, Unsupported
-from conftest import DEVICES, needs_cuda, patch_names, rel_err
+from conftest import DEVICES, NO_TRAINERS, needs_cuda, patch_names, rel_err
 from test_qwen3_training import assert_params_close, batches
 
 COMMON = dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -264,7 +264,7 @@ def test_training_matches_hf_cpu_fp32(family):
     ref = mini(family, "cpu", torch.float32)
     ref_losses, ref_grads = train(ref, data)
     model = mini(family, "cpu", torch.float32)
-    names = bastile.apply(model=model, log_probs=False)
+    names = bastile.apply(model=model, **NO_TRAINERS)
     assert sorted(names) == patch_names(family)
     with Dispatched() as seen:
         out = model(input_ids=ids, labels=labels)
@@ -354,7 +354,7 @@ def test_norm_outputs_are_recomputed_not_kept(family):
     """The outputs of the norms before attention and MLP are not kept for the backward, which computes each
     again once (q, k and v share it) and gets the same gradients, bit for bit, as the step that keeps them."""
     model = WRAPPED[family]() if family in WRAPPED else mini(family, "cpu", torch.float32)
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
     kept, backward_calls, grads, plain = norm_recomputation(model, family, ids, labels)
     assert kept == 0
@@ -369,7 +369,7 @@ def test_norm_recomputation_under_autocast_and_checkpointing():
     again as autocast ran it. A checkpointed layer recomputes it in its own recomputation: once per sublayer
     again, nothing of it kept."""
     model = mini("qwen3", "cpu", torch.bfloat16)
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
     kept, calls, grads, plain = norm_recomputation(model, "qwen3", ids, labels, autocast=True)
     assert kept == 0 and set(calls) == {1}
@@ -393,7 +393,7 @@ def test_generation_matches_hf_and_reset_restores(family):
     model = copy.deepcopy(ref)
     originals = {(p.module, p.target): getattr(*bastile.patch._resolve(p))
                  for p in bastile.patch.PATCHES if p.family == family}
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     assert type(model).forward is not originals[(TRAITS[family].module, f"{TRAITS[family].prefix}ForCausalLM.forward")]
     torch.testing.assert_close(model.generate(prompt, **kw), expected, rtol=0, atol=0)
     bastile.reset()
@@ -457,7 +457,7 @@ def test_roles_patch_their_targets_and_reset_restores_them():
     for family in TRAITS:
         for role in bastile.patch.ROLES:
             others = {r: False for r in bastile.patch.ROLES if r != role}
-            assert sorted(bastile.apply(families=[family], log_probs=False, **others)) == patch_names(family, [role])
+            assert sorted(bastile.apply(families=[family], **NO_TRAINERS, **others)) == patch_names(family, [role])
             replaced = bastile.patch._active[f"{role}_{family}"]
             targets = [p for p in bastile.patch.PATCHES if p.name == f"{role}_{family}"]
             assert len(replaced) == len(targets) > 0, (family, role)
@@ -706,7 +706,7 @@ def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
     exact = exact_grads(family, build(), lambda m: m(**inputs, labels=labels).loss)
     ref_losses, ref_grads = run(build())
     model = build()
-    assert sorted(bastile.apply(model=model, log_probs=False)) == patch_names(family)
+    assert sorted(bastile.apply(model=model, **NO_TRAINERS)) == patch_names(family)
     with Dispatched() as seen:
         out = model(**inputs, labels=labels)
     assert expected_ops(family) <= seen.ops and out.logits is None
@@ -731,7 +731,7 @@ def test_qwen3_vl_moe_router_loss_matches_hf():
         return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     ref, ref_grads = step(qwen3_vl_multimodal(moe=True))
     model = qwen3_vl_multimodal(moe=True)
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     calls = []
     real = bastile.roles.mlp.swiglu
     with pytest.MonkeyPatch.context() as m:
@@ -772,7 +772,7 @@ def test_multimodal_generation_matches_hf(model_type):
     model = copy.deepcopy(ref)
     family = MULTIMODAL[model_type][1]
     originals = {p: getattr(*bastile.patch._resolve(p)) for p in bastile.patch.PATCHES if p.family == family}
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     torch.testing.assert_close(model.generate(**inputs, **kw), expected, rtol=0, atol=0)
     bastile.reset()
     for p, original in originals.items():
@@ -881,7 +881,7 @@ def test_gemma4_gradients_are_the_exact_derivative():
                   lambda self, x: self._norm(x) * self.weight if self.with_scale else self._norm(x))
         exact = grads(torch.float64, exact_loss)
     hf32 = grads(torch.float32, lambda model: model(input_ids=ids, labels=ids).loss)
-    bastile.apply(model=base, log_probs=False)
+    bastile.apply(model=base, **NO_TRAINERS)
     ours = {dtype: grads(dtype, lambda model: model(input_ids=ids, labels=ids).loss)
             for dtype in (torch.float64, torch.float32)}
     worst = lambda g: max(float((g[n] - e).abs().max() / e.abs().max()) for n, e in exact.items())
@@ -900,7 +900,7 @@ def test_gemma4_moe_training_matches_hf_cpu_fp32():
     data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * steps
     ref_losses, ref_grads = train(mini("gemma4_text", "cpu", torch.float32, **moe), data)
     model = mini("gemma4_text", "cpu", torch.float32, **moe)
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     assert all(type(layer.experts).__name__ == "Gemma4TextExperts" for layer in model.model.layers)
     calls = []
     real = bastile.roles.mlp.swiglu
@@ -984,7 +984,7 @@ def test_gated_delta_net_padded_batch_matches_hf(family):
     exact = exact_grads(family, mini(family, "cpu", torch.float32), lambda m: m(**inputs).loss)
     ref_loss, ref_grads = grads(mini(family, "cpu", torch.float32))
     model = mini(family, "cpu", torch.float32)
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     with Dispatched() as seen:
         loss, got = grads(model)
     assert "gated_delta_rule" in seen.ops
@@ -1009,7 +1009,7 @@ def test_unmasked_hybrid_step_skips_hfs_packed_sequence_check(monkeypatch, famil
     ref_loss = ref(input_ids=ids, labels=ids).loss
     assert checked
     model = mini(family, "cpu", torch.float32)
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     checked.clear()
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref_loss, rtol=1e-5, atol=0)
     assert checked == []
@@ -1053,7 +1053,7 @@ def test_short_conv_subclass_and_undeclared_conv_layers_are_refused():
 
 
 def test_model_built_after_apply_is_checked_on_its_first_forward(monkeypatch):
-    bastile.apply(families="llama", log_probs=False)
+    bastile.apply(families="llama", **NO_TRAINERS)
     model = mini("llama", "cpu", torch.float32)
     model.config.use_qk_norm = True
     newer_modeling_reads(monkeypatch, "llama", "use_qk_norm")

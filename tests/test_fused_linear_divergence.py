@@ -1,4 +1,5 @@
-"""torch.ops.bastile.fused_linear_divergence against its definition in fp64 (the full logits of both heads)."""
+"""torch.ops.bastile.fused_linear_divergence against its definition in fp64 (the full logits of both heads), and
+TRL's distillation loss on it against TRL's own (trl.trainer.distillation_trainer._chunked_divergence_loss)."""
 import math
 from functools import partial
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import bastile
 from conftest import DEVICES, Contract, needs_cuda, rel_err
 
 op = torch.ops.bastile.fused_linear_divergence
@@ -184,3 +186,56 @@ def test_cuda_matches_cpu_kernel(dtype, beta):
         tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}[dtype]
         for name, a, b in zip(["hidden", "weight", "bias"], grads, want):
             assert rel_err(a.float(), b) <= tol, (name, vocab, rel_err(a.float(), b))
+
+
+# ------------------------------------------------------------------------------------------- TRL's seam
+
+
+trl = pytest.importorskip("trl")
+from trl.kernels import chunked_divergence  # noqa: E402
+from trl.trainer import distillation_trainer  # noqa: E402
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("items", [None, 23])
+def test_trl_divergence_loss_as_trl(beta, items, monkeypatch):
+    """TRL's _chunked_divergence_loss with Bastile's patch: its loss, entropy sum and count as TRL's own, the
+    student's gradients within 1e-4; TRL's ChunkedDivergenceFunction does not run."""
+    g = torch.Generator().manual_seed(1)
+    B, K, hs, ht, vocab = 3, 7, 16, 24, 64
+    sh = torch.randn(B, K, hs, generator=g, requires_grad=True)
+    th = torch.randn(B, K, ht, generator=g)
+    sw = (torch.randn(vocab, hs, generator=g) / 4).requires_grad_()
+    tw = torch.randn(vocab, ht, generator=g) / 4
+    sb = (0.1 * torch.randn(vocab, generator=g)).requires_grad_()
+    cm = (torch.rand(B, K, generator=g) > 0.3).long()
+    kw = dict(num_items_in_batch=items, student_lm_head_bias=sb, student_logit_scale=1.2, teacher_logit_scale=0.8,
+              student_final_logit_softcapping=6.0, temperature=0.9)
+    original = distillation_trainer._chunked_divergence_loss
+    want = original(sh, th, sw, tw, cm, beta, **kw)
+    want_g = torch.autograd.grad(want[0], [sh, sw, sb])
+    assert bastile.apply(divergence=True, log_probs=False, families=[]) == ["divergence_trl"]
+    calls = []
+    monkeypatch.setattr(chunked_divergence.ChunkedDivergenceFunction, "apply",
+                        lambda *a: calls.append(a) or pytest.fail("TRL's divergence ran"))
+    got = distillation_trainer._chunked_divergence_loss(sh, th, sw, tw, cm, beta, **kw)
+    got_g = torch.autograd.grad(got[0], [sh, sw, sb])
+    assert distillation_trainer._chunked_divergence_loss is not original and not calls
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1].to(got[1].dtype), rtol=1e-5, atol=1e-5)
+    assert got[2].item() == want[2].item()
+    for a, b in zip(got_g, want_g):
+        assert rel_err(a, b) <= 1e-4
+    bastile.reset()
+    assert distillation_trainer._chunked_divergence_loss is original
+
+
+def test_trl_signature_change_is_refused(monkeypatch):
+    """A TRL whose _chunked_divergence_loss takes other arguments is refused before anything is patched."""
+    def moved(student_hidden_states, teacher_hidden_states, weights, completion_mask, beta):
+        raise AssertionError
+    monkeypatch.setattr(distillation_trainer, "_chunked_divergence_loss", moved)
+    with pytest.raises(RuntimeError, match="_chunked_divergence_loss takes"):
+        bastile.apply(divergence=True, log_probs=True, families=[])
+    assert distillation_trainer._chunked_divergence_loss is moved
+    assert bastile.get_patched_ops() == []

@@ -12,7 +12,7 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import bastile
-from conftest import needs_cuda
+from conftest import NO_TRAINERS, needs_cuda
 
 HF_NORM = modeling_qwen3.Qwen3RMSNorm.forward  # read before any test patches it
 
@@ -319,7 +319,7 @@ def test_reset_an_unknown_name_restores_nothing():
 
 
 def test_apply_takes_one_family_by_name():
-    names = bastile.apply(families="qwen3", log_probs=False)
+    names = bastile.apply(families="qwen3", **NO_TRAINERS)
     assert names == ["norm_qwen3", "mlp_qwen3", "attention_qwen3", "decoder_qwen3", "head_qwen3"]
     assert bastile.get_patched_ops() == sorted(names)
 

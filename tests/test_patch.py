@@ -11,7 +11,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import bastile
 from bastile.families import Mlp
-from conftest import CUDA, DEVICES, EXPERTS_PATCHES, TRAINER_PATCHES, patch_names
+from conftest import CUDA, DEVICES, EXPERTS_PATCHES, NO_TRAINERS, TRAINER_PATCHES, patch_names
 
 ROLES = ["norm", "mlp", "attention", "decoder", "head"]
 # What the patches replace, read before any test patches anything.
@@ -64,7 +64,7 @@ def test_apply_reset_round_trip_restores_original_objects():
 # mlp_qwen3_moe has two targets: the dense MLP of mlp_only layers and the experts.
 MOE_MLP = [(modeling_qwen3_moe.Qwen3MoeMLP, "forward"), (modeling_qwen3_moe.Qwen3MoeExperts, "forward")]
 MOE_ORIGINALS = {t: t[0].__dict__[t[1]] for t in MOE_MLP}
-ONLY_MLP = dict(norm=False, attention=False, head=False, decoder=False, log_probs=False)
+ONLY_MLP = dict(norm=False, attention=False, head=False, decoder=False, **NO_TRAINERS)
 
 
 def replacement(name, target):
@@ -91,7 +91,7 @@ def test_a_wrapper_of_two_families_is_held_by_both(first):
     cls = modeling_mistral3.Mistral3ForConditionalGeneration
     original = cls.__dict__["forward"]
     bastile.apply(families=["mistral", "ministral3"], head=True, norm=False, mlp=False, attention=False,
-                  decoder=False, log_probs=False)
+                  decoder=False, **NO_TRAINERS)
     patched = cls.__dict__["forward"]
     assert patched is not original and patched.__name__ == "head.forward[mistral]"
     second = ({"head_mistral", "head_ministral3"} - {first}).pop()
@@ -150,7 +150,7 @@ def test_apply_selects_roles_and_model_and_rejects_unknown():
     assert bastile.apply(norm=False, mlp=False, attention=False, head=False, decoder=False) == TRAINER_PATCHES
     bastile.reset(TRAINER_PATCHES)
     # the kernel-named keywords of earlier releases select their roles
-    assert bastile.apply(families=["llama"], rms_norm=False, decoder=False, log_probs=False) == [
+    assert bastile.apply(families=["llama"], rms_norm=False, decoder=False, **NO_TRAINERS) == [
         "mlp_llama", "attention_llama", "head_llama"]
     with pytest.raises(ValueError, match="disagree, but they name one part of the 'mlp' role, its experts"):
         bastile.apply(moe=True, geglu=False)
@@ -173,7 +173,7 @@ def test_turning_one_role_off_leaves_the_others():
     """Roles are disjoint: each keyword switches its own targets only (the attention keeps its LoRA nodes
     and varlen kernel whatever the MLP or norms do, and the other way round)."""
     for role in ROLES:
-        names = bastile.apply(families="llama", log_probs=False, **{role: False})
+        names = bastile.apply(families="llama", **NO_TRAINERS, **{role: False})
         assert sorted(names) == sorted(f"{r}_llama" for r in ROLES if r != role)
         bastile.reset()
 

@@ -19,7 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import bastile
 from bastile import families
 from bastile.families import Unsupported
-from conftest import patch_names
+from conftest import NO_TRAINERS, patch_names
 from test_families import Dispatched, expected_ops
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -48,7 +48,7 @@ def test_the_corpus_covers_every_family():
 def test_published_config_is_accepted(folder):
     config = AutoConfig.from_pretrained(CONFIGS / folder)
     model = build(config, "meta")  # full size, no memory
-    names = bastile.apply(model=model, log_probs=False)
+    names = bastile.apply(model=model, **NO_TRAINERS)
     family = families.family_of(model).model_type
     assert sorted(names) == patch_names(family)
 
@@ -201,7 +201,7 @@ def test_unread_keys_are_accepted():
     leftovers = {"full_attn_mod", "interpolate_factor", "lm_head_bias", "mlp_bias", "attention_bias"}
     assert leftovers <= set(config.to_dict()) and not leftovers & families.reads(families.FAMILIES["phi3"].module)
     config.use_qk_norm = True
-    bastile.apply(model=build(config, "meta"), log_probs=False)
+    bastile.apply(model=build(config, "meta"), **NO_TRAINERS)
 
 
 def test_a_read_key_the_traits_do_not_declare_is_refused(monkeypatch):

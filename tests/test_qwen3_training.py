@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bastile
-from conftest import CUDA, needs_cuda
+from conftest import CUDA, NO_TRAINERS, needs_cuda
 
 VOCAB = 32000
 LR = 3e-4
@@ -78,7 +78,7 @@ def run_pair(device, dtype, steps, micro, ignore_fraction):
     data = batches(steps, micro, 2, 64, device, ignore_fraction)
     model = copy.deepcopy(ref)
     ref_losses = train(ref, data)
-    assert bastile.apply(model=model, log_probs=False) == [f"{role}_qwen3" for role in bastile.patch.ROLES]
+    assert bastile.apply(model=model, **NO_TRAINERS) == [f"{role}_qwen3" for role in bastile.patch.ROLES]
     losses = train(model, data)
     bastile.reset()
     return ref, ref_losses, model, losses

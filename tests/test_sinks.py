@@ -16,7 +16,7 @@ from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
 import bastile
 from bastile import sinks
-from conftest import needs_cuda, rel_err
+from conftest import NO_TRAINERS, needs_cuda, rel_err
 from test_families import adam_steps, assert_grad_close, mini
 from test_qwen3_training import batches
 
@@ -134,7 +134,7 @@ def test_training_matches_hf_eager(kind, monkeypatch):
     ref = gpt_oss()
     ref_losses, ref_grads = adam_steps(ref, steps)
     model = gpt_oss()
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     with monkeypatch.context() as m:
         eager_refused(m)
         made = masks_made(m)
@@ -152,7 +152,7 @@ def test_dropout_in_training_runs_hf_eager(monkeypatch):
     equal to HF's; in evaluation the sink attention, dropout off."""
     batch = padded_batch()
     ref, model = gpt_oss(attention_dropout=1e-12), gpt_oss(attention_dropout=1e-12)  # draws that change nothing
-    bastile.apply(model=model, log_probs=False)
+    bastile.apply(model=model, **NO_TRAINERS)
     calls = []
     monkeypatch.setattr(hf, "eager_attention_forward",
                         lambda *a, _f=hf.eager_attention_forward, **kw: calls.append(1) or _f(*a, **kw))
@@ -183,7 +183,7 @@ def test_no_seq_by_seq_tensor_is_kept():
     for kind in BATCHES:
         batch, model = BATCHES[kind](padded_batch()), gpt_oss()
         assert square(saved_shapes(model, batch))
-        bastile.apply(model=model, log_probs=False)
+        bastile.apply(model=model, **NO_TRAINERS)
         assert square(saved_shapes(model, batch)) == [], kind
         bastile.reset()
 

@@ -24,7 +24,7 @@ from . import families as traits
 from . import experts, long_context, lora, versions
 from .families import FAMILIES, Family, Unsupported
 from .roles import Context, Declaration, Target, attention, decoder, head, hf_attr, mlp, norm
-from .trainers import TRAINERS
+from .trainers import TRAINER_ROLES, TRAINERS
 
 # After roles/: loading transformers' modeling submodules puts another module object in sys.modules["transformers"],
 # the one users import (its __version__ is the one read).
@@ -183,7 +183,7 @@ def _selected(given: Dict[str, Optional[bool]]) -> Callable[[str, Optional[str]]
     rms_norm), else on. Keywords that name the same part, or the same whole role, must agree."""
     roles = {role: _agreed(given, [role] + [k for k, (r, part) in KERNELS.items() if r == role and part is None],
                            f"role, {role!r}")
-             for role in (*ROLES, "log_probs")}
+             for role in (*ROLES, *TRAINER_ROLES)}
     parts = {(role, part): _agreed(given, [k for k, rp in KERNELS.items() if rp == (role, part)],
                                    f"part of the {role!r} role, its {part}")
              for role, part in set(KERNELS.values()) if part is not None}
@@ -195,7 +195,8 @@ def _selected(given: Dict[str, Optional[bool]]) -> Callable[[str, Optional[str]]
 
 
 def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention: Optional[bool] = None,
-          decoder: Optional[bool] = None, head: Optional[bool] = None, log_probs: Optional[bool] = None, model=None,
+          decoder: Optional[bool] = None, head: Optional[bool] = None, log_probs: Optional[bool] = None,
+          divergence: Optional[bool] = None, model=None,
           families: Optional[Sequence[str]] = None, rms_norm: Optional[bool] = None, swiglu: Optional[bool] = None,
           rope: Optional[bool] = None, fused_linear_cross_entropy: Optional[bool] = None,
           geglu: Optional[bool] = None, moe: Optional[bool] = None, offload_checkpoints: Optional[bool] = None,
@@ -207,7 +208,8 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
     `<role>_<family>` of the patches active from this call, e.g. ['norm_qwen3', 'mlp_qwen3', ...]. Applying
     twice is harmless. `log_probs` is TRL's fused LM head (its trainers' per-token log-probabilities) on
     Bastile's fused_linear_log_probs, whatever the model, where TRL is installed (trl==1.16; another TRL
-    whose internals differ is an error here). The kernel-named keywords of earlier releases switch the part of
+    whose internals differ is an error here), and `divergence` its DistillationTrainer's loss on Bastile's
+    fused_linear_divergence, likewise. The kernel-named keywords of earlier releases switch the part of
     a role their kernel served (patch.KERNELS): `swiglu` the dense MLP, `moe` and `geglu` the MoE experts, within
     the mlp role; `rms_norm`, `rope` and `fused_linear_cross_entropy` the norm, attention and head roles.
 
@@ -225,7 +227,7 @@ def apply(*, norm: Optional[bool] = None, mlp: Optional[bool] = None, attention:
     if mlp_chunk is not None and not offload:
         raise ValueError("bastile.apply: mlp_chunk sizes the MLP's chunks under offload_checkpoints=True, which is off")
     selected = _selected(dict(norm=norm, mlp=mlp, attention=attention, decoder=decoder, head=head,
-                              log_probs=log_probs, rms_norm=rms_norm, swiglu=swiglu, rope=rope,
+                              log_probs=log_probs, divergence=divergence, rms_norm=rms_norm, swiglu=swiglu, rope=rope,
                               fused_linear_cross_entropy=fused_linear_cross_entropy, geglu=geglu, moe=moe))
     if model is not None:
         try:
