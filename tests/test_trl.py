@@ -1,14 +1,16 @@
 """TRL's trainers with bastile.apply(): their fused LM head runs Bastile's fused_linear_log_probs (the
-`log_probs` patch), and every logged figure (loss, entropy, token accuracy, rewards, log-probs...) is the
-trainer's own without Bastile, on tiny random-init models in fp32 on the CPU: the first step within 1e-6
-relative, later ones within 1e-4 (AdamW turns last-bit gradient differences into learning-rate-sized steps)."""
+`log_probs` patch), DistillationTrainer's loss Bastile's fused_linear_divergence (the `divergence` patch), and
+every logged figure (loss, entropy, token accuracy, rewards, log-probs...) is the trainer's own without Bastile,
+on tiny random-init models in fp32 on the CPU: the first step within 1e-6 relative, later ones within 1e-4 (AdamW
+turns last-bit gradient differences into learning-rate-sized steps)."""
 import math
 
 import pytest
 import torch
 
 import bastile
-from test_families import NEW, mini
+from conftest import patch_names
+from test_families import COMMON as MINI, NEW, mini
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -55,8 +57,19 @@ COMMON = dict(max_steps=3, logging_steps=1, report_to="none", save_strategy="no"
               learning_rate=2e-3, seed=0, per_device_train_batch_size=4)
 
 
+# DistillationTrainer. TRL 1.16 distils on-policy only: the student generates every step's completions to the
+# dataset's prompts. Greedy decoding makes them a function of the weights, the same in the runs compared (other
+# completions would show in the logged lengths and loss); every sixth token id ends a completion, so they end at
+# various lengths and the loss has masked positions.
+STUDENT = dict(eos_token_id=list(range(1, MINI["vocab_size"], 6)))
+DISTILLATION = dict(max_completion_length=8, generation_kwargs=dict(do_sample=False))
+# The teacher: twice as wide as the student (so the heads' widths differ), another draw with larger weights, so its
+# next-token distributions are peaked where the student's are near uniform and the divergence is far from 0.
+TEACHER = dict(seed=1, hidden_size=2 * MINI["hidden_size"], initializer_range=0.2)
+
+
 def trainer(kind, family, tmp_path, lora=False, **config):
-    model, tok = mini(family, "cpu", torch.float32), tokenizer()
+    model, tok = mini(family, "cpu", torch.float32, **(STUDENT if kind == "distillation" else {})), tokenizer()
     peft = {}
     if lora:  # PEFT adapters on the seven projections, through TRL's peft_config
         from peft import LoraConfig
@@ -73,6 +86,10 @@ def trainer(kind, family, tmp_path, lora=False, **config):
     if kind == "kto":
         return trl.KTOTrainer(model, **ref, args=trl.KTOConfig(max_length=32, **args), train_dataset=dataset("unpaired"),
                               processing_class=tok)
+    if kind == "distillation":
+        return trl.DistillationTrainer(model, teacher_model=mini(family, "cpu", torch.float32, **TEACHER).eval(),
+                                       args=trl.DistillationConfig(**DISTILLATION, **args),
+                                       train_dataset=dataset("prompts"), processing_class=tok)
     generation = dict(num_generations=4, max_completion_length=6, temperature=0.9)
     if kind == "grpo":
         return trl.GRPOTrainer(model, reward_funcs=reward_len, args=trl.GRPOConfig(**generation, **args),
@@ -159,3 +176,42 @@ def test_a_trl_whose_head_moved_is_refused(monkeypatch):
         bastile.apply()
     assert bastile.get_patched_ops() == [] and utils._ChunkedLogProbFunction is Other
     assert "log_probs_trl" not in bastile.apply(log_probs=False)
+
+
+# The JSD, the forward KL, the reverse KL; and two micro-batches a step, each loss its divergence sum over the
+# step's token count (num_items_in_batch), not its own.
+DISTILLATION_CASES = [dict(beta=0.5), dict(beta=0.0), dict(beta=1.0), dict(beta=0.5, gradient_accumulation_steps=2)]
+
+
+@pytest.mark.parametrize("config", DISTILLATION_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_distillation_logs_match_trl_alone(config, tmp_path, monkeypatch):
+    """DistillationTrainer, its loss on Bastile's fused_linear_divergence (the `divergence` patch) and the student's
+    layers on Bastile's (its family's patches): every logged figure as in test_trainer_logs_match_trl_alone, and the
+    loss and the student's entropy within 1e-5 at every step; Bastile's divergence ran at every micro-batch with
+    gradients and TRL's ChunkedDivergenceFunction never."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+    ours, theirs = [], []
+    real_ours, real_theirs = bastile.trainers.fused_linear_divergence, ChunkedDivergenceFunction.apply
+
+    def counting_ours(*args, **kwargs):
+        ours.append(torch.is_grad_enabled())
+        return real_ours(*args, **kwargs)
+
+    def counting_theirs(*args):
+        theirs.append(torch.is_grad_enabled())
+        return real_theirs(*args)
+    monkeypatch.setattr(bastile.trainers, "fused_linear_divergence", counting_ours)
+    monkeypatch.setattr(ChunkedDivergenceFunction, "apply", counting_theirs)
+
+    calls = [True] * COMMON["max_steps"] * config.get("gradient_accumulation_steps", 1)
+    want = logged("distillation", "qwen3", tmp_path, **config)
+    assert (ours, theirs) == ([], calls)
+    assert {*patch_names("qwen3"), "divergence_trl"} <= set(bastile.apply())
+    theirs.clear()
+    got = logged("distillation", "qwen3", tmp_path, **config)
+    assert (ours, theirs) == (calls, [])
+    assert_same_logs(got, want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        for key in ("loss", "entropy"):
+            assert math.isclose(g[key], w[key], rel_tol=1e-5), f"step {step} {key}: {g[key]} vs {w[key]}"
+    assert min(e["completions/clipped_ratio"] for e in want) < 1, "every completion ran to the length limit"
