@@ -1,7 +1,11 @@
-"""TRL's preference trainers under DDP, with and without Bastile's head (the `log_probs` patch).
+"""TRL's preference and distillation trainers under DDP, with and without Bastile's head (the `log_probs` patch)
+or divergence (the `divergence` patch).
 
 TRL reported (trl#7245) that DPO and KTO skipped DDP's gradient all-reduce on their fused-loss path in earlier
 releases: the loss called the unwrapped model, so DDP never saw the backward. Bastile's head sits on that path.
+DistillationTrainer calls the student's backbone and head itself, inside DDP's forward through its
+_forward_redirection, and divides each rank's summed divergence by the global token count over the ranks
+(num_items_in_batch / num_processes): Bastile's divergence sits on that path.
 Each trainer runs 2 optimizer steps on the mini Qwen3 in fp32 on the CPU, two ranks over gloo (spawned here, as
 test_distributed does), then once in one process on the global batch (the two ranks' micro-batches together),
 HF's path and Bastile's alike. The test asserts, for each:
@@ -9,14 +13,16 @@ HF's path and Bastile's alike. The test asserts, for each:
 - the ranks' trained parameters are bitwise equal (their data differ, so only all-reduced gradients make them so);
 - they equal the one-process run's within 1e-5 (relative and absolute): DDP averages the ranks' gradients, and
   DPO's and KTO's losses are means over the rank's sequences, so with equal micro-batches the average of the
-  ranks' losses is the global batch's loss: the same gradient, up to rounding;
+  ranks' losses is the global batch's loss: the same gradient, up to rounding (distillation's loss is the rank's
+  summed divergence over the global token count, times the ranks: their average is the global batch's loss
+  whatever each rank's count);
 - every rank logs the one-process run's loss at each step (TRL all-gathers it), and KTO's KL estimate is positive
   (so the pairs it is taken over matter: kl_pairs_of_the_ranks);
-- compute_loss got the DDP-wrapped model at every step, and on Bastile's path Bastile's head ran inside DDP's
-  forward with gradients once per step (the policy's forward), and elsewhere only without gradients (the
-  reference's, KTO's KL pass); on HF's path it never ran.
+- compute_loss got the DDP-wrapped model at every step, and on Bastile's path Bastile's head (divergence, for
+  distillation) ran inside DDP's forward with gradients once per step (the policy's forward), and elsewhere only
+  without gradients (the reference's, KTO's KL pass); on HF's path it never ran.
 
-A trainer is one more entry in TRAINERS (TRL's DistillationTrainer: its `teacher_model` as the second model).
+A trainer is one more entry in TRAINERS.
 """
 import contextvars
 import functools
@@ -38,7 +44,8 @@ from test_families import mini
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
-from test_trl import dataset, tokenizer  # noqa: E402  (after the skips: test_trl needs TRL)
+# After the skips: test_trl needs TRL.
+from test_trl import DISTILLATION, STUDENT, TEACHER, dataset, tokenizer  # noqa: E402
 
 WORLD = 2
 PER_RANK = 2  # sequences per rank per step (KTO's KL term needs 2 or more)
@@ -52,8 +59,9 @@ PARTNER = dict(seed=1, initializer_range=0.2)
 # in another order) into learning-rate-sized steps, while SGD moves each parameter by lr times its gradient, so
 # the runs agree to rounding and a rank's unreduced gradient (its own half of the batch) moves it far off.
 COMMON = dict(max_steps=STEPS, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-              learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", seed=0, max_length=32,
-              disable_tqdm=True, dataloader_num_workers=0)
+              learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", seed=0, disable_tqdm=True,
+              dataloader_num_workers=0)
+PREFERENCE = dict(max_length=32)  # the preference trainers' sequences (prompt and completion)
 
 
 def kl_pairs_of_the_ranks(trainer):
@@ -67,11 +75,24 @@ def kl_pairs_of_the_ranks(trainer):
     trainer.train_dataset = trainer.train_dataset.map(rotate, batched=True, batch_size=PER_RANK)
 
 
+def sequences(inputs):
+    """The (token ids, attention mask) of the sequences compute_loss gets: a preference trainer's."""
+    return inputs["input_ids"], inputs["attention_mask"]
+
+
+def prompts_and_completions(inputs):
+    """DistillationTrainer's: each prompt (left-padded) followed by its generated completion (right-padded)."""
+    return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1))
+
+
 @dataclass(frozen=True)
 class Spec:
     """One trainer: its class and config, the keyword of its second model (PARTNER), test_trl's dataset kind, its
     own settings, what the one-process run changes in the built trainer to see the global batch as the ranks do,
-    and the logged figures that must be positive at every step (what that change is for must be at work)."""
+    the logged figures that must be positive at every step (what that change is for must be at work), the
+    overrides of the trained model's and of the second model's mini configs, where compute_loss's inputs hold the
+    sequences, and the function of bastile.trainers that is Bastile's part of the loss."""
     trainer: str
     config: str
     partner: str
@@ -79,13 +100,24 @@ class Spec:
     settings: dict = field(default_factory=dict)
     one_process: Callable = lambda trainer: None
     positive: tuple = ()
+    model: dict = field(default_factory=dict)
+    partner_model: dict = field(default_factory=dict)
+    sequences: Callable = sequences
+    bastile: str = "fused_linear_log_probs"
 
 
 TRAINERS = {
-    "dpo": Spec("DPOTrainer", "DPOConfig", "ref_model", "preference"),
+    "dpo": Spec("DPOTrainer", "DPOConfig", "ref_model", "preference", PREFERENCE),
     # Sequential order: KTO's KL pairs are fixed by the dataset's order (the trainer refuses another).
-    "kto": Spec("KTOTrainer", "KTOConfig", "ref_model", "unpaired", dict(train_sampling_strategy="sequential"),
-                kl_pairs_of_the_ranks, positive=("kl",)),
+    "kto": Spec("KTOTrainer", "KTOConfig", "ref_model", "unpaired",
+                dict(PREFERENCE, train_sampling_strategy="sequential"), kl_pairs_of_the_ranks, positive=("kl",)),
+    # On-policy: each rank's student generates its completions, greedily (test_trl's DISTILLATION), so the ranks'
+    # and the one-process run's are the same function of the same weights and their sequences can be compared.
+    # test_trl's teacher, twice as wide as the student (PARTNER's seed and scale); the JSD (beta 0.5), both
+    # distributions' terms.
+    "distillation": Spec("DistillationTrainer", "DistillationConfig", "teacher_model", "prompts",
+                         dict(DISTILLATION, beta=0.5), model=STUDENT, partner_model=TEACHER,
+                         sequences=prompts_and_completions, bastile="fused_linear_divergence"),
 }
 # (trainer, mode): each trained two ways, TRL's own head and Bastile's.
 JOBS = [(kind, mode) for kind in TRAINERS for mode in ("hf", "bastile")]
@@ -109,26 +141,26 @@ def train(kind, mode, out, per_device):
     """Trains `kind` for STEPS steps with `per_device` sequences a step (Bastile applied first in mode "bastile",
     before the models are built) and returns the initial and trained parameters, the logged step records, each
     step's sequences (their unpadded token ids, sorted) and whether compute_loss got the DDP-wrapped model,
-    and, per call of Bastile's head, whether it ran inside DDP's forward and with gradients."""
+    and, per call of Bastile's head (spec.bastile), whether it ran inside DDP's forward and with gradients."""
     spec = TRAINERS[kind]
     bastile.reset()
     if mode == "bastile":
         assert set(TRAINER_PATCHES) <= set(bastile.apply())
     head = []
-    real = bastile.trainers.fused_linear_log_probs
+    real = getattr(bastile.trainers, spec.bastile)
 
     def counting(*args, **kwargs):
         head.append((_in_ddp.get(), torch.is_grad_enabled()))
         return real(*args, **kwargs)
 
-    bastile.trainers.fused_linear_log_probs = counting
+    setattr(bastile.trainers, spec.bastile, counting)
     try:
         config = getattr(trl, spec.config)(output_dir=str(out), per_device_train_batch_size=per_device,
                                            **COMMON, **spec.settings)
         rows = STEPS * WORLD * PER_RANK  # the whole dataset: one epoch of STEPS global batches
-        model = mini("qwen3", "cpu", torch.float32)
+        model = mini("qwen3", "cpu", torch.float32, **spec.model)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        partner = mini("qwen3", "cpu", torch.float32, **PARTNER).eval()
+        partner = mini("qwen3", "cpu", torch.float32, **{**PARTNER, **spec.partner_model}).eval()
         trainer = getattr(trl, spec.trainer)(model, **{spec.partner: partner},
                                              args=config, train_dataset=dataset(spec.data, rows),
                                              processing_class=tokenizer())
@@ -138,7 +170,7 @@ def train(kind, mode, out, per_device):
         compute_loss = trainer.compute_loss
 
         def recording(model, inputs, *args, **kwargs):
-            ids = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
+            ids = [row[mask.bool()].tolist() for row, mask in zip(*spec.sequences(inputs))]
             steps.append((sorted(ids), isinstance(model, DistributedDataParallel)))
             return compute_loss(model, inputs, *args, **kwargs)
 
@@ -146,7 +178,7 @@ def train(kind, mode, out, per_device):
         trainer.train()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}  # the module DDP wrapped
     finally:
-        bastile.trainers.fused_linear_log_probs = real
+        setattr(bastile.trainers, spec.bastile, real)
         bastile.reset()
     return {"params": params, "start": start, "steps": steps, "head": head,
             "logs": [e for e in trainer.state.log_history if "loss" in e]}
