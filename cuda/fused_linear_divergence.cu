@@ -4,7 +4,8 @@
 //   the JSD reads them again for its sums against the mixture, whose normalisers pass 1 gave;
 //   the last pass writes dD/ds over the gradient row (which may be the student's row: each element is
 //   read before it is written, by the same thread).
-// Math in f32, natural-log units; the gradient is rounded once to its dtype.
+// Math in f32 (the exps and logs the SFU's approximations, ~2 units of f32), natural-log units; the gradient
+// is rounded once to its dtype.
 #include <math_constants.h>
 
 #include "common.cuh"
@@ -83,11 +84,10 @@ template <int V> __device__ __forceinline__ void load4(const float *p, float (&v
   }
 }
 
-// log m, m = (1 - beta) p_s + beta p_t, from the log-probabilities (as torch.logaddexp).
-__device__ __forceinline__ float log_mix(float ls, float lt, float log_a, float log_b) {
-  const float a = ls + log_a, b = lt + log_b, top = fmaxf(a, b);
-  return top == -CUDART_INF_F ? top : top + log1pf(expf(fminf(a, b) - top));
-}
+// log m, m = (1 - beta) p_s + beta p_t, from the probabilities: one log where logaddexp of the
+// log-probabilities costs an exp and a log1p (the pass's bottleneck). Where m underflows, so do both
+// p * log terms it enters: callers give them 0.
+__device__ __forceinline__ float log_mix(float ps, float pt, float beta) { return __logf((1.f - beta) * ps + beta * pt); }
 
 template <int M, class G, int V> __device__ __forceinline__ void rows(const DivergenceChunk &p) {
   const float *student = static_cast<const float *>(p.student), *teacher = static_cast<const float *>(p.teacher);
@@ -121,7 +121,7 @@ template <int M, class G, int V> __device__ __forceinline__ void rows(const Dive
       st.ms = ms, st.mt = mt;
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float es = expf(a[i] - ms), et = expf(b[i] - mt), gap = b[i] - a[i];
+        const float es = __expf(a[i] - ms), et = __expf(b[i] - mt), gap = b[i] - a[i];
         st.ss += es, st.xs += es * a[i], st.gs -= es * gap;
         st.st += et, st.gt += et * gap;
       }
@@ -131,17 +131,19 @@ template <int M, class G, int V> __device__ __forceinline__ void rows(const Dive
     float d, aux;  // the divergence, and what the gradient subtracts (D, or KL(p_s || m))
     if constexpr (M == kForward) d = aux = st.gt / st.st - lzt + lzs;
     if constexpr (M == kReverse) d = aux = st.gs / st.ss - lzs + lzt;
-    const float log_a = logf(1.f - beta), log_b = logf(beta);
     if constexpr (M == kJsd) {
       float jsd = 0.f, kl = 0.f;
-      for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
+      // Backwards: what pass 1 read last is read first, while it may still be in L2.
+      for (int64_t c = vectors - 1 - threadIdx.x; c >= 0; c -= blockDim.x) {
         float a[V], b[V];
         load4<V>(s + c * V, a);
         load4<V>(t + c * V, b);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          const float ls = zs_of(a[i]) - lzs, lt = zt_of(b[i]) - lzt, lm = log_mix(ls, lt, log_a, log_b);
-          const float ps = expf(ls), pt = expf(lt), ks = ps * (ls - lm);
+          const float ls = zs_of(a[i]) - lzs, lt = zt_of(b[i]) - lzt, ps = __expf(ls), pt = __expf(lt);
+          const float lm = log_mix(ps, pt, beta);
+          if (lm == -CUDART_INF_F) continue;
+          const float ks = ps * (ls - lm);
           kl += ks;
           jsd += beta * pt * (lt - lm) + (1.f - beta) * ks;
         }
@@ -160,11 +162,14 @@ template <int M, class G, int V> __device__ __forceinline__ void rows(const Dive
       load4<V>(t + c * V, b);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float z = zs_of(a[i]), ls = z - lzs, lt = zt_of(b[i]) - lzt, ps = expf(ls);
+        const float z = zs_of(a[i]), ls = z - lzs, lt = zt_of(b[i]) - lzt, ps = __expf(ls);
         float dz;
-        if constexpr (M == kForward) dz = ps - expf(lt);
+        if constexpr (M == kForward) dz = ps - __expf(lt);
         if constexpr (M == kReverse) dz = ps * (ls - lt - aux);
-        if constexpr (M == kJsd) dz = (1.f - beta) * ps * (ls - log_mix(ls, lt, log_a, log_b) - aux);
+        if constexpr (M == kJsd) {
+          const float lm = log_mix(ps, __expf(lt), beta);
+          dz = lm == -CUDART_INF_F ? 0.f : (1.f - beta) * ps * (ls - lm - aux);
+        }
         w[i] = dz * zs_of.slope(z);
       }
       store<V>(g + c * V, w);
