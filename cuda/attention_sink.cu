@@ -17,13 +17,6 @@ __device__ __forceinline__ float logaddexp(float a, float b) {
   return fmaxf(a, b) + log1pf(expf(-fabsf(a - b)));
 }
 
-// The rows a block's groups take in turn; the bound is uniform across the block, so every lane of a warp
-// reaches the shuffles, rows past the last included (`row < rows` says which are real).
-template <class F> __device__ __forceinline__ void for_each_row(int64_t rows, int group, F f) {
-  const int64_t per_block = BLOCK / group, step = (int64_t)gridDim.x * per_block;
-  for (int64_t base = (int64_t)blockIdx.x * per_block; base < rows; base += step) f(base + threadIdx.x / group);
-}
-
 template <class T, int V> __device__ __forceinline__ void forward(const AttentionSinkForward &p) {
   const T *__restrict__ out = static_cast<const T *>(p.out);
   T *__restrict__ y = static_cast<T *>(p.y);
@@ -31,8 +24,9 @@ template <class T, int V> __device__ __forceinline__ void forward(const Attentio
   float *normaliser = static_cast<float *>(p.normaliser);
   const int lane = threadIdx.x % p.group;
   const int64_t rows = p.tokens * p.heads, vectors = p.dim / V;
-  for_each_row(rows, p.group, [&](int64_t row) {
-    if (row >= rows) return;
+  FOR_EACH_ROW_GROUP(base, rows, BLOCK / p.group) {
+    const int64_t row = base + threadIdx.x / p.group;
+    if (row >= rows) continue;
     const int64_t t = row / p.heads, h = row % p.heads;
     const float x = lse[t * p.lse_strides[0] + h * p.lse_strides[1]], L = logaddexp(x, sinks[h]);
     if (lane == 0) normaliser[t * p.normaliser_strides[0] + h * p.normaliser_strides[1]] = L;
@@ -46,7 +40,7 @@ template <class T, int V> __device__ __forceinline__ void forward(const Attentio
       for (int j = 0; j < V; ++j) w[j] = to_f32(v.v[j]) * r;
       store<V>(dst + c * V, w);
     }
-  });
+  }
 }
 
 template <class T, int V> __device__ __forceinline__ void backward(const AttentionSinkBackward &p) {
@@ -58,7 +52,9 @@ template <class T, int V> __device__ __forceinline__ void backward(const Attenti
   float *grad_lse = static_cast<float *>(p.grad_lse);
   const int lane = threadIdx.x % p.group;
   const int64_t rows = p.tokens * p.heads, vectors = p.dim / V;
-  for_each_row(rows, p.group, [&](int64_t row) {
+  // Rows past the last run the shuffles too (every lane of a warp must reach them), as not `real`.
+  FOR_EACH_ROW_GROUP(base, rows, BLOCK / p.group) {
+    const int64_t row = base + threadIdx.x / p.group;
     const bool real = row < rows;
     const int64_t offset = real ? row * p.dim : 0;
     float d = 0.f;
@@ -69,11 +65,11 @@ template <class T, int V> __device__ __forceinline__ void backward(const Attenti
         for (int j = 0; j < V; ++j) d += to_f32(dy.v[j]) * to_f32(v.v[j]);
       }
     d = warp_group_sum(d, p.group);
-    if (!real) return;
+    if (!real) continue;
     const int64_t t = row / p.heads, h = row % p.heads;
     const float L = normaliser[t * p.normaliser_strides[0] + h * p.normaliser_strides[1]];
     if (lane == 0) grad_lse[t * p.grad_lse_strides[0] + h * p.grad_lse_strides[1]] = expf(sinks[h] - L) * d;
-    if (lse == nullptr) return;
+    if (lse == nullptr) continue;
     // From lse, not as 1 - exp(sink - L): that loses the factor's relative precision where the sink dominates.
     const float r = expf(lse[t * p.lse_strides[0] + h * p.lse_strides[1]] - L);
     for (int64_t c = lane; c < vectors; c += p.group) {
@@ -83,7 +79,7 @@ template <class T, int V> __device__ __forceinline__ void backward(const Attenti
       for (int j = 0; j < V; ++j) w[j] = to_f32(dy.v[j]) * r;
       store<V>(grad_out + offset + c * V, w);
     }
-  });
+  }
 }
 
 }  // namespace

@@ -158,6 +158,11 @@ __device__ __forceinline__ void column_sum(const float *partial, int64_t partial
 
 }  // namespace bastile
 
+// Rows (or groups of rows) a block takes in turn, grid-stride: base runs over multiples of `per_block` below
+// `rows`. The bound is uniform across the block, so every thread reaches the reductions in the body.
+#define FOR_EACH_ROW_GROUP(base, rows, per_block) \
+  for (int64_t base = (int64_t)blockIdx.x * (per_block); base < (rows); base += (int64_t)gridDim.x * (per_block))
+
 // Template arguments of the dtype and access tags of the kernel lists (include/bastile.h).
 #define BASTILE_TYPE_f32 float
 #define BASTILE_TYPE_f16 bastile::f16

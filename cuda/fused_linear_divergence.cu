@@ -96,7 +96,7 @@ template <int M, class G, int V> __device__ __forceinline__ void rows(const Dive
   const Logit zs_of(p.student_scale, p.student_softcap, p.temperature), zt_of(p.teacher_scale, p.teacher_softcap, p.temperature);
   const float beta = (float)p.beta;
   const int64_t vectors = p.vocab / V;
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+  FOR_EACH_ROW_GROUP(row, p.rows, 1) {
     const float *s = student + row * p.ld, *t = teacher + row * p.ld;
     G *g = grad ? grad + row * p.ld : nullptr;
     if (p.mask && !p.mask[row]) {

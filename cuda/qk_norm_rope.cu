@@ -21,11 +21,6 @@ using namespace bastile;
 
 namespace {
 
-// Row groups a block takes in turn; the bound is uniform across the block, so every thread reaches
-// each group_sum.
-#define FOR_EACH_ROW_GROUP(base, rows, slots) \
-  for (int64_t base = (int64_t)blockIdx.x * (slots); base < (rows); base += (int64_t)gridDim.x * (slots))
-
 // Where row r (token-major, heads of one tensor) lies; only asked for live rows (a tensor with no heads
 // has none). Rust keeps row counts below 2^31, so 32-bit division suffices; element offsets are 64-bit.
 struct Row {

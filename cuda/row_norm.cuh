@@ -125,7 +125,7 @@ __device__ __forceinline__ void forward_cached(const P &p) {
   const int64_t cols = p.cols, nvec = cols / V;
   const float eps = (float)p.eps, inv_cols = 1.f / (float)cols;
 
-  FOR_EACH_ROW_GROUP(base, rows_per_block * R) {
+  FOR_EACH_ROW_GROUP(base, p.rows, rows_per_block * R) {
     Pack<X, V> xv[R][K];
     GateShare<N, V, K> zv[R];
 #pragma unroll
@@ -168,7 +168,7 @@ template <class N, int V, class P> __device__ __forceinline__ void forward_strea
   const auto [G, rows_per_block, lane, grp, cols, nvec, inv_cols] = Lanes<V>(p);
   const float eps = (float)p.eps;
 
-  FOR_EACH_ROW_GROUP(base, rows_per_block) {
+  FOR_EACH_ROW_GROUP(base, p.rows, rows_per_block) {
     const int64_t row = base + grp;
     const bool live = row < p.rows;
     const X *xr = x + row * cols;
@@ -248,7 +248,7 @@ __device__ __forceinline__ void backward_cached(const P &p) {
     if (first < p.rows) r_cur = rstd[first];
   }
 
-  FOR_EACH_ROW_GROUP(base, rows_per_block) {
+  FOR_EACH_ROW_GROUP(base, p.rows, rows_per_block) {
     const int64_t row = base + grp;
     const bool live = row < p.rows;
     if constexpr (ahead) {
@@ -313,7 +313,7 @@ template <class N, int V, class P> __device__ __forceinline__ void backward_stre
 #pragma unroll
     for (int i = 0; i < V; ++i) own[j * V + i] = 0.f;
 
-  FOR_EACH_ROW_GROUP(base, rows_per_block) {
+  FOR_EACH_ROW_GROUP(base, p.rows, rows_per_block) {
     const int64_t row = base + grp;
     const bool live = row < p.rows;
     const X *xr = x + row * cols;

@@ -49,12 +49,6 @@ __device__ __forceinline__ void store_partial(const float (&acc)[K][V], float *o
 
 }  // namespace bastile
 
-// Rows the block's groups take in turn (grid-stride); the bound is uniform across the block, so every
-// thread reaches each group_sum.
-#define FOR_EACH_ROW_GROUP(base, rows_per_block)                                      \
-  for (int64_t base = (int64_t)blockIdx.x * (rows_per_block); base < p.rows;          \
-       base += (int64_t)gridDim.x * (rows_per_block))
-
 // Template arguments of the residency tags (src/geometry.rs): the vectors of a row a thread keeps in
 // registers, 0 where the row is streamed twice.
 #define BASTILE_CACHED_cached1 1
