@@ -22,7 +22,7 @@ from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, ex
 from test_qwen3_training import batches
 
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe", "qwen3_vl_moe_text",
-            "qwen3_next"]
+            "qwen3_next", "lfm2_moe"]
 # Gemma 4's mini has no experts (test_families.py); here its MoE model: experts beside each dense MLP
 OVERRIDES = {"gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)}
 EXPERT_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
@@ -77,30 +77,40 @@ def test_experts_train_as_hf(family, lora, monkeypatch):
         assert any("experts" in n and "lora_B" in n for n in grads)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next"])
+# PEFT's all-linear reaches Qwen3-Next's routed experts and router through transformers' weight conversion mapping
+# (from v4's per-expert linears); LFM2-MoE has none, so its experts' parameters are named, and its router, a bare
+# weight, gets no adapter.
+ALL_LINEAR = {"qwen3_next": ({}, {"Qwen3NextTopKRouter"}),
+              "lfm2_moe": (dict(target_parameters=["experts.gate_up_proj", "experts.down_proj"]), set())}
+
+
+@pytest.mark.parametrize("family", list(ALL_LINEAR))
 def test_all_linear_lora_trains_as_hf(family, monkeypatch):
-    """PEFT's `all-linear` LoRA: adapters on every linear layer (the attention's, the Gated DeltaNet's, the dense and
-    shared experts' projections, the shared expert's gate) and on the routed experts' and the router's parameters.
+    """PEFT's `all-linear` LoRA: adapters on every linear layer (the attention's, the Gated DeltaNet's or the short
+    convolution's, the dense and shared experts' projections, the shared expert's gate) and on the routed experts' and
+    the router's parameters.
     Two AdamW steps' losses as HF + PEFT's, the first step's gradients within 1e-4; the routed experts' adapters
     fused into the expert path (neither transformers' experts functions nor PEFT's parametrized weight run for
     them; the router's keeps PEFT's), and every projection of a patched forward in a fused node."""
     data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * 2
     base = mini(family, "cpu", torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    extra, routers = ALL_LINEAR[family]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, **extra)
     torch.manual_seed(3)
     ref = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
     # HF's Gated DeltaNet on the exact recurrence: its chunked rule in float32 gets the gradients of the decay's
     # parameters 1e-3 off (test_families.DECAY), in_proj_ba's adapters' among them
     with monkeypatch.context() as m:
-        m.setattr(sys.modules[TRAITS[family].module], "torch_chunk_gated_delta_rule", exact_delta_rule)
+        if TRAITS[family].linear_attention:
+            m.setattr(sys.modules[TRAITS[family].module], "torch_chunk_gated_delta_rule", exact_delta_rule)
         ref_losses, ref_grads = steps(ref, data)
     bastile.apply(model=base, **NO_TRAINERS)
     torch.manual_seed(3)
     model = get_peft_model(base, config)
     report = bastile.lora_modules(model)
-    experts_wrapped = [n for n in report if n.endswith("mlp.experts")]
+    experts_wrapped = [n for n in report if n.endswith(".experts")]  # mlp.experts, LFM2-MoE's feed_forward.experts
     assert experts_wrapped and all(report[n] == "fused" for n in experts_wrapped), report
-    projections = ("proj", "in_proj_qkvz", "in_proj_ba")
+    projections = ("proj", "in_proj_qkvz", "in_proj_ba", "w1", "w2", "w3")  # LFM2's MLP: w1, w3, w2
     assert all(why == "fused" for n, why in report.items() if n.endswith(projections)), report
     register, parametrized = torch.nn.utils.parametrize.register_parametrization, []
     with monkeypatch.context() as m:
@@ -109,7 +119,7 @@ def test_all_linear_lora_trains_as_hf(family, monkeypatch):
         m.setattr(torch.nn.utils.parametrize, "register_parametrization", lambda module, *args, **kw:
                   parametrized.append(type(module).__name__) or register(module, *args, **kw))
         losses, grads = steps(model, data)
-    assert set(parametrized) == {f"{TRAITS[family].prefix}TopKRouter"}, parametrized
+    assert set(parametrized) == routers, parametrized
     assert losses == pytest.approx(ref_losses, rel=1e-5) and ref_losses[-1] < ref_losses[0]
     assert grads.keys() == ref_grads.keys() and any("experts" in n and "lora_B" in n for n in grads)
     for name, g in ref_grads.items():  # adapters B != 0 on every layer: fp32 rounding puts some 2e-5 apart
@@ -169,9 +179,24 @@ def test_experts_with_no_tokens_and_a_token_routed_twice():
     x = torch.randn(5, ex.gate_up_proj.shape[-1], dtype=torch.float64)
     index = torch.tensor([[3, 3], [3, 5], [5, 3], [3, 3], [5, 5]])  # experts 0-2, 4, 6, 7 idle
     weights = torch.rand(5, 2, dtype=torch.float64)
-    forward = experts.experts_forward(bastile.roles.mlp.swiglu_gate, concatenated=True)
+    forward = experts.experts_forward(bastile.roles.mlp.swiglu_gate(TRAITS["qwen3_moe"].mlp), concatenated=True)
     torch.testing.assert_close(forward(ex, x, index, weights), type(ex).forward.__wrapped__(ex, x, index, weights),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_experts_holding_silu_as_a_function_run_the_fused_gate():
+    """LFM2-MoE's experts hold F.silu, a function, as act_fn (Mlp.expert_activation None): their gate runs the
+    `swiglu` op, and the experts compute what HF's eager experts do."""
+    model = mini("lfm2_moe", "cpu", torch.float32)
+    ex = model.model.layers[1].feed_forward.experts
+    x = torch.randn(5, ex.hidden_dim)
+    index, weights = torch.tensor([[0, 3], [3, 5], [5, 7], [1, 3], [7, 0]]), torch.rand(5, 2)
+    want = type(ex).forward.__wrapped__(ex, x, index, weights)
+    bastile.apply(model=model, **NO_TRAINERS)
+    with Dispatched() as seen:
+        got = ex(x, index, weights)
+    assert seen.ops == {"swiglu"}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @needs_cuda

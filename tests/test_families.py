@@ -119,6 +119,12 @@ CONFIGS = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
              dict(intermediate_size=384, block_multiple_of=32, num_hidden_layers=4, conv_bias=True,
                   layer_types=["conv", "full_attention"] * 2, **IDS)),
+    # LFM2's layers (biased short convolutions on layers 0 and 2), layer 0 a dense MLP, the others 2 of 8 routed
+    # experts (their act_fn F.silu, a function) behind a sigmoid router with an expert bias, scaled by 2.5
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 dict(intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                      num_dense_layers=1, routed_scaling_factor=2.5, num_hidden_layers=4, conv_bias=True,
+                      layer_types=["conv", "full_attention"] * 2, **IDS)),
     # Qwen3.5-MoE's layers with the Gated DeltaNet's projections grouped by key head, half of each head rotated by
     # plain RoPE; layer 1 (a Gated DeltaNet's) a dense MLP, router aux loss on
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
@@ -129,7 +135,7 @@ CONFIGS = {
 FAMILIES = list(CONFIGS)
 NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "glm4", "glm4_moe", "gemma", "gemma2",
        "gemma3_text",
-       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "qwen3_next"]
+       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "qwen3_next"]
 # Qwen3's own training tests use a larger model (test_qwen3_training.py); this one is for the other tests.
 MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}
 LR = 2e-3
@@ -425,9 +431,10 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
     index = next(i for i, t in enumerate(types) if t not in TRAITS[family].mixer_types)
     layer = decoder.layers[index]
     positions = torch.arange(40)[None].expand(2, -1)
-    per_type = "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters
+    rotary = decoder.pos_emb if family == "lfm2_moe" else decoder.rotary_emb  # LFM2-MoE's name for it
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
     sections = positions[None].expand(3, -1, -1) if TRAITS[family].rotary.sections else positions
-    tables = decoder.rotary_emb(h, positions, types[index]) if per_type else decoder.rotary_emb(h, sections)
+    tables = rotary(h, positions, types[index]) if per_type else rotary(h, sections)
     kw = dict(attention_mask=None, position_ids=positions, position_embeddings=tables)
     if TRAITS[family].attention.shared_kv:
         kw["shared_kv_states"] = {}
@@ -519,6 +526,11 @@ def test_mini_models_have_the_traits_the_tests_rely_on():
     assert [type(getattr(layer, "conv", None) or layer.self_attn).__name__ for layer in lfm2.model.layers] \
         == ["Lfm2ShortConv", "Lfm2Attention"] * 2
     assert lfm2.model.layers[0].conv.conv.bias is not None and lfm2.model.layers[0].feed_forward.w1.out_features == 256
+    lfm2_moe = mini("lfm2_moe", "cpu", torch.float32)  # layer 0 dense, then routed experts whose act_fn is F.silu
+    assert [type(layer.feed_forward).__name__ for layer in lfm2_moe.model.layers] \
+        == ["Lfm2MoeMLP"] + ["Lfm2MoeSparseMoeBlock"] * 3
+    assert lfm2_moe.model.layers[1].feed_forward.experts.act_fn is torch.nn.functional.silu
+    assert lfm2_moe.model.layers[1].feed_forward.use_expert_bias
     vl = qwen3_vl_multimodal()  # DeepStack's features go to the first two of three layers
     assert len(vl.model.visual.deepstack_merger_list) == 2 < len(vl.model.language_model.layers)
     vl_moe = qwen3_vl_multimodal(moe=True)

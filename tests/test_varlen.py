@@ -131,12 +131,14 @@ VARIANTS = {
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(output_router_logits=False)),
     # short convolutions: each restarts at each sequence (HF's carries it across)
     "lfm2": ("lfm2", {}),
+    # the same beside routed experts
+    "lfm2_moe": ("lfm2_moe", {}),
     # the same with Qwen3-Next's grouped projections, under plain RoPE
     "qwen3_next": ("qwen3_next", dict(output_router_logits=False)),
 }
 # Variants whose attention has no varlen kernel (a softcap), and those where some layers have none.
 MASKED = {"gemma2_softcap"}
-VARLEN_LAYERS = {"gemma4_wide": 2, "qwen3_5": 1, "qwen3_5_moe": 1, "lfm2": 2, "qwen3_next": 1}
+VARLEN_LAYERS = {"gemma4_wide": 2, "qwen3_5": 1, "qwen3_5_moe": 1, "lfm2": 2, "lfm2_moe": 2, "qwen3_next": 1}
 MAX_HEAD_DIM = {"gemma4_wide": 8}
 
 

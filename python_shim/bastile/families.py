@@ -5,8 +5,8 @@ A family (an HF `model_type`) is its traits: how its RMSNorm rounds, what its at
 projections (fused q/k/v, q/k norms per head or over the whole width, the rotary layout, NoPE layers, the
 sliding-window source, a position-dependent query scale, sinks, an output gate), linear-attention layers in
 place of attention (Qwen3.5's and Qwen3-Next's Gated DeltaNet) or gated short convolutions (LFM2's), its
-MLP (separate or fused gate/up, MoE experts), the norms and multipliers around each sublayer, and its head
-(a logit scale, the router's auxiliary loss). The forwards (roles/) are built from stages these traits
+MLP (separate or fused gate/up, MoE experts and their activation), the norms and multipliers around each
+sublayer, and its head (a logit scale, the router's auxiliary loss). The forwards (roles/) are built from stages these traits
 choose; nothing there probes a module to guess what it is.
 `check(model, parts)` refuses, naming the module or config key, a model that carries anything the traits do
 not declare (a subclass of a class the forwards replace or call into, a config key that the family's modeling
@@ -104,6 +104,8 @@ class Mlp:
     # The dense MLP's gate, up (where not fused) and down projections (LFM2's w1, w3, w2)
     projections: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     experts: Optional[str] = None       # the experts' activation: "swiglu" or "geglu" (GPT-OSS's clamped one)
+    # The swiglu experts' activation module; None where they hold F.silu, a function, as act_fn (LFM2-MoE)
+    expert_activation: Optional[str] = "act_fn"
     router_scores: bool = False         # the MoE block returns (hidden, router scores) (GPT-OSS)
     # Gemma 4 (enable_moe_block): the layer's router and experts run beside its dense MLP, on the MLP's
     # residual input: post_feedforward_layernorm_1(mlp) + post_feedforward_layernorm_2(experts(
@@ -294,6 +296,14 @@ def _qwen2_vl(model_type: str, prefix: str, inputs: Tuple[str, ...] = ()) -> Fam
                                          output=("{prefix}CausalLMOutputWithPast", "CausalLMOutputWithPast")))
 
 
+# LFM2's and LFM2-MoE's layers: out_proj, q_layernorm and k_layernorm, no attention dropout; the sublayers' norms
+# operator_norm and ffn_norm, the MLP the layer's feed_forward; short convolutions on the "conv" layers.
+_LFM2_TRAITS = dict(attention=Attention(qk_norm=QkNorm.PER_HEAD, output="out_proj",
+                                        norms=("q_layernorm", "k_layernorm"), dropout=None),
+                    residual=Residual(mlp="feed_forward", attention_in="operator_norm", mlp_in="ffn_norm"),
+                    short_conv=True)
+
+
 # Mistral3ForConditionalGeneration (model type mistral3, in a modeling module of its own) holds a Mistral decoder
 # (Mistral Small 3.1/3.2, Magistral Small) or a Ministral 3 one (the 2512 checkpoints): its head is held by both
 # families' head patches (patch.py).
@@ -444,10 +454,15 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     # keys in its __init__ (the module holds it).
     _family("lfm2", "Lfm2", {"block_auto_adjust_ff_dim", "block_ffn_dim_multiplier", "block_multiple_of", "conv_bias",
                              "conv_L_cache", "layer_types", "norm_eps"},
-            attention=Attention(qk_norm=QkNorm.PER_HEAD, output="out_proj", norms=("q_layernorm", "k_layernorm"),
-                                dropout=None),
-            mlp=Mlp(activation=None, projections=("w1", "w3", "w2")),
-            residual=Residual(mlp="feed_forward", attention_in="operator_norm", mlp_in="ffn_norm"), short_conv=True),
+            mlp=Mlp(activation=None, projections=("w1", "w3", "w2")), **_LFM2_TRAITS),
+    # LFM2-MoE (LFM2-8B-A1B): LFM2's layers, the first num_dense_layers with LFM2's dense MLP (intermediate_size
+    # wide), the others routed experts (their act_fn F.silu, a function) behind HF's sigmoid router (the expert
+    # bias choosing the experts, not weighting them; norm_topk_prob, routed_scaling_factor), no auxiliary loss.
+    _family("lfm2_moe", "Lfm2Moe", {"conv_bias", "conv_L_cache", "layer_types", "moe_intermediate_size", "norm_eps",
+                                    "norm_topk_prob", "num_dense_layers", "num_experts", "num_experts_per_tok",
+                                    "routed_scaling_factor", "use_expert_bias"},
+            mlp=Mlp(activation=None, projections=("w1", "w3", "w2"), experts="swiglu", expert_activation=None),
+            **_LFM2_TRAITS),
 ]}
 # Multimodal model types -> their language model's model type -> its family.
 MULTIMODAL: Dict[str, Dict[str, Family]] = {

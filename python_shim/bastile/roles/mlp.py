@@ -19,7 +19,8 @@ from ..ops.swiglu import swiglu
 from . import Context, Declaration, Target, named
 
 SILU = (nn.SiLU, SiLUActivation)
-# The activation of a dense MLP whose forward calls F.silu itself (Mlp.activation None: LFM2's)
+# The activation of a dense MLP whose forward calls F.silu itself (Mlp.activation None: LFM2's), or of experts
+# holding F.silu as a function (Mlp.expert_activation None: LFM2-MoE's)
 _SILU = nn.SiLU()
 
 
@@ -33,15 +34,15 @@ def gated_activation(f) -> Optional[str]:
     return None
 
 
-def activation_of(traits: Mlp) -> Callable:
-    """The function of a dense MLP module that gives its activation: its module, or SiLU (Mlp.activation None)."""
-    act = traits.activation
-    return (lambda mlp: _SILU) if act is None else (lambda mlp: getattr(mlp, act))
+def activation_of(name: Optional[str]) -> Callable:
+    """The function of a dense MLP or experts module that gives its activation: its module `name`, or SiLU (None:
+    Mlp.activation's, Mlp.expert_activation's)."""
+    return (lambda module: _SILU) if name is None else (lambda module: getattr(module, name))
 
 
 def why_not(traits: Mlp) -> Callable:
     """The function of a dense MLP module that says why its projections are not fused: None when they are."""
-    activation = activation_of(traits)
+    activation = activation_of(traits.activation)
 
     def why_not(mlp):
         f = activation(mlp)
@@ -73,7 +74,7 @@ def separate(gate: str, up: str):
 def mlp_forward(traits: Mlp) -> Callable:
     """The dense MLP's forward. `keep_activation` (a checkpointed layer: decoder.py) keeps the activation for the
     backward instead of recomputing it."""
-    act = activation_of(traits)
+    act = activation_of(traits.activation)
     gate, up, down = traits.projections
     gate_up, hf_gate_up = (fused_gate_up, hf_fused_gate_up) if traits.fused_gate_up else separate(gate, up)
 
@@ -101,14 +102,19 @@ def gated_projection(x, gate, act, up, projection):
     return lora.swiglu_down(g, up, projection, activation)
 
 
-def swiglu_gate(self, gate_up):
-    """The experts' gated activation: act(gate) * up of the halves of gate_up, fused when the activation is SiLU
-    or GELU-tanh."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    activation = gated_activation(self.act_fn)
-    if activation is None:
-        return self.act_fn(gate) * up
-    return swiglu(gate, up, activation)
+def swiglu_gate(traits: Mlp) -> Callable:
+    """The experts' gated activation: act(gate) * up of the halves of gate_up, fused when the activation
+    (Mlp.expert_activation) is SiLU or GELU-tanh."""
+    act = activation_of(traits.expert_activation)
+
+    def swiglu_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        f = act(self)
+        activation = gated_activation(f)
+        if activation is None:
+            return f(gate) * up
+        return swiglu(gate, up, activation)
+    return swiglu_gate
 
 
 def geglu_gate(self, gate_up):
@@ -117,7 +123,7 @@ def geglu_gate(self, gate_up):
     return geglu(gate_up, self.alpha, self.limit)
 
 
-GATES = {"swiglu": swiglu_gate, "geglu": geglu_gate}
+GATES = {"swiglu": swiglu_gate, "geglu": lambda traits: geglu_gate}  # the family's traits -> its gate stage
 CONCATENATED = {"swiglu": True, "geglu": False}  # how each gate reads gate/up: [gate; up], or interleaved
 
 
@@ -127,6 +133,6 @@ def declare(ctx: Context) -> Declaration:
     if m.dense:
         targets.append(Target("MLP", "forward", named(mlp_forward(m), "mlp", f), part="dense", lora=why_not(m)))
     if m.experts:
-        experts = named(experts_forward(named(GATES[m.experts], "mlp", f), CONCATENATED[m.experts]), "mlp", f)
+        experts = named(experts_forward(named(GATES[m.experts](m), "mlp", f), CONCATENATED[m.experts]), "mlp", f)
         targets.append(Target("Experts", "forward", experts, part="experts"))
     return Declaration(tuple(targets))
