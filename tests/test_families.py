@@ -758,6 +758,26 @@ def test_qwen3_vl_moe_router_loss_matches_hf():
         assert_grad_close(grads[name], g, name)
 
 
+@pytest.mark.parametrize("family", ["glm4_moe", "lfm2_moe"])
+@pytest.mark.parametrize("asked", [True, None])
+def test_moe_heads_without_aux_loss_return_hf_outputs(family, asked):
+    """MoE heads without a load-balancing loss return HF's output class, and where the call asks for them the router
+    logits HF's returns (transformers 5.23: MoeCausalLMOutputWithPast; 5.17: CausalLMOutputWithPast)."""
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    model = mini(family, "cpu", torch.float32)
+    want = model(input_ids=ids, labels=ids, output_router_logits=asked)
+    bastile.apply(model=model, **NO_TRAINERS)
+    got = model(input_ids=ids, labels=ids, output_router_logits=asked)
+    assert type(got) is type(want)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+    routed = getattr(want, "router_logits", None)
+    assert (routed is not None) == (asked is True and hasattr(want, "router_logits"))
+    if routed is not None:
+        assert len(got.router_logits) == len(routed)
+        for a, b in zip(got.router_logits, routed):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_wrapper_of_another_language_model_is_refused():
     """Mistral 3's wrapper holding a decoder of another family than the two Bastile's holds (Llama's): refused,
     naming them, before anything is patched."""

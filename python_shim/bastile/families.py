@@ -145,6 +145,10 @@ class Head:
     logit_divisor: Optional[str] = None  # config key: logits = lm_head(h) / config.<key> (Granite)
     softcap: Optional[str] = None        # config key: logits = c * tanh(logits / c), c = config.<key> (Gemma 2, 3)
     router_aux_loss: bool = False        # MoE: the router's load-balancing loss is added to the loss
+    # MoE without that loss (GLM-4.5, LFM2-MoE): from transformers 5.23 the head returns MoeCausalLMOutputWithPast
+    # with the router logits the decoder records when the call asks (output_router_logits); before, a
+    # CausalLMOutputWithPast
+    router_logits: bool = False
     # <prefix><output>: the causal LM's output class, where it has fields beyond CausalLMOutputWithPast's, which
     # are taken from the decoder's output (Gemma 4's shared_kv_states)
     output: Optional[str] = None
@@ -368,7 +372,7 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
              "n_shared_experts", "norm_topk_prob", "partial_rotary_factor", "routed_scaling_factor", "topk_group",
              "use_qk_norm"} | _MOE,
             attention=Attention(qk_norm=QkNorm.PER_HEAD, qk_norm_flag="use_qk_norm"), rotary=Rotary(partial=True),
-            mlp=Mlp(experts="swiglu")),
+            mlp=Mlp(experts="swiglu"), head=Head(router_logits=True)),
     # partial_rotary_factor is read from rope_parameters (the top-level key is its legacy spelling).
     _family("glm4", "Glm4", {"attention_bias", "partial_rotary_factor"},
             rotary=Rotary(layout=Layout.INTERLEAVED, partial=True),
@@ -462,7 +466,7 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
                                     "norm_topk_prob", "num_dense_layers", "num_experts", "num_experts_per_tok",
                                     "routed_scaling_factor", "use_expert_bias"},
             mlp=Mlp(activation=None, projections=("w1", "w3", "w2"), experts="swiglu", expert_activation=None),
-            **_LFM2_TRAITS),
+            head=Head(router_logits=True), **_LFM2_TRAITS),
 ]}
 # Multimodal model types -> their language model's model type -> its family.
 MULTIMODAL: Dict[str, Dict[str, Family]] = {

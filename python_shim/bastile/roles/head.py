@@ -97,12 +97,29 @@ def unrouted(self, output_router_logits, kwargs):
     return None
 
 
+def recorded(self, output_router_logits, kwargs):
+    """MoE without a load-balancing loss: the call's output_router_logits, where given, passed to the decoder (which
+    records the router logits from transformers 5.23), as HF's head passes its kwargs."""
+    if output_router_logits is not None:
+        kwargs["output_router_logits"] = output_router_logits
+    return None
+
+
 def dense_output(family: Family) -> Callable:
     """The output of a causal LM without routing: CausalLMOutputWithPast, or the family's own class (Head.output)."""
     name = family.head.output
 
     def output(self, fields, outputs, labels, routing, attention_mask):
         return _output(CausalLMOutputWithPast if name is None else hf_attr(family, family.name(name)), fields, outputs)
+    return output
+
+
+def recorded_output(family: Family) -> Callable:
+    """The output of Head.router_logits's heads: the modeling module's MoeCausalLMOutputWithPast where it has one
+    (transformers 5.23), the decoder's router logits in it; else CausalLMOutputWithPast."""
+    def output(self, fields, outputs, labels, routing, attention_mask):
+        return _output(getattr(sys.modules[family.module], "MoeCausalLMOutputWithPast", CausalLMOutputWithPast),
+                       fields, outputs)
     return output
 
 
@@ -126,7 +143,9 @@ def causal_lm_forward(ctx: Context) -> Callable:
     logit scale, its softcap as the op's) and `logits` is None."""
     family = ctx.family
     divisor, softcap = family.head.logit_divisor, family.head.softcap
-    route, finish = (routed, moe_output(family)) if family.head.router_aux_loss else (unrouted, dense_output(family))
+    route, finish = ((routed, moe_output(family)) if family.head.router_aux_loss else
+                     (recorded, recorded_output(family)) if family.head.router_logits else
+                     (unrouted, dense_output(family)))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, output_router_logits=None,
