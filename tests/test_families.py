@@ -1047,39 +1047,22 @@ def test_unmasked_hybrid_step_skips_hfs_packed_sequence_check(monkeypatch, famil
     assert checked == []
 
 
-def test_gated_delta_net_subclass_and_undeclared_linear_layers_are_refused():
-    """A subclass of Qwen3.5's or Qwen3-Next's Gated DeltaNet (whose forward Bastile replaces) is refused, as is a
-    linear-attention layer type in a family whose traits have none."""
-    for family in ("qwen3_5_text", "qwen3_next"):
-        model = mini(family, "cpu", torch.float32)
-        delta_net = getattr(sys.modules[TRAITS[family].module], f"{TRAITS[family].prefix}GatedDeltaNet")
-        model.model.layers[1].linear_attn.__class__ = type("Wider", (delta_net,), {})
-        with pytest.raises(Unsupported, match=rf"model.layers.1.linear_attn is a .*Wider, a subclass of "
-                                              rf"{delta_net.__name__}.*nothing was patched"):
-            bastile.apply(model=model)
-    qwen3 = mini("qwen3", "cpu", torch.float32)
-    qwen3.config.layer_types = ["linear_attention", "full_attention"]
-    with pytest.raises(Unsupported, match=r"qwen3 layer_types \['linear_attention'\] are not among"):
-        bastile.apply(model=qwen3)
-    assert bastile.get_patched_ops() == []
-
-
-def test_short_conv_subclass_and_undeclared_conv_layers_are_refused():
-    """A subclass of LFM2's short convolution (whose forward Bastile replaces) is refused, as is a "conv" layer type
-    in a family whose traits have none."""
-    from transformers.models.lfm2 import modeling_lfm2
-
-    class Longer(modeling_lfm2.Lfm2ShortConv):
-        pass
-
-    model = mini("lfm2", "cpu", torch.float32)
-    model.model.layers[2].conv.__class__ = Longer
-    with pytest.raises(Unsupported, match=r"model.layers.2.conv is a .*Longer, a subclass of "
-                                          "Lfm2ShortConv.*nothing was patched"):
+@pytest.mark.parametrize("family, layer, attr, part, layer_type", [
+    ("qwen3_5_text", 1, "linear_attn", "GatedDeltaNet", "linear_attention"),
+    ("qwen3_next", 1, "linear_attn", "GatedDeltaNet", "linear_attention"),
+    ("lfm2", 2, "conv", "ShortConv", "conv")])
+def test_token_mixer_subclass_and_undeclared_mixer_layers_are_refused(family, layer, attr, part, layer_type):
+    """A subclass of a token mixer whose forward Bastile replaces (Qwen3.5's and Qwen3-Next's Gated DeltaNet, LFM2's
+    short convolution) is refused, as is its layer type in a family whose traits have no such mixer."""
+    model = mini(family, "cpu", torch.float32)
+    mixer = getattr(sys.modules[TRAITS[family].module], f"{TRAITS[family].prefix}{part}")
+    getattr(model.model.layers[layer], attr).__class__ = type("Wider", (mixer,), {})
+    with pytest.raises(Unsupported, match=rf"model.layers.{layer}.{attr} is a .*Wider, a subclass of "
+                                          rf"{mixer.__name__}.*nothing was patched"):
         bastile.apply(model=model)
     qwen3 = mini("qwen3", "cpu", torch.float32)
-    qwen3.config.layer_types = ["conv", "full_attention"]
-    with pytest.raises(Unsupported, match=r"qwen3 layer_types \['conv'\] are not among"):
+    qwen3.config.layer_types = [layer_type, "full_attention"]
+    with pytest.raises(Unsupported, match=rf"qwen3 layer_types \['{layer_type}'\] are not among"):
         bastile.apply(model=qwen3)
     assert bastile.get_patched_ops() == []
 
