@@ -73,6 +73,16 @@ void add_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool
   }
 }
 
+void fold_chunk(const at::Tensor& g, const at::Tensor& hidden, const at::Tensor& weight, at::Tensor grad_hidden,
+                at::Tensor& acc_w, at::Tensor& acc_b, bool first) {
+  if (grad_hidden.defined()) at::mm_out(grad_hidden, g, weight);
+  if (acc_w.defined()) add_product(acc_w, g.t(), hidden, first);
+  if (acc_b.defined()) {
+    const auto sum = at::sum(g, at::IntArrayRef{0}, false, acc_b.scalar_type());
+    first ? acc_b.copy_(sum) : acc_b.add_(sum);
+  }
+}
+
 Options options(int64_t ignore_index, c10::string_view reduction, double softcap, double z_loss,
                 bool fp32_weight_grad, int64_t chunk_bytes, double label_smoothing, double logit_scale) {
   TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none",
@@ -212,15 +222,7 @@ Result run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::T
                                      .z_loss = o.z_loss, .label_smoothing = o.label_smoothing, .dtype = dtype_code(kOp, {"logits", logits}), .grad = grad});
     if (!grad) continue;
     // `logits` now holds d(loss)/d(logits) of the chunk's rows.
-    if (need_h) {
-      auto out = grad_hidden.narrow(0, start, n);
-      at::mm_out(out, logits, weight);
-    }
-    if (need_w) add_product(acc_w, logits.t(), h, first);
-    if (need_b) {
-      const auto s = at::sum(logits, at::IntArrayRef{0}, false, acc_b.scalar_type());
-      first ? acc_b.copy_(s) : acc_b.add_(s);
-    }
+    fold_chunk(logits, h, weight, need_h ? grad_hidden.narrow(0, start, n) : at::Tensor(), acc_w, acc_b, first);
   }
   exps = product = scaled = factor = at::Tensor();  // freed before the weight gradient's cast below
   if (rows == 0) {  // no chunk ran

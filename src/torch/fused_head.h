@@ -49,6 +49,12 @@ at::ScalarType sum_dtype(at::ScalarType own, bool fp32);
 // directly; other pairs (the CPU has no such GEMM) go through a product in acc's dtype.
 void add_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first);
 
+// Folds a chunk's d(loss)/d(logits) `g` [rows, vocab] into the gradients, each where defined: its rows of
+// grad_hidden = g @ weight, acc_w (+)= g^T @ hidden (the chunk's rows), acc_b (+)= g's column sums; `first`: the
+// first chunk, whose products start the sums.
+void fold_chunk(const at::Tensor& g, const at::Tensor& hidden, const at::Tensor& weight, at::Tensor grad_hidden,
+                at::Tensor& acc_w, at::Tensor& acc_b, bool first);
+
 // The mask of an autograd node, kept in its saved_data.
 void save_mask(AutogradContext* ctx, Mask m);
 Mask saved_mask(AutogradContext* ctx);

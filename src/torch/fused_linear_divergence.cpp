@@ -138,16 +138,7 @@ Result run(const at::Tensor& sh_in, const at::Tensor& sw_in, const at::Tensor& t
                               .student_scale = o.student_scale, .student_softcap = o.student_softcap,
                               .teacher_scale = o.teacher_scale, .teacher_softcap = o.teacher_softcap,
                               .dtype = dtype_code(kOp, {"logits", s}), .grad_dtype = dtype_code(kOp, {"gradient", g})});
-    if (!grad) continue;
-    if (need_h) {
-      auto out = grad_hidden.narrow(0, start, n);
-      at::mm_out(out, g, sw);
-    }
-    if (need_w) add_product(acc_w, g.t(), h, first);
-    if (need_b) {
-      const auto sum = at::sum(g, at::IntArrayRef{0}, false, acc_b.scalar_type());
-      first ? acc_b.copy_(sum) : acc_b.add_(sum);
-    }
+    if (grad) fold_chunk(g, h, sw, need_h ? grad_hidden.narrow(0, start, n) : at::Tensor(), acc_w, acc_b, first);
   }
   s_buf = t_buf = g_buf = at::Tensor();  // freed before the weight gradient's cast below
   if (n_rows == 0) {
