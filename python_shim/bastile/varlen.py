@@ -11,9 +11,23 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 MAX_HEAD_DIM = 256  # torch's varlen kernel (FlashAttention 2) takes heads up to this wide
+_REGISTERED = AttentionInterface()  # transformers' registry without the overrides of ALL_ATTENTION_FUNCTIONS
+_SDPA = F.scaled_dot_product_attention
+
+
+def local(implementation: str) -> bool:
+    """Whether the attention of `implementation` sees every token that the module's queries attend to, so that
+    Bastile's kernels may compute it in HF's function's place. Not where an engine spreads the sequence over
+    ranks and exchanges it inside the attention call: DeepSpeed's Ulysses replaces the implementation's function
+    in ALL_ATTENTION_FUNCTIONS with its own, and torch's context_parallel (accelerate's ring CP) replaces
+    F.scaled_dot_product_attention while its context lasts. There a packed batch's bounds and a rank's position
+    ids describe the rank's shard, not the sequence, and the call goes to their function."""
+    return (ALL_ATTENTION_FUNCTIONS.get(implementation) is _REGISTERED.get(implementation)
+            and F.scaled_dot_product_attention is _SDPA)
 
 
 def sequences(position_ids: torch.Tensor, batch: int) -> Optional[dict]:

@@ -182,14 +182,16 @@ def dropout_of(family: Family) -> Callable:
 def varlen_rule(family: Family) -> Callable:
     """Whether Bastile's attention, in an attention module of the family, takes a packed batch (without a cache)
     itself (the varlen kernel; the sink attention, which takes unpacked rows too): the module has no softcap,
-    no dropout in training, and heads the kernel takes (varlen.MAX_HEAD_DIM). The one rule: the decoder drops
+    no dropout in training, heads the kernel takes (varlen.MAX_HEAD_DIM), and its attention sees the whole
+    sequence (varlen.local: no sequence-parallel engine has taken the call over). The one rule: the decoder drops
     HF's masks only where it holds for every layer of a layer type (decoder.py)."""
     a, dropout = family.attention, dropout_of(family)
 
     def takes(attention) -> bool:
         return (not (a.softcap and attention.attn_logit_softcapping is not None)
                 and not dropout(attention)
-                and attention.head_dim <= varlen.MAX_HEAD_DIM)
+                and attention.head_dim <= varlen.MAX_HEAD_DIM
+                and varlen.local(attention.config._attn_implementation))
     return takes
 
 
