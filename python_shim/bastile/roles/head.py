@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import lora
@@ -18,19 +19,28 @@ from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from . import Context, Declaration, Target, hf_attr, named
 
 
+def _linear(head) -> bool:
+    """An nn.Linear, or FSDP2's class of one (fully_shard makes FSDP<class>, a subclass, for the modules it
+    shards); not another subclass (bitsandbytes' 4-bit layers are some)."""
+    return type(head) is nn.Linear or (isinstance(head, FSDPModule) and type(head).__bases__ == (FSDPModule, nn.Linear))
+
+
 def _fused_loss_applies(model, labels) -> bool:
     """Training with labels, a plain linear LM head and HF's default loss: the logits are never needed.
     The fused loss reads lm_head's parameters without calling lm_head, so a head whose forward is hooked
-    or replaced (accelerate's offloading, a user's hook) runs as HF's. DeepSpeed ZeRO-3 hooks every
+    or replaced (accelerate's offloading, a user's hook) runs as HF's, except FSDP2's: there the loss runs as
+    lm_head's forward, through its call (_fused_loss). DeepSpeed ZeRO-3 hooks every
     module and keeps a parameter an empty placeholder outside its module's forward, but inside its
     engine's forward, reading the parameter through its module (as here) gathers it for the module
     running (DeepSpeed's external parameters), and ZeRO-3 reduces the gradient the fused op gives it;
     a placeholder still empty (a ZeRO-3 model called outside its engine) runs as HF's."""
     head = model.get_output_embeddings()
-    if labels is None or not model.training or type(head) is not nn.Linear or hasattr(model, "_loss_function"):
+    if labels is None or not model.training or not _linear(head) or hasattr(model, "_loss_function"):
         return False
     if hasattr(head.weight, "ds_id"):
         usable = head.weight.numel() > 0
+    elif isinstance(head, FSDPModule):
+        usable = "forward" not in vars(head)
     else:
         usable = not lora.hooked(head)
     if not usable:
@@ -223,14 +233,26 @@ def output_class(family: Family):
 
 def _fused_loss(model, hidden, labels, logit_scale, softcap, num_items_in_batch=None, ignore_index=-100,
                 shift_labels=None, **_):
-    """HF's ForCausalLMLoss without the logits."""
+    """HF's ForCausalLMLoss without the logits. Where FSDP2 shards lm_head (alone, or with the final norm as
+    accelerate does), the loss is lm_head's forward for the call: FSDP2's hooks around it unshard the weight, register
+    the reduction of its gradient, and count lm_head as run in its group (a group whose module never runs is never
+    unsharded again)."""
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = model.get_output_embeddings()
-    return fused_linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
-        bias=head.bias, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, logit_scale=logit_scale,
-        softcap=softcap)
+
+    def loss(hidden):
+        return fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
+            bias=head.bias, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
+            logit_scale=logit_scale, softcap=softcap)
+    if not isinstance(head, FSDPModule):
+        return loss(hidden)
+    head.forward = loss
+    try:
+        return head(hidden)
+    finally:
+        del head.forward
 
 
 def declare(ctx: Context) -> Declaration:
