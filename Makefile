@@ -5,6 +5,7 @@
 #   make gpu-test bench PY=python3 NO_BUILD=1
 #   make bench-kernels | bench-e2e PART=1 | bench-families | bench-qlora | bench-sft | bench-profile  PY=python3 NO_BUILD=1 [ARGS='...']
 #   make bench-fsdp PY=python3 NO_BUILD=1          (Qwen3-1.7B under FSDP2 on every GPU)
+#   make bench-context PY=python3 NO_BUILD=1       (Llama-3-8B, Qwen3-8B LoRA, ring context parallelism, every GPU)
 
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
@@ -17,14 +18,14 @@ OLDEST := $(word 1,$(TRANSFORMERS_RANGE))
 NEWEST := $(word 2,$(TRANSFORMERS_RANGE))
 # Versions the library is built and tested against (torch matches the GPU machine's build).
 TOOLS := pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6 accelerate==1.15.0 peft==0.21.2 trl==1.16.0 datasets==5.2.0 \
-         bitsandbytes==0.50.2
+         bitsandbytes==0.50.2 deepspeed==0.19.8
 PINS := torch==2.11.0 transformers==$(OLDEST) 'cuda-toolkit[nvcc,cccl]==13.0.2' nvidia-nvvm==13.0.88 \
         nvidia-cuda-crt==13.0.88 $(TOOLS)
 # The newest releases (make test-latest): torch with the CUDA compiler of its CUDA release, the newest tested
 # transformers.
 LATEST := torch==2.15.0 'cuda-toolkit[nvcc,cccl]==13.2.2' transformers==$(NEWEST) $(TOOLS)
 
-.PHONY: setup build wheel install test cargo-test pytest pytest-newest test-latest train gpu-test bench bench-kernels bench-e2e bench-families bench-qlora bench-sft bench-profile bench-fsdp clean
+.PHONY: setup build wheel install test cargo-test pytest pytest-newest test-latest train gpu-test bench bench-kernels bench-e2e bench-families bench-qlora bench-sft bench-profile bench-fsdp bench-context clean
 
 # Project-local virtualenv with the pins, and libclang for bindgen. The pins take ~5.5 GiB installed and
 # pip's cache would keep a second copy of their wheels; a fresh CI disk has run out of space on that.
@@ -154,6 +155,16 @@ bench-fsdp: install
 		$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) benches/bench_fsdp.py --mode $$m $(FSDP_ARGS); \
 	done
 	$(PY) benches/bench_fsdp.py --report $(FSDP_ARGS)
+
+# The longest context per GPU count: Llama-3-8B and Qwen3-8B LoRA under ring context parallelism over NPROC GPUs,
+# HF then Bastile (one torchrun each), then one table; CONTEXT_ARGS adds options, e.g. "--contexts 65536,131072".
+CONTEXT_ARGS ?=
+bench-context: install
+	set -e; for model in llama3-8b qwen3-8b; do for m in hf bastile; do \
+		$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) benches/bench_context.py \
+			--model $$model --mode $$m $(CONTEXT_ARGS); \
+	done; done
+	$(PY) benches/bench_context.py --report
 
 clean:
 	cargo clean
