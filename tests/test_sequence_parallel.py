@@ -194,6 +194,27 @@ def test_ulysses_packed_rows_go_to_the_engine(ulysses):
     assert worst > 1e-2, f"Ulysses's gradients within {worst:.1e} of the one-process run's: the rows are not packed"
 
 
+def test_short_convolutions_refused_under_an_engine(monkeypatch):
+    """LFM2's short convolutions carry the sequence across a rank's slice and no engine exchanges them; accelerate
+    refuses only linear attention under Ulysses. An engine's attention function registered as DeepSpeed registers
+    its own (an instance override of "sdpa"): the patched LFM2 raises, naming the module, rather than train."""
+    from test_families import mini
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    bastile.reset()
+    bastile.apply()
+    m = mini("lfm2", "cpu", torch.float32)
+    ids = torch.randint(0, m.config.vocab_size, (1, 8))
+    m(input_ids=ids, labels=ids).loss.backward()  # without an engine
+
+    def engine(*args, **kwargs):
+        raise AssertionError("the convolution runs first: the engine's attention is never called")
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", engine)
+    with pytest.raises(RuntimeError, match="Lfm2ShortConv under sequence parallelism"):
+        m(input_ids=ids, labels=ids)
+
+
 # ---------------------------------------------------------------- torch's ring context parallelism, 2 GPUs
 
 needs_two_gpus = pytest.mark.skipif(not (CUDA and torch.cuda.device_count() >= 2), reason="needs 2 CUDA GPUs")

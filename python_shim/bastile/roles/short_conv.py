@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from transformers.integrations.accelerate import force_accelerate_hooks
 
-from .. import lora
+from .. import lora, varlen
 from ..families import Family
 from ..ops.causal_conv1d import causal_conv1d
 from . import Context, hf_attr, named
@@ -45,6 +45,12 @@ def short_conv(family: Family) -> Callable:
     def wrap(original):
         @functools.wraps(original)
         def forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
+            if not varlen.local(self.config._attn_implementation):
+                # accelerate refuses linear attention under Ulysses, not LFM2's convolutions, which HF's forward
+                # would restart at each rank's slice: trained wrong without an error
+                raise RuntimeError(f"bastile: {type(self).__name__} under sequence parallelism (DeepSpeed's Ulysses "
+                                   "or ring context parallelism) would convolve each rank's slice of the sequence "
+                                   "alone, and the ranks exchange nothing: refused")
             if past_key_values is not None or why_not(self):
                 return original(self, hidden_states, past_key_values=past_key_values, attention_mask=attention_mask,
                                 **{k: v for k, v in kwargs.items() if k not in VARLEN})
