@@ -11,7 +11,9 @@ slices inside the attention call.
   label (a long prompt). For packed rows (position ids restarting), HF's SDPA under Ulysses attends across the
   packed sequences (the engine drops the masks; only its flash-attention core reads the gathered positions),
   so there Bastile under Ulysses must equal HF under Ulysses: Bastile's varlen kernel, which would attend
-  within the rank's slice alone, gives the call to the engine (varlen.local).
+  within the rank's slice alone, gives the call to the engine (varlen.local). And the whole user path on 2
+  processes: HF's Trainer with accelerate's ParallelismConfig(sp_backend="deepspeed") and DeepSpeed's engine
+  (ZeRO-0), Bastile's logged losses and parameter updates those of HF's model under it.
 - torch's ring context parallelism (accelerate's `cp_backend="torch"`, FSDP2; 2 CUDA GPUs, NCCL: its ring
   attention takes CUDA's SDPA kernels only): accelerate's Accelerator with ParallelismConfig(cp_size=2) and
   maybe_context_parallel, the batch sliced head-and-tail (load balancing, so a rank's position ids restart)
@@ -192,6 +194,86 @@ def test_ulysses_packed_rows_go_to_the_engine(ulysses):
     _, grads = one_process("packed")
     worst = max(float((hf["grads"][n] - g).norm() / g.norm()) for n, g in grads.items() if g.norm() > 0)
     assert worst > 1e-2, f"Ulysses's gradients within {worst:.1e} of the one-process run's: the rows are not packed"
+
+
+class Rows(torch.utils.data.Dataset):
+    """4 rows of SEQ tokens, each with its labels (a fifth ignored) and position ids: 2 steps of 2."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(5)
+        self.rows = []
+        for _ in range(4):
+            ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+            labels = ids.clone()
+            labels[torch.rand(SEQ, generator=g) < 0.2] = -100
+            self.rows.append(dict(input_ids=ids, labels=labels, position_ids=torch.arange(SEQ)))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _ulysses_trainer_worker(rank, world, port, out, mode):
+    """HF's Trainer with accelerate's ParallelismConfig(sp_backend="deepspeed") and a ZeRO-0 DeepSpeed config:
+    the whole user path (accelerate registers Ulysses and wraps the dataloader, DeepSpeed's engine averages the
+    gradients, the Trainer calls deepspeed_sp_compute_loss). SGD at lr 1, so the trained parameters show the
+    gradients."""
+    import deepspeed
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from transformers import Trainer, TrainingArguments
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    deepspeed.init_distributed("gloo")
+    sp = ParallelismConfig(sp_backend="deepspeed", sp_size=world, sp_handler=DeepSpeedSequenceParallelConfig(
+        sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
+    args = TrainingArguments(
+        output_dir=str(out / mode), max_steps=2, per_device_train_batch_size=2, learning_rate=1.0, optim="sgd",
+        lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True, dataloader_num_workers=0, parallelism_config=sp,
+        deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "zero_optimization": {"stage": 0}})
+    trainer = Trainer(model=model("cpu", mode), args=args, train_dataset=Rows())
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with Dispatched() as ops:
+        trainer.train()
+    if rank == 0:
+        torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "ops": ops.ops,
+                    "updates": {n: p.detach() - initial[n] for n, p in trainer.model.named_parameters()}},
+                   out / f"{mode}.pt")
+    bastile.reset()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def ulysses_trainer(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("ulysses_trainer")
+    for mode in MODES:  # a process group each: DeepSpeed's sequence-parallel groups are made once per process
+        mp.spawn(_ulysses_trainer_worker, args=(2, _free_port(), out, mode), nprocs=2, join=True)
+    return {mode: torch.load(out / f"{mode}.pt") for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_ulysses_trainer_matches_hf(ulysses_trainer, mode):
+    """Bastile through HF's Trainer under Ulysses: the logged losses of HF's model under the same engine within
+    1e-5, the parameters' updates over the 2 steps (SGD at lr 1: the gradients summed) within 1e-4 (relative, in
+    norm), Bastile's ops dispatched."""
+    run, hf = ulysses_trainer[mode], ulysses_trainer["hf"]
+    assert len(run["losses"]) == 2 and not hf["ops"] and PATCHED_OPS <= run["ops"], run["ops"]
+    for a, b in zip(run["losses"], hf["losses"]):
+        assert abs(a - b) <= LOSS_TOL * abs(b), (run["losses"], hf["losses"])
+    for name, update in hf["updates"].items():
+        assert update.norm() > 0, f"{name} was not trained"
+        err = (run["updates"][name] - update).norm() / update.norm()
+        assert err <= GRAD_TOL, f"{name}'s update differs by {err:.2e} relative"
 
 
 def test_short_convolutions_refused_under_an_engine(monkeypatch):
