@@ -13,7 +13,8 @@ slices inside the attention call.
   so there Bastile under Ulysses must equal HF under Ulysses: Bastile's varlen kernel, which would attend
   within the rank's slice alone, gives the call to the engine (varlen.local). And the whole user path on 2
   processes: HF's Trainer with accelerate's ParallelismConfig(sp_backend="deepspeed") and DeepSpeed's engine
-  (ZeRO-0), Bastile's logged losses and parameter updates those of HF's model under it.
+  (ZeRO-0), Bastile's logged losses and parameter updates those of HF's model under it; TRL's SFTTrainer
+  likewise, Bastile's log-prob head in TRL's fused head, its logs those of TRL alone under the engine.
 - torch's ring context parallelism (accelerate's `cp_backend="torch"`, FSDP2; 2 CUDA GPUs, NCCL: its ring
   attention takes CUDA's SDPA kernels only): accelerate's Accelerator with ParallelismConfig(cp_size=2) and
   maybe_context_parallel, the batch sliced head-and-tail (load balancing, so a rank's position ids restart)
@@ -215,11 +216,12 @@ class Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def _ulysses_trainer_worker(rank, world, port, out, mode):
-    """HF's Trainer with accelerate's ParallelismConfig(sp_backend="deepspeed") and a ZeRO-0 DeepSpeed config:
-    the whole user path (accelerate registers Ulysses and wraps the dataloader, DeepSpeed's engine averages the
-    gradients, the Trainer calls deepspeed_sp_compute_loss). SGD at lr 1, so the trained parameters show the
-    gradients."""
+def _ulysses_trainer_worker(rank, world, port, out, kind, mode):
+    """HF's Trainer (kind "trainer") or TRL's SFTTrainer ("sft") with accelerate's
+    ParallelismConfig(sp_backend="deepspeed") and a ZeRO-0 DeepSpeed config: the whole user path (accelerate
+    registers Ulysses and wraps the dataloader, DeepSpeed's engine averages the gradients, the Trainer calls
+    deepspeed_sp_compute_loss; SFT's loss is TRL's fused head, Bastile's log-prob head under the log_probs patch).
+    The Trainer's SGD at lr 1, so the trained parameters show the gradients."""
     import deepspeed
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
@@ -233,32 +235,48 @@ def _ulysses_trainer_worker(rank, world, port, out, mode):
     deepspeed.init_distributed("gloo")
     sp = ParallelismConfig(sp_backend="deepspeed", sp_size=world, sp_handler=DeepSpeedSequenceParallelConfig(
         sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
-    args = TrainingArguments(
-        output_dir=str(out / mode), max_steps=2, per_device_train_batch_size=2, learning_rate=1.0, optim="sgd",
-        lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, parallelism_config=sp,
-        deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                   "zero_optimization": {"stage": 0}})
-    trainer = Trainer(model=model("cpu", mode), args=args, train_dataset=Rows())
+    engine = dict(parallelism_config=sp, deepspeed={"train_micro_batch_size_per_gpu": "auto",
+                                                    "gradient_accumulation_steps": "auto",
+                                                    "zero_optimization": {"stage": 0}})
+    if kind == "sft":
+        import trl
+        from test_trl import COMMON, dataset, tokenizer
+        # every batch padded to 64 tokens: the adapter gathers the ranks' batches, which gloo takes of one size only
+        args = trl.SFTConfig(max_length=64, pad_to_multiple_of=64, output_dir=str(out / kind / mode),
+                             **{**COMMON, "per_device_train_batch_size": 2}, **engine)
+        trainer = trl.SFTTrainer(model("cpu", mode), args=args, train_dataset=dataset("sft"),
+                                 processing_class=tokenizer())
+    else:
+        args = TrainingArguments(
+            output_dir=str(out / kind / mode), max_steps=2, per_device_train_batch_size=2, learning_rate=1.0,
+            optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no",
+            use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, **engine)
+        trainer = Trainer(model=model("cpu", mode), args=args, train_dataset=Rows())
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     with Dispatched() as ops:
         trainer.train()
     if rank == 0:
-        torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "ops": ops.ops,
+        skip = ("runtime", "per_second", "time", "epoch", "total_flos", "train_loss")
+        logs = [{k: v for k, v in e.items() if isinstance(v, (int, float)) and not any(s in k for s in skip)}
+                for e in trainer.state.log_history if "loss" in e]
+        torch.save({"logs": logs, "ops": ops.ops,
                     "updates": {n: p.detach() - initial[n] for n, p in trainer.model.named_parameters()}},
-                   out / f"{mode}.pt")
+                   out / f"{kind}_{mode}.pt")
     bastile.reset()
     dist.destroy_process_group()
     os._exit(0)
+
+
+TRAINER_RUNS = [("trainer", mode) for mode in MODES] + [("sft", "hf"), ("sft", "bastile")]
 
 
 @pytest.fixture(scope="module")
 def ulysses_trainer(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("ulysses_trainer")
-    for mode in MODES:  # a process group each: DeepSpeed's sequence-parallel groups are made once per process
-        mp.spawn(_ulysses_trainer_worker, args=(2, _free_port(), out, mode), nprocs=2, join=True)
-    return {mode: torch.load(out / f"{mode}.pt") for mode in MODES}
+    for kind, mode in TRAINER_RUNS:  # a process group each: DeepSpeed makes its sequence-parallel groups once
+        mp.spawn(_ulysses_trainer_worker, args=(2, _free_port(), out, kind, mode), nprocs=2, join=True)
+    return {run: torch.load(out / f"{run[0]}_{run[1]}.pt") for run in TRAINER_RUNS}
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
@@ -266,14 +284,25 @@ def test_ulysses_trainer_matches_hf(ulysses_trainer, mode):
     """Bastile through HF's Trainer under Ulysses: the logged losses of HF's model under the same engine within
     1e-5, the parameters' updates over the 2 steps (SGD at lr 1: the gradients summed) within 1e-4 (relative, in
     norm), Bastile's ops dispatched."""
-    run, hf = ulysses_trainer[mode], ulysses_trainer["hf"]
-    assert len(run["losses"]) == 2 and not hf["ops"] and PATCHED_OPS <= run["ops"], run["ops"]
-    for a, b in zip(run["losses"], hf["losses"]):
-        assert abs(a - b) <= LOSS_TOL * abs(b), (run["losses"], hf["losses"])
+    run, hf = ulysses_trainer[("trainer", mode)], ulysses_trainer[("trainer", "hf")]
+    losses, want = [e["loss"] for e in run["logs"]], [e["loss"] for e in hf["logs"]]
+    assert len(losses) == 2 and not hf["ops"] and PATCHED_OPS <= run["ops"], run["ops"]
+    for a, b in zip(losses, want):
+        assert abs(a - b) <= LOSS_TOL * abs(b), (losses, want)
     for name, update in hf["updates"].items():
         assert update.norm() > 0, f"{name} was not trained"
         err = (run["updates"][name] - update).norm() / update.norm()
         assert err <= GRAD_TOL, f"{name}'s update differs by {err:.2e} relative"
+
+
+def test_ulysses_sft_logs_match_trl_alone(ulysses_trainer):
+    """TRL's SFTTrainer under Ulysses with Bastile (its log-prob head in TRL's fused head): every figure TRL logs
+    (loss, entropy, token accuracy, token counts) as with TRL alone under the same engine."""
+    from test_trl import assert_same_logs
+
+    run, trl_alone = ulysses_trainer[("sft", "bastile")], ulysses_trainer[("sft", "hf")]
+    assert "fused_linear_log_probs" in run["ops"] and not trl_alone["ops"], run["ops"]
+    assert_same_logs(run["logs"], trl_alone["logs"])
 
 
 def test_short_convolutions_refused_under_an_engine(monkeypatch):
