@@ -89,7 +89,7 @@ def one_process(case, dev="cpu", seq=SEQ, **overrides):
     ids, labels, positions = (t.to(dev) for t in batch(case, seq))
     loss = m(input_ids=ids, labels=labels, position_ids=positions, use_cache=False).loss
     loss.backward()
-    return float(loss), {n: p.grad.detach().cpu() for n, p in m.named_parameters()}
+    return float(loss.detach()), {n: p.grad.detach().cpu() for n, p in m.named_parameters()}
 
 
 def assert_ran(runs, mode, case):
