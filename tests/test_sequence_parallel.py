@@ -155,7 +155,7 @@ def _ulysses_worker(rank, world, port, out):
                     g = p.grad.detach().clone()
                     dist.all_reduce(g)
                     grads[n] = g / world
-                results[(mode, case)] = {"loss": float(loss), "grads": grads, "ops": ops.ops,
+                results[(mode, case)] = {"loss": float(loss.detach()), "grads": grads, "ops": ops.ops,
                                          "mlp_calls": sum(c.startswith("swiglu") for c in ops.calls)}
         bastile.reset()
         if rank == 0:
