@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import socket
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,6 +42,13 @@ TRAINER_PATCHES = [f"{role}_trl" for role in bastile.trainers.TRAINER_ROLES] if 
 NO_TRAINERS = {role: False for role in bastile.trainers.TRAINER_ROLES}
 # What apply() patches in PEFT with the families' MoE experts (patch.LIBRARIES), where it is installed.
 EXPERTS_PATCHES = ["mlp_peft"] if importlib.util.find_spec("peft") else []
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback, for spawned ranks' process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def patch_names(family: str, roles=bastile.patch.ROLES) -> list:

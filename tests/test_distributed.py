@@ -34,7 +34,6 @@ Qwen3 of test_qwen3_training.
 """
 import copy
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -47,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import bastile
-from conftest import CUDA, DEVICES, TRAINER_PATCHES, needs_cuda, rel_err
+from conftest import CUDA, DEVICES, TRAINER_PATCHES, free_port, needs_cuda, rel_err
 from test_families import mini
 from test_qwen3_training import assert_params_close, batches, mini_qwen3, train
 
@@ -58,12 +57,6 @@ ALL_PATCHES = [f"{role}_qwen3" for role in bastile.patch.ROLES] + TRAINER_PATCHE
 
 
 # ---------------------------------------------------------------- DDP and FSDP2, 2 processes
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _wrap(model, strategy, device):
     if strategy == "ddp":
@@ -151,7 +144,7 @@ def _parallel_worker(rank, world, port, out, device, jobs, steps):
 def run_parallel(out, device, jobs, steps, world=2):
     """{job: [rank 0's results, rank 1's]} of _parallel_worker in `world` fresh processes (one launch for
     all jobs: starting the processes costs more than a job)."""
-    mp.spawn(_parallel_worker, args=(world, _free_port(), out, device, jobs, steps), nprocs=world, join=True)
+    mp.spawn(_parallel_worker, args=(world, free_port(), out, device, jobs, steps), nprocs=world, join=True)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     return {job: [r[job] for r in ranks] for job in jobs}
 
@@ -270,7 +263,7 @@ def _zero3_worker(rank, port, out, jobs):
 def zero3_runs(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("zero3")
-    mp.spawn(_zero3_worker, args=(_free_port(), out, ZERO3_JOBS), nprocs=1, join=True)
+    mp.spawn(_zero3_worker, args=(free_port(), out, ZERO3_JOBS), nprocs=1, join=True)
     return torch.load(out / "zero3.pt")
 
 

@@ -23,7 +23,6 @@ slices inside the attention call.
 The patched runs take Bastile's head and norm/rotation kernels (the ops they dispatch are asserted).
 """
 import os
-import socket
 import sys
 from datetime import timedelta
 
@@ -33,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import bastile
-from conftest import CUDA
+from conftest import CUDA, free_port
 from test_families import Dispatched
 from test_qwen3_training import mini_qwen3
 
@@ -45,12 +44,6 @@ PATCHED_OPS = {"fused_linear_cross_entropy", "qk_norm_rope", "rms_norm", "swiglu
 # bastile-offload: HF's gradient checkpointing with Bastile's offload_checkpoints (saved layer inputs in host memory
 # on CUDA) and its tiled MLP (chunks of 8 tokens: a rank's slice is longer)
 MODES = ("hf", "bastile", "bastile-offload")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model(dev, mode="hf", **overrides):
@@ -114,6 +107,14 @@ def assert_matches(run, ref, what):
 ULYSSES_CASES = ("plain", "prompt", "packed")
 
 
+def _cpu_rank():
+    """A spawned rank on this small CPU, gloo on the loopback; DeepSpeed's CPU backend builds its shared-memory op at
+    first use, with the ninja installed beside the interpreter."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+
+
 def _ulysses_worker(rank, world, port, out):
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
@@ -121,10 +122,7 @@ def _ulysses_worker(rank, world, port, out):
     from torch.utils.data import DataLoader
     from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # DeepSpeed's CPU backend builds its shared-memory op at first use, with the ninja installed beside it
-    os.environ["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+    _cpu_rank()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=3))
     deepspeed.init_distributed("gloo")
@@ -169,7 +167,7 @@ def _ulysses_worker(rank, world, port, out):
 def ulysses(request, tmp_path_factory):
     pytest.importorskip("deepspeed")
     world, out = request.param, tmp_path_factory.mktemp("ulysses")
-    mp.spawn(_ulysses_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+    mp.spawn(_ulysses_worker, args=(world, free_port(), out), nprocs=world, join=True)
     return torch.load(out / f"ulysses{world}.pt")
 
 
@@ -227,9 +225,7 @@ def _ulysses_trainer_worker(rank, world, port, out, kind, mode):
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from transformers import Trainer, TrainingArguments
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+    _cpu_rank()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     deepspeed.init_distributed("gloo")
@@ -256,10 +252,8 @@ def _ulysses_trainer_worker(rank, world, port, out, kind, mode):
     with Dispatched() as ops:
         trainer.train()
     if rank == 0:
-        skip = ("runtime", "per_second", "time", "epoch", "total_flos", "train_loss")
-        logs = [{k: v for k, v in e.items() if isinstance(v, (int, float)) and not any(s in k for s in skip)}
-                for e in trainer.state.log_history if "loss" in e]
-        torch.save({"logs": logs, "ops": ops.ops,
+        from test_trl import logs_of
+        torch.save({"logs": logs_of(trainer), "ops": ops.ops,
                     "updates": {n: p.detach() - initial[n] for n, p in trainer.model.named_parameters()}},
                    out / f"{kind}_{mode}.pt")
     bastile.reset()
@@ -275,7 +269,7 @@ def ulysses_trainer(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("ulysses_trainer")
     for kind, mode in TRAINER_RUNS:  # a process group each: DeepSpeed makes its sequence-parallel groups once
-        mp.spawn(_ulysses_trainer_worker, args=(2, _free_port(), out, kind, mode), nprocs=2, join=True)
+        mp.spawn(_ulysses_trainer_worker, args=(2, free_port(), out, kind, mode), nprocs=2, join=True)
     return {run: torch.load(out / f"{run[0]}_{run[1]}.pt") for run in TRAINER_RUNS}
 
 
@@ -383,7 +377,7 @@ def _ring_worker(rank, world, port, out):
 @pytest.fixture(scope="module")
 def ring(tmp_path_factory):
     out = tmp_path_factory.mktemp("ring")
-    mp.spawn(_ring_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_ring_worker, args=(2, free_port(), out), nprocs=2, join=True)
     return torch.load(out / "ring.pt")
 
 

@@ -103,9 +103,14 @@ def logged(kind, family, tmp_path, **config):
     # LoRA adapters are in the trained model exactly when the case asks for them.
     assert config.get("lora", False) == any("lora_" in name for name, _ in t.model.named_parameters())
     t.train()
+    return logs_of(t)
+
+
+def logs_of(trainer):
+    """The figures a trained trainer logged at each step, without the timings and epoch counters."""
     skip = ("runtime", "per_second", "time", "epoch", "total_flos", "train_loss")
     return [{k: v for k, v in e.items() if isinstance(v, (int, float)) and not any(s in k for s in skip)}
-            for e in t.state.log_history if "loss" in e]
+            for e in trainer.state.log_history if "loss" in e]
 
 
 def assert_same_logs(got, want):

@@ -27,7 +27,6 @@ A trainer is one more entry in TRAINERS.
 import contextvars
 import functools
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -39,7 +38,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import bastile
-from conftest import TRAINER_PATCHES
+from conftest import TRAINER_PATCHES, free_port
 from test_families import mini
 
 trl = pytest.importorskip("trl")
@@ -184,12 +183,6 @@ def train(kind, mode, out, per_device):
             "logs": [e for e in trainer.state.log_history if "loss" in e]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, port, out, jobs):
     """One rank: every job under DDP (the Trainer wraps the model, as `torchrun` would have it), results saved."""
     torch.set_num_threads(1)  # two ranks on a small CPU
@@ -211,7 +204,7 @@ def runs(tmp_path_factory):
     """{job: {"ranks": [rank 0's results, rank 1's], "one": the one-process run's}}; one launch of the ranks
     for all jobs (starting them costs more than a job)."""
     out = tmp_path_factory.mktemp("trl_ddp")
-    mp.spawn(_worker, args=(_free_port(), out, JOBS), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), out, JOBS), nprocs=WORLD, join=True)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
     return {job: {"ranks": [r[job] for r in ranks], "one": train(*job, out / "_".join(job), WORLD * PER_RANK)}
             for job in JOBS}
