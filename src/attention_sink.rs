@@ -3,18 +3,13 @@
 //! computed in f64 (f32 on the GPU) and rounded once; the normaliser is rounded to its dtype before y is
 //! made from it, so that y and the normaliser the backward reads agree.
 use crate::cpu::{self, Disjoint, Element};
-use crate::driver::{Device, LaunchConfig, Result};
+use crate::driver::{Device, Result};
 use crate::elementwise::vector_width;
 use crate::geometry;
 use crate::kernels::{self, Kernels, Launch, Plan, Tag};
 use crate::params::{AttentionSinkBackward, AttentionSinkForward, BastileDType, ATTENTION_SINK_BLOCK};
 use half::{bf16, f16};
 use std::ffi::c_void;
-
-/// Threads that share a row of `vectors` accesses: one access each where the row allows, up to a warp.
-fn group(vectors: i64) -> i32 {
-    (vectors.max(1) as u64).next_power_of_two().min(32) as i32
-}
 
 /// One launch over `rows` rows of `dim` elements of `dt`, 16-byte vectors where `dim` and every row pointer
 /// allow them; `p.group` is set here.
@@ -25,13 +20,11 @@ fn plan<P: Kernels>(dev: &Device, mut p: P, group_of: fn(&mut P) -> &mut i32, di
     }
     let width = vector_width(dt, ptrs);
     let vec = if dim % width == 0 { width } else { 1 };
-    let g = group(dim / vec);
+    let g = geometry::lane_group(dim / vec);
     *group_of(&mut p) = g;
     let access = if vec > 1 { Tag::Vec } else { Tag::Scalar };
     let kernel = kernels::kernel::<P>(dev, &[dir, dt.tag(), access], ATTENTION_SINK_BLOCK)?;
-    // A block per BLOCK / group rows; the kernels stride past 2^31 - 1 blocks.
-    let blocks = geometry::ceil_div(rows, (ATTENTION_SINK_BLOCK as i32 / g) as i64).clamp(1, i32::MAX as i64);
-    Ok(Plan::single(kernel, LaunchConfig { grid: (blocks as u32, 1), block: (ATTENTION_SINK_BLOCK, 1), shared: 0 }, p))
+    Ok(Plan::single(kernel, geometry::lane_group_launch(rows, g, ATTENTION_SINK_BLOCK), p))
 }
 
 impl Launch for AttentionSinkForward {

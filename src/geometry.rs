@@ -137,6 +137,19 @@ pub fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
 }
 
+/// Threads that share a row of `vectors` accesses in the kernels that give a row a power-of-two group of a
+/// warp's lanes (attention_sink, expert_combine): one access each where the row allows, up to a warp.
+pub fn lane_group(vectors: i64) -> i32 {
+    (vectors.max(1) as u64).next_power_of_two().min(32) as i32
+}
+
+/// The launch of such a kernel over `rows` rows, `group` threads a row in blocks of `block`: a block per
+/// block / group rows, at most 2^31 - 1 (the kernels stride past them).
+pub fn lane_group_launch(rows: i64, group: i32, block: u32) -> crate::driver::LaunchConfig {
+    let blocks = ceil_div(rows, (block as i32 / group) as i64).clamp(1, i32::MAX as i64);
+    crate::driver::LaunchConfig { grid: (blocks as u32, 1), block: (block, 1), shared: 0 }
+}
+
 /// Blocks to launch for `blocks` row-group slots when `wave` blocks fit on the GPU at once. Many
 /// slots per resident block: a plain grid, whose tail the block scheduler balances. Few: one
 /// persistent wave, whose blocks stride over the rest.
