@@ -47,18 +47,20 @@ struct Named {
   const at::Tensor& t;
 };
 
-// The dtype code of a floating-point tensor; any other dtype is an error naming op and argument.
-inline BastileDType dtype_code(const char* op, Named arg) {
-  switch (arg.t.scalar_type()) {
+// The dtype code of a floating-point dtype; any other dtype is an error naming op and argument.
+inline BastileDType dtype_code(const char* op, const char* name, at::ScalarType dtype) {
+  switch (dtype) {
     case at::kFloat: return BASTILE_F32;
     case at::kHalf: return BASTILE_F16;
     case at::kBFloat16: return BASTILE_BF16;
     case at::kDouble: return BASTILE_F64;
     default:
-      TORCH_CHECK(false, "bastile.", op, ": ", arg.name,
-                  " must be float32, float16, bfloat16 (or float64 on CPU), got ", arg.t.scalar_type());
+      TORCH_CHECK(false, "bastile.", op, ": ", name, " must be float32, float16, bfloat16 (or float64 on CPU), got ",
+                  dtype);
   }
 }
+
+inline BastileDType dtype_code(const char* op, Named arg) { return dtype_code(op, arg.name, arg.t.scalar_type()); }
 
 inline void check_float(const char* op, std::initializer_list<Named> args) {
   for (const auto& a : args) dtype_code(op, a);

@@ -1,0 +1,51 @@
+/* Parameter blocks of cuda/expert_combine.cu: a mixture of experts' token-expert pairs joined back into their
+ * tokens, and the gradient sent back to the pairs. Token t's j-th pair is pair t * k + j; its row (of the experts'
+ * outputs, grouped by expert) is position[pair], and order is the inverse map, order[row] = pair. With routing
+ * weights w [tokens, k] (null: ones) and P the promoted type of rows and weights:
+ *   forward   out[t] = sum_j round_P(w[t, j] * rows[position[t * k + j]])
+ *   backward  grad_rows[r] = w[p] * grad[p / k] and, given rows, grad_weights[p] = <grad[p / k], rows[r]>, p = order[r]
+ * summed in f32 (f64 on the CPU), each result rounded once. rows and grad_rows are [tokens * k, dim] of `dtype`;
+ * out and grad [tokens, dim] of P; the weights are of `dtype`, or f32 with 16-bit rows. An index outside
+ * 0..tokens * k stops the kernel (CUDA) or is an error (CPU). */
+#pragma once
+#include "bastile.h"
+
+/* Threads per block; Rust chooses the threads a row shares (`group`, a power of two up to 32). */
+#define EXPERT_COMBINE_BLOCK 256
+
+/* expert_combine_<fwd|bwd>_<rows' dtype>_<weights' dtype>_<vec|scalar>: 16-byte vectors of the rows where every
+ * row pointer allows them. */
+#define EXPERT_COMBINE_DTYPES(K, dir)                                                                      \
+  K(dir, f32, f32, vec) K(dir, f32, f32, scalar) K(dir, f16, f16, vec) K(dir, f16, f16, scalar)              \
+  K(dir, f16, f32, vec) K(dir, f16, f32, scalar) K(dir, bf16, bf16, vec) K(dir, bf16, bf16, scalar)          \
+  K(dir, bf16, f32, vec) K(dir, bf16, f32, scalar)
+#define EXPERT_COMBINE_FORWARD_KERNELS(K) EXPERT_COMBINE_DTYPES(K, fwd)
+#define EXPERT_COMBINE_BACKWARD_KERNELS(K) EXPERT_COMBINE_DTYPES(K, bwd)
+
+typedef struct ExpertCombineForward {
+  const void *rows;         /* [tokens * k, dim] */
+  const int64_t *position;  /* [tokens, k] */
+  const void *weights;      /* [tokens, k], or null */
+  void *out;                /* [tokens, dim] */
+  int64_t tokens;
+  int64_t k;
+  int64_t dim;
+  int32_t dtype;
+  int32_t weights_dtype;
+  int32_t group;            /* threads a row: chosen by Rust */
+} ExpertCombineForward;
+
+typedef struct ExpertCombineBackward {
+  const void *grad;         /* [tokens, dim] */
+  const int64_t *order;     /* [tokens * k] */
+  const void *weights;      /* [tokens, k], or null */
+  const void *rows;         /* [tokens * k, dim], or null: no grad_weights */
+  void *grad_rows;          /* [tokens * k, dim] */
+  void *grad_weights;       /* [tokens, k], with rows */
+  int64_t tokens;
+  int64_t k;
+  int64_t dim;
+  int32_t dtype;
+  int32_t weights_dtype;
+  int32_t group;
+} ExpertCombineBackward;

@@ -1,0 +1,214 @@
+//! A mixture of experts' pairs joined into their tokens and the gradient sent back to the pairs (the formulas
+//! are in `include/expert_combine.h`): the launches of `cuda/expert_combine.cu` and the CPU kernels, the
+//! reference the GPU is tested against. The CPU computes in f64, rounds each weighted product to the promoted
+//! type (as torch rounds `rows * weights`) and each result once.
+use crate::cpu::{self, Disjoint, Element};
+use crate::driver::{Device, Result};
+use crate::geometry;
+use crate::kernels::{self, Kernels, Launch, Plan, Tag};
+use crate::params::{BastileDType, ExpertCombineBackward, ExpertCombineForward, EXPERT_COMBINE_BLOCK};
+use std::ffi::c_void;
+
+/// One launch over `rows` rows of `dim` elements: 16-byte vectors of the rows' dtype where `dim` and every
+/// pointer allow them (`rows_like` hold the rows' dtype, `promoted` the promoted type's, vectors of as many
+/// elements); `p.group` is set here.
+#[allow(clippy::too_many_arguments)]
+fn plan<P: Kernels>(dev: &Device, mut p: P, group_of: fn(&mut P) -> &mut i32, dir: Tag, dt: BastileDType,
+                    wt: BastileDType, rows_like: &[*const c_void], promoted: &[*const c_void], rows: i64, dim: i64)
+                    -> Result<Plan> {
+    if dt == BastileDType::BASTILE_F64 {
+        return Err(format!("bastile.{}: float64 is supported on CPU only", P::OP));
+    }
+    let width = (16 / dt.size()) as i64;
+    let wide = width as usize * cpu::promote(dt, wt).size();
+    let vectors = dim % width == 0
+        && rows_like.iter().all(|&q| geometry::aligned(q, 16))
+        && promoted.iter().all(|&q| geometry::aligned(q, wide));
+    let vec = if vectors { width } else { 1 };
+    let g = geometry::lane_group(dim / vec);
+    *group_of(&mut p) = g;
+    let access = if vec > 1 { Tag::Vec } else { Tag::Scalar };
+    let kernel = kernels::kernel::<P>(dev, &[dir, dt.tag(), wt.tag(), access], EXPERT_COMBINE_BLOCK)?;
+    Ok(Plan::single(kernel, geometry::lane_group_launch(rows, g, EXPERT_COMBINE_BLOCK), p))
+}
+
+impl Launch for ExpertCombineForward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
+        plan(dev, *self, |p| &mut p.group, Tag::Fwd, dt, wt, &[self.rows], &[self.out], self.tokens, self.dim)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
+        // SAFETY: the C++ layer checked every pointer of the block against its tensor's shape and dtype.
+        crate::with_dtypes!(dt, wt, |T, W, Y| unsafe { forward_cpu::<T, W, Y>(self) })
+    }
+}
+
+impl Launch for ExpertCombineBackward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
+        let rows_like = [self.rows, self.grad_rows as *const c_void];
+        plan(dev, *self, |p| &mut p.group, Tag::Bwd, dt, wt, &rows_like, &[self.grad], self.tokens * self.k, self.dim)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
+        // SAFETY: as in the forward.
+        crate::with_dtypes!(dt, wt, |T, W, Y| unsafe { backward_cpu::<T, W, Y>(self) })
+    }
+}
+
+/// Rows of `width` elements a CPU task takes at least.
+fn grain(width: usize) -> usize {
+    (cpu::GRAIN / width.max(1)).max(1)
+}
+
+/// Each index within 0..n; with `once`, each of 0..n exactly once (a permutation: the backward writes each
+/// pair's weight gradient through it).
+fn check_indices(op: &str, name: &str, indices: &[i64], n: usize, once: bool) -> Result<()> {
+    let mut seen = vec![false; if once { n } else { 0 }];
+    for &i in indices {
+        if i < 0 || i as usize >= n {
+            return Err(format!("bastile.{op}: {name} holds {i}, outside 0..{n}"));
+        }
+        if once && std::mem::replace(&mut seen[i as usize], true) {
+            return Err(format!("bastile.{op}: {name} holds {i} twice; it must hold each of 0..{n} once"));
+        }
+    }
+    Ok(())
+}
+
+unsafe fn forward_cpu<T: Element, W: Element, Y: Element>(p: &ExpertCombineForward) -> Result<()> {
+    let (tokens, k, dim) = (p.tokens as usize, p.k as usize, p.dim as usize);
+    let pairs = tokens * k;
+    let position = cpu::slice::<i64>(p.position.cast(), pairs);
+    check_indices("expert_combine", "position", position, pairs, false)?;
+    let rows = cpu::slice::<T>(p.rows, pairs * dim);
+    let weights = (!p.weights.is_null()).then(|| cpu::slice::<W>(p.weights, pairs));
+    let out = Disjoint::new(cpu::slice_mut::<Y>(p.out, tokens * dim));
+    cpu::parallel_for(tokens, grain(k * dim), |range| {
+        for t in range {
+            // SAFETY: the ranges of parallel_for do not overlap.
+            let out = out.part(t * dim..(t + 1) * dim);
+            for (c, o) in out.iter_mut().enumerate() {
+                let mut acc = 0.0;
+                for pair in t * k..(t + 1) * k {
+                    let x = rows[position[pair] as usize * dim + c].to_f64();
+                    acc += weights.map_or(x, |w| Y::round(w[pair].to_f64() * x));
+                }
+                *o = Y::from_f64(acc);
+            }
+        }
+    });
+    Ok(())
+}
+
+unsafe fn backward_cpu<T: Element, W: Element, Y: Element>(p: &ExpertCombineBackward) -> Result<()> {
+    let (tokens, k, dim) = (p.tokens as usize, p.k as usize, p.dim as usize);
+    let pairs = tokens * k;
+    let order = cpu::slice::<i64>(p.order.cast(), pairs);
+    check_indices("expert_dispatch", "order", order, pairs, true)?;
+    let grad = cpu::slice::<Y>(p.grad, tokens * dim);
+    let weights = (!p.weights.is_null()).then(|| cpu::slice::<W>(p.weights, pairs));
+    let rows = (!p.rows.is_null()).then(|| cpu::slice::<T>(p.rows, pairs * dim));
+    let grad_rows = Disjoint::new(cpu::slice_mut::<T>(p.grad_rows, pairs * dim));
+    let grad_weights = Disjoint::new(cpu::slice_mut::<W>(p.grad_weights, if rows.is_some() { pairs } else { 0 }));
+    cpu::parallel_for(pairs, grain(dim), |range| {
+        for r in range {
+            let pair = order[r] as usize;
+            let g = &grad[pair / k * dim..(pair / k + 1) * dim];
+            let w = weights.map_or(1.0, |w| w[pair].to_f64());
+            // SAFETY: the ranges of parallel_for do not overlap, and order is a permutation (checked above).
+            for (o, g) in grad_rows.part(r * dim..(r + 1) * dim).iter_mut().zip(g) {
+                *o = T::from_f64(w * g.to_f64());
+            }
+            if let Some(rows) = rows {
+                let d: f64 = g.iter().zip(&rows[r * dim..(r + 1) * dim]).map(|(g, x)| g.to_f64() * x.to_f64()).sum();
+                grad_weights.part(pair..pair + 1)[0] = W::from_f64(d);
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::BastileDType::*;
+    use crate::testing::{cast, noise};
+
+    /// 3 tokens, k = 2, rows of 5 in an order that is not the pairs' (as sorting by expert leaves them).
+    const ORDER: [i64; 6] = [4, 0, 5, 2, 1, 3];
+
+    fn position() -> Vec<i64> {
+        let mut position = vec![0; ORDER.len()];
+        for (r, &pair) in ORDER.iter().enumerate() {
+            position[pair as usize] = r as i64;
+        }
+        position
+    }
+
+    /// Both directions against the formulas in f64, the inputs rounded to T (rows) and W (weights); `unit` the
+    /// promoted type's unit roundoff.
+    fn check<T: Element, W: Element, Y: Element>(unit: f64) {
+        let (tokens, k, dim) = (3usize, 2usize, 5usize);
+        let rows: Vec<T> = cast(&noise(tokens * k * dim, 1, 2.0));
+        let weights: Vec<W> = cast(&noise(tokens * k, 2, 1.0));
+        let grad: Vec<Y> = cast(&noise(tokens * dim, 3, 1.0));
+        let position = position();
+        let mut out = vec![Y::from_f64(f64::NAN); tokens * dim];
+        let (mut grad_rows, mut grad_weights) = (vec![T::from_f64(f64::NAN); rows.len()], vec![W::from_f64(f64::NAN); weights.len()]);
+        let (d, wd) = (T::DTYPE as i32, W::DTYPE as i32);
+        let (t, kk, dm) = (tokens as i64, k as i64, dim as i64);
+        ExpertCombineForward { rows: rows.as_ptr().cast(), position: position.as_ptr(), weights: weights.as_ptr().cast(),
+            out: out.as_mut_ptr().cast(), tokens: t, k: kk, dim: dm, dtype: d, weights_dtype: wd, group: 0 }.cpu().unwrap();
+        ExpertCombineBackward { grad: grad.as_ptr().cast(), order: ORDER.as_ptr(), weights: weights.as_ptr().cast(),
+            rows: rows.as_ptr().cast(), grad_rows: grad_rows.as_mut_ptr().cast(), grad_weights: grad_weights.as_mut_ptr().cast(),
+            tokens: t, k: kk, dim: dm, dtype: d, weights_dtype: wd, group: 0 }.cpu().unwrap();
+        let near = |what: &str, got: f64, want: f64, scale: f64| {
+            assert!((got - want).abs() <= 4.0 * unit * scale, "{what}: {got}, exact {want}")
+        };
+        for tk in 0..tokens {
+            for c in 0..dim {
+                let terms: Vec<f64> = (0..k).map(|j| weights[tk * k + j].to_f64() * rows[position[tk * k + j] as usize * dim + c].to_f64()).collect();
+                near("out", out[tk * dim + c].to_f64(), terms.iter().sum(), terms.iter().map(|x| x.abs()).sum());
+            }
+        }
+        for (r, &pair) in ORDER.iter().enumerate() {
+            let (pair, tk) = (pair as usize, pair as usize / k);
+            let mut dot = (0.0, 0.0);
+            for c in 0..dim {
+                let (g, x) = (grad[tk * dim + c].to_f64(), rows[r * dim + c].to_f64());
+                let want = weights[pair].to_f64() * g;
+                near("grad_rows", grad_rows[r * dim + c].to_f64(), want, want.abs());
+                dot = (dot.0 + g * x, dot.1 + (g * x).abs());
+            }
+            near("grad_weights", grad_weights[pair].to_f64(), dot.0, dot.1);
+        }
+    }
+
+    #[test]
+    fn cpu_kernels_match_the_formulas() {
+        check::<f64, f64, f64>(2f64.powi(-53));
+        check::<f32, f32, f32>(2f64.powi(-24));
+        check::<half::bf16, half::bf16, half::bf16>(2f64.powi(-8));
+        check::<half::bf16, f32, f32>(2f64.powi(-8));
+        check::<half::f16, f32, f32>(2f64.powi(-11));
+    }
+
+    #[test]
+    fn indices_outside_the_rows_or_repeated_are_errors() {
+        let (rows, mut out) = ([0f32; 4], [0f32; 2]);
+        let position = [0i64, 4];
+        let err = ExpertCombineForward { rows: rows.as_ptr().cast(), position: position.as_ptr(), out: out.as_mut_ptr().cast(),
+            tokens: 1, k: 2, dim: 1, dtype: BASTILE_F32 as i32, weights_dtype: BASTILE_F32 as i32, ..Default::default() }
+            .cpu().unwrap_err();
+        assert_eq!(err, "bastile.expert_combine: position holds 4, outside 0..2");
+        let (grad, order, mut grad_rows) = ([0f32; 1], [1i64, 1], [0f32; 2]);
+        let err = ExpertCombineBackward { grad: grad.as_ptr().cast(), order: order.as_ptr(), grad_rows: grad_rows.as_mut_ptr().cast(),
+            tokens: 1, k: 2, dim: 1, dtype: BASTILE_F32 as i32, weights_dtype: BASTILE_F32 as i32, ..Default::default() }
+            .cpu().unwrap_err();
+        assert_eq!(err, "bastile.expert_dispatch: order holds 1 twice; it must hold each of 0..2 once");
+    }
+}

@@ -1,0 +1,152 @@
+// torch.ops.bastile.expert_combine (cuda/expert_combine.cu): a mixture of experts' token-expert pairs joined back
+// into their tokens. `rows` [tokens * k, dim] are the pairs' rows (the experts' outputs, in any order: grouped by
+// expert), `position` [tokens, k] (int64) the row of each token's j-th pair, `weights` [tokens, k] its routing
+// weight (None: ones): out[t] = sum_j weights[t, j] * rows[position[t, j]], each product rounded to the promoted
+// dtype as torch's `rows * weights` rounds it, the sum in f32 (one rounding, the same on every run), of the
+// promoted dtype. The weights are rows' dtype or float32 (Mixtral's and GLM's routers keep them in float32).
+// expert_dispatch(x, order, weights, rows, dtype) is the other direction, its backward as a piece: with order
+// [tokens * k] (the inverse of position: the pair of each row), row r gets weights[p] * x[p / k] in `dtype`
+// (p = order[r]), and given rows the weights' gradient <x[p / k], rows[r]>; without weights it is the experts'
+// dispatch of each token to its pairs (python_shim/bastile/experts.py runs both directions in its own node).
+// Autograd saves position, the weights, and the rows where the weights need a gradient; the backward inverts
+// position by a scatter over -1s, so a position that is not a permutation stops it (an index of -1) rather than
+// leave gradients unwritten. Autocast leaves the op alone.
+#include "op.h"
+
+namespace bastile {
+namespace {
+
+// The weights' dtype code: rows' dtype, or float32 with 16-bit rows; weights [tokens, k] of `pairs` elements.
+BastileDType check_weights(const char* op, const at::Tensor& weights, const c10::SymInt& tokens,
+                           const c10::SymInt& pairs, at::ScalarType rows) {
+  const auto code = dtype_code(op, {"weights", weights});
+  const auto w = weights.scalar_type();
+  TORCH_CHECK(w == rows || (w == at::kFloat && (rows == at::kHalf || rows == at::kBFloat16)), "bastile.", op,
+              ": weights must have the rows' dtype (", rows, ") or float32 with 16-bit rows, got ", w);
+  TORCH_CHECK(weights.dim() == 2 && weights.sym_size(0) == tokens && weights.sym_numel() == pairs, "bastile.", op,
+              ": weights must be [tokens, k] with tokens = ", tokens, " and tokens * k = ", pairs, ", got ",
+              weights.sym_sizes());
+  return code;
+}
+
+void check_index(const char* op, Named index) {
+  TORCH_CHECK(index.t.scalar_type() == at::kLong, "bastile.", op, ": ", index.name, " must be int64, got ",
+              index.t.scalar_type());
+}
+
+struct ExpertDispatchOp {
+  static constexpr const char* schema =
+      "expert_dispatch(Tensor x, Tensor order, Tensor? weights=None, Tensor? rows=None, "
+      "ScalarType? dtype=None) -> (Tensor, Tensor)";
+
+  // (the rows [tokens * k, dim] of dtype (rows' dtype without it, else x's), the weights' gradient [tokens, k]
+  // with rows, else empty)
+  static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& x_in, const at::Tensor& order_in,
+                                                   const std::optional<at::Tensor>& weights_in,
+                                                   const std::optional<at::Tensor>& rows_in,
+                                                   std::optional<at::ScalarType> dtype) {
+    constexpr const char* op = "expert_dispatch";
+    check_float(op, {{"x", x_in}});
+    check_index(op, {"order", order_in});
+    TORCH_CHECK(x_in.dim() == 2, "bastile.", op, ": x must be [tokens, dim], got shape ", x_in.sym_sizes());
+    TORCH_CHECK(order_in.dim() == 1, "bastile.", op, ": order must be [tokens * k], got shape ", order_in.sym_sizes());
+    const auto& tokens = x_in.sym_size(0);
+    const auto& pairs = order_in.sym_size(0);
+    TORCH_CHECK(tokens == 0 ? pairs == 0 : pairs % tokens == 0, "bastile.", op, ": order's length ", pairs,
+                " must be tokens * k for x's ", tokens, " tokens");
+    check_device(op, {"x", x_in}, {{"order", order_in}});
+    const auto t = dtype.value_or(rows_in ? rows_in->scalar_type() : x_in.scalar_type());
+    const auto dt = dtype_code(op, "dtype", t);
+    BastileDType wt = dt;
+    auto grad_dtype = t;
+    if (weights_in) {
+      wt = check_weights(op, *weights_in, tokens, pairs, t);
+      check_device(op, {"x", x_in}, {{"weights", *weights_in}});
+      grad_dtype = at::promote_types(t, weights_in->scalar_type());
+    }
+    if (rows_in) {
+      TORCH_CHECK(weights_in.has_value(), "bastile.", op, ": rows are for the weights' gradient: pass the weights");
+      TORCH_CHECK(rows_in->scalar_type() == t, "bastile.", op, ": rows must be ", t, ", got ", rows_in->scalar_type());
+      TORCH_CHECK(rows_in->dim() == 2 && rows_in->sym_size(0) == pairs && rows_in->sym_size(1) == x_in.sym_size(1),
+                  "bastile.", op, ": rows must be [tokens * k, dim] = [", pairs, ", ", x_in.sym_size(1), "], got ",
+                  rows_in->sym_sizes());
+      check_device(op, {"x", x_in}, {{"rows", *rows_in}});
+    }
+    auto grad_rows = at::empty_symint({pairs, x_in.sym_size(1)}, x_in.options().dtype(t));
+    auto grad_weights = rows_in ? at::empty_symint(weights_in->sym_sizes(), weights_in->options())
+                                : at::empty({0}, x_in.options().dtype(weights_in ? weights_in->scalar_type() : t));
+    if (x_in.is_meta()) return {grad_rows, grad_weights};
+    if (pairs == 0 || x_in.size(1) == 0) return {grad_rows, grad_weights.zero_()};  // sums over nothing
+    // The kernels read x in the promoted dtype (a [tokens, dim] copy where it differs).
+    const auto grad = x_in.to(grad_dtype).contiguous(), order = order_in.contiguous();
+    const auto weights = weights_in ? weights_in->contiguous() : at::Tensor();
+    const auto rows = rows_in ? rows_in->contiguous() : at::Tensor();
+    launch(grad, ExpertCombineBackward{.grad = grad.data_ptr(), .order = order.data_ptr<int64_t>(),
+                                       .weights = weights.defined() ? weights.data_ptr() : nullptr,
+                                       .rows = rows.defined() ? rows.data_ptr() : nullptr,
+                                       .grad_rows = grad_rows.data_ptr(),
+                                       .grad_weights = rows.defined() ? grad_weights.data_ptr() : nullptr,
+                                       .tokens = grad.size(0), .k = order.size(0) / grad.size(0), .dim = grad.size(1),
+                                       .dtype = dt, .weights_dtype = wt});
+    return {grad_rows, grad_weights};
+  }
+};
+
+struct ExpertCombineOp {
+  static constexpr const char* schema = "expert_combine(Tensor rows, Tensor position, Tensor? weights=None) -> Tensor";
+
+  static at::Tensor kernel(const at::Tensor& rows_in, const at::Tensor& position_in,
+                           const std::optional<at::Tensor>& weights_in) {
+    constexpr const char* op = "expert_combine";
+    const auto dt = dtype_code(op, {"rows", rows_in});
+    check_index(op, {"position", position_in});
+    TORCH_CHECK(rows_in.dim() == 2, "bastile.", op, ": rows must be [tokens * k, dim], got shape ", rows_in.sym_sizes());
+    TORCH_CHECK(position_in.dim() == 2 && position_in.sym_numel() == rows_in.sym_size(0), "bastile.", op,
+                ": position must be [tokens, k] with tokens * k = rows' ", rows_in.sym_size(0), ", got ",
+                position_in.sym_sizes());
+    check_device(op, {"rows", rows_in}, {{"position", position_in}});
+    auto out_dtype = rows_in.scalar_type();
+    BastileDType wt = dt;
+    if (weights_in) {
+      wt = check_weights(op, *weights_in, position_in.sym_size(0), position_in.sym_numel(), rows_in.scalar_type());
+      check_device(op, {"rows", rows_in}, {{"weights", *weights_in}});
+      out_dtype = at::promote_types(out_dtype, weights_in->scalar_type());
+    }
+    const auto& tokens = position_in.sym_size(0);
+    auto out = at::empty_symint({tokens, rows_in.sym_size(1)}, rows_in.options().dtype(out_dtype));
+    if (rows_in.is_meta() || out.numel() == 0) return out;
+    if (position_in.size(1) == 0) return out.zero_();
+    const auto rows = rows_in.contiguous(), position = position_in.contiguous();
+    const auto weights = weights_in ? weights_in->contiguous() : at::Tensor();
+    launch(rows, ExpertCombineForward{.rows = rows.data_ptr(), .position = position.data_ptr<int64_t>(),
+                                      .weights = weights.defined() ? weights.data_ptr() : nullptr,
+                                      .out = out.data_ptr(), .tokens = position.size(0), .k = position.size(1),
+                                      .dim = rows.size(1), .dtype = dt, .weights_dtype = wt});
+    return out;
+  }
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& position,
+                            const std::optional<at::Tensor>& weights) {
+    const bool weights_grad = weights && weights->requires_grad();
+    ctx->save_for_backward({position, weights.value_or(at::Tensor()), weights_grad ? rows : at::Tensor()});
+    ctx->saved_data["dtype"] = rows.scalar_type();
+    return call<ExpertCombineOp>(rows, position, weights);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto& position = s[0];
+    const auto flat = position.reshape(-1);
+    const auto order = at::full_like(flat, -1).scatter_(0, flat, at::arange(c10::Scalar(flat.sym_numel()), flat.options()));
+    const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional(t) : std::nullopt; };
+    auto [grad_rows, grad_weights] = call<ExpertDispatchOp>(
+        grads[0], order, opt(s[1]), opt(s[2]), ctx->saved_data["dtype"].toScalarType());
+    return {grad_rows, at::Tensor(), s[2].defined() ? grad_weights : at::Tensor()};
+  }
+
+};
+
+}  // namespace
+}  // namespace bastile
+
+BASTILE_OPS(bastile::ExpertCombineOp, bastile::ExpertDispatchOp)
