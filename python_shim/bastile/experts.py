@@ -1,8 +1,10 @@
 """The MoE families' experts on Bastile's path, in place of transformers' experts functions.
 
 The token-expert pairs are ordered by expert (a stable sort and per-expert counts: no host sync on CUDA), each
-expert's rows go through one grouped product for gate/up, the family's gated activation (the `swiglu` or `geglu`
-op), one grouped product for down, then the routing weights and the sum over a token's experts.
+token's row is sent to its pairs (the `expert_dispatch` op), each expert's rows go through one grouped product for
+gate/up, the family's gated activation (the `swiglu` or `geglu` op), one grouped product for down, then the
+routing weights and the sum over a token's experts in one pass (the `expert_combine` op; the backward sends the
+gradient back to the pairs, weighted, through `expert_dispatch`).
 
 PEFT LoRA on the 3-D expert parameters (its ParamWrapper, from `target_parameters` or `all-linear`) enters the
 grouped products as x W_e + s (x A_e) B_e. PEFT computes a wrapped module's forward with its weight
@@ -50,11 +52,12 @@ def projection(experts, name: str, factors: Optional[Factors]) -> Tuple[Projecti
 
 
 class Groups(NamedTuple):
-    """The token-expert pairs ordered by expert: `order` (pair indices), `offsets` (each expert's end, int32),
-    `expert` (each ordered pair's expert)."""
+    """The token-expert pairs ordered by expert: `order` (the pair of each row), `offsets` (each expert's end,
+    int32), `expert` (each row's expert), `position` (the row of each pair, [tokens, k])."""
     order: torch.Tensor
     offsets: torch.Tensor
     expert: torch.Tensor
+    position: torch.Tensor
 
 
 def group(top_k_index: torch.Tensor, experts: int) -> Groups:
@@ -63,7 +66,8 @@ def group(top_k_index: torch.Tensor, experts: int) -> Groups:
     # bincount would size its output by the largest id: a host sync on CUDA
     ones = torch.ones_like(ids, dtype=torch.int32)
     counts = torch.zeros(experts, dtype=torch.int32, device=ids.device).scatter_add_(0, ids, ones)
-    return Groups(order, counts.cumsum(0, dtype=torch.int32), expert)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return Groups(order, counts.cumsum(0, dtype=torch.int32), expert, position.view(top_k_index.shape))
 
 
 def _grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -95,11 +99,6 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like
     return torch.stack([x[a:b].float().t() @ dy[a:b].float() for a, b in _bounds(offsets)])
 
 
-def _pair_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Rows of the pairs ordered by expert back in pair order (token-major, a token's k pairs side by side)."""
-    return torch.empty_like(rows).index_copy_(0, order, rows)
-
-
 def _forward(x, groups: Groups, p: Projection, scale: float):
     """x w + s (x a) b + bias of each pair's expert, and x a (the backward's)."""
     y = grouped_mm(x, p.w, groups.offsets)
@@ -112,16 +111,17 @@ def _forward(x, groups: Groups, p: Projection, scale: float):
     return y, xa
 
 
-def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows=None):
-    """The gradients of _forward's y for the pairs' dy, each scaled by `rows` (None: 1): (dx, dw, dbias, da, db),
-    `need` saying which of w, bias, a, b. dx is that of the unscaled dy."""
+def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, weighted=None):
+    """The gradients of _forward's y for the pairs' dy: (dx, dw, dbias, da, db), `need` saying which of w, bias,
+    a, b. `weighted` (dy scaled by each row's weight, the weights): the parameters' gradients are those of the
+    scaled dy, dx that of dy."""
     need_w, need_bias, need_a, need_b = need
     t = scale * grouped_mm(dy, p.b.transpose(-2, -1), groups.offsets) if p.a is not None else None
     dx = grouped_mm(dy, p.w.transpose(-2, -1), groups.offsets)
     if t is not None:
         dx = dx + grouped_mm(t, p.a.transpose(-2, -1), groups.offsets)
-    if rows is not None:
-        dy = (dy * rows[:, None]).to(dy.dtype)
+    if weighted is not None:
+        dy, rows = weighted
         t = t * rows[:, None].to(t.dtype) if t is not None else None
     dw = grouped_wgrad(x, dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
     dbias = (torch.zeros(p.bias.shape, dtype=torch.float32, device=dy.device).index_add_(0, groups.expert, dy.float())
@@ -131,54 +131,58 @@ def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows
     return dx, dw, dbias, da, db
 
 
+def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype, weights=None) -> torch.Tensor:
+    """Each row's token's row of x (times the pair's weight), in dtype."""
+    return torch.ops.bastile.expert_dispatch(x, order, weights, dtype=dtype)[0]
+
+
 class _Experts(torch.autograd.Function):
     """The experts of the pairs of a batch: sum over a token's k experts of weight * down(gate(gate_up(x))).
     Saved for the backward: the gate's input (gate_up) and the rank-sized LoRA products; the pairs' rows of x,
     the gate's output and the down products (and so the routing weights' gradient) are made again from them."""
 
     @staticmethod
-    def forward(ctx, gate, k, scales, hidden, weights, order, offsets, expert, *params):
-        groups = Groups(order, offsets, expert)
+    def forward(ctx, gate, scales, hidden, weights, order, offsets, expert, position, *params):
+        groups = Groups(order, offsets, expert, position)
         p1, p2 = Projection(*params[:4]), Projection(*params[4:])
-        x = hidden[order // k].to(p1.w.dtype)
+        x = _dispatch(hidden, order, p1.w.dtype)
         gate_up, xa = _forward(x, groups, p1, scales[0])
         h = gate(gate_up)
         out, ha = _forward(h, groups, p2, scales[1])
-        pair = out * weights.reshape(-1)[order, None]  # promoted as HF's: Mixtral's weights are fp32
-        combined = _pair_order(pair, order).view(-1, k, pair.shape[-1]).sum(dim=1)
-        ctx.save_for_backward(hidden, weights, order, offsets, expert, gate_up, xa, ha, *params)
-        ctx.gate, ctx.k, ctx.scales = gate, k, scales
+        # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32)
+        combined = torch.ops.bastile.expert_combine(out, position, weights)
+        ctx.save_for_backward(hidden, weights, order, offsets, expert, position, gate_up, xa, ha, *params)
+        ctx.gate, ctx.scales = gate, scales
         return combined.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weights, order, offsets, expert, gate_up, xa, ha, *params = ctx.saved_tensors
-        groups, needs = Groups(order, offsets, expert), ctx.needs_input_grad
+        hidden, weights, order, offsets, expert, position, gate_up, xa, ha, *params = ctx.saved_tensors
+        groups, needs = Groups(order, offsets, expert, position), ctx.needs_input_grad
         p1, p2 = Projection(*params[:4]), Projection(*params[4:])
         s1, s2 = ctx.scales
-        token = order // ctx.k
         w = weights.reshape(-1)[order]
         with torch.enable_grad():
             g = gate_up.detach().requires_grad_()
             h = ctx.gate(g)
         # down, for the pairs' dpair weighted by w: with u = dpair (W2 + s2 A2 B2)^T, dh = w u and the weights'
         # gradient <u, h> (+ <dpair, bias2>)
-        dpair = grad[token].to(p2.w.dtype)
-        u, dw2, dbias2, da2, db2 = _backward(dpair, h.detach(), ha, groups, p2, s2, needs[12:16], rows=w)
+        dpair = _dispatch(grad, order, p2.w.dtype)
+        weighted = (_dispatch(grad, order, p2.w.dtype, weights), w)
+        u, dw2, dbias2, da2, db2 = _backward(dpair, h.detach(), ha, groups, p2, s2, needs[12:16], weighted)
         dweight = (u * h.detach()).sum(-1, dtype=torch.float32)  # 16-bit: the products rounded, their sum not
         if p2.bias is not None:
             dweight = dweight + (dpair.float() * p2.bias[expert].float()).sum(-1)
         (dgate_up,) = torch.autograd.grad(h, g, (u * w[:, None]).to(h.dtype))
         # gate/up, from the pairs' rows of x made again
-        x = hidden[token].to(p1.w.dtype)
+        x = _dispatch(hidden, order, p1.w.dtype)
         dx, dw1, dbias1, da1, db1 = _backward(dgate_up, x, xa, groups, p1, s1, needs[8:12])
-        # Each token's k pairs side by side, as the forward combines them: a sum, not atomics (index_add_) over an
-        # fp32 copy; reductions of 16-bit tensors accumulate in fp32 and round once.
+        # Each token's k pairs summed side by side in fp32 (no atomics), rounded once to the wider of the two dtypes
         total = torch.promote_types(dx.dtype, hidden.dtype)
-        dhidden = (_pair_order(dx, order).view(-1, ctx.k, dx.shape[-1]).sum(1, dtype=total).to(hidden.dtype)
-                   .view(hidden.shape) if needs[3] else None)
-        dweights = _pair_order(dweight, order).view(weights.shape).to(weights.dtype) if needs[4] else None
-        return (None, None, None, dhidden, dweights, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
+        dhidden = (torch.ops.bastile.expert_combine(dx.to(total), position).to(hidden.dtype).view(hidden.shape)
+                   if needs[2] else None)
+        dweights = dweight[position].to(weights.dtype) if needs[3] else None
+        return (None, None, dhidden, dweights, None, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
 
 
 def experts_forward(gate: Callable, concatenated: bool) -> Callable:
@@ -196,8 +200,8 @@ def experts_forward(gate: Callable, concatenated: bool) -> Callable:
         groups = group(top_k_index, self.num_experts)
         p1, s1 = projection(self, "gate_up_proj", lora.get("gate_up_proj"))
         p2, s2 = projection(self, "down_proj", lora.get("down_proj"))
-        return _Experts.apply(lambda gate_up: gate(self, gate_up), top_k_index.shape[1], (s1, s2), hidden_states,
-                              top_k_weights, *groups, *p1, *p2)
+        return _Experts.apply(lambda gate_up: gate(self, gate_up), (s1, s2), hidden_states, top_k_weights, *groups,
+                              *p1, *p2)
     return experts
 
 
