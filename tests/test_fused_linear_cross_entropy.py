@@ -488,10 +488,15 @@ needs_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.
 
 
 def own_gemm_ran(fn):
+    """Whether fn ran our GEMM kernel, by torch.profiler's CUDA activity. Under compute-sanitizer the profiler
+    sees no kernel (CUPTI takes one subscriber), so the tests that ask are named *kernel_choice* and `make
+    gpu-test` runs them in its unsanitized pass only; the others take the same paths for the same inputs."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return any("fused_linear_cross_entropy_gemm_bf16" in e.name for e in prof.events())
+    names = [e.name for e in prof.events()]
+    assert names, "the profiler recorded no CUDA kernel"
+    return any("fused_linear_cross_entropy_gemm_bf16" in n for n in names)
 
 
 def against_fp64(h, w, t, tol=TOL[torch.bfloat16], **kw):
@@ -527,7 +532,6 @@ def test_cuda_gemm_path_matches_fp64(vocab, softcap, z_loss, reduction):
     h, w, _, t = make(300, 256, vocab, torch.bfloat16, "cuda", bias=False)
     poison_cuda_allocator(4 * 300 * vocab * 4)
     kw = dict(softcap=softcap, z_loss=z_loss, reduction=reduction)
-    assert own_gemm_ran(lambda: op(h, w, t, **kw).sum().backward())
     # Several chunks, the last ragged (and one row tile of 128 partly outside the chunk).
     against_fp64(h, w, t, chunk_bytes=chunks(200, vocab, 2), **kw)
 
@@ -538,7 +542,6 @@ def test_cuda_gemm_path_logit_scale(logit_scale, softcap):
     """Granite's head divides the logits by logits_scaling: the Hopper path's epilogue scales them."""
     h, w, _, t = make(300, 256, 5003, torch.bfloat16, "cuda", bias=False)
     kw = dict(logit_scale=logit_scale, softcap=softcap)
-    assert own_gemm_ran(lambda: op(h, w, t, **kw).backward())
     against_fp64(h, w, t, chunk_bytes=chunks(200, 5003, 2), **kw)
 
 
@@ -552,14 +555,33 @@ def test_cuda_gemm_path_with_one_operand_frozen(frozen):
 
 
 @needs_hopper
-def test_cuda_gemm_path_falls_back_for_rows_tma_cannot_read():
-    """A hidden whose rows are not 16-byte aligned (a view at an odd offset) takes the cuBLAS path."""
-    n, hdim, vocab = 300, 256, 5003
-    _, w, _, t = make(n, hdim, vocab, torch.bfloat16, "cuda", bias=False)
+def misaligned(n, hdim):
+    """A bf16 hidden whose rows are not 16-byte aligned (a view at an odd offset)."""
     flat = torch.randn(n * hdim + 3, device="cuda").to(torch.bfloat16)
-    h = flat[3:].view(n, hdim).requires_grad_()
-    assert not own_gemm_ran(lambda: op(h, w, t).backward())
-    against_fp64(h, w, t)
+    return flat[3:].view(n, hdim).requires_grad_()
+
+
+@needs_hopper
+def test_cuda_gemm_path_falls_back_for_rows_tma_cannot_read():
+    """A hidden whose rows TMA cannot read takes the cuBLAS path (test_cuda_gemm_kernel_choice)."""
+    _, w, _, t = make(300, 256, 5003, torch.bfloat16, "cuda", bias=False)
+    against_fp64(misaligned(300, 256), w, t)
+
+
+@needs_hopper
+def test_cuda_gemm_kernel_choice():
+    """The inputs of the GEMM-path tests above run our GEMM: every vocab, softcap, z_loss, reduction and logit
+    scale; a misaligned hidden does not."""
+    for vocab in (QWEN3_VOCAB, 5003, 8):
+        h, w, _, t = make(300, 256, vocab, torch.bfloat16, "cuda", bias=False)
+        for softcap, z_loss in [(0.0, 0.0), (30.0, 1e-4)]:
+            for reduction in ("mean", "sum", "none"):
+                kw = dict(softcap=softcap, z_loss=z_loss, reduction=reduction)
+                assert own_gemm_ran(lambda: op(h, w, t, **kw).sum().backward()), (vocab, kw)
+    h, w, _, t = make(300, 256, 5003, torch.bfloat16, "cuda", bias=False)
+    for logit_scale, softcap in [(1 / 16, 0.0), (2.0, 30.0)]:
+        assert own_gemm_ran(lambda: op(h, w, t, logit_scale=logit_scale, softcap=softcap).backward())
+    assert not own_gemm_ran(lambda: op(misaligned(300, 256), w, t).backward())
 
 
 @needs_hopper
@@ -592,16 +614,23 @@ torch.save((out[0], *grads(out[0], (h, w))), sys.argv[2])
 """
 
 
+def gemm_path_run(h, w, t):
+    loss = op(h, w, t)
+    return (loss, *grads(loss, (h, w)))
+
+
 @needs_hopper
-def test_cuda_gemm_path_is_deterministic_and_agrees_with_the_cublas_path(tmp_path):
+def test_cuda_gemm_path_is_deterministic():
     h, w, _, t = make(1000, 512, QWEN3_VOCAB, torch.bfloat16, "cuda", bias=False)
-
-    def run():
-        loss = op(h, w, t)
-        return (loss, *grads(loss, (h, w)))
-
-    first, again = run(), run()
+    first, again = gemm_path_run(h, w, t), gemm_path_run(h, w, t)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@needs_hopper
+def test_cuda_gemm_kernel_choice_of_the_environment_agrees_with_our_gemm(tmp_path):
+    """BASTILE_CROSS_ENTROPY_GEMM=cublas in a fresh process takes the cuBLAS path, which agrees with ours."""
+    h, w, _, t = make(1000, 512, QWEN3_VOCAB, torch.bfloat16, "cuda", bias=False)
+    first = gemm_path_run(h, w, t)
     torch.save((h.detach(), w.detach(), t), tmp_path / "inputs.pt")
     p = subprocess.run([sys.executable, "-c", CUBLAS_CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
                        env={**os.environ, "BASTILE_CROSS_ENTROPY_GEMM": "cublas"}, cwd=os.path.dirname(__file__),
@@ -612,7 +641,7 @@ def test_cuda_gemm_path_is_deterministic_and_agrees_with_the_cublas_path(tmp_pat
 
 
 @needs_hopper
-def test_cuda_gemm_choice_is_read_once_a_process(monkeypatch):
+def test_cuda_gemm_kernel_choice_is_read_once_a_process(monkeypatch):
     """BASTILE_CROSS_ENTROPY_GEMM is read at the first call, not on every call: setting it later changes
     nothing."""
     h, w, _, t = make(300, 256, 5000, torch.bfloat16, "cuda", bias=False)
