@@ -136,6 +136,25 @@ def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype, weights=
     return torch.ops.bastile.expert_dispatch(x, order, weights, dtype=dtype)[0]
 
 
+def _down_backward(gate, grad, weights, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
+    """The backward of down and the gate for the tokens' gradient `grad`: (the gate's input's gradient, the routing
+    weights' gradient per row, down's parameters' gradients). A function of its own so that its [pairs, hidden]
+    tensors are freed before the gate/up backward allocates its own. With dpair each row's token's gradient and
+    u = dpair (W2 + s A2 B2)^T: dh = w u, the weights' gradient <u, h> (+ <dpair, bias2>)."""
+    w = weights.reshape(-1)[groups.order]
+    with torch.enable_grad():
+        g = gate_up.detach().requires_grad_()
+        h = gate(g)
+    dpair = _dispatch(grad, groups.order, p.w.dtype)
+    weighted = (_dispatch(grad, groups.order, p.w.dtype, weights), w)
+    u, *grads = _backward(dpair, h.detach(), ha, groups, p, scale, need, weighted)
+    dweight = (u * h.detach()).sum(-1, dtype=torch.float32)  # 16-bit: the products rounded, their sum not
+    if p.bias is not None:
+        dweight = dweight + (dpair.float() * p.bias[groups.expert].float()).sum(-1)
+    (dgate_up,) = torch.autograd.grad(h, g, (u * w[:, None]).to(h.dtype))
+    return dgate_up, dweight, grads
+
+
 class _Experts(torch.autograd.Function):
     """The experts of the pairs of a batch: sum over a token's k experts of weight * down(gate(gate_up(x))).
     Saved for the backward: the gate's input (gate_up) and the rank-sized LoRA products; the pairs' rows of x,
@@ -161,19 +180,8 @@ class _Experts(torch.autograd.Function):
         groups, needs = Groups(order, offsets, expert, position), ctx.needs_input_grad
         p1, p2 = Projection(*params[:4]), Projection(*params[4:])
         s1, s2 = ctx.scales
-        w = weights.reshape(-1)[order]
-        with torch.enable_grad():
-            g = gate_up.detach().requires_grad_()
-            h = ctx.gate(g)
-        # down, for the pairs' dpair weighted by w: with u = dpair (W2 + s2 A2 B2)^T, dh = w u and the weights'
-        # gradient <u, h> (+ <dpair, bias2>)
-        dpair = _dispatch(grad, order, p2.w.dtype)
-        weighted = (_dispatch(grad, order, p2.w.dtype, weights), w)
-        u, dw2, dbias2, da2, db2 = _backward(dpair, h.detach(), ha, groups, p2, s2, needs[12:16], weighted)
-        dweight = (u * h.detach()).sum(-1, dtype=torch.float32)  # 16-bit: the products rounded, their sum not
-        if p2.bias is not None:
-            dweight = dweight + (dpair.float() * p2.bias[expert].float()).sum(-1)
-        (dgate_up,) = torch.autograd.grad(h, g, (u * w[:, None]).to(h.dtype))
+        dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, weights, gate_up, ha, groups,
+                                                                    p2, s2, needs[12:16])
         # gate/up, from the pairs' rows of x made again
         x = _dispatch(hidden, order, p1.w.dtype)
         dx, dw1, dbias1, da1, db1 = _backward(dgate_up, x, xa, groups, p1, s1, needs[8:12])
