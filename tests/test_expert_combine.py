@@ -11,9 +11,11 @@ from conftest import DEVICES, Contract, needs_cuda, poison_cuda_allocator, ulps
 
 op = torch.ops.bastile.expert_combine
 backward_op = torch.ops.bastile.expert_dispatch
-# (rows' dtype, weights' dtype): weights of the rows' dtype (Qwen3-MoE casts them), or float32 (Mixtral, GLM).
+# (rows' dtype, weights' dtype): weights of the rows' dtype (Qwen3-MoE casts them), float32 (Mixtral, GLM), bf16
+# with fp32 rows (an fp32 Qwen3-MoE under bf16 autocast), and a pair that promotes to float32.
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
-          (torch.float16, torch.float32), (torch.float32, torch.float32)]
+          (torch.float16, torch.float32), (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+          (torch.bfloat16, torch.float16)]
 
 
 def reference(rows, position, weights=None):
@@ -164,8 +166,9 @@ BAD = [
     (lambda: op(f32(6, 4), perm(3, 2).int()), "position must be int64"),
     (lambda: op(f32(6, 4), perm(2, 2)), "position must be \\[tokens, k\\] with tokens \\* k = rows' 6"),
     (lambda: op(torch.ones(6, 4, dtype=torch.int32), perm(3, 2)), "rows must be float32"),
-    (lambda: op(f32(6, 4).bfloat16(), perm(3, 2), f32(3, 2).half()), "weights must have the rows' dtype"),
-    (lambda: op(f32(6, 4), perm(3, 2), f32(3, 2).bfloat16()), "weights must have the rows' dtype \\(Float\\)"),
+    (lambda: op(f32(6, 4).bfloat16(), perm(3, 2), f32(3, 2).double()),
+     "weights of Double and rows of BFloat16 promote to Double, wider than the rows' dtype or float32"),
+    (lambda: op(f32(6, 4), perm(3, 2), torch.ones(3, 2, dtype=torch.int64)), "weights must be float32"),
     (lambda: op(f32(6, 4), perm(3, 2), f32(2, 3)), "weights must be \\[tokens, k\\] with tokens = 3"),
     (lambda: op(f32(6, 4), perm(3, 2).to("meta")), "rows is on cpu but position is on meta"),
     (lambda: op(f32(6, 4), perm(3, 2) + 3), "position holds 6, outside 0..6"),

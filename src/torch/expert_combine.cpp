@@ -3,7 +3,8 @@
 // expert), `position` [tokens, k] (int64) the row of each token's j-th pair, `weights` [tokens, k] its routing
 // weight (None: ones): out[t] = sum_j weights[t, j] * rows[position[t, j]], each product rounded to the promoted
 // dtype as torch's `rows * weights` rounds it, the sum in f32 (one rounding, the same on every run), of the
-// promoted dtype. The weights are rows' dtype or float32 (Mixtral's and GLM's routers keep them in float32).
+// promoted dtype. The kernels take weights of rows' dtype or float32 (Mixtral's and GLM's routers keep them in
+// float32); others are promoted with the rows first.
 // expert_dispatch(x, order, weights, rows, dtype) is the other direction, its backward as a piece: with order
 // [tokens * k] (the inverse of position: the pair of each row), row r gets weights[p] * x[p / k] in `dtype`
 // (p = order[r]), and given rows the weights' gradient <x[p / k], rows[r]>; without weights it is the experts'
@@ -16,17 +17,21 @@
 namespace bastile {
 namespace {
 
-// The weights' dtype code: rows' dtype, or float32 with 16-bit rows; weights [tokens, k] of `pairs` elements.
-BastileDType check_weights(const char* op, const at::Tensor& weights, const c10::SymInt& tokens,
-                           const c10::SymInt& pairs, at::ScalarType rows) {
-  const auto code = dtype_code(op, {"weights", weights});
-  const auto w = weights.scalar_type();
+// The weights as the kernels read them, and their dtype code: rows' dtype, or f32 with 16-bit rows. Weights of
+// another float dtype are promoted with the rows' as torch's `rows * weights` promotes them (exactly: the promoted
+// dtype holds them; bf16 weights of an fp32 model under autocast). Of shape [tokens, k] with `pairs` elements.
+std::pair<at::Tensor, BastileDType> kernel_weights(const char* op, const at::Tensor& weights, const c10::SymInt& tokens,
+                                                   const c10::SymInt& pairs, at::ScalarType rows) {
+  dtype_code(op, {"weights", weights});
+  const auto w = at::promote_types(weights.scalar_type(), rows);
   TORCH_CHECK(w == rows || (w == at::kFloat && (rows == at::kHalf || rows == at::kBFloat16)), "bastile.", op,
-              ": weights must have the rows' dtype (", rows, ") or float32 with 16-bit rows, got ", w);
+              ": weights of ", weights.scalar_type(), " and rows of ", rows, " promote to ", w,
+              ", wider than the rows' dtype or float32");
   TORCH_CHECK(weights.dim() == 2 && weights.sym_size(0) == tokens && weights.sym_numel() == pairs, "bastile.", op,
               ": weights must be [tokens, k] with tokens = ", tokens, " and tokens * k = ", pairs, ", got ",
               weights.sym_sizes());
-  return code;
+  const auto promoted = weights.to(w);
+  return {promoted, dtype_code(op, {"weights", promoted})};
 }
 
 void check_index(const char* op, Named index) {
@@ -57,13 +62,13 @@ struct ExpertDispatchOp {
     check_device(op, {"x", x_in}, {{"order", order_in}});
     const auto t = dtype.value_or(rows_in ? rows_in->scalar_type() : x_in.scalar_type());
     const auto dt = dtype_code(op, "dtype", t);
+    at::Tensor weights;
     BastileDType wt = dt;
-    auto grad_dtype = t;
     if (weights_in) {
-      wt = check_weights(op, *weights_in, tokens, pairs, t);
       check_device(op, {"x", x_in}, {{"weights", *weights_in}});
-      grad_dtype = at::promote_types(t, weights_in->scalar_type());
+      std::tie(weights, wt) = kernel_weights(op, *weights_in, tokens, pairs, t);
     }
+    const auto grad_dtype = weights.defined() ? weights.scalar_type() : t;
     if (rows_in) {
       TORCH_CHECK(weights_in.has_value(), "bastile.", op, ": rows are for the weights' gradient: pass the weights");
       TORCH_CHECK(rows_in->scalar_type() == t, "bastile.", op, ": rows must be ", t, ", got ", rows_in->scalar_type());
@@ -73,13 +78,18 @@ struct ExpertDispatchOp {
       check_device(op, {"x", x_in}, {{"rows", *rows_in}});
     }
     auto grad_rows = at::empty_symint({pairs, x_in.sym_size(1)}, x_in.options().dtype(t));
-    auto grad_weights = rows_in ? at::empty_symint(weights_in->sym_sizes(), weights_in->options())
+    // The weights' gradient in the kernels' dtype, returned in the weights' own.
+    auto grad_weights = rows_in ? at::empty_symint(weights.sym_sizes(), weights.options())
                                 : at::empty({0}, x_in.options().dtype(weights_in ? weights_in->scalar_type() : t));
-    if (x_in.is_meta()) return {grad_rows, grad_weights};
-    if (pairs == 0 || x_in.size(1) == 0) return {grad_rows, grad_weights.zero_()};  // sums over nothing
+    const auto returned = [&] { return rows_in ? grad_weights.to(weights_in->scalar_type()) : grad_weights; };
+    if (x_in.is_meta()) return {grad_rows, returned()};
+    if (pairs == 0 || x_in.size(1) == 0) {  // sums over nothing
+      grad_weights.zero_();
+      return {grad_rows, returned()};
+    }
     // The kernels read x in the promoted dtype (a [tokens, dim] copy where it differs).
     const auto grad = x_in.to(grad_dtype).contiguous(), order = order_in.contiguous();
-    const auto weights = weights_in ? weights_in->contiguous() : at::Tensor();
+    if (weights.defined()) weights = weights.contiguous();
     const auto rows = rows_in ? rows_in->contiguous() : at::Tensor();
     launch(grad, ExpertCombineBackward{.grad = grad.data_ptr(), .order = order.data_ptr<int64_t>(),
                                        .weights = weights.defined() ? weights.data_ptr() : nullptr,
@@ -88,7 +98,7 @@ struct ExpertDispatchOp {
                                        .grad_weights = rows.defined() ? grad_weights.data_ptr() : nullptr,
                                        .tokens = grad.size(0), .k = order.size(0) / grad.size(0), .dim = grad.size(1),
                                        .dtype = dt, .weights_dtype = wt});
-    return {grad_rows, grad_weights};
+    return {grad_rows, returned()};
   }
 };
 
@@ -105,19 +115,20 @@ struct ExpertCombineOp {
                 ": position must be [tokens, k] with tokens * k = rows' ", rows_in.sym_size(0), ", got ",
                 position_in.sym_sizes());
     check_device(op, {"rows", rows_in}, {{"position", position_in}});
-    auto out_dtype = rows_in.scalar_type();
+    at::Tensor weights;
     BastileDType wt = dt;
     if (weights_in) {
-      wt = check_weights(op, *weights_in, position_in.sym_size(0), position_in.sym_numel(), rows_in.scalar_type());
       check_device(op, {"rows", rows_in}, {{"weights", *weights_in}});
-      out_dtype = at::promote_types(out_dtype, weights_in->scalar_type());
+      std::tie(weights, wt) =
+          kernel_weights(op, *weights_in, position_in.sym_size(0), position_in.sym_numel(), rows_in.scalar_type());
     }
     const auto& tokens = position_in.sym_size(0);
-    auto out = at::empty_symint({tokens, rows_in.sym_size(1)}, rows_in.options().dtype(out_dtype));
+    auto out = at::empty_symint({tokens, rows_in.sym_size(1)},
+                                rows_in.options().dtype(weights.defined() ? weights.scalar_type() : rows_in.scalar_type()));
     if (rows_in.is_meta() || out.numel() == 0) return out;
     if (position_in.size(1) == 0) return out.zero_();
     const auto rows = rows_in.contiguous(), position = position_in.contiguous();
-    const auto weights = weights_in ? weights_in->contiguous() : at::Tensor();
+    if (weights.defined()) weights = weights.contiguous();
     launch(rows, ExpertCombineForward{.rows = rows.data_ptr(), .position = position.data_ptr<int64_t>(),
                                       .weights = weights.defined() ? weights.data_ptr() : nullptr,
                                       .out = out.data_ptr(), .tokens = position.size(0), .k = position.size(1),
