@@ -343,3 +343,27 @@ def test_expert_parallelism_is_refused_before_patching():
     with pytest.raises(bastile.families.Unsupported, match="expert parallelism"):
         bastile.apply(model=model)
     assert bastile.get_patched_ops() == []
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fp32_model_under_bf16_autocast(family):
+    """An fp32 model trained under bf16 autocast (HF's Trainer with bf16=True over fp32 weights): the forward's
+    products and Qwen3-MoE's routing weights are bf16, the backward runs without autocast. The loss as HF's under
+    the same autocast up to bf16 roundings, every gradient within a few bf16 units of HF's in norm."""
+    model = mini(family, "cpu", torch.float32)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    want, hf_grads = step(reference)
+    bastile.apply(model=model, **NO_TRAINERS)
+    got, grads = step(model)
+    assert abs(got - want) <= 1e-4 * abs(want)
+    assert grads.keys() == hf_grads.keys()
+    for name, g in grads.items():
+        assert g.dtype == torch.float32 and rel_err(g, hf_grads[name]) < 5e-2, name

@@ -168,7 +168,8 @@ class _Experts(torch.autograd.Function):
         gate_up, xa = _forward(x, groups, p1, scales[0])
         h = gate(gate_up)
         out, ha = _forward(h, groups, p2, scales[1])
-        # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32)
+        # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32; an fp32
+        # model's bf16 under autocast)
         combined = torch.ops.bastile.expert_combine(out, position, weights)
         ctx.save_for_backward(hidden, weights, order, offsets, expert, position, gate_up, xa, ha, *params)
         ctx.gate, ctx.scales = gate, scales
@@ -182,9 +183,10 @@ class _Experts(torch.autograd.Function):
         s1, s2 = ctx.scales
         dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, weights, gate_up, ha, groups,
                                                                     p2, s2, needs[12:16])
-        # gate/up, from the pairs' rows of x made again
+        # gate/up, from the pairs' rows of x made again; in the weights' dtype: under autocast the forward's
+        # products were narrower, and the backward runs without it
         x = _dispatch(hidden, order, p1.w.dtype)
-        dx, dw1, dbias1, da1, db1 = _backward(dgate_up, x, xa, groups, p1, s1, needs[8:12])
+        dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), x, xa, groups, p1, s1, needs[8:12])
         # Each token's k pairs summed side by side in fp32 (no atomics), rounded once to the wider of the two dtypes
         total = torch.promote_types(dx.dtype, hidden.dtype)
         dhidden = (torch.ops.bastile.expert_combine(dx.to(total), position).to(hidden.dtype).view(hidden.shape)
