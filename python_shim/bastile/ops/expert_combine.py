@@ -9,9 +9,10 @@ from .. import _library  # noqa: F401  (loads the ops)
 def expert_combine(rows: torch.Tensor, position: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The experts' outputs for each token's k pairs, weighted and summed per token: rows [tokens * k, dim] in any
     order (grouped by expert), position [tokens, k] (int64) the row of token t's j-th pair, weights [tokens, k] its
-    routing weight (None: ones), of rows' dtype or float32 with 16-bit rows. Returns
-    out[t] = sum_j weights[t, j] * rows[position[t, j]] [tokens, dim] in the promoted dtype: each product rounded
-    as torch rounds `rows * weights`, the sum in float32 (float64 on CPU), rounded once, the same on every run.
+    routing weight (None: ones), of rows' dtype, float32, or a dtype that promotes with rows' to one of those.
+    Returns out[t] = sum_j weights[t, j] * rows[position[t, j]] [tokens, dim] in the promoted dtype: each product
+    rounded as torch rounds `rows * weights`, the sum in float32 (float64 on CPU), rounded once, the same on every
+    run.
     Differentiable in rows and weights (the backward needs position to be a permutation of the rows).
 
     `torch.ops.bastile.expert_dispatch(x, order, weights=None, rows=None, dtype=None)` is the other direction and
