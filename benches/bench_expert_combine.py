@@ -17,10 +17,9 @@ from common import Case, Impl, bandwidth_main, device
 import bastile  # noqa: F401  (loads torch.ops.bastile)
 
 
-def eager(rows, position, weights):
-    """experts.py before expert_combine: the products in the rows' order, put back in pair order, summed."""
-    order = torch.empty_like(position.view(-1)).scatter_(0, position.view(-1), torch.arange(position.numel(),
-                                                                                           device=rows.device))
+def eager(order, rows, position, weights):
+    """experts.py before expert_combine: the products in the rows' order, put back in pair order, summed (order,
+    position's inverse, comes with the grouping, as there)."""
     pair = rows * weights.reshape(-1)[order, None]
     return torch.empty_like(pair).index_copy_(0, order, pair).view(*position.shape, -1).sum(1)
 
@@ -33,9 +32,10 @@ def cases(shape: str, dtype: torch.dtype) -> Case:
     weights = torch.rand(tokens, k, device=device(), dtype=torch.float32 if fp32 else dtype)
     out_size = torch.promote_types(dtype, weights.dtype).itemsize
     dy = torch.randn(tokens, hidden, device=device(), dtype=torch.promote_types(dtype, weights.dtype))
-    ref = eager(rows, position, weights)
-    impls = {"bastile": torch.ops.bastile.expert_combine, "eager": eager,
-             "compile": torch.compile(eager, dynamic=False)}
+    order = torch.empty_like(position.view(-1)).scatter_(0, position.view(-1), torch.arange(pairs, device=device()))
+    ref = eager(order, rows, position, weights)
+    impls = {"bastile": torch.ops.bastile.expert_combine, "eager": partial(eager, order),
+             "compile": partial(torch.compile(eager, dynamic=False), order)}
 
     def impl(f):
         leaves = (rows.clone().requires_grad_(), weights.clone().requires_grad_())

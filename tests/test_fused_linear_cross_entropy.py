@@ -524,10 +524,17 @@ def against_fp64(h, w, t, tol=TOL[torch.bfloat16], **kw):
         assert err < tol and err <= 1.25 * err_hf + 2 ** -8, f"{name}: ours {err:.3g}, HF {err_hf:.3g} vs fp64"
 
 
+# The GEMM path's cases, which test_cuda_gemm_kernel_choice shows take our GEMM.
+GEMM_VOCABS = [QWEN3_VOCAB, 5003, 8]  # whole 256-column tiles and not; a tiny row
+GEMM_SOFTCAPS = [(0.0, 0.0), (30.0, 1e-4)]  # (softcap, z_loss)
+GEMM_REDUCTIONS = ["mean", "sum", "none"]
+GEMM_LOGIT_SCALES = [(1 / 16, 0.0), (2.0, 30.0)]  # (logit_scale, softcap)
+
+
 @needs_hopper
-@pytest.mark.parametrize("vocab", [QWEN3_VOCAB, 5003, 8])  # whole 256-column tiles and not; a tiny row
-@pytest.mark.parametrize("softcap,z_loss", [(0.0, 0.0), (30.0, 1e-4)])
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("vocab", GEMM_VOCABS)
+@pytest.mark.parametrize("softcap,z_loss", GEMM_SOFTCAPS)
+@pytest.mark.parametrize("reduction", GEMM_REDUCTIONS)
 def test_cuda_gemm_path_matches_fp64(vocab, softcap, z_loss, reduction):
     h, w, _, t = make(300, 256, vocab, torch.bfloat16, "cuda", bias=False)
     poison_cuda_allocator(4 * 300 * vocab * 4)
@@ -537,7 +544,7 @@ def test_cuda_gemm_path_matches_fp64(vocab, softcap, z_loss, reduction):
 
 
 @needs_hopper
-@pytest.mark.parametrize("logit_scale,softcap", [(1 / 16, 0.0), (2.0, 30.0)])
+@pytest.mark.parametrize("logit_scale,softcap", GEMM_LOGIT_SCALES)
 def test_cuda_gemm_path_logit_scale(logit_scale, softcap):
     """Granite's head divides the logits by logits_scaling: the Hopper path's epilogue scales them."""
     h, w, _, t = make(300, 256, 5003, torch.bfloat16, "cuda", bias=False)
@@ -554,7 +561,6 @@ def test_cuda_gemm_path_with_one_operand_frozen(frozen):
     against_fp64(h, w, t, chunk_bytes=chunks(200, 5003, 2))
 
 
-@needs_hopper
 def misaligned(n, hdim):
     """A bf16 hidden whose rows are not 16-byte aligned (a view at an odd offset)."""
     flat = torch.randn(n * hdim + 3, device="cuda").to(torch.bfloat16)
@@ -572,14 +578,14 @@ def test_cuda_gemm_path_falls_back_for_rows_tma_cannot_read():
 def test_cuda_gemm_kernel_choice():
     """The inputs of the GEMM-path tests above run our GEMM: every vocab, softcap, z_loss, reduction and logit
     scale; a misaligned hidden does not."""
-    for vocab in (QWEN3_VOCAB, 5003, 8):
+    for vocab in GEMM_VOCABS:
         h, w, _, t = make(300, 256, vocab, torch.bfloat16, "cuda", bias=False)
-        for softcap, z_loss in [(0.0, 0.0), (30.0, 1e-4)]:
-            for reduction in ("mean", "sum", "none"):
+        for softcap, z_loss in GEMM_SOFTCAPS:
+            for reduction in GEMM_REDUCTIONS:
                 kw = dict(softcap=softcap, z_loss=z_loss, reduction=reduction)
                 assert own_gemm_ran(lambda: op(h, w, t, **kw).sum().backward()), (vocab, kw)
     h, w, _, t = make(300, 256, 5003, torch.bfloat16, "cuda", bias=False)
-    for logit_scale, softcap in [(1 / 16, 0.0), (2.0, 30.0)]:
+    for logit_scale, softcap in GEMM_LOGIT_SCALES:
         assert own_gemm_ran(lambda: op(h, w, t, logit_scale=logit_scale, softcap=softcap).backward())
     assert not own_gemm_ran(lambda: op(misaligned(300, 256), w, t).backward())
 
