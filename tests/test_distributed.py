@@ -15,7 +15,7 @@ Qwen3 of test_qwen3_training.
   runs as lm_head's forward (break it, reading the weight outside the call, and the first case fails on
   the sharded weight). A fourth runs
   the family suite's mini Qwen3-MoE, its 3-D expert parameters sharded along the experts and gathered for
-  Bastile's expert path. On >= 2
+  Bastile's expert path; a fifth the same with PEFT LoRA on them. On >= 2
   GPUs, NCCL with a bf16 MixedPrecisionPolicy (fp32 master weights and reduction), tied and untied: losses
   within 1e-2 relative as in the single-GPU bf16 test.
 - DeepSpeed ZeRO-3 (one GPU, when deepspeed is installed): every parameter partitioned, so the LM head's
@@ -47,6 +47,8 @@ from torch.utils.checkpoint import checkpoint
 
 import bastile
 from conftest import CUDA, DEVICES, TRAINER_PATCHES, free_port, needs_cuda, rel_err
+from peft import LoraConfig, get_peft_model
+from test_experts import EXPERT_LORA
 from test_families import mini
 from test_qwen3_training import assert_params_close, batches, mini_qwen3, train
 
@@ -63,7 +65,7 @@ def _wrap(model, strategy, device):
         return DistributedDataParallel(model)
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                  if device == "cuda" else MixedPrecisionPolicy())
-    for layer in model.model.layers:
+    for layer in _layers(model):
         fully_shard(layer, mp_policy=mp_policy)
     if strategy == "fsdp_head":
         fully_shard(model.lm_head, mp_policy=mp_policy)
@@ -83,11 +85,18 @@ def _full(p):
     return torch.cat(shards)
 
 
-def _build(dev, tied, family="qwen3"):
-    """The mini Qwen3 of test_qwen3_training, or the family suite's mini of another family (an MoE)."""
+def _layers(model):
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model.layers
+
+
+def _build(dev, tied, family="qwen3", expert_lora=False):
+    """The mini Qwen3 of test_qwen3_training, or the family suite's mini of another family (an MoE), with PEFT
+    LoRA on its attention and its experts' 3-D parameters where `expert_lora`."""
     if family == "qwen3":
         return mini_qwen3(dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=tied)
-    return mini(family, dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=tied)
+    model = mini(family, dev, torch.float32, vocab_size=VOCAB, tie_word_embeddings=tied)
+    return get_peft_model(model, LoraConfig(**EXPERT_LORA)) if expert_lora else model
 
 
 def _unpatched_then_patched(jobs, dev):
@@ -123,6 +132,7 @@ def _parallel_worker(rank, world, port, out, device, jobs, steps):
             inner = model.module if strategy == "ddp" else model
             fused = bastile.roles.head._fused_loss_applies(inner, data[0][0][1])
             experts = [type(m).forward.__name__ for m in inner.modules() if type(m).__name__.endswith("Experts")]
+            fused_adapters = sorted(n for n, why in bastile.lora_modules(inner).items() if why == "fused")
             losses = train(model, data)
             params = {n: _full(p) for n, p in model.named_parameters()}
             same_as_rank0 = True
@@ -131,7 +141,8 @@ def _parallel_worker(rank, world, port, out, device, jobs, steps):
                 dist.broadcast(q, 0)
                 same_as_rank0 &= torch.equal(q.cpu(), p)
             results[job][mode] = {"losses": losses, "same_as_rank0": same_as_rank0, "fused_loss": fused,
-                                  "experts": experts, "params": params if rank == 0 else None}
+                                  "experts": experts, "fused_adapters": fused_adapters,
+                                  "params": params if rank == 0 else None}
         bastile.reset()
         torch.save(results, out / f"rank{rank}.pt")
     finally:
@@ -159,7 +170,8 @@ def assert_parity(ranks, loss_tol, param_tol):
 
 
 CPU_JOBS = {"ddp": ("ddp", False), "fsdp_tied": ("fsdp", True), "fsdp_lm_head_sharded": ("fsdp_head", False),
-            "fsdp_tail": ("fsdp_tail", False), "fsdp_moe": ("fsdp", True, "qwen3_moe")}
+            "fsdp_tail": ("fsdp_tail", False), "fsdp_moe": ("fsdp", True, "qwen3_moe"),
+            "fsdp_moe_lora": ("fsdp", True, "qwen3_moe", True)}
 CUDA_JOBS = {"fsdp_tied": ("fsdp", True), "fsdp_untied": ("fsdp", False)}
 
 
@@ -196,6 +208,16 @@ def test_fsdp2_cpu_moe_matches_hf(cpu_runs):
     assert ranks[0]["bastile"]["fused_loss"]
     assert ranks[0]["bastile"]["experts"] and all(n.startswith("mlp.experts") for n in ranks[0]["bastile"]["experts"])
     assert not any(n.startswith("mlp.experts") for n in ranks[0]["hf"]["experts"])
+    assert_parity(ranks, 1e-5, 1e-4)
+
+
+def test_fsdp2_cpu_moe_expert_lora_matches_peft(cpu_runs):
+    """The same with PEFT LoRA on the experts' 3-D parameters: the expert path keeps the adapters' own (sharded,
+    then gathered) weights for the backward and makes the factors again from them there; the losses and trained
+    parameters of unpatched FSDP2 over PEFT."""
+    ranks = cpu_runs["fsdp_moe_lora"]
+    fused = ranks[0]["bastile"]["fused_adapters"]
+    assert any(n.endswith(".mlp.experts") for n in fused) and not ranks[0]["hf"]["fused_adapters"]
     assert_parity(ranks, 1e-5, 1e-4)
 
 

@@ -280,11 +280,13 @@ def test_expert_path_gradients_fp64(transposed):
         return F.silu(g) * u
 
     forward = experts.experts_forward(gate, concatenated=True)
+    pair = lambda lhs, rhs: (lhs, rhs)  # noqa: E731  (the factors as given)
 
     def run(hidden, weights, w1, b1, w2, b2, l1, r1, l2, r2):
         m = SimpleNamespace(**{**vars(mod), "gate_up_proj": w1, "gate_up_proj_bias": b1, "down_proj": w2,
                                "down_proj_bias": b2})
-        return forward(m, hidden, index, weights, lora={"gate_up_proj": (l1, r1, 0.5), "down_proj": (l2, r2, 2.0)})
+        return forward(m, hidden, index, weights, lora={"gate_up_proj": experts.Adapter((l1, r1), pair, 0.5),
+                                                        "down_proj": experts.Adapter((l2, r2), pair, 2.0)})
 
     inputs = (hidden, weights, mod.gate_up_proj, mod.gate_up_proj_bias, mod.down_proj, mod.down_proj_bias,
               *lora["gate_up_proj"][:2], *lora["down_proj"][:2])
@@ -292,20 +294,46 @@ def test_expert_path_gradients_fp64(transposed):
 
 
 def test_expert_path_keeps_the_gate_input_not_the_pairs_rows():
-    """For the backward the expert path keeps gate/up's output [pairs, 2 I] and rank-sized products; the pairs'
-    rows of x [pairs, H], the gate's output [pairs, I] and the down products [pairs, H] are made again."""
+    """For the backward the expert path keeps gate/up's output [pairs, 2 I], rank-sized products and the
+    adapters' own weights; the pairs' rows of x [pairs, H], the gate's output [pairs, I], the down products
+    [pairs, H] and the adapters' factors in the experts' layout are made again."""
     model = get_peft_model(mini("qwen3_moe", "cpu", torch.float32, moe_intermediate_size=48), LoraConfig(**EXPERT_LORA))
     bastile.apply(model=model.base_model.model, **NO_TRAINERS)
     block = model.base_model.model.model.layers[0].mlp
     hidden = torch.randn(7, block.experts.base_layer.base_layer.hidden_dim, requires_grad=True)
     _, weights, index = block.gate(hidden)
     pairs, I = index.numel(), block.experts.base_layer.base_layer.intermediate_dim
-    shapes = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = []  # the saved tensors that are not the model's parameters or views of them
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept.append(tuple(t.shape))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block.experts(hidden, index, weights)
     out.sum().backward()  # the backward's own products (the gate made again) live within it
-    assert (pairs, 2 * I) in shapes
-    assert not {(pairs, hidden.shape[1]), (pairs, I)} & set(shapes), shapes
+    assert (pairs, 2 * I) in kept
+    assert not {(pairs, hidden.shape[1]), (pairs, I)} & set(kept), kept
+    assert all(len(shape) < 3 for shape in kept), kept  # no [experts, ., .] factor copies
+    lora = [p for n, p in model.named_parameters() if "experts" in n and "lora" in n]
+    assert lora and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_peft_factors_are_get_delta_factors(family):
+    """The adapters' factors the expert path makes from lora_A/lora_B are PEFT's get_delta_factors, in both
+    stored layouts ([experts, out, in]: Qwen3-MoE; [experts, in, out]: GPT-OSS)."""
+    model = get_peft_model(mini(family, "cpu", torch.float32), LoraConfig(**EXPERT_LORA))
+    wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper" and "Experts" in
+                type(m.get_base_layer()).__name__]
+    assert {w._did_swap_in_out_features for w in wrappers} == {family == "qwen3_moe"}
+    for w in wrappers:
+        adapter = experts.adapter_of(w)
+        lhs, rhs, scale = w.get_delta_factors("default")
+        got = adapter.factors(*adapter.sources)
+        assert adapter.scale == scale
+        assert torch.equal(got[0], lhs) and torch.equal(got[1], rhs)
 
 
 def test_a_layout_the_gate_does_not_read_raises():

@@ -9,20 +9,28 @@ gradient back to the pairs, weighted, through `expert_dispatch`).
 PEFT LoRA on the 3-D expert parameters (its ParamWrapper, from `target_parameters` or `all-linear`) enters the
 grouped products as x W_e + s (x A_e) B_e. PEFT computes a wrapped module's forward with its weight
 parametrized as W + s A B (formed, and copied, on every call); around experts on Bastile's path, `peft_wrapper`
-passes the adapters' factors to the experts' forward instead, so nothing the size of the experts is formed or
-kept for the backward. A chain of wrappers that is not plain LoRA (several or disabled adapters, merged weights,
-a low-precision weight) runs PEFT's way.
+passes the adapters' weights to the experts' forward instead, so nothing the size of the experts is formed or
+kept for the backward, and the factors in the experts' dtype and layout are made from the adapters' weights
+again in the backward rather than kept (Qwen3-30B-A3B all-linear: 39 MiB a layer). A chain of wrappers that is
+not plain LoRA (several or disabled adapters, merged weights, a low-precision weight) runs PEFT's way.
 
 On CUDA, bf16 products run as torch's grouped GEMM; elsewhere (the CPU, other dtypes) expert by expert, which
 reads the per-expert counts on the host.
 """
 import sys
+from functools import partial
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch.nn import functional as F
 
-Factors = Tuple[torch.Tensor, torch.Tensor, float]  # one PEFT adapter's (lhs, rhs, scale): delta s lhs @ rhs
+class Adapter(NamedTuple):
+    """One LoRA adapter of an expert parameter: `factors(*sources)` gives (lhs, rhs), its delta being
+    scale lhs @ rhs in the parameter's stored layout; made from the sources in the forward and again in the
+    backward, so that only the sources (the adapter's own weights) are kept."""
+    sources: Tuple[torch.Tensor, ...]
+    factors: Callable
+    scale: float
 
 
 class Projection(NamedTuple):
@@ -34,21 +42,21 @@ class Projection(NamedTuple):
     b: Optional[torch.Tensor]
 
 
-def projection(experts, name: str, factors: Optional[Factors]) -> Tuple[Projection, float]:
-    """`name` (gate_up_proj or down_proj) of an experts module with its bias and its adapter, and the adapter's
-    scale. transformers stores [experts, out, in] unless the class says `is_transposed` ([experts, in, out]);
-    PEFT's delta s lhs @ rhs is in the stored layout: stored [in, out], x (W + s L R) = x W + s (x L) R; stored
-    [out, in], x (W + s L R)^T = x W^T + s (x R^T) L^T."""
+def stored(experts, name: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`name` (gate_up_proj or down_proj) of an experts module as [experts, in, out], and its bias. transformers
+    stores [experts, out, in] unless the class says `is_transposed` ([experts, in, out])."""
     w = getattr(experts, name)
     bias = getattr(experts, f"{name}_bias") if experts.has_bias else None
-    if factors is None:
-        a = b = None
-        scale = 0.0
-    else:
-        lhs, rhs, scale = factors
-        a, b = (lhs, rhs) if experts.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
-        a, b = (t.to(w.dtype).contiguous() for t in (a, b))  # strided views of PEFT's weights; a few MB
-    return Projection(w if experts.is_transposed else w.transpose(-2, -1), bias, a, b), scale
+    return (w if experts.is_transposed else w.transpose(-2, -1)), bias
+
+
+def factors_of(adapter: Adapter, transposed: bool, w: torch.Tensor, *sources) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The adapter's (A, B) of Projection from its sources, in w's dtype, contiguous. The delta s lhs @ rhs is in
+    the stored layout: stored [in, out], x (W + s L R) = x W + s (x L) R; stored [out, in],
+    x (W + s L R)^T = x W^T + s (x R^T) L^T."""
+    lhs, rhs = adapter.factors(*sources)
+    a, b = (lhs, rhs) if transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
+    return a.to(w.dtype).contiguous(), b.to(w.dtype).contiguous()
 
 
 class Groups(NamedTuple):
@@ -155,38 +163,70 @@ def _down_backward(gate, grad, weights, gate_up, ha, groups: Groups, p: Projecti
     return dgate_up, dweight, grads
 
 
+def _projection(params, make: Optional[Callable]) -> Projection:
+    """(w, bias, the adapter's two sources) as the products read them; the factors made from the sources."""
+    w, bias, *sources = params
+    return Projection(w, bias, *make(w, *sources)) if make is not None else Projection(w, bias, None, None)
+
+
+def _made_again(params, make: Optional[Callable], need):
+    """The backward's projection, its factors made again from the sources, and a function of the factors'
+    gradients giving the sources' (None where `need`, the sources' needs, says no)."""
+    w, bias, *sources = params
+    if make is None or not any(need):
+        return _projection(params, make), lambda da, db: (None, None)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(n) for t, n in zip(sources, need)]
+        factors = make(w, *leaves)
+
+    def grads(da, db):
+        outs = [(f, g) for f, g in zip(factors, (da, db)) if f.requires_grad]
+        got = iter(torch.autograd.grad([f for f, _ in outs], [t for t in leaves if t.requires_grad],
+                                       [g for _, g in outs]))
+        return tuple(next(got) if t.requires_grad else None for t in leaves)
+    return Projection(w, bias, *(f.detach() for f in factors)), grads
+
+
 class _Experts(torch.autograd.Function):
     """The experts of the pairs of a batch: sum over a token's k experts of weight * down(gate(gate_up(x))).
-    Saved for the backward: the gate's input (gate_up) and the rank-sized LoRA products; the pairs' rows of x,
-    the gate's output and the down products (and so the routing weights' gradient) are made again from them."""
+    Saved for the backward: the gate's input (gate_up), the rank-sized LoRA products and the adapters' sources;
+    the pairs' rows of x, the gate's output, the down products (and so the routing weights' gradient) and the
+    adapters' factors are made again from them. `lora`: each projection's (factor maker or None, scale)."""
 
     @staticmethod
-    def forward(ctx, gate, scales, hidden, weights, order, offsets, expert, position, *params):
+    def forward(ctx, gate, lora, hidden, weights, order, offsets, expert, position, *params):
         groups = Groups(order, offsets, expert, position)
-        p1, p2 = Projection(*params[:4]), Projection(*params[4:])
+        (make1, s1), (make2, s2) = lora
+        p1, p2 = _projection(params[:4], make1), _projection(params[4:], make2)
         x = _dispatch(hidden, order, p1.w.dtype)
-        gate_up, xa = _forward(x, groups, p1, scales[0])
+        gate_up, xa = _forward(x, groups, p1, s1)
+        del x  # [pairs, hidden], freed before down's output of that size is made
         h = gate(gate_up)
-        out, ha = _forward(h, groups, p2, scales[1])
+        out, ha = _forward(h, groups, p2, s2)
         # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32; an fp32
         # model's bf16 under autocast)
         combined = torch.ops.bastile.expert_combine(out, position, weights)
         ctx.save_for_backward(hidden, weights, order, offsets, expert, position, gate_up, xa, ha, *params)
-        ctx.gate, ctx.scales = gate, scales
+        ctx.gate, ctx.lora = gate, lora
         return combined.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weights, order, offsets, expert, position, gate_up, xa, ha, *params = ctx.saved_tensors
         groups, needs = Groups(order, offsets, expert, position), ctx.needs_input_grad
-        p1, p2 = Projection(*params[:4]), Projection(*params[4:])
-        s1, s2 = ctx.scales
+        (make1, s1), (make2, s2) = ctx.lora
+        # an adapter's factors both, where either source needs a gradient
+        need1, need2 = (needs[i:i + 2] + (any(needs[i + 2:i + 4]),) * 2 for i in (8, 12))
+        p2, sources2 = _made_again(params[4:], make2, needs[14:16])
         dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, weights, gate_up, ha, groups,
-                                                                    p2, s2, needs[12:16])
+                                                                    p2, s2, need2)
+        da2, db2 = sources2(da2, db2)
         # gate/up, from the pairs' rows of x made again; in the weights' dtype: under autocast the forward's
         # products were narrower, and the backward runs without it
+        p1, sources1 = _made_again(params[:4], make1, needs[10:12])
         x = _dispatch(hidden, order, p1.w.dtype)
-        dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), x, xa, groups, p1, s1, needs[8:12])
+        dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), x, xa, groups, p1, s1, need1)
+        da1, db1 = sources1(da1, db1)
         # Each token's k pairs summed side by side in fp32 (no atomics), rounded once to the wider of the two dtypes
         total = torch.promote_types(dx.dtype, hidden.dtype)
         dhidden = (torch.ops.bastile.expert_combine(dx.to(total), position).to(hidden.dtype).view(hidden.shape)
@@ -197,10 +237,9 @@ class _Experts(torch.autograd.Function):
 
 def experts_forward(gate: Callable, concatenated: bool) -> Callable:
     """The experts' forward, `gate(experts, gate_up)` the family's gated activation stage (mlp.py), which reads
-    gate/up concatenated ([gate; up]) or interleaved. `lora`: {parameter name: PEFT's factors of its adapter}
-    (peft_wrapper)."""
+    gate/up concatenated ([gate; up]) or interleaved. `lora`: {parameter name: its Adapter} (peft_wrapper)."""
 
-    def experts(self, hidden_states, top_k_index, top_k_weights, lora: Optional[Dict[str, Factors]] = None):
+    def experts(self, hidden_states, top_k_index, top_k_weights, lora: Optional[Dict[str, Adapter]] = None):
         if not self.has_gate or self.is_concatenated != concatenated:
             layout = "concatenated" if concatenated else "interleaved"
             raise RuntimeError(f"bastile: {type(self).__name__} declares has_gate={self.has_gate}, is_concatenated="
@@ -208,10 +247,14 @@ def experts_forward(gate: Callable, concatenated: bool) -> Callable:
                                "moe=False to keep transformers' experts")
         lora = lora or {}
         groups = group(top_k_index, self.num_experts)
-        p1, s1 = projection(self, "gate_up_proj", lora.get("gate_up_proj"))
-        p2, s2 = projection(self, "down_proj", lora.get("down_proj"))
-        return _Experts.apply(lambda gate_up: gate(self, gate_up), (s1, s2), hidden_states, top_k_weights, *groups,
-                              *p1, *p2)
+        params, makers = [], []
+        for name in ("gate_up_proj", "down_proj"):
+            adapter = lora.get(name)
+            params += [*stored(self, name), *(adapter.sources if adapter else (None, None))]
+            makers.append((partial(factors_of, adapter, self.is_transposed), adapter.scale) if adapter
+                          else (None, 0.0))
+        return _Experts.apply(lambda gate_up: gate(self, gate_up), tuple(makers), hidden_states, top_k_weights,
+                              *groups, *params)
     return experts
 
 
@@ -262,17 +305,31 @@ def report(model, on_path: Optional[Callable[[type], bool]]) -> Dict[str, str]:
     return out
 
 
+def peft_factors(experts: int, swapped: bool, weight_a: torch.Tensor, weight_b: torch.Tensor):
+    """PEFT's ParamWrapper.get_delta_factors of its lora_A ([experts * rank, in]) and lora_B ([out, rank *
+    experts]) weights, without its cast: views, so that the expert path keeps the adapter's weights, not copies."""
+    a = weight_a.reshape(experts, -1, weight_a.shape[-1])  # (experts, rank, in)
+    b = weight_b.reshape(weight_b.shape[0], -1, experts).permute(2, 0, 1)  # (experts, out, rank)
+    return (b, a) if swapped else (a.transpose(-2, -1), b.transpose(-2, -1))
+
+
+def adapter_of(wrapper) -> Adapter:
+    """The active adapter of a ParamWrapper that why_not passed."""
+    name = next(a for a in wrapper.active_adapters if a in wrapper.lora_A)
+    return Adapter((wrapper.lora_A[name].weight, wrapper.lora_B[name].weight),
+                   partial(peft_factors, wrapper.num_experts, wrapper._did_swap_in_out_features),
+                   wrapper.scaling[name])
+
+
 def peft_wrapper(on_path: Callable[[type], bool]) -> Callable:
     """PEFT's ParamWrapper.forward made from the original: around experts whose class runs Bastile's forward
-    (`on_path`), the chain's adapters go to that forward as factors; anything else runs PEFT's way."""
+    (`on_path`), the chain's adapters go to that forward; anything else runs PEFT's way."""
 
     def factory(original):
         def forward(self, x, *args, **kwargs):
             chain = _chain(self)
             if kwargs or why_not(chain, on_path) is not None:
                 return original(self, x, *args, **kwargs)
-            lora = {w.parameter_name: w.get_delta_factors(next(a for a in w.active_adapters if a in w.lora_A))
-                    for w in chain}
-            return chain[-1].base_layer(x, *args, lora=lora)
+            return chain[-1].base_layer(x, *args, lora={w.parameter_name: adapter_of(w) for w in chain})
         return forward
     return factory
