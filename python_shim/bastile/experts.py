@@ -4,7 +4,8 @@ The token-expert pairs are ordered by expert (a stable sort and per-expert count
 token's row is sent to its pairs (the `expert_dispatch` op), each expert's rows go through one grouped product for
 gate/up, the family's gated activation (the `swiglu` or `geglu` op), one grouped product for down, then the
 routing weights and the sum over a token's experts in one pass (the `expert_combine` op; the backward sends the
-gradient back to the pairs, weighted, through `expert_dispatch`).
+tokens' gradient back to the pairs through `expert_dispatch`, and the weights scale the narrower operand of each
+product).
 
 PEFT LoRA on the 3-D expert parameters (its ParamWrapper, from `target_parameters` or `all-linear`) enters the
 grouped products as x W_e + s (x A_e) B_e. PEFT computes a wrapped module's forward with its weight
@@ -25,9 +26,9 @@ import torch
 from torch.nn import functional as F
 
 class Adapter(NamedTuple):
-    """One LoRA adapter of an expert parameter: `factors(*sources)` gives (lhs, rhs), its delta being
-    scale lhs @ rhs in the parameter's stored layout; made from the sources in the forward and again in the
-    backward, so that only the sources (the adapter's own weights) are kept."""
+    """One LoRA adapter of an expert parameter: `factors(*sources)` gives (lhs, rhs), views of the sources (the
+    adapter's own weights), its delta being scale lhs @ rhs in the parameter's stored layout. Only the sources are
+    kept for the backward, which makes the factors again and writes their gradients through the same views."""
     sources: Tuple[torch.Tensor, ...]
     factors: Callable
     scale: float
@@ -50,13 +51,27 @@ def stored(experts, name: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return (w if experts.is_transposed else w.transpose(-2, -1)), bias
 
 
-def factors_of(adapter: Adapter, transposed: bool, w: torch.Tensor, *sources) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The adapter's (A, B) of Projection from its sources, in w's dtype, contiguous. The delta s lhs @ rhs is in
-    the stored layout: stored [in, out], x (W + s L R) = x W + s (x L) R; stored [out, in],
+class _Factors(NamedTuple):
+    """An adapter's factors as Projection's a [experts, in, rank] and b [experts, rank, out]. The delta s lhs @ rhs
+    is in the stored layout: stored [in, out], x (W + s L R) = x W + s (x L) R; stored [out, in],
     x (W + s L R)^T = x W^T + s (x R^T) L^T."""
-    lhs, rhs = adapter.factors(*sources)
-    a, b = (lhs, rhs) if transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
-    return a.to(w.dtype).contiguous(), b.to(w.dtype).contiguous()
+    adapter: Adapter
+    transposed: bool
+
+    def views(self, *sources):
+        lhs, rhs = self.adapter.factors(*sources)
+        return (lhs, rhs) if self.transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
+
+    def made(self, w: torch.Tensor, *sources):
+        """In w's dtype, contiguous, for the grouped products."""
+        return tuple(t.to(w.dtype).contiguous() for t in self.views(*sources))
+
+    def source_grads(self, sources, need, da, db):
+        """The sources' gradients (None where `need` says no) from the factors': written through the views."""
+        grads = [torch.empty_like(t) for t in sources]
+        for view, g in zip(self.views(*grads), (da, db)):
+            view.copy_(g)
+        return tuple(g if n else None for g, n in zip(grads, need))
 
 
 class Groups(NamedTuple):
@@ -119,29 +134,31 @@ def _forward(x, groups: Groups, p: Projection, scale: float):
     return y, xa
 
 
-def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, weighted=None):
+def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows=None):
     """The gradients of _forward's y for the pairs' dy: (dx, dw, dbias, da, db), `need` saying which of w, bias,
-    a, b. `weighted` (dy scaled by each row's weight, the weights): the parameters' gradients are those of the
-    scaled dy, dx that of dy."""
+    a, b. `rows` (each row's routing weight): the parameters' gradients are those of dy scaled by it, dx that of
+    dy; the scale goes on the narrower operand of each product (x, x a, or dy (B^T)), not on dy."""
     need_w, need_bias, need_a, need_b = need
     t = scale * grouped_mm(dy, p.b.transpose(-2, -1), groups.offsets) if p.a is not None else None
     dx = grouped_mm(dy, p.w.transpose(-2, -1), groups.offsets)
     if t is not None:
         dx = dx + grouped_mm(t, p.a.transpose(-2, -1), groups.offsets)
-    if weighted is not None:
-        dy, rows = weighted
-        t = t * rows[:, None].to(t.dtype) if t is not None else None
-    dw = grouped_wgrad(x, dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
-    dbias = (torch.zeros(p.bias.shape, dtype=torch.float32, device=dy.device).index_add_(0, groups.expert, dy.float())
-             .to(p.bias.dtype) if need_bias else None)
-    da = grouped_wgrad(x, t, groups.offsets, p.a).to(p.a.dtype) if need_a else None
-    db = (scale * grouped_wgrad(xa, dy, groups.offsets, p.b)).to(p.b.dtype) if need_b else None
+    scaled = (lambda v: (v * rows[:, None]).to(v.dtype)) if rows is not None else (lambda v: v)
+    dw = grouped_wgrad(scaled(x), dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
+    dbias = None
+    if need_bias:
+        acc = torch.promote_types(dy.dtype, torch.float32)
+        per_row = dy.to(acc) * rows[:, None].to(acc) if rows is not None else dy.to(acc)
+        dbias = torch.zeros(p.bias.shape, dtype=acc, device=dy.device).index_add_(0, groups.expert, per_row)
+        dbias = dbias.to(p.bias.dtype)
+    da = grouped_wgrad(x, scaled(t), groups.offsets, p.a).to(p.a.dtype) if need_a else None
+    db = (scale * grouped_wgrad(scaled(xa), dy, groups.offsets, p.b)).to(p.b.dtype) if need_b else None
     return dx, dw, dbias, da, db
 
 
-def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype, weights=None) -> torch.Tensor:
-    """Each row's token's row of x (times the pair's weight), in dtype."""
-    return torch.ops.bastile.expert_dispatch(x, order, weights, dtype=dtype)[0]
+def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's token's row of x, in dtype."""
+    return torch.ops.bastile.expert_dispatch(x, order, dtype=dtype)[0]
 
 
 def _down_backward(gate, grad, weights, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
@@ -154,8 +171,7 @@ def _down_backward(gate, grad, weights, gate_up, ha, groups: Groups, p: Projecti
         g = gate_up.detach().requires_grad_()
         h = gate(g)
     dpair = _dispatch(grad, groups.order, p.w.dtype)
-    weighted = (_dispatch(grad, groups.order, p.w.dtype, weights), w)
-    u, *grads = _backward(dpair, h.detach(), ha, groups, p, scale, need, weighted)
+    u, *grads = _backward(dpair, h.detach(), ha, groups, p, scale, need, w)
     dweight = (u * h.detach()).sum(-1, dtype=torch.float32)  # 16-bit: the products rounded, their sum not
     if p.bias is not None:
         dweight = dweight + (dpair.float() * p.bias[groups.expert].float()).sum(-1)
@@ -163,35 +179,19 @@ def _down_backward(gate, grad, weights, gate_up, ha, groups: Groups, p: Projecti
     return dgate_up, dweight, grads
 
 
-def _projection(params, make: Optional[Callable]) -> Projection:
+def _projection(params, factors: Optional[_Factors]) -> Projection:
     """(w, bias, the adapter's two sources) as the products read them; the factors made from the sources."""
     w, bias, *sources = params
-    return Projection(w, bias, *make(w, *sources)) if make is not None else Projection(w, bias, None, None)
-
-
-def _made_again(params, make: Optional[Callable], need):
-    """The backward's projection, its factors made again from the sources, and a function of the factors'
-    gradients giving the sources' (None where `need`, the sources' needs, says no)."""
-    w, bias, *sources = params
-    if make is None or not any(need):
-        return _projection(params, make), lambda da, db: (None, None)
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(n) for t, n in zip(sources, need)]
-        factors = make(w, *leaves)
-
-    def grads(da, db):
-        outs = [(f, g) for f, g in zip(factors, (da, db)) if f.requires_grad]
-        got = iter(torch.autograd.grad([f for f, _ in outs], [t for t in leaves if t.requires_grad],
-                                       [g for _, g in outs]))
-        return tuple(next(got) if t.requires_grad else None for t in leaves)
-    return Projection(w, bias, *(f.detach() for f in factors)), grads
+    if factors is None:
+        return Projection(w, bias, None, None)
+    return Projection(w, bias, *factors.made(w, *sources))
 
 
 class _Experts(torch.autograd.Function):
     """The experts of the pairs of a batch: sum over a token's k experts of weight * down(gate(gate_up(x))).
     Saved for the backward: the gate's input (gate_up), the rank-sized LoRA products and the adapters' sources;
     the pairs' rows of x, the gate's output, the down products (and so the routing weights' gradient) and the
-    adapters' factors are made again from them. `lora`: each projection's (factor maker or None, scale)."""
+    adapters' factors are made again from them. `lora`: each projection's (_Factors or None, scale)."""
 
     @staticmethod
     def forward(ctx, gate, lora, hidden, weights, order, offsets, expert, position, *params):
@@ -217,16 +217,18 @@ class _Experts(torch.autograd.Function):
         (make1, s1), (make2, s2) = ctx.lora
         # an adapter's factors both, where either source needs a gradient
         need1, need2 = (needs[i:i + 2] + (any(needs[i + 2:i + 4]),) * 2 for i in (8, 12))
-        p2, sources2 = _made_again(params[4:], make2, needs[14:16])
+        p2 = _projection(params[4:], make2)
         dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, weights, gate_up, ha, groups,
                                                                     p2, s2, need2)
-        da2, db2 = sources2(da2, db2)
+        if da2 is not None:
+            da2, db2 = make2.source_grads(params[6:], needs[14:16], da2, db2)
         # gate/up, from the pairs' rows of x made again; in the weights' dtype: under autocast the forward's
         # products were narrower, and the backward runs without it
-        p1, sources1 = _made_again(params[:4], make1, needs[10:12])
+        p1 = _projection(params[:4], make1)
         x = _dispatch(hidden, order, p1.w.dtype)
         dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), x, xa, groups, p1, s1, need1)
-        da1, db1 = sources1(da1, db1)
+        if da1 is not None:
+            da1, db1 = make1.source_grads(params[2:4], needs[10:12], da1, db1)
         # Each token's k pairs summed side by side in fp32 (no atomics), rounded once to the wider of the two dtypes
         total = torch.promote_types(dx.dtype, hidden.dtype)
         dhidden = (torch.ops.bastile.expert_combine(dx.to(total), position).to(hidden.dtype).view(hidden.shape)
@@ -251,8 +253,7 @@ def experts_forward(gate: Callable, concatenated: bool) -> Callable:
         for name in ("gate_up_proj", "down_proj"):
             adapter = lora.get(name)
             params += [*stored(self, name), *(adapter.sources if adapter else (None, None))]
-            makers.append((partial(factors_of, adapter, self.is_transposed), adapter.scale) if adapter
-                          else (None, 0.0))
+            makers.append((_Factors(adapter, self.is_transposed), adapter.scale) if adapter else (None, 0.0))
         return _Experts.apply(lambda gate_up: gate(self, gate_up), tuple(makers), hidden_states, top_k_weights,
                               *groups, *params)
     return experts
@@ -308,8 +309,8 @@ def report(model, on_path: Optional[Callable[[type], bool]]) -> Dict[str, str]:
 def peft_factors(experts: int, swapped: bool, weight_a: torch.Tensor, weight_b: torch.Tensor):
     """PEFT's ParamWrapper.get_delta_factors of its lora_A ([experts * rank, in]) and lora_B ([out, rank *
     experts]) weights, without its cast: views, so that the expert path keeps the adapter's weights, not copies."""
-    a = weight_a.reshape(experts, -1, weight_a.shape[-1])  # (experts, rank, in)
-    b = weight_b.reshape(weight_b.shape[0], -1, experts).permute(2, 0, 1)  # (experts, out, rank)
+    a = weight_a.view(experts, -1, weight_a.shape[-1])  # (experts, rank, in)
+    b = weight_b.view(weight_b.shape[0], -1, experts).permute(2, 0, 1)  # (experts, out, rank)
     return (b, a) if swapped else (a.transpose(-2, -1), b.transpose(-2, -1))
 
 
