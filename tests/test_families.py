@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bastile
 from bastile.families import FAMILIES as TRAITS, Unsupported
+from bastile.roles import attention as attention_role
 from conftest import DEVICES, NO_TRAINERS, needs_cuda, patch_names, rel_err
 from test_qwen3_training import assert_params_close, batches
 
@@ -386,6 +387,41 @@ def test_norm_recomputation_under_autocast_and_checkpointing():
     assert kept == 0 and set(calls) == {1}
     for name, g in plain.items():  # the checkpointed MLP keeps its activation: bf16 roundings apart
         torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-3 * float(g.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("family, shared", [("qwen3_moe", 0), ("gemma3_text", 0), ("gemma4_text", 1), ("lfm2", 0)])
+def test_qk_norm_rope_outputs_are_recomputed_not_kept(family, shared, monkeypatch):
+    """The attention's kernel would keep qk_norm_rope's outputs (the normed, rotated q and k) beside the inputs
+    qk_norm_rope keeps: they are not kept past the forward (but Gemma 4's k that later layers share, which
+    those keep), the backward computes each call's again once, and the gradients equal, bit for bit, those of
+    the step that keeps them (inside an outer saved-tensor hook)."""
+    model = mini(family, "cpu", torch.float32)
+    bastile.apply(model=model, **NO_TRAINERS)
+    (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
+    made = []
+    real = attention_role.qk_norm_rope
+
+    def watched(*args):
+        out = real(*args)
+        made.append([weakref.ref(t) for t in out])
+        return out
+    monkeypatch.setattr(attention_role, "qk_norm_rope", watched)
+    loss = model(input_ids=ids, labels=labels).loss
+    gc.collect()
+    calls = len(made)
+    kept = sum(r() is not None for refs in made for r in refs)
+    loss.backward()
+    assert calls > 0 and kept == shared
+    assert len(made) == 2 * calls
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        model(input_ids=ids, labels=labels).loss.backward()
+    assert len(made) == 3 * calls  # kept: not computed again
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == plain.keys()
+    for name, g in plain.items():
+        assert torch.equal(grads[name], g), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)

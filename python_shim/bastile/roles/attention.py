@@ -4,14 +4,16 @@ convolution's (short_conv.py) where the family mixes tokens with one.
 The forward is `project_out(gate(attend(scale_queries(states(x)))))`, each a stage chosen once per family:
 - states: q, k, v ([batch, heads, seq, head_dim]) from the projections (q/k/v, or one fused qkv_proj) through
   one fused node where PEFT LoRA adapters wrap them (lora.py), q's output gate split off, the q/k norms (over the
-  whole width, or per head with the rotation in one qk_norm_rope where the rotation allows), the rotation in the
-  family's layout (none on NoPE layers), the cache update; Gemma 4's K/V sharing is its own (gemma4.py);
+  whole width, or per head with the rotation in one qk_norm_rope where the rotation allows, whose outputs the
+  attend stage's kernel keeps as how to compute them again), the rotation in the family's layout (none on NoPE
+  layers), the cache update; Gemma 4's K/V sharing is its own (gemma4.py);
 - scale_queries: Ministral 3's position-dependent scale (ministral3.py);
 - attend: the varlen kernel on packed batches (varlen.py), else HF's attention interface with the family's
   sliding window and its extras (Gemma 2's softcap); GPT-OSS's sink attention (sinks.py) on every uncached
   call, packed or not, where no dropout runs;
 - gate: the output times the sigmoid of q_proj's gate (Qwen3.5).
 """
+import contextlib
 from typing import Callable, NamedTuple
 
 import torch
@@ -24,6 +26,7 @@ from ..ops.rms_norm import rms_norm
 from ..ops.rope import rope
 from . import (Context, Declaration, Target, fused, gemma4, hf_attr, linear_attention, ministral3, named, norm,
                short_conv)
+from .recompute import recomputing
 
 # ------------------------------------------------------------------------------------------------ projections
 
@@ -94,7 +97,9 @@ def always(self) -> bool:
 def norm_rotation(family: Family) -> Callable:
     """q and k ([batch, seq, heads, head_dim]; k None: q alone) through the per-head norms and the rotation, to
     HF's layout: in one qk_norm_rope where the family's rotation allows (half-split pairs, head-wide tables, in
-    the norm's dtype) and both norms share an epsilon."""
+    the norm's dtype) and both norms share an epsilon. Returns q, k and `kept()`, a context inside which
+    autograd keeps qk_norm_rope's outputs as how to compute them again (recompute.py): the attention's kernel
+    would keep them beside the inputs qk_norm_rope keeps."""
     a, r = family.attention, family.rotary
     args, rotate = norm.ARGS[family.norm], rotation(family)
     q_norm, k_norm = a.norms
@@ -110,12 +115,14 @@ def norm_rotation(family: Family) -> Callable:
             qw, eps, cast_after_weight, offset = args(getattr(self, q_norm), q)
             kw, k_eps = (qw, eps) if k is None else args(getattr(self, k_norm), k)[:2]
             if eps == k_eps:
-                q, k_out = qk_norm_rope(q, k_in, qw, kw, cos, sin, eps, cast_after_weight, offset)
-                return q.transpose(1, 2), k_out.transpose(1, 2)
+                def again():
+                    return qk_norm_rope(q, k_in, qw, kw, cos, sin, eps, cast_after_weight, offset)
+                q_out, k_out = again()
+                return q_out.transpose(1, 2), k_out.transpose(1, 2), lambda: recomputing((q_out, k_out), again)
         if per_head and normed(self):  # a layer that takes k from an earlier one has no k_norm
             q, k_in = getattr(self, q_norm)(q), k_in if k is None else getattr(self, k_norm)(k_in)
         q, k_in = q.transpose(1, 2), k_in.transpose(1, 2)
-        return rotate(q, k_in, cos, sin) if rotates(self) else (q, k_in)
+        return (*(rotate(q, k_in, cos, sin) if rotates(self) else (q, k_in)), contextlib.nullcontext)
     return norm_rotate
 
 
@@ -136,11 +143,11 @@ def states_of(family: Family) -> Callable:
         q, g = gate(self, q, shape)
         q, k = full_width(self, q, k)
         q, k, v = (t.view(*shape, -1, self.head_dim) for t in (q, k, v))
-        q, k = norm_rotate(self, q, k, position_embeddings)
+        q, k, kept = norm_rotate(self, q, k, position_embeddings)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        return q, k, v, g
+        return q, k, v, g, kept
     return states
 
 
@@ -260,9 +267,10 @@ def stages(family: Family) -> Stages:
 def attention_forward(s: Stages, output: str) -> Callable:
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         shape = hidden_states.shape[:-1]
-        q, k, v, gate = s.states(self, hidden_states, position_embeddings, past_key_values, kwargs)
+        q, k, v, gate, kept = s.states(self, hidden_states, position_embeddings, past_key_values, kwargs)
         q = s.scale_queries(self, q, kwargs)
-        out, weights = s.attend(self, q, k, v, attention_mask, past_key_values, shape, kwargs)
+        with kept():
+            out, weights = s.attend(self, q, k, v, attention_mask, past_key_values, shape, kwargs)
         (out,) = lora.project(s.gate(out, gate), getattr(self, output))
         return out, weights
     return forward

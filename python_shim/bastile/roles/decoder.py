@@ -5,7 +5,6 @@ MLP are its own (gemma4.py).
 """
 import contextlib
 import functools
-import weakref
 from typing import Callable
 
 import torch
@@ -17,6 +16,7 @@ from .. import long_context, varlen
 from ..families import CONV, LINEAR, Family, Residual
 from . import Context, Declaration, Target, gemma4, hf_attr, mlp, named, short_conv
 from .attention import varlen_rule
+from .recompute import recomputing
 
 # ------------------------------------------------------------------------------------------------ the layer
 
@@ -27,59 +27,6 @@ def checkpointed(forward):
     checkpoint in __call__, and this returns `forward` itself): a forward set on the class afterwards gets
     the same wrapper, from the same code, through a subclass made for it."""
     return type("Checkpointed", (GradientCheckpointingLayer,), {"forward": forward}).forward
-
-
-class _Recompute:
-    """What autograd keeps of a view of a recomputed tensor: its geometry (see _recomputing)."""
-
-    def __init__(self, t):
-        self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
-
-
-@contextlib.contextmanager
-def _recomputing(n, compute: Callable):
-    """Inside, autograd saves for n and its views not n but how to compute it again: `compute()`, under the
-    forward's autocast, at the first unpack; the last drops it. A norm's output, which every projection after
-    it would keep (hidden-sized, twice a layer), costs a norm forward per sublayer in the backward instead.
-    Off where n's memory is not the layer's to save: without autograd, in a checkpointed layer (the
-    checkpoint recomputes it anyway), under torch.compile, or inside other saved-tensor hooks (activation
-    offloading: these would take its tensors from them), or where such hooks are disabled."""
-    hooks = torch._C._autograd
-    if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or not n.is_contiguous()
-            or hooks._top_saved_tensors_default_hooks(False) is not None
-            or hooks._saved_tensors_hooks_get_disabled_error_message() is not None):
-        yield
-        return
-    device = n.device.type
-    amp = dict(device_type=device, enabled=torch.is_autocast_enabled(device), dtype=torch.get_autocast_dtype(device),
-               cache_enabled=torch.is_autocast_cache_enabled())
-    meta = (n.shape, n.dtype)
-    ref = weakref.ref(n)  # a strong one would keep n for as long as the hooks, the graph's lifetime
-    state = {"packed": 0, "unpacked": 0, "value": None}
-
-    def pack(t):
-        base = ref()
-        if base is None or (t is not base and t._base is not base):
-            return t
-        state["packed"] += 1
-        return _Recompute(t)
-
-    def unpack(saved):
-        if not isinstance(saved, _Recompute):
-            return saved
-        value = state["value"]
-        if value is None:
-            with torch.autocast(**amp):
-                value = compute()
-            if (value.shape, value.dtype) != meta or not value.is_contiguous():
-                raise RuntimeError(f"bastile: a norm computed again for the backward gave {value.dtype} "
-                                   f"{tuple(value.shape)}, its forward {meta[1]} {tuple(meta[0])}")
-        state["unpacked"] += 1
-        state["value"] = value if state["unpacked"] < state["packed"] else None
-        return value.as_strided(saved.size, saved.stride, saved.offset)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
 
 
 # What HF's decoder layer keeps from its Gated DeltaNet: the positions, and the cache under its own name.
@@ -169,7 +116,7 @@ def unchanged(self, hidden_states, per_layer_input):
 
 def layer_forward(ctx: Context) -> Callable:
     """The decoder layer. The output of Bastile's norm before each sublayer is computed again in the backward
-    rather than kept (_recomputing)."""
+    rather than kept (recompute.py)."""
     f = ctx.family
     res = f.residual
     mixer = mix if f.linear_attention else short_conv.mix(ctx, attend) if f.short_conv else attend
@@ -184,12 +131,12 @@ def layer_forward(ctx: Context) -> Callable:
 
     @contextlib.contextmanager
     def normed(self, name, x, checkpointed):
-        """norm(self, name, x), recomputed in the backward where that saves memory (_recomputing)."""
+        """norm(self, name, x), recomputed in the backward where that saves memory (recompute.py)."""
         n = norm(self, name, x)
         if name is None or not ctx.runs("norm") or checkpointed:
             yield n
             return
-        with _recomputing(n, lambda: norm(self, name, x)):
+        with recomputing((n,), lambda: (norm(self, name, x),)):
             yield n
 
     def layer(self, hidden_states, per_layer_input, kwargs):

@@ -17,26 +17,26 @@ def attention_states(norm_rotate: Callable) -> Callable:
         shared = kwargs.pop("shared_kv_states")
         if self.is_kv_shared_layer:  # k and v of an earlier layer, normed and rotated there
             (q,) = lora.project(hidden_states, self.q_proj)
-            q = norm_rotate(self, q.view(heads), None, position_embeddings)[0]
+            q, _, kept = norm_rotate(self, q.view(heads), None, position_embeddings)
             k, v = shared[self.layer_type]
             if q.requires_grad and not k.requires_grad:
                 warnings.warn(f"bastile: layer {self.layer_idx} reuses keys and values that carry no gradient: the "
                               "layer that made them ran without autograd (reentrant gradient checkpointing), so "
                               "their projections get no gradient from the layers that share them, in HF's forward "
                               "too; use_reentrant=False keeps it", stacklevel=2)
-            return q, k, v, None
+            return q, k, v, None, kept
         if self.v_proj is None:
             q, k = lora.project(hidden_states, self.q_proj, self.k_proj)
             v = k
         else:
             q, k, v = lora.project(hidden_states, self.q_proj, self.k_proj, self.v_proj)
-        q, k = norm_rotate(self, q.view(heads), k.view(heads), position_embeddings)
+        q, k, kept = norm_rotate(self, q.view(heads), k.view(heads), position_embeddings)
         v = self.v_norm(v.view(heads)).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         if self.store_full_length_kv:
             shared[self.layer_type] = k, v
-        return q, k, v, None
+        return q, k, v, None, kept
     return states
 
 
