@@ -12,8 +12,10 @@ grouped products as x W_e + s (x A_e) B_e. PEFT computes a wrapped module's forw
 parametrized as W + s A B (formed, and copied, on every call); around experts on Bastile's path, `peft_wrapper`
 passes the adapters' weights to the experts' forward instead, so nothing the size of the experts is formed or
 kept for the backward, and the factors in the experts' dtype and layout are made from the adapters' weights
-again in the backward rather than kept (Qwen3-30B-A3B all-linear: 39 MiB a layer). A chain of wrappers that is
-not plain LoRA (several or disabled adapters, merged weights, a low-precision weight) runs PEFT's way.
+again in the backward rather than kept (Qwen3-30B-A3B all-linear: 39 MiB a layer). Around a router's 2-D weight,
+where PEFT forms W + delta itself, the router's own forward gets W + delta without PEFT's parametrization. A chain
+of wrappers that is not plain LoRA (several or disabled adapters, merged weights, a low-precision weight) runs
+PEFT's way.
 
 On CUDA, bf16 products run as torch's grouped GEMM; elsewhere (the CPU, other dtypes) expert by expert, which
 reads the per-expert counts on the host.
@@ -267,13 +269,15 @@ def _chain(wrapper) -> list:
     return chain
 
 
-def why_not(chain, on_path: Callable[[type], bool]) -> Optional[str]:
-    """None when a chain of ParamWrappers runs in the expert path: around experts whose class runs Bastile's
-    forward (`on_path`), each wrapping its own parameter with one active plain adapter (PEFT's factor path);
-    else why PEFT's own forward runs it."""
-    base = chain[-1].base_layer
-    if not on_path(type(base)):
-        return f"around {type(base).__name__}, whose forward is not Bastile's expert path"
+FUSED, WEIGHT_PLUS_DELTA = "fused", "W + delta, without PEFT's parametrization"
+
+
+def route(chain, on_path: Callable[[type], bool]) -> str:
+    """How a chain of ParamWrappers runs: FUSED in the expert path, around experts whose class runs Bastile's
+    forward (`on_path`); WEIGHT_PLUS_DELTA, the wrapped module's own forward with each parameter plus its delta,
+    where PEFT forms W + delta itself (2-D parameters: the routers), without registering and removing a
+    parametrization on every call; else why PEFT's own forward runs it. Either needs each wrapper's own parameter
+    with one active plain adapter."""
     low_precision = getattr(sys.modules.get("peft.tuners.lora.layer"), "UPCAST_DTYPES", ())
     names = [w.parameter_name for w in chain]
     if len(set(names)) != len(names):
@@ -289,20 +293,23 @@ def why_not(chain, on_path: Callable[[type], bool]) -> Optional[str]:
             return f"{len(active)} active adapters"
         if any(getattr(torch, t, None) == dtype for t in low_precision):
             return f"{dtype} weight (PEFT adds its delta in a wider type)"
-    return None
+    base = chain[-1].base_layer
+    if on_path(type(base)):
+        return FUSED
+    if all(w.num_experts == 1 for w in chain):
+        return WEIGHT_PLUS_DELTA
+    return f"around {type(base).__name__}, whose forward is not Bastile's expert path"
 
 
 def report(model, on_path: Optional[Callable[[type], bool]]) -> Dict[str, str]:
-    """{qualified name: "fused" or why not} for every ParamWrapper of `model`; on_path None: PEFT's wrapper is
-    not patched."""
+    """{qualified name: route()} for every ParamWrapper of `model`; on_path None: PEFT's wrapper is not patched."""
     wrapper = getattr(sys.modules.get("peft.tuners.lora.layer"), "ParamWrapper", None)
     out = {}
     for name, module in model.named_modules():
         if wrapper is not None and type(module) is wrapper and name not in out:
             chain = _chain(module)
-            why = why_not(chain, on_path) if on_path else "PEFT's ParamWrapper.forward is not patched (mlp_peft)"
-            why = why or "fused"
-            out.update({name + ".base_layer" * i: why for i in range(len(chain))})
+            how = route(chain, on_path) if on_path else "PEFT's ParamWrapper.forward is not patched (mlp_peft)"
+            out.update({name + ".base_layer" * i: how for i in range(len(chain))})
     return out
 
 
@@ -314,23 +321,32 @@ def peft_factors(experts: int, swapped: bool, weight_a: torch.Tensor, weight_b: 
     return (b, a) if swapped else (a.transpose(-2, -1), b.transpose(-2, -1))
 
 
+def _active(wrapper) -> str:
+    return next(a for a in wrapper.active_adapters if a in wrapper.lora_A)
+
+
 def adapter_of(wrapper) -> Adapter:
-    """The active adapter of a ParamWrapper that why_not passed."""
-    name = next(a for a in wrapper.active_adapters if a in wrapper.lora_A)
+    """The active adapter of a ParamWrapper that route() passed."""
+    name = _active(wrapper)
     return Adapter((wrapper.lora_A[name].weight, wrapper.lora_B[name].weight),
                    partial(peft_factors, wrapper.num_experts, wrapper._did_swap_in_out_features),
                    wrapper.scaling[name])
 
 
 def peft_wrapper(on_path: Callable[[type], bool]) -> Callable:
-    """PEFT's ParamWrapper.forward made from the original: around experts whose class runs Bastile's forward
-    (`on_path`), the chain's adapters go to that forward; anything else runs PEFT's way."""
+    """PEFT's ParamWrapper.forward made from the original, by route(): the chain's adapters to the experts' forward,
+    or the wrapped module's forward called with its parameters plus their deltas; anything else PEFT's way."""
 
     def factory(original):
         def forward(self, x, *args, **kwargs):
             chain = _chain(self)
-            if kwargs or why_not(chain, on_path) is not None:
-                return original(self, x, *args, **kwargs)
-            return chain[-1].base_layer(x, *args, lora={w.parameter_name: adapter_of(w) for w in chain})
+            how = route(chain, on_path) if not kwargs else "keyword arguments"
+            base = chain[-1].base_layer
+            if how == FUSED:
+                return base(x, *args, lora={w.parameter_name: adapter_of(w) for w in chain})
+            if how == WEIGHT_PLUS_DELTA:
+                weights = {w.parameter_name: w.get_param() + w.get_delta_weight(_active(w)) for w in chain}
+                return torch.func.functional_call(base, weights, (x, *args))
+            return original(self, x, *args, **kwargs)
         return forward
     return factory

@@ -324,7 +324,8 @@ def _holder(owner, attr) -> Optional[tuple]:
 def lora_modules(model) -> Dict[str, str]:
     """{qualified name: "fused", or why PEFT's own forward runs it} for every PEFT LoRA layer of `model`
     (adapters on other modules than the patched attention's and MLP's projections and experts, DoRA, several
-    active adapters, LoRA bias, quantized base layers... keep PEFT's path)."""
+    active adapters, LoRA bias, quantized base layers... keep PEFT's path); a router's ParamWrapper:
+    experts.WEIGHT_PLUS_DELTA."""
     fused = {hf_attr(FAMILIES[p.family], p.target.split(".")[0]): p.lora for p in PATCHES
              if p.lora is not None and p.family in FAMILIES and _runs(p.family)(p.role, p.part)}
     # PEFT's wrappers of 3-D parameters: in the expert path where its patch is active
