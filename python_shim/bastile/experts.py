@@ -27,6 +27,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch.nn import functional as F
 
+from .lora import active_adapters
+
 class Adapter(NamedTuple):
     """One LoRA adapter of an expert parameter: `factors(*sources)` gives (lhs, rhs), views of the sources (the
     adapter's own weights), its delta being scale lhs @ rhs in the parameter's stored layout. Only the sources are
@@ -283,14 +285,14 @@ def route(chain, on_path: Callable[[type], bool]) -> str:
     if len(set(names)) != len(names):
         return "two wrappers of one parameter"
     for w in chain:
-        active = [a for a in w.active_adapters if a in w.lora_A]
+        names = active_adapters(w)
         dtype = w.get_param().dtype
         if w.disable_adapters:
             return "adapters disabled"
         if w.merged:
             return "adapter merged into the base weight"
-        if len(active) != 1:
-            return f"{len(active)} active adapters"
+        if len(names) != 1:
+            return f"{len(names)} active adapters"
         if any(getattr(torch, t, None) == dtype for t in low_precision):
             return f"{dtype} weight (PEFT adds its delta in a wider type)"
     base = chain[-1].base_layer
@@ -321,13 +323,9 @@ def peft_factors(experts: int, swapped: bool, weight_a: torch.Tensor, weight_b: 
     return (b, a) if swapped else (a.transpose(-2, -1), b.transpose(-2, -1))
 
 
-def _active(wrapper) -> str:
-    return next(a for a in wrapper.active_adapters if a in wrapper.lora_A)
-
-
 def adapter_of(wrapper) -> Adapter:
     """The active adapter of a ParamWrapper that route() passed."""
-    name = _active(wrapper)
+    (name,) = active_adapters(wrapper)
     return Adapter((wrapper.lora_A[name].weight, wrapper.lora_B[name].weight),
                    partial(peft_factors, wrapper.num_experts, wrapper._did_swap_in_out_features),
                    wrapper.scaling[name])
@@ -345,7 +343,7 @@ def peft_wrapper(on_path: Callable[[type], bool]) -> Callable:
             if how == FUSED:
                 return base(x, *args, lora={w.parameter_name: adapter_of(w) for w in chain})
             if how == WEIGHT_PLUS_DELTA:
-                weights = {w.parameter_name: w.get_param() + w.get_delta_weight(_active(w)) for w in chain}
+                weights = {w.parameter_name: w.get_param() + w.get_delta_weight(active_adapters(w)[0]) for w in chain}
                 return torch.func.functional_call(base, weights, (x, *args))
             return original(self, x, *args, **kwargs)
         return forward

@@ -73,6 +73,11 @@ def _trainable(linear: nn.Linear) -> bool:
     return any(p is not None and p.requires_grad for p in linear._parameters.values())
 
 
+def active_adapters(module: nn.Module) -> List[str]:
+    """A PEFT LoRA layer's active adapters that it holds (PEFT's active_adapters name the model's)."""
+    return [a for a in module.active_adapters if a in module.lora_A]
+
+
 def why_not(module: nn.Module) -> Optional[str]:
     """None when `module` can run inside a fused node: a frozen nn.Linear, or a PEFT lora.Linear with one
     active plain LoRA adapter over a frozen nn.Linear. Else the reason it runs its own forward."""
@@ -88,10 +93,10 @@ def why_not(module: nn.Module) -> Optional[str]:
         return "adapters disabled"
     if module.merged:
         return "adapter merged into the base weight"
-    active = [a for a in module.active_adapters if a in module.lora_A]
-    if len(active) != 1:
-        return f"{len(active)} active adapters"
-    name = active[0]
+    names = active_adapters(module)
+    if len(names) != 1:
+        return f"{len(names)} active adapters"
+    name = names[0]
     base = module.base_layer
     if name in module.lora_variant:
         return f"{type(module.lora_variant[name]).__name__} (e.g. DoRA) variant"
@@ -126,7 +131,7 @@ class _Parts(NamedTuple):
 def _parts(module: nn.Module) -> _Parts:
     if type(module) is nn.Linear:
         return _Parts(module.weight, module.bias, None, None, 0.0, 0.0, module.weight.dtype)
-    name = next(a for a in module.active_adapters if a in module.lora_A)
+    (name,) = active_adapters(module)
     drop = module.lora_dropout[name]
     p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
     base = module.base_layer
