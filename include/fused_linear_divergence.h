@@ -17,15 +17,19 @@
 /* The rows kernel: at most this many threads a block, one block a row. */
 #define DIVERGENCE_BLOCK 512
 
-/* The plan of one call, decided by Rust (src/fused_linear_divergence.rs): the rows of each chunk. The
- * caller fills the call's fields. */
+/* The plan of one call, decided by Rust (src/fused_linear_divergence.rs): the rows of each chunk of logits,
+ * and of each group of chunks whose gradient rows fold into the student's gradients together (fewer, larger
+ * weight-gradient GEMMs: each fold reads and writes the whole f32 sum). The caller fills the call's fields. */
 typedef struct DivergencePlan {
   int64_t rows;
   int64_t vocab;
-  int64_t row_bytes;   /* of a chunk's buffers per row: both logits rows, and the gradient's where it has its own */
-  int64_t chunk_bytes; /* the op's budget for a chunk's buffers; 0: Rust's default */
+  int64_t logit_bytes; /* a chunk's buffers per row: both logits rows */
+  int64_t grad_bytes;  /* a group's gradient buffer per row; 0 where the gradient is written over the student's
+                          logits or not made (a group is then one chunk) */
+  int64_t chunk_bytes; /* the op's budget for the buffers of a chunk and of a group; 0: Rust's default */
   /* Chosen by Rust: */
   int64_t step;        /* rows of each chunk but the last */
+  int64_t group;       /* rows of each group but the last: a multiple of step */
 } DivergencePlan;
 #define DIVERGENCE_PLAN_DECISION
 

@@ -8,20 +8,34 @@ use crate::kernels::{self, Decide, Launch, Plan, Tag};
 use crate::params::{BastileDType, DivergenceChunk, DivergencePlan, DIVERGENCE_BLOCK};
 use half::{bf16, f16};
 
-/// A chunk's logits (both models', f32) and gradient by default: TRL's function keeps two f32 tiles of
-/// 4,096 x 32,768 (1 GiB), the same.
+/// The buffers of a chunk's logits (both models', f32) and of a group's gradient by default: TRL's function
+/// keeps two f32 tiles of 4,096 x 32,768 (1 GiB), the same.
 const CHUNK_BYTES: i64 = 1 << 30;
 /// Chunks of this many rows or more are a multiple of it (whole GEMM tiles).
 const CHUNK_ALIGN: i64 = 128;
 
+/// Rows of `row_bytes` each that fit `budget`: at least one, whole tiles from CHUNK_ALIGN up.
+fn fit(budget: i64, row_bytes: i64) -> i64 {
+    let n = (budget / row_bytes.max(1)).max(1);
+    if n >= CHUNK_ALIGN { n / CHUNK_ALIGN * CHUNK_ALIGN } else { n }
+}
+
 impl Decide for DivergencePlan {
+    /// With a gradient buffer of its own, half the budget goes to a chunk's logits and what is left to a
+    /// group's gradient rows, so that the f32 weight-gradient sum is read and written once a group rather
+    /// than once a chunk.
     fn decide(&mut self) -> Result<()> {
         let budget = if self.chunk_bytes > 0 { self.chunk_bytes } else { CHUNK_BYTES };
-        let mut n = (budget / self.row_bytes.max(1)).max(1);
-        if n >= CHUNK_ALIGN {
-            n = n / CHUNK_ALIGN * CHUNK_ALIGN;
+        let rows = self.rows.max(1);
+        if self.grad_bytes == 0 {
+            self.step = fit(budget, self.logit_bytes).min(rows);
+            self.group = self.step;
+            return Ok(());
         }
-        self.step = n.min(self.rows.max(1));
+        self.step = fit(budget / 2, self.logit_bytes).min(rows);
+        let left = budget - self.step * self.logit_bytes;
+        let chunks = (left / self.grad_bytes.max(1) / self.step).max(1);
+        self.group = (chunks * self.step).min(geometry::ceil_div(rows, self.step) * self.step);
         Ok(())
     }
 }
@@ -174,6 +188,32 @@ mod tests {
             teacher_scale: 1.2, teacher_softcap: 0.0, dtype: BastileDType::BASTILE_F32 as i32,
             grad_dtype: BastileDType::BASTILE_F32 as i32,
         }
+    }
+
+    fn plan(rows: i64, vocab: i64, grad_bytes: i64, chunk_bytes: i64) -> DivergencePlan {
+        let mut p = DivergencePlan { rows, vocab, logit_bytes: vocab * 8, grad_bytes: vocab * grad_bytes, chunk_bytes,
+                                     step: 0, group: 0 };
+        p.decide().unwrap();
+        p
+    }
+
+    /// Groups are whole chunks within what is left of the budget, no more than the rows need; without a
+    /// gradient buffer of its own a group is one chunk.
+    #[test]
+    fn groups_are_whole_chunks_within_the_budget() {
+        let p = plan(8192, 151_936, 2, 0);
+        assert_eq!((p.step, p.group), (384, 1920));
+        assert!(p.step * p.logit_bytes + p.group * p.grad_bytes <= CHUNK_BYTES);
+        let p = plan(37, 300, 2, 80 * 300);
+        assert_eq!((p.step, p.group), (5, 20));
+        assert_eq!((plan(37, 300, 2, 1 << 30).step, plan(37, 300, 2, 1 << 30).group), (37, 37));
+        assert_eq!((plan(1000, 300, 2, 300 * 64).step, plan(1000, 300, 2, 300 * 64).group), (4, 16));
+        let p = plan(8192, 151_936, 0, 0);
+        assert_eq!((p.step, p.group), (768, 768));
+        let p = plan(0, 10, 2, 0);
+        assert_eq!((p.step, p.group), (1, 1));
+        let p = plan(100, 1 << 28, 2, 0);  // a row over the budget: one row at a time
+        assert_eq!((p.step, p.group), (1, 1));
     }
 
     /// The divergence's gradient against central differences of the kernel's own divergence, for each beta;

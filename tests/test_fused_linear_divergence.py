@@ -59,7 +59,9 @@ def make(n, hs, ht, vocab, dtype=torch.float32, device="cpu", bias=True, masked=
 
 
 def chunks(rows, vocab, row_bytes):
-    """chunk_bytes for chunks of `rows` rows at `row_bytes` per logit column (both logits, and a gradient)."""
+    """A chunk_bytes budget of `rows` rows at `row_bytes` a vocabulary column. An f32 student's gradient is
+    written over its logits (8 bytes: chunks of rows * row_bytes / 8 rows); a 16-bit one has its own buffer, and
+    half the budget makes a chunk, the rest a group of chunks folded into the gradients together."""
     return rows * vocab * row_bytes
 
 
@@ -122,7 +124,8 @@ OPTIONS = [dict(beta=0.0), dict(beta=1.0), dict(beta=0.5),
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_matches_fp64(device, dtype, options):
-    """Both sums, and the divergence's gradients in the student's hidden, weight and bias over several chunks,
+    """Both sums, and the divergence's gradients in the student's hidden, weight and bias over several chunks
+    (16-bit: chunks of 5 rows in groups of 20, the last of each partial),
     against the definitions in fp64 on the same (rounded) inputs; the teacher gets none."""
     n, hs, ht, vocab = 37, 32, 48, 300
     sh, sw, th, tw, mask, sb, tb = make(n, hs, ht, vocab, dtype, device, lead=(1, n))

@@ -1,10 +1,10 @@
 // torch.ops.bastile.fused_linear_divergence: the summed divergence between a student's and a teacher's
 // next-token distributions (include/fused_linear_divergence.h: forward KL, reverse KL or TRL's generalized
 // JSD by beta) and the student's summed entropy, from both models' hidden states and heads, without either
-// [rows, vocab] logits. Rows go in chunks (Rust's DivergencePlan); per chunk, cuBLAS makes both logits in
-// f32 (as TRL's function projects them), our kernel turns them into the rows' divergences, entropies and
-// dD/d(student logits) in the student's dtype, and two more GEMMs fold that into the student's hidden and
-// weight gradients (fused_head.h's helpers). The forward forms the gradients for a unit upstream gradient;
+// [rows, vocab] logits. Rows go in chunks, and chunks in groups (Rust's DivergencePlan); per chunk, cuBLAS
+// makes both logits in f32 (as TRL's function projects them) and our kernel turns them into the rows'
+// divergences, entropies and dD/d(student logits) in the student's dtype; per group, two more GEMMs fold
+// those gradient rows into the student's hidden and weight gradients (fused_head.h's helpers). The forward forms the gradients for a unit upstream gradient;
 // the backward scales them (fused_head.h: scale_formed). The teacher gets no gradient, as in TRL.
 #include "fused_head.h"
 
@@ -108,37 +108,40 @@ Result run(const at::Tensor& sh_in, const at::Tensor& sw_in, const at::Tensor& t
   const bool grad = need_h || need_w || need_b;
   // The gradient is written over the student's logits when it has their dtype, else into its own buffer.
   const bool own_grad = grad && sh.scalar_type() != L;
-  const int64_t logit_bytes = at::elementSize(L);
-  const auto plan = decide(DivergencePlan{
-      .rows = n_rows, .vocab = vocab,
-      .row_bytes = vocab * (2 * logit_bytes + (own_grad ? sh.element_size() : 0)), .chunk_bytes = o.chunk_bytes});
-  const int64_t step = plan.step, buffer_rows = std::min(step, n_rows);
-  auto s_buf = at::empty({buffer_rows, vocab}, sh.options().dtype(L)), t_buf = at::empty({buffer_rows, vocab}, sh.options().dtype(L));
-  auto g_buf = own_grad ? at::empty({buffer_rows, vocab}, sh.options()) : s_buf;
+  const auto plan = decide(DivergencePlan{.rows = n_rows, .vocab = vocab, .logit_bytes = 2 * vocab * int64_t(at::elementSize(L)),
+                                          .grad_bytes = own_grad ? vocab * sh.element_size() : 0,
+                                          .chunk_bytes = o.chunk_bytes});
+  const int64_t step = plan.step, group = plan.group;
+  auto s_buf = at::empty({std::min(step, n_rows), vocab}, sh.options().dtype(L)), t_buf = at::empty_like(s_buf);
+  auto g_buf = own_grad ? at::empty({std::min(group, n_rows), vocab}, sh.options()) : s_buf;
   auto div_rows = at::empty({n_rows}, sh.options().dtype(L)), ent_rows = at::empty({n_rows}, sh.options().dtype(L));
   auto grad_hidden = need_h ? at::empty({n_rows, width}, sh.options()) : none(sh_in);
   auto acc_w = need_w ? at::empty({vocab, width}, sw.options().dtype(sum_dtype(sw_in.scalar_type(), o.fp32_weight_grad)))
                       : at::Tensor();
   auto acc_b = need_b ? at::empty({vocab}, sh.options().dtype(sum_dtype(sb_in->scalar_type(), o.fp32_weight_grad)))
                       : at::Tensor();
-  for (int64_t start = 0; start < n_rows; start += step) {
-    const int64_t n = std::min(step, n_rows - start);
-    const bool first = start == 0;
-    auto s = s_buf.narrow(0, 0, n), t = t_buf.narrow(0, 0, n);
-    const auto h = sh.narrow(0, start, n);
-    project(s, h, sw, sb);
-    project(t, th.narrow(0, start, n), tw, tb);
-    const auto g = g_buf.narrow(0, 0, n);
-    launch(s, DivergenceChunk{.student = s.data_ptr(), .teacher = t.data_ptr(),
-                              .mask = rows_mask.defined() ? static_cast<const uint8_t*>(rows_mask.data_ptr()) + start : nullptr,
-                              .grad = grad ? g.data_ptr() : nullptr,
-                              .divergence = div_rows.narrow(0, start, n).data_ptr(),
-                              .entropy = ent_rows.narrow(0, start, n).data_ptr(), .rows = n, .vocab = vocab,
-                              .ld = vocab, .beta = o.beta, .temperature = o.temperature,
-                              .student_scale = o.student_scale, .student_softcap = o.student_softcap,
-                              .teacher_scale = o.teacher_scale, .teacher_softcap = o.teacher_softcap,
-                              .dtype = dtype_code(kOp, {"logits", s}), .grad_dtype = dtype_code(kOp, {"gradient", g})});
-    if (grad) fold_chunk(g, h, sw, need_h ? grad_hidden.narrow(0, start, n) : at::Tensor(), acc_w, acc_b, first);
+  for (int64_t first = 0; first < n_rows; first += group) {
+    const int64_t rows = std::min(group, n_rows - first);
+    for (int64_t start = first; start < first + rows; start += step) {
+      const int64_t n = std::min(step, first + rows - start);
+      auto s = s_buf.narrow(0, 0, n), t = t_buf.narrow(0, 0, n);
+      project(s, sh.narrow(0, start, n), sw, sb);
+      project(t, th.narrow(0, start, n), tw, tb);
+      const auto g = own_grad ? g_buf.narrow(0, start - first, n) : s;
+      launch(s, DivergenceChunk{.student = s.data_ptr(), .teacher = t.data_ptr(),
+                                .mask = rows_mask.defined() ? static_cast<const uint8_t*>(rows_mask.data_ptr()) + start : nullptr,
+                                .grad = grad ? g.data_ptr() : nullptr,
+                                .divergence = div_rows.narrow(0, start, n).data_ptr(),
+                                .entropy = ent_rows.narrow(0, start, n).data_ptr(), .rows = n, .vocab = vocab,
+                                .ld = vocab, .beta = o.beta, .temperature = o.temperature,
+                                .student_scale = o.student_scale, .student_softcap = o.student_softcap,
+                                .teacher_scale = o.teacher_scale, .teacher_softcap = o.teacher_softcap,
+                                .dtype = dtype_code(kOp, {"logits", s}), .grad_dtype = dtype_code(kOp, {"gradient", g})});
+    }
+    // A group is one chunk where the gradient is written over the student's logits (g_buf is s_buf).
+    if (grad)
+      fold_chunk(g_buf.narrow(0, 0, rows), sh.narrow(0, first, rows), sw,
+                 need_h ? grad_hidden.narrow(0, first, rows) : at::Tensor(), acc_w, acc_b, first == 0);
   }
   s_buf = t_buf = g_buf = at::Tensor();  // freed before the weight gradient's cast below
   if (n_rows == 0) {
