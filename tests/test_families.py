@@ -699,10 +699,12 @@ def mistral3_multimodal(family, seed=0):
 
 
 IMAGE = 600  # above the ids batches() draws
-# model type -> (its mini, its language model's family, the first-step gradients' tolerance, its vision tower).
-# Gemma 4's text mini (attention scaled by 1) amplifies fp32 rounding into the vision tower's gradients: HF's
-# eager and SDPA attention give gradients 8e-6 apart there, Bastile's 1.7e-5 from SDPA's; in fp64 (HF's norms
-# run in fp64) Bastile's are within 1e-7 of HF's, the rounding of HF's fp32 loss.
+# model type -> (its mini, its language model's family, the tolerance of the losses and of the first-step
+# gradients, its vision tower). Gemma 4's text mini (attention scaled by 1) amplifies fp32 rounding: into the vision
+# tower's gradients (HF's eager and SDPA attention give gradients 8e-6 apart there, Bastile's 1.7e-5 from SDPA's;
+# in fp64 (HF's norms run in fp64) Bastile's are within 1e-7 of HF's, the rounding of HF's fp32 loss), and over the
+# AdamW steps of an image batch into the losses: on an AMD EPYC, HF's fp32 losses are 2.0e-5 from HF's in fp64 by
+# the sixth step, Bastile's 3.0e-6 from them and 1.8e-5 from HF's fp32.
 MULTIMODAL = {"gemma3": (gemma3_multimodal, "gemma3_text", 1e-5, "model.vision_tower"),
               "gemma4": (gemma4_multimodal, "gemma4_text", 3e-5, "model.vision_tower"),
               "qwen3_5": (lambda: qwen3_5_multimodal("qwen3_5_text"), "qwen3_5_text", 1e-5, "model.visual"),
@@ -745,7 +747,7 @@ def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
     """The language model of Gemma 3's, Gemma 4's, Qwen3.5's, Qwen3-VL's, Qwen2(.5)-VL's and Mistral 3's multimodal models
     runs Bastile's forwards and head; the vision tower is HF's (but for Qwen2.5-VL's norms). Text-only and image+text
     batches: the losses of 6 AdamW steps and every first-step gradient (the vision tower's and projector's included,
-    Qwen3-VL's DeepStack mergers') as HF's."""
+    Qwen3-VL's DeepStack mergers') as HF's, within the family's tolerance."""
     build, family, tolerance, tower = MULTIMODAL[model_type]
     inputs, labels = multimodal_batch(model_type, image)
 
@@ -759,7 +761,7 @@ def test_multimodal_training_matches_hf_cpu_fp32(model_type, image):
         out = model(**inputs, labels=labels)
     assert expected_ops(family) <= seen.ops and out.logits is None
     losses, grads = run(model)
-    assert losses == pytest.approx(ref_losses, rel=1e-5) and ref_losses[-1] < ref_losses[0]
+    assert losses == pytest.approx(ref_losses, rel=tolerance) and ref_losses[-1] < ref_losses[0]
     assert grads.keys() == ref_grads.keys() and any(n.startswith(tower) for n in grads) == image
     # In norm: the projector's (zero-initialised) weight gets large gradients of mixed sign, whose small
     # elements carry the summation-order noise of the large ones.
