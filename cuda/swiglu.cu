@@ -47,6 +47,11 @@ __device__ __forceinline__ void backward_value(float dy, float g, float u, int32
   dg = act_grad(round_to<T>(dy * u), g, kind);
 }
 
+// Where element e of the contiguous outputs lies in gate and up. A vector's elements share a row (swiglu.h).
+template <class P> __device__ __forceinline__ int64_t at_row(const P &p, int64_t e) {
+  return p.ld == p.cols ? e : e + e / p.cols * (p.ld - p.cols);
+}
+
 template <class T, int V> __device__ __forceinline__ void forward(const SwigluForward &p) {
   const T *__restrict__ gate = static_cast<const T *>(p.gate);
   const T *__restrict__ up = static_cast<const T *>(p.up);
@@ -55,8 +60,9 @@ template <class T, int V> __device__ __forceinline__ void forward(const SwigluFo
   for_each_vector<V, U>(
       p.n,
       [&](int k, int64_t i) {
-        g[k] = load_nc<V>(gate + i * V);
-        u[k] = load_nc<V>(up + i * V);
+        const int64_t e = at_row(p, i * V);
+        g[k] = load_nc<V>(gate + e);
+        u[k] = load_nc<V>(up + e);
       },
       [&](int k, int64_t i) {
         keep_packed(g[k], u[k]);
@@ -77,7 +83,7 @@ template <class T, int V> __device__ __forceinline__ void forward(const SwigluFo
         }
       });
   const int64_t t = tail_index<V>(p.n);
-  if (t >= 0) y[t] = from_f32<T>(forward_value<T>(to_f32(gate[t]), to_f32(up[t]), p.activation));
+  if (t >= 0) y[t] = from_f32<T>(forward_value<T>(to_f32(gate[at_row(p, t)]), to_f32(up[at_row(p, t)]), p.activation));
 }
 
 template <class T, int V> __device__ __forceinline__ void backward(const SwigluBackward &p) {
@@ -90,9 +96,10 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
   for_each_vector<V, U>(
       p.n,
       [&](int k, int64_t i) {
+        const int64_t e = at_row(p, i * V);
         dy[k] = load_nc<V>(grad_y + i * V);
-        g[k] = load_nc<V>(gate + i * V);
-        u[k] = load_nc<V>(up + i * V);
+        g[k] = load_nc<V>(gate + e);
+        u[k] = load_nc<V>(up + e);
       },
       [&](int k, int64_t i) {
         keep_packed(dy[k], g[k], u[k]);
@@ -106,7 +113,8 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
   const int64_t t = tail_index<V>(p.n);
   if (t >= 0) {
     float dg, du;
-    backward_value<T>(to_f32(grad_y[t]), to_f32(gate[t]), to_f32(up[t]), p.activation, dg, du);
+    const int64_t e = at_row(p, t);
+    backward_value<T>(to_f32(grad_y[t]), to_f32(gate[e]), to_f32(up[e]), p.activation, dg, du);
     grad_gate[t] = from_f32<T>(dg);
     grad_up[t] = from_f32<T>(du);
   }

@@ -1,6 +1,8 @@
 /* Parameter blocks of cuda/swiglu.cu: y = act(gate) * up elementwise, over n elements of one dtype
- * (every tensor contiguous, same dtype; f64 on CPU only), act SiLU (SwiGLU) or GELU with the tanh
- * approximation (Gemma's GEGLU, HF's gelu_pytorch_tanh). */
+ * (f64 on CPU only), act SiLU (SwiGLU) or GELU with the tanh approximation (Gemma's GEGLU, HF's
+ * gelu_pytorch_tanh). gate and up are rows of `cols` elements `ld` apart (the halves of a concatenated
+ * gate/up projection, read where they lie); the other tensors are contiguous. Where ld != cols, cols and ld
+ * are whole 16-byte vectors, so that no vector spans two rows. */
 #pragma once
 #include "bastile.h"
 
@@ -22,21 +24,25 @@
 #define SWIGLU_BACKWARD_KERNELS(K) BASTILE_ELEMENTWISE_KERNELS(K, bwd)
 
 typedef struct SwigluForward {
-  const void *gate; /* [n] */
-  const void *up;   /* [n] */
+  const void *gate; /* [n / cols rows at stride ld] */
+  const void *up;   /* [n / cols rows at stride ld] */
   void *y;          /* [n] */
   int64_t n;
+  int64_t cols;
+  int64_t ld;
   int32_t dtype;
   int32_t activation; /* SWIGLU_SILU or SWIGLU_GELU_TANH */
 } SwigluForward;
 
 typedef struct SwigluBackward {
   const void *grad_y; /* [n] */
-  const void *gate;   /* [n] as given to the forward */
-  const void *up;     /* [n] */
+  const void *gate;   /* [n / cols rows at stride ld], as given to the forward */
+  const void *up;     /* [n / cols rows at stride ld] */
   void *grad_gate;    /* [n] */
   void *grad_up;      /* [n] */
   int64_t n;
+  int64_t cols;
+  int64_t ld;
   int32_t dtype;
   int32_t activation;
 } SwigluBackward;

@@ -12,11 +12,34 @@ crate::elementwise_launch! { Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_U
 }
 
 fn forward_valid(p: &SwigluForward) -> Result<()> {
-    Activation::of(p.activation).map(drop)
+    Activation::of(p.activation)?;
+    rows_valid(p.n, p.cols, p.ld, p.dtype)
 }
 
 fn backward_valid(p: &SwigluBackward) -> Result<()> {
-    Activation::of(p.activation).map(drop)
+    Activation::of(p.activation)?;
+    rows_valid(p.n, p.cols, p.ld, p.dtype)
+}
+
+/// gate and up are whole rows, and rows at a stride whole 16-byte vectors (include/swiglu.h).
+fn rows_valid(n: i64, cols: i64, ld: i64, dtype: i32) -> Result<()> {
+    let size = BastileDType::from_raw(dtype)?.size() as i64;
+    if n > 0 && (cols <= 0 || n % cols != 0 || ld < cols) {
+        return Err(format!("bastile.swiglu: {n} elements are not rows of {cols} at stride {ld}"));
+    }
+    if ld != cols && ((cols * size) % 16 != 0 || (ld * size) % 16 != 0) {
+        return Err(format!("bastile.swiglu: rows of {cols} at stride {ld} are not whole 16-byte vectors"));
+    }
+    Ok(())
+}
+
+/// Where element `e` of the contiguous outputs lies in gate and up, and how many elements their rows span.
+fn at_row(cols: i64, ld: i64, e: usize) -> usize {
+    if ld == cols { e } else { e + e / cols as usize * (ld - cols) as usize }
+}
+
+fn span(n: i64, cols: i64, ld: i64) -> usize {
+    if n == 0 { 0 } else { at_row(cols, ld, n as usize - 1) + 1 }
 }
 
 fn sigmoid(g: f64) -> f64 {
@@ -76,27 +99,29 @@ impl Activation {
 
 unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
     let (act, wide) = (Activation::of(p.activation).expect("forward_valid"), T::DTYPE == BastileDType::BASTILE_F64);
-    let n = p.n as usize;
-    let (g, u) = (cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
+    let (n, cols, ld) = (p.n as usize, p.cols, p.ld);
+    let rows = span(p.n, cols, ld);
+    let (g, u) = (cpu::slice::<T>(p.gate, rows), cpu::slice::<T>(p.up, rows));
     let y = Disjoint::new(cpu::slice_mut::<T>(p.y, n));
     cpu::parallel_for(n, cpu::GRAIN, |r| {
         // SAFETY (here and below): the ranges of parallel_for do not overlap.
-        for ((y, g), u) in y.part(r.clone()).iter_mut().zip(&g[r.clone()]).zip(&u[r]) {
-            let g = g.to_f64();
-            *y = T::from_f64(T::round(act.value(g, wide)) * u.to_f64());
+        for (y, e) in y.part(r.clone()).iter_mut().zip(r) {
+            let i = at_row(cols, ld, e);
+            *y = T::from_f64(T::round(act.value(g[i].to_f64(), wide)) * u[i].to_f64());
         }
     });
 }
 
 unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
     let (act, wide) = (Activation::of(p.activation).expect("backward_valid"), T::DTYPE == BastileDType::BASTILE_F64);
-    let n = p.n as usize;
-    let (dy, g, u) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate, n), cpu::slice::<T>(p.up, n));
+    let (n, cols, ld) = (p.n as usize, p.cols, p.ld);
+    let rows = span(p.n, cols, ld);
+    let (dy, g, u) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate, rows), cpu::slice::<T>(p.up, rows));
     let (dg, du) = (Disjoint::new(cpu::slice_mut::<T>(p.grad_gate, n)), Disjoint::new(cpu::slice_mut::<T>(p.grad_up, n)));
     cpu::parallel_for(n, cpu::GRAIN, |r| {
-        let inputs = dy[r.clone()].iter().zip(&g[r.clone()]).zip(&u[r.clone()]);
-        for ((dg, du), ((dy, g), u)) in dg.part(r.clone()).iter_mut().zip(du.part(r).iter_mut()).zip(inputs) {
-            let (dy, g, u) = (dy.to_f64(), g.to_f64(), u.to_f64());
+        for ((dg, du), e) in dg.part(r.clone()).iter_mut().zip(du.part(r.clone()).iter_mut()).zip(r) {
+            let i = at_row(cols, ld, e);
+            let (dy, g, u) = (dy[e].to_f64(), g[i].to_f64(), u[i].to_f64());
             *du = T::from_f64(dy * T::round(act.value(g, wide)));
             *dg = T::from_f64(T::round(dy * u) * act.derivative(g, wide));
         }
@@ -130,16 +155,45 @@ mod tests {
 
     /// Runs both CPU kernels on (g, u, dy) of T and returns (y, grad_gate, grad_up).
     fn run<T: Element>(activation: u32, g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
-        let (n, dtype, activation) = (g.len() as i64, T::DTYPE as i32, activation as i32);
-        let nan = || vec![T::from_f64(f64::NAN); g.len()];
+        let n = g.len() as i64;
+        rows(activation, g, u, dy, n.max(1), n.max(1))
+    }
+
+    /// Both CPU kernels on gate and up given as rows of `cols` at stride `ld` (dy, and the results, contiguous).
+    fn rows<T: Element>(activation: u32, g: &[T], u: &[T], dy: &[T], cols: i64, ld: i64) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let (n, dtype, activation) = (dy.len() as i64, T::DTYPE as i32, activation as i32);
+        let nan = || vec![T::from_f64(f64::NAN); dy.len()];
         let (mut y, mut dg, mut du) = (nan(), nan(), nan());
-        SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, dtype, activation }
+        SwigluForward { gate: g.as_ptr().cast(), up: u.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, cols, ld, dtype, activation }
             .cpu()
             .unwrap();
         let (gate, up, grad_y) = (g.as_ptr().cast(), u.as_ptr().cast(), dy.as_ptr().cast());
         let (grad_gate, grad_up) = (dg.as_mut_ptr().cast(), du.as_mut_ptr().cast());
-        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, n, dtype, activation }.cpu().unwrap();
+        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, n, cols, ld, dtype, activation }.cpu().unwrap();
         (y, dg, du)
+    }
+
+    /// The halves of a concatenated [rows, 2 cols] gate/up, read at stride 2 cols, give what their contiguous
+    /// copies give; rows that are not whole 16-byte vectors at a stride are refused.
+    #[test]
+    fn rows_at_a_stride_read_as_their_copies() {
+        let (rows_n, cols) = (5usize, 24usize);
+        let gate_up: Vec<bf16> = cast(&noise(rows_n * 2 * cols, 4, 4.0));
+        let dy: Vec<bf16> = cast(&noise(rows_n * cols, 5, 2.0));
+        let half = |k: usize| -> Vec<bf16> { gate_up.chunks(2 * cols).flat_map(|r| r[k * cols..(k + 1) * cols].to_vec()).collect() };
+        let want = run(SWIGLU_SILU, &half(0), &half(1), &dy);
+        let got = rows(SWIGLU_SILU, &gate_up, &gate_up[cols..], &dy, cols as i64, 2 * cols as i64);
+        assert_eq!(bits(&got.0), bits(&want.0));
+        assert_eq!(bits(&got.1), bits(&want.1));
+        assert_eq!(bits(&got.2), bits(&want.2));
+        let odd = SwigluForward { n: 12, cols: 6, ld: 12, dtype: BASTILE_BF16 as i32, ..Default::default() };
+        assert!(odd.cpu().unwrap_err().contains("not whole 16-byte vectors"));
+        let ragged = SwigluForward { n: 10, cols: 4, ld: 8, dtype: BASTILE_F32 as i32, ..Default::default() };
+        assert!(ragged.cpu().unwrap_err().contains("not rows of 4"));
+    }
+
+    fn bits(v: &[bf16]) -> Vec<u16> {
+        v.iter().map(|x| x.to_bits()).collect()
     }
 
     /// Runs both CPU kernels on `n` elements of T and checks every element against [`reference`] on
@@ -191,13 +245,13 @@ mod tests {
 
     #[test]
     fn bad_dtype_code_is_an_error() {
-        let p = SwigluForward { dtype: 9, n: 1, ..Default::default() };
+        let p = SwigluForward { dtype: 9, n: 1, cols: 1, ld: 1, ..Default::default() };
         assert!(p.cpu().unwrap_err().contains("unknown dtype"));
     }
 
     #[test]
     fn bad_activation_code_is_an_error() {
-        let p = SwigluBackward { dtype: BASTILE_F32 as i32, activation: 7, n: 1, ..Default::default() };
+        let p = SwigluBackward { dtype: BASTILE_F32 as i32, activation: 7, n: 1, cols: 1, ld: 1, ..Default::default() };
         assert_eq!(p.cpu().unwrap_err(), "bastile.swiglu: unknown activation code 7");
     }
 }

@@ -195,6 +195,42 @@ def test_saves_only_gate_and_up():
     assert len(saved) == 2 and saved[0].data_ptr() == g.data_ptr() and saved[1].data_ptr() == u.data_ptr()
 
 
+# The halves of a concatenated [..., 2 cols] gate/up (chunk(2, -1), as the fused gate/up projections and the MoE
+# experts give them): read where they lie when each row is whole 16-byte vectors, copied otherwise; 3-D with a
+# size-1 leading dimension too.
+HALVES = [((64, 2 * 768), True), ((2, 5, 2 * 16), True), ((1, 7, 2 * 24), True), ((9, 2 * 5), False),
+          ((4, 2 * 12), None)]
+
+
+def copies_made(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::copy_", "aten::clone", "aten::contiguous"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape,in_place", HALVES)
+def test_halves_of_gate_up_read_where_they_lie(device, dtype, shape, in_place):
+    """y and gate/up's gradient through the halves equal those of their contiguous copies bit for bit, and the
+    halves are not copied where their rows are whole 16-byte vectors (in_place None: 12 columns are, in f32)."""
+    gate_up, _, _ = inputs(shape, dtype, device)
+    dy = inputs(gate_up[..., : shape[-1] // 2].shape, dtype, device, 1)[2]
+    leaf = gate_up.clone().requires_grad_()
+    gate, up = leaf.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    y = op(gate, up)
+    (dgu,) = torch.autograd.grad(y, leaf, dy)
+    ry, (rdg, rdu) = run_both(*(h.contiguous() for h in gate_up.chunk(2, dim=-1)), dy)
+    torch.testing.assert_close(y, ry, rtol=0, atol=0)
+    torch.testing.assert_close(dgu, torch.cat([rdg, rdu], -1), rtol=0, atol=0)
+    if in_place is None:
+        in_place = dtype == torch.float32
+    gate, up = gate_up.chunk(2, dim=-1)
+    copies = copies_made(lambda: (op(gate, up), backward_op(dy, gate, up)))
+    assert (copies == 0) == in_place, copies
+
+
 def test_functional_alias():
     g, u, _ = inputs((3, 40), torch.bfloat16, "cpu")
     torch.testing.assert_close(bastile.swiglu(g, u), op(g, u), rtol=0, atol=0)

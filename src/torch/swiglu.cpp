@@ -1,7 +1,10 @@
 // torch.ops.bastile.swiglu: y = act(gate) * up with act "silu" or "gelu_tanh" (cuda/swiglu.cu). Autograd saves
-// gate and up only: the backward recomputes the activation, so none is stored. Autocast leaves it alone, as it
+// gate and up only: the backward recomputes the activation, so none is stored. Halves of one concatenated
+// gate/up tensor are read where they lie. Autocast leaves it alone, as it
 // leaves HF's activation and product.
 #include "op.h"
+
+#include <ATen/TensorUtils.h>
 
 namespace bastile {
 namespace {
@@ -15,6 +18,29 @@ void check(const char* op, const at::Tensor& gate, std::initializer_list<Named> 
     check_same_shape(op, {"gate", gate}, t);
   }
   check_device(op, {"gate", gate}, others);
+}
+
+// gate and up as the kernels read them: rows of their last dimension `ld` elements apart where both lie so
+// with whole 16-byte vectors (the halves of a concatenated gate/up projection, no copy), else contiguous.
+struct Rows {
+  at::Tensor gate, up;
+  int64_t cols, ld;
+};
+
+// t's stride between rows of its last dimension, if its elements are such rows.
+std::optional<int64_t> row_stride(const at::Tensor& t, int64_t rows, int64_t cols) {
+  const auto strides = at::detail::computeStride(t.sizes(), t.strides(), at::DimVector{rows, cols});
+  if (!strides || (cols > 1 && (*strides)[1] != 1)) return std::nullopt;
+  return rows > 1 ? (*strides)[0] : cols;
+}
+
+Rows rows_of(const at::Tensor& gate, const at::Tensor& up) {
+  const int64_t cols = gate.dim() ? gate.size(-1) : 1, rows = gate.numel() / cols;
+  const int64_t vec = 16 / gate.element_size();
+  const auto ld = row_stride(gate, rows, cols);
+  if (ld && ld == row_stride(up, rows, cols) && (*ld == cols || (cols % vec == 0 && *ld % vec == 0)))
+    return {gate, up, cols, *ld};
+  return {gate.contiguous(), up.contiguous(), cols, cols};
 }
 
 int32_t activation_code(const char* op, c10::string_view activation) {
@@ -33,10 +59,12 @@ struct SwigluBackwardOp {
     auto grad_gate = at::empty_symint(gate.sym_sizes(), gate.options());
     auto grad_up = at::empty_symint(gate.sym_sizes(), gate.options());
     if (gate.is_meta() || gate.numel() == 0) return {grad_gate, grad_up};
-    const auto dy = grad_y.contiguous(), g = gate.contiguous(), u = up.contiguous();
-    launch(g, SwigluBackward{.grad_y = dy.data_ptr(), .gate = g.data_ptr(), .up = u.data_ptr(),
-                             .grad_gate = grad_gate.data_ptr(), .grad_up = grad_up.data_ptr(), .n = g.numel(),
-                             .dtype = dtype_code("swiglu_backward", {"gate", g}), .activation = act});
+    const auto dy = grad_y.contiguous();
+    const auto r = rows_of(gate, up);
+    launch(dy, SwigluBackward{.grad_y = dy.data_ptr(), .gate = r.gate.data_ptr(), .up = r.up.data_ptr(),
+                              .grad_gate = grad_gate.data_ptr(), .grad_up = grad_up.data_ptr(), .n = dy.numel(),
+                              .cols = r.cols, .ld = r.ld, .dtype = dtype_code("swiglu_backward", {"gate", gate}),
+                              .activation = act});
     return {grad_gate, grad_up};
   }
 };
@@ -49,9 +77,10 @@ struct SwigluOp {
     const int32_t act = activation_code("swiglu", activation);
     auto y = at::empty_symint(gate.sym_sizes(), gate.options());
     if (gate.is_meta() || gate.numel() == 0) return y;
-    const auto g = gate.contiguous(), u = up.contiguous();
-    launch(g, SwigluForward{.gate = g.data_ptr(), .up = u.data_ptr(), .y = y.data_ptr(), .n = y.numel(),
-                            .dtype = dtype_code("swiglu", {"gate", g}), .activation = act});
+    const auto r = rows_of(gate, up);
+    launch(y, SwigluForward{.gate = r.gate.data_ptr(), .up = r.up.data_ptr(), .y = y.data_ptr(), .n = y.numel(),
+                            .cols = r.cols, .ld = r.ld, .dtype = dtype_code("swiglu", {"gate", gate}),
+                            .activation = act});
     return y;
   }
 
