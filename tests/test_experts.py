@@ -398,3 +398,33 @@ def test_fp32_model_under_bf16_autocast(family):
     assert grads.keys() == hf_grads.keys()
     for name, g in grads.items():
         assert g.dtype == torch.float32 and rel_err(g, hf_grads[name]) < 5e-2, name
+
+
+def test_fp32_routing_weights_scale_the_gradient_into_the_models_dtype():
+    """Mixtral's routing weights are fp32 over a bf16 model: the gate's gradient u w is formed in fp32 and rounded
+    once into bf16 (as (u * w).to(bf16)), with no fp32 [pairs, intermediate] tensor in the experts' backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    model = mini("mixtral", "cpu", torch.bfloat16, intermediate_size=48)
+    bastile.apply(model=model, **NO_TRAINERS)
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(9, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    _, weights, index = block.gate(hidden)
+    assert weights.dtype == torch.float32
+    pairs, inter = index.numel(), model.config.intermediate_size
+    out = block.experts(hidden, index, weights)
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fp32 = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in (result if isinstance(result, (tuple, list)) else [result]):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (pairs, inter):
+                    self.fp32.append((str(func), tuple(t.shape)))
+            return result
+
+    with Outputs() as seen:
+        out.float().sum().backward()
+    assert hidden.grad is not None and not seen.fp32, seen.fp32

@@ -147,7 +147,7 @@ def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows
     dx = grouped_mm(dy, p.w.transpose(-2, -1), groups.offsets)
     if t is not None:
         dx = dx + grouped_mm(t, p.a.transpose(-2, -1), groups.offsets)
-    scaled = (lambda v: (v * rows[:, None]).to(v.dtype)) if rows is not None else (lambda v: v)
+    scaled = (lambda v: _weighted(v, rows, v.dtype)) if rows is not None else (lambda v: v)
     dw = grouped_wgrad(scaled(x), dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
     dbias = None
     if need_bias:
@@ -158,6 +158,12 @@ def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows
     da = grouped_wgrad(x, scaled(t), groups.offsets, p.a).to(p.a.dtype) if need_a else None
     db = (scale * grouped_wgrad(scaled(xa), dy, groups.offsets, p.b)).to(p.b.dtype) if need_b else None
     return dx, dw, dbias, da, db
+
+
+def _weighted(v: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each row of v times its routing weight, as (v * rows[:, None]).to(dtype) rounds it, without that product in
+    fp32 (Mixtral's and GLM's weights) as large as v."""
+    return torch.mul(v, rows[:, None], out=v.new_empty(v.shape, dtype=dtype))
 
 
 def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -179,7 +185,7 @@ def _down_backward(gate, grad, weights, gate_up, ha, groups: Groups, p: Projecti
     dweight = (u * h.detach()).sum(-1, dtype=torch.float32)  # 16-bit: the products rounded, their sum not
     if p.bias is not None:
         dweight = dweight + (dpair.float() * p.bias[groups.expert].float()).sum(-1)
-    (dgate_up,) = torch.autograd.grad(h, g, (u * w[:, None]).to(h.dtype))
+    (dgate_up,) = torch.autograd.grad(h, g, _weighted(u, w, h.dtype))
     return dgate_up, dweight, grads
 
 
