@@ -21,7 +21,8 @@ void check(const char* op, const at::Tensor& gate, std::initializer_list<Named> 
 }
 
 // gate and up as the kernels read them: rows of their last dimension `ld` elements apart where both lie so
-// with whole 16-byte vectors (the halves of a concatenated gate/up projection, no copy), else contiguous.
+// with whole 16-byte vectors and no overlap (the halves of a concatenated gate/up projection, no copy), else
+// contiguous (an expanded or overlapping view too).
 struct Rows {
   at::Tensor gate, up;
   int64_t cols, ld;
@@ -38,7 +39,7 @@ Rows rows_of(const at::Tensor& gate, const at::Tensor& up) {
   const int64_t cols = gate.dim() ? gate.size(-1) : 1, rows = gate.numel() / cols;
   const int64_t vec = 16 / gate.element_size();
   const auto ld = row_stride(gate, rows, cols);
-  if (ld && ld == row_stride(up, rows, cols) && (*ld == cols || (cols % vec == 0 && *ld % vec == 0)))
+  if (ld && ld == row_stride(up, rows, cols) && (*ld == cols || (*ld > cols && cols % vec == 0 && *ld % vec == 0)))
     return {gate, up, cols, *ld};
   return {gate.contiguous(), up.contiguous(), cols, cols};
 }
