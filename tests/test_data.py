@@ -47,15 +47,19 @@ def placed(pieces, lengths, capacity, overflow):
                                                   (SHARD + 5000, 300, 256, 3)])
 def test_pack_places_every_piece_once_within_capacity(n, high, capacity, seed, overflow):
     lengths = random_lengths(n, high, seed)
-    torch.set_num_threads(2)
-    pieces, row_starts = data.pack(lengths, capacity, overflow)
-    placed(pieces, lengths, capacity, overflow)
-    loads = np.add.reduceat(pieces[:, 2], row_starts[:-1]) if len(pieces) else np.zeros(0)
-    assert row_starts[0] == 0 and row_starts[-1] == len(pieces) and (np.diff(row_starts) > 0).all()
-    assert (loads <= capacity).all()
-    torch.set_num_threads(1)  # the threads change nothing
-    again, again_starts = data.pack(lengths, capacity, overflow)
-    assert np.array_equal(again, pieces) and np.array_equal(again_starts, row_starts)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        pieces, row_starts = data.pack(lengths, capacity, overflow)
+        placed(pieces, lengths, capacity, overflow)
+        loads = np.add.reduceat(pieces[:, 2], row_starts[:-1]) if len(pieces) else np.zeros(0)
+        assert row_starts[0] == 0 and row_starts[-1] == len(pieces) and (np.diff(row_starts) > 0).all()
+        assert (loads <= capacity).all()
+        torch.set_num_threads(1)  # the threads change nothing
+        again, again_starts = data.pack(lengths, capacity, overflow)
+        assert np.array_equal(again, pieces) and np.array_equal(again_starts, row_starts)
+    finally:  # the process's count, for the tests after this one (the order of their CPU sums)
+        torch.set_num_threads(threads)
 
 
 def test_pack_fills_rows_at_least_as_trl_does():
