@@ -187,6 +187,25 @@ def test_experts_with_no_tokens_and_a_token_routed_twice():
                                rtol=1e-12, atol=1e-12)
 
 
+def test_experts_with_an_unfused_activation_differentiate_as_hf():
+    """Experts whose activation no op computes (ReLU) keep HF's math in the gate, its backward autograd's; in fp64
+    every sum stays fp64 (the routing weights' gradient, the expert-by-expert weights' gradients): values and
+    gradients as HF's eager experts to 1e-12."""
+    ex = mini("qwen3_moe", "cpu", torch.float64).model.layers[0].mlp.experts
+    ex.act_fn = torch.nn.ReLU()
+    torch.manual_seed(0)
+    x = torch.randn(6, ex.gate_up_proj.shape[-1], dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([[3, 3], [3, 5], [5, 1], [0, 3], [5, 5], [1, 0]])
+    weights = torch.rand(6, 2, dtype=torch.float64, requires_grad=True)
+    forward = experts.experts_forward(bastile.roles.mlp.swiglu_gate(TRAITS["qwen3_moe"].mlp), concatenated=True)
+    inputs = (x, weights, ex.gate_up_proj, ex.down_proj)
+    got, want = (f(ex, x, index, weights) for f in (forward, type(ex).forward.__wrapped__))
+    grad = torch.randn_like(want)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
 def test_experts_holding_silu_as_a_function_run_the_fused_gate():
     """LFM2-MoE's experts hold F.silu, a function, as act_fn (Mlp.expert_activation None): their gate runs the
     `swiglu` op (between the dispatch and the combine), and the experts compute what HF's eager experts do."""

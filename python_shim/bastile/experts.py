@@ -118,12 +118,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Each expert's x^T dy over its pairs: [experts, in, out] in the memory layout of `like` (the weight it is the
     gradient of: a transposed view of [experts, out, in] gets dy^T x, transposed), so that autograd stores it in
-    the parameter's layout with no copy; bf16 off the grouped GEMM, fp32 off the expert-by-expert products."""
+    the parameter's layout with no copy; bf16 off the grouped GEMM, at least fp32 off the expert-by-expert
+    products."""
     if like.stride(-2) == 1 and like.stride(-1) != 1:
         return grouped_wgrad(dy, x, offsets, like.transpose(-2, -1)).transpose(-2, -1)
     if x.is_cuda and x.dtype == dy.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and dy.shape[1] % 8 == 0:
         return F.grouped_mm(x.t(), dy, offs=offsets)
-    return torch.stack([x[a:b].float().t() @ dy[a:b].float() for a, b in _bounds(offsets)])
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return torch.stack([x[a:b].to(acc).t() @ dy[a:b].to(acc) for a, b in _bounds(offsets)])
 
 
 def _forward(x, groups: Groups, p: Projection, scale: float):
@@ -182,9 +184,10 @@ def _down_backward(gate, grad, weights, gate_up, ha, groups: Groups, p: Projecti
         h = gate(g)
     dpair = _dispatch(grad, groups.order, p.w.dtype)
     u, *grads = _backward(dpair, h.detach(), ha, groups, p, scale, need, w)
-    dweight = (u * h.detach()).sum(-1, dtype=torch.float32)  # 16-bit: the products rounded, their sum not
+    acc = torch.promote_types(u.dtype, torch.float32)
+    dweight = (u * h.detach()).sum(-1, dtype=acc)  # 16-bit: the products rounded, their sum not
     if p.bias is not None:
-        dweight = dweight + (dpair.float() * p.bias[groups.expert].float()).sum(-1)
+        dweight = dweight + (dpair.to(acc) * p.bias[groups.expert].to(acc)).sum(-1)
     (dgate_up,) = torch.autograd.grad(h, g, _weighted(u, w, h.dtype))
     return dgate_up, dweight, grads
 
