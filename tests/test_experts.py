@@ -206,6 +206,29 @@ def test_experts_with_an_unfused_activation_differentiate_as_hf():
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_frozen_experts_backward_sends_the_gradient_only(family, monkeypatch):
+    """Frozen experts (LoRA on the attention alone): their backward makes no rows of x again (one expert_dispatch,
+    the tokens' gradient's) and the gate's backward is its own op's, with no autograd call of its own; the hidden
+    states' and routing weights' gradients those of HF's eager experts."""
+    ex = mini(family, "cpu", torch.float32).model.layers[0].mlp.experts
+    ex.requires_grad_(False)
+    torch.manual_seed(0)
+    x = torch.randn(6, ex.gate_up_proj.shape[1 if ex.is_transposed else -1], requires_grad=True)
+    index = torch.tensor([[3, 3], [3, 2], [2, 1], [0, 3], [2, 2], [1, 0]])
+    weights = torch.rand(6, 2, requires_grad=True)
+    want = torch.autograd.grad(type(ex).forward.__wrapped__(ex, x, index, weights).sum(), (x, weights))
+    bastile.apply(model=ex, **NO_TRAINERS)
+    out = ex(x, index, weights).sum()
+    monkeypatch.setattr(torch.autograd, "grad", None)
+    with Dispatched() as seen:
+        out.backward()
+    gate = TRAITS[family].mlp.experts
+    assert [c for c in seen.calls if c != "expert_combine"] == [gate, "expert_dispatch", f"{gate}_backward"]
+    for g, w in zip((x.grad, weights.grad), want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_experts_holding_silu_as_a_function_run_the_fused_gate():
     """LFM2-MoE's experts hold F.silu, a function, as act_fn (Mlp.expert_activation None): their gate runs the
     `swiglu` op (between the dispatch and the combine), and the experts compute what HF's eager experts do."""
@@ -301,7 +324,7 @@ def test_expert_path_gradients_fp64(transposed):
         g, u = gate_up.chunk(2, dim=-1)
         return F.silu(g) * u
 
-    forward = experts.experts_forward(gate, concatenated=True)
+    forward = experts.experts_forward(experts.through_autograd(gate), concatenated=True)
     pair = lambda lhs, rhs: (lhs, rhs)  # noqa: E731  (the factors as given)
 
     def run(hidden, weights, w1, b1, w2, b2, l1, r1, l2, r2):

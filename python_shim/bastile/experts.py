@@ -78,6 +78,24 @@ class _Factors(NamedTuple):
         return tuple(g if n else None for g, n in zip(grads, need))
 
 
+class Gate(NamedTuple):
+    """A family's gated activation of the experts' gate/up rows: `forward(experts, gate_up)`, and
+    `backward(experts, gate_up, grad)` the gradient of gate_up for the output's `grad` (the forward made again
+    from gate_up: nothing of it is kept)."""
+    forward: Callable
+    backward: Callable
+
+
+def through_autograd(forward: Callable) -> Gate:
+    """The Gate of a `forward` with no backward op of its own: autograd's."""
+    def backward(experts, gate_up, grad):
+        with torch.enable_grad():
+            g = gate_up.detach().requires_grad_()
+            (dg,) = torch.autograd.grad(forward(experts, g), g, grad)
+        return dg
+    return Gate(forward, backward)
+
+
 class Groups(NamedTuple):
     """The token-expert pairs ordered by expert: `order` (the pair of each row), `offsets` (each expert's end,
     int32), `expert` (each row's expert), `position` (the row of each pair, [tokens, k])."""
@@ -90,11 +108,11 @@ class Groups(NamedTuple):
 def group(top_k_index: torch.Tensor, experts: int) -> Groups:
     ids = top_k_index.reshape(-1)
     expert, order = torch.sort(ids, stable=True)
-    # bincount would size its output by the largest id: a host sync on CUDA
-    ones = torch.ones_like(ids, dtype=torch.int32)
-    counts = torch.zeros(experts, dtype=torch.int32, device=ids.device).scatter_add_(0, ids, ones)
+    # each expert's end, the count of the sorted ids up to it (bincount would size its output by the largest
+    # id: a host sync on CUDA)
+    ends = torch.searchsorted(expert, torch.arange(experts, device=ids.device), right=True, out_int32=True)
     position = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
-    return Groups(order, counts.cumsum(0, dtype=torch.int32), expert, position.view(top_k_index.shape))
+    return Groups(order, ends, expert, position.view(top_k_index.shape))
 
 
 def _grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -173,23 +191,20 @@ def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch
     return torch.ops.bastile.expert_dispatch(x, order, dtype=dtype)[0]
 
 
-def _down_backward(gate, grad, weights, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
+def _down_backward(gate: Gate, grad, weights, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
     """The backward of down and the gate for the tokens' gradient `grad`: (the gate's input's gradient, the routing
     weights' gradient per row, down's parameters' gradients). A function of its own so that its [pairs, hidden]
     tensors are freed before the gate/up backward allocates its own. With dpair each row's token's gradient and
     u = dpair (W2 + s A2 B2)^T: dh = w u, the weights' gradient <u, h> (+ <dpair, bias2>)."""
     w = weights.reshape(-1)[groups.order]
-    with torch.enable_grad():
-        g = gate_up.detach().requires_grad_()
-        h = gate(g)
+    h = gate.forward(gate_up)
     dpair = _dispatch(grad, groups.order, p.w.dtype)
-    u, *grads = _backward(dpair, h.detach(), ha, groups, p, scale, need, w)
+    u, *grads = _backward(dpair, h, ha, groups, p, scale, need, w)
     acc = torch.promote_types(u.dtype, torch.float32)
-    dweight = (u * h.detach()).sum(-1, dtype=acc)  # 16-bit: the products rounded, their sum not
+    dweight = (u * h).sum(-1, dtype=acc)  # 16-bit: the products rounded, their sum not
     if p.bias is not None:
         dweight = dweight + (dpair.to(acc) * p.bias[groups.expert].to(acc)).sum(-1)
-    (dgate_up,) = torch.autograd.grad(h, g, _weighted(u, w, h.dtype))
-    return dgate_up, dweight, grads
+    return gate.backward(gate_up, _weighted(u, w, h.dtype)), dweight, grads
 
 
 def _projection(params, factors: Optional[_Factors]) -> Projection:
@@ -214,7 +229,7 @@ class _Experts(torch.autograd.Function):
         x = _dispatch(hidden, order, p1.w.dtype)
         gate_up, xa = _forward(x, groups, p1, s1)
         del x  # [pairs, hidden], freed before down's output of that size is made
-        h = gate(gate_up)
+        h = gate.forward(gate_up)
         out, ha = _forward(h, groups, p2, s2)
         # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32; an fp32
         # model's bf16 under autocast)
@@ -235,10 +250,10 @@ class _Experts(torch.autograd.Function):
                                                                     p2, s2, need2)
         if da2 is not None:
             da2, db2 = make2.source_grads(params[6:], needs[14:16], da2, db2)
-        # gate/up, from the pairs' rows of x made again; in the weights' dtype: under autocast the forward's
-        # products were narrower, and the backward runs without it
+        # gate/up, from the pairs' rows of x made again where a weight or factor A takes a gradient; in the
+        # weights' dtype: under autocast the forward's products were narrower, and the backward runs without it
         p1 = _projection(params[:4], make1)
-        x = _dispatch(hidden, order, p1.w.dtype)
+        x = _dispatch(hidden, order, p1.w.dtype) if need1[0] or need1[2] else None
         dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), x, xa, groups, p1, s1, need1)
         if da1 is not None:
             da1, db1 = make1.source_grads(params[2:4], needs[10:12], da1, db1)
@@ -250,9 +265,9 @@ class _Experts(torch.autograd.Function):
         return (None, None, dhidden, dweights, None, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
 
 
-def experts_forward(gate: Callable, concatenated: bool) -> Callable:
-    """The experts' forward, `gate(experts, gate_up)` the family's gated activation stage (mlp.py), which reads
-    gate/up concatenated ([gate; up]) or interleaved. `lora`: {parameter name: its Adapter} (peft_wrapper)."""
+def experts_forward(gate: Gate, concatenated: bool) -> Callable:
+    """The experts' forward, `gate` the family's gated activation stage (mlp.py), which reads gate/up
+    concatenated ([gate; up]) or interleaved. `lora`: {parameter name: its Adapter} (peft_wrapper)."""
 
     def experts(self, hidden_states, top_k_index, top_k_weights, lora: Optional[Dict[str, Adapter]] = None):
         if not self.has_gate or self.is_concatenated != concatenated:
@@ -267,8 +282,8 @@ def experts_forward(gate: Callable, concatenated: bool) -> Callable:
             adapter = lora.get(name)
             params += [*stored(self, name), *(adapter.sources if adapter else (None, None))]
             makers.append((_Factors(adapter, self.is_transposed), adapter.scale) if adapter else (None, 0.0))
-        return _Experts.apply(lambda gate_up: gate(self, gate_up), tuple(makers), hidden_states, top_k_weights,
-                              *groups, *params)
+        bound = Gate(partial(gate.forward, self), partial(gate.backward, self))
+        return _Experts.apply(bound, tuple(makers), hidden_states, top_k_weights, *groups, *params)
     return experts
 
 

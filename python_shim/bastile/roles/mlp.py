@@ -8,11 +8,12 @@ fused nodes (lora.py). Any other activation runs HF's own math.
 import functools
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 from transformers.activations import GELUTanh, SiLUActivation
 
 from .. import lora
-from ..experts import experts_forward
+from ..experts import Gate, experts_forward, through_autograd
 from ..families import Mlp
 from ..ops.geglu import geglu
 from ..ops.swiglu import swiglu
@@ -102,7 +103,7 @@ def gated_projection(x, gate, act, up, projection):
     return lora.swiglu_down(g, up, projection, activation)
 
 
-def swiglu_gate(traits: Mlp) -> Callable:
+def swiglu_gate(traits: Mlp) -> Gate:
     """The experts' gated activation: act(gate) * up of the halves of gate_up, fused when the activation
     (Mlp.expert_activation) is SiLU or GELU-tanh."""
     act = activation_of(traits.expert_activation)
@@ -114,7 +115,16 @@ def swiglu_gate(traits: Mlp) -> Callable:
         if activation is None:
             return f(gate) * up
         return swiglu(gate, up, activation)
-    return swiglu_gate
+
+    hf = through_autograd(swiglu_gate)
+
+    def swiglu_gate_backward(self, gate_up, grad):
+        activation = gated_activation(act(self))
+        if activation is None:
+            return hf.backward(self, gate_up, grad)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.cat(torch.ops.bastile.swiglu_backward(grad, gate, up, activation), dim=-1)
+    return Gate(swiglu_gate, swiglu_gate_backward)
 
 
 def geglu_gate(self, gate_up):
@@ -123,7 +133,11 @@ def geglu_gate(self, gate_up):
     return geglu(gate_up, self.alpha, self.limit)
 
 
-GATES = {"swiglu": swiglu_gate, "geglu": lambda traits: geglu_gate}  # the family's traits -> its gate stage
+def geglu_gate_backward(self, gate_up, grad):
+    return torch.ops.bastile.geglu_backward(grad, gate_up, self.alpha, self.limit)
+
+
+GATES = {"swiglu": swiglu_gate, "geglu": lambda traits: Gate(geglu_gate, geglu_gate_backward)}  # traits -> gate stage
 CONCATENATED = {"swiglu": True, "geglu": False}  # how each gate reads gate/up: [gate; up], or interleaved
 
 
@@ -133,6 +147,7 @@ def declare(ctx: Context) -> Declaration:
     if m.dense:
         targets.append(Target("MLP", "forward", named(mlp_forward(m), "mlp", f), part="dense", lora=why_not(m)))
     if m.experts:
-        experts = named(experts_forward(named(GATES[m.experts](m), "mlp", f), CONCATENATED[m.experts]), "mlp", f)
+        gate = Gate(*(named(stage, "mlp", f) for stage in GATES[m.experts](m)))
+        experts = named(experts_forward(gate, CONCATENATED[m.experts]), "mlp", f)
         targets.append(Target("Experts", "forward", experts, part="experts"))
     return Declaration(tuple(targets))
