@@ -55,6 +55,24 @@ def stored(experts, name: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return (w if experts.is_transposed else w.transpose(-2, -1)), bias
 
 
+@torch.library.custom_op("bastile_experts::contiguous", mutates_args=())
+def _contiguous_op(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.new_empty(t.shape, dtype=dtype).copy_(t)
+
+
+@_contiguous_op.register_fake
+def _(t, dtype):
+    return t.new_empty(t.shape, dtype=dtype)
+
+
+def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, contiguous, in one copy. Under torch.compile (2.11) through an opaque op: Inductor lays a copy
+    of a permuted view out in the view's strides, which grouped_mm refuses."""
+    if torch.compiler.is_compiling():
+        return _contiguous_op(t, dtype)
+    return t.new_empty(t.shape, dtype=dtype).copy_(t)
+
+
 class _Factors(NamedTuple):
     """An adapter's factors as Projection's a [experts, in, rank] and b [experts, rank, out]. The delta s lhs @ rhs
     is in the stored layout: stored [in, out], x (W + s L R) = x W + s (x L) R; stored [out, in],
@@ -68,7 +86,7 @@ class _Factors(NamedTuple):
 
     def made(self, w: torch.Tensor, *sources):
         """In w's dtype, contiguous, for the grouped products."""
-        return tuple(t.to(w.dtype).contiguous() for t in self.views(*sources))
+        return tuple(_contiguous(t, w.dtype) for t in self.views(*sources))
 
     def source_grads(self, sources, need, da, db):
         """The sources' gradients (None where `need` says no) from the factors': written through the views."""
@@ -115,10 +133,15 @@ def group(top_k_index: torch.Tensor, experts: int) -> Groups:
     return Groups(order, ends, expert, position.view(top_k_index.shape))
 
 
-def _grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these: bf16 on CUDA, rows of 16-byte multiples."""
-    return (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
+def grouped_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: bf16, rows of 16-byte multiples."""
+    return (x.dtype == w.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
             and w.shape[-2] % 8 == 0)
+
+
+def _grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the products run as torch's grouped GEMM: on CUDA, where it takes the operands."""
+    return x.is_cuda and grouped_operands(x, w)
 
 
 def _bounds(offsets: torch.Tensor):
