@@ -206,8 +206,10 @@ mod tests {
         assert!(p.step * p.logit_bytes + p.group * p.grad_bytes <= CHUNK_BYTES);
         let p = plan(37, 300, 2, 80 * 300);
         assert_eq!((p.step, p.group), (5, 20));
-        assert_eq!((plan(37, 300, 2, 1 << 30).step, plan(37, 300, 2, 1 << 30).group), (37, 37));
-        assert_eq!((plan(1000, 300, 2, 300 * 64).step, plan(1000, 300, 2, 300 * 64).group), (4, 16));
+        let p = plan(37, 300, 2, 1 << 30);
+        assert_eq!((p.step, p.group), (37, 37));
+        let p = plan(1000, 300, 2, 300 * 64);
+        assert_eq!((p.step, p.group), (4, 16));
         let p = plan(8192, 151_936, 0, 0);
         assert_eq!((p.step, p.group), (768, 768));
         let p = plan(0, 10, 2, 0);

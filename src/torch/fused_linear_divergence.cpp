@@ -1,11 +1,11 @@
-// torch.ops.bastile.fused_linear_divergence: the summed divergence between a student's and a teacher's
-// next-token distributions (include/fused_linear_divergence.h: forward KL, reverse KL or TRL's generalized
-// JSD by beta) and the student's summed entropy, from both models' hidden states and heads, without either
-// [rows, vocab] logits. Rows go in chunks, and chunks in groups (Rust's DivergencePlan); per chunk, cuBLAS
-// makes both logits in f32 (as TRL's function projects them) and our kernel turns them into the rows'
-// divergences, entropies and dD/d(student logits) in the student's dtype; per group, two more GEMMs fold
-// those gradient rows into the student's hidden and weight gradients (fused_head.h's helpers). The forward forms the gradients for a unit upstream gradient;
-// the backward scales them (fused_head.h: scale_formed). The teacher gets no gradient, as in TRL.
+// torch.ops.bastile.fused_linear_divergence: the summed divergence between a student's and a teacher's next-token
+// distributions (include/fused_linear_divergence.h: forward KL, reverse KL or TRL's generalized JSD by beta) and
+// the student's summed entropy, from both models' hidden states and heads, without either [rows, vocab] logits.
+// Rows go in chunks, and chunks in groups (Rust's DivergencePlan); per chunk, cuBLAS makes both logits in f32 (as
+// TRL's function projects them) and our kernel turns them into the rows' divergences, entropies and dD/d(student
+// logits) in the student's dtype; per group, two more GEMMs fold those gradient rows into the student's hidden and
+// weight gradients (fused_head.h's helpers). The forward forms the gradients for a unit upstream gradient; the
+// backward scales them (fused_head.h: scale_formed). The teacher gets no gradient, as in TRL.
 #include "fused_head.h"
 
 #include <c10/util/accumulate.h>

@@ -1,7 +1,6 @@
 // torch.ops.bastile.swiglu: y = act(gate) * up with act "silu" or "gelu_tanh" (cuda/swiglu.cu). Autograd saves
-// gate and up only: the backward recomputes the activation, so none is stored. Halves of one concatenated
-// gate/up tensor are read where they lie. Autocast leaves it alone, as it
-// leaves HF's activation and product.
+// gate and up only: the backward recomputes the activation, so none is stored. Halves of one concatenated gate/up
+// tensor are read where they lie. Autocast leaves it alone, as it leaves HF's activation and product.
 #include "op.h"
 
 #include <ATen/TensorUtils.h>
