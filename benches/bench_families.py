@@ -8,6 +8,7 @@ the same model on the same tokens, each mode in its own process.
     python benches/bench_families.py --models gemma4-26b-a4b --seq 2048  # another sequence length
     python benches/bench_families.py --models qwen3_5-9b --seq 16384 --checkpoint  # HF gradient checkpointing
     python benches/bench_families.py --models llama3-8b --seq 131072 --checkpoint --modes bastile,bastile-offload
+    python benches/bench_families.py --models qwen3-30b-a3b-attn --compile  # each decoder layer torch.compile'd
 
 Models (MODELS): random init from the published configs (sizes, vocabularies, rotary and window settings,
 multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention (GPT-OSS: eager, HF's only). A model that fits one H100
@@ -18,7 +19,9 @@ the adapters. Mixtral-8x7B keeps 8 of its 32 layers (the whole model
 is 94 GB of bf16 weights). Labels = input ids. Modes: hf, liger (Liger Kernel's apply function for the
 model type, its defaults, fused linear cross-entropy included, before the model is built), bastile
 (bastile.apply()), and on request bastile-offload (bastile.apply(offload_checkpoints=True)). --steps steps (default 10), the first --warmup (3) not timed; peak GiB =
-torch.cuda.max_memory_allocated over the child. Writes families.csv and .log under $OUT or bench-results/.
+torch.cuda.max_memory_allocated over the child. --compile compiles each decoder layer (module.compile(), regional
+compilation) in every mode, after PEFT; the warmup steps compile. Writes families.csv and .log under $OUT or
+bench-results/.
 """
 
 import torch
@@ -209,7 +212,7 @@ def tiny(config: dict, cfg_cls) -> dict:
     return config
 
 
-def build(mode, name, device, smoke, checkpoint):
+def build(mode, name, device, smoke, checkpoint, compiled=False):
     model_type, config_cls, model_cls, config, targets, _, _ = MODELS[name]
     if mode == "liger":
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
@@ -241,6 +244,11 @@ def build(mode, name, device, smoke, checkpoint):
     if targets:
         from peft import LoraConfig, get_peft_model
         net = get_peft_model(net, LoraConfig(r=LORA, lora_alpha=2 * LORA, lora_dropout=0.0, target_modules=targets))
+    if compiled:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+        for layer in net.modules():
+            if isinstance(layer, GradientCheckpointingLayer):
+                layer.compile()
     net.train()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR, fused=device == "cuda")
     return net, opt, cfg.get_text_config().vocab_size
@@ -249,12 +257,13 @@ def build(mode, name, device, smoke, checkpoint):
 def child(args) -> dict:
     _, _, _, _, targets, seq, batch = MODELS[args.model]
     seq, batch = (64, 2) if args.smoke else (args.seq or seq, batch)
-    work = (f"LoRA r{LORA}" if targets else "full") + (", checkpointed" if args.checkpoint else "")
+    work = ((f"LoRA r{LORA}" if targets else "full") + (", checkpointed" if args.checkpoint else "")
+            + (", layers compiled" if args.compile else ""))
     result = {"model": args.model, "mode": args.mode, "work": work,
               "seq": seq, "batch": batch}
     try:
         result["env"] = environment()
-        net, opt, vocab = build(args.mode, args.model, args.device, args.smoke, args.checkpoint)
+        net, opt, vocab = build(args.mode, args.model, args.device, args.smoke, args.checkpoint, args.compile)
         train_random(result, net, opt, vocab, batch, seq, args)
         if args.profile:
             result["profile"] = profile_step(net, opt, torch.randint(0, vocab, (batch, seq), device=args.device),
@@ -307,7 +316,8 @@ def versus(rows):
 def parent(args):
     names = args.models.split(",") if args.models else list(MODELS)
     extra = ((["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
-             + ([f"--seq={args.seq}"] if args.seq else []) + (["--checkpoint"] if args.checkpoint else []))
+             + ([f"--seq={args.seq}"] if args.seq else []) + (["--checkpoint"] if args.checkpoint else [])
+             + (["--compile"] if args.compile else []))
 
     def show(result):
         if "profile" in result:
@@ -327,6 +337,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also profile one step: GPU time by category, top kernels")
     ap.add_argument("--seq", type=int, help="every model's sequence length (default: each model's own)")
     ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
+    ap.add_argument("--compile", action="store_true", help="each decoder layer torch.compile'd (regional)")
     modes_main(ap.parse_args(), child, parent)
 
 
