@@ -283,6 +283,7 @@ def test_expert_lora_layers_compile_as_eager(device, monkeypatch):
     gradients of the same model's eager step. The adapters' factors are permuted views of their
     weights, made contiguous for the grouped GEMM; Inductor laid a cast's copy of them out in the views' strides,
     which grouped_mm refused. bf16; on the CPU the products take torch's grouped GEMM, as on CUDA."""
+    from torch._dynamo.utils import counters
     if device == "cpu":
         monkeypatch.setattr(experts, "_grouped_kernel", experts.grouped_operands)
     # gate_up's A and B of one size, the case where Inductor put B's copy in A's freed buffer
@@ -300,9 +301,12 @@ def test_expert_lora_layers_compile_as_eager(device, monkeypatch):
 
     want = step()
     torch._dynamo.reset()
+    counters.clear()
     for layer in model.get_base_model().model.layers:
         layer.compile()
     got = step()
+    # HF's output capturing (the router's logits) breaks the graph; the layer resumes after it rather than run eager
+    assert not [k for k in counters["graph_break"] if "GenericContextWrappingVariable" in k]
     assert got.keys() == want.keys() and any("experts" in n for n in got)
     for name, g in want.items():
         assert rel_err(got[name], g) <= 2e-2, name

@@ -129,24 +129,25 @@ def layer_forward(ctx: Context) -> Callable:
     def norm(self, name, x):
         return x if name is None else getattr(self, name)(x)
 
-    @contextlib.contextmanager
     def normed(self, name, x, checkpointed):
-        """norm(self, name, x), recomputed in the backward where that saves memory (recompute.py)."""
+        """norm(self, name, x), and the context its sublayer runs in: one that recomputes it in the backward where
+        that saves memory (recompute.py). Compiled, none: recompute is off there, and Dynamo cannot resume a graph
+        broken inside a generator's context (HF's output capturing breaks it), so the whole layer would run eager."""
         n = norm(self, name, x)
-        if name is None or not ctx.runs("norm") or checkpointed:
-            yield n
-            return
-        with recomputing((n,), lambda: (norm(self, name, x),)):
-            yield n
+        if name is None or not ctx.runs("norm") or checkpointed or torch.compiler.is_compiling():
+            return n, contextlib.nullcontext()
+        return n, recomputing((n,), lambda: (norm(self, name, x),))
 
     def layer(self, hidden_states, per_layer_input, kwargs):
         checkpointed = self.gradient_checkpointing and self.training
         residual = hidden_states
-        with normed(self, res.attention_in, hidden_states, checkpointed) as x:
+        x, saving = normed(self, res.attention_in, hidden_states, checkpointed)
+        with saving:
             out = mixer(self, x, kwargs)
         hidden_states = combine(self, residual, norm(self, res.attention_out, out), 0)
         residual = hidden_states
-        with normed(self, res.mlp_in, hidden_states, checkpointed) as x:
+        x, saving = normed(self, res.mlp_in, hidden_states, checkpointed)
+        with saving:
             out = mlp_out(mlp(self, x, checkpointed))
         out = beside(self, out, residual)
         hidden_states = combine(self, residual, norm(self, res.mlp_out, out), 1)
