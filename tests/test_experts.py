@@ -282,7 +282,9 @@ def test_expert_lora_layers_compile_as_eager(device, monkeypatch):
     """PEFT LoRA on the experts' 3-D parameters, each decoder layer compiled (regional torch.compile): the adapters'
     gradients of the same model's eager step. The adapters' factors are permuted views of their
     weights, made contiguous for the grouped GEMM; Inductor laid a cast's copy of them out in the views' strides,
-    which grouped_mm refused. bf16; on the CPU the products take torch's grouped GEMM, as on CUDA."""
+    which grouped_mm refused. The experts' backward traced whole (grouped weight gradients, no host read) got a
+    zero gradient where their forward returned a no-op `.to`. bf16; on the CPU the products and the weight
+    gradients take torch's grouped GEMM, as on CUDA."""
     from torch._dynamo.utils import counters
     if device == "cpu":
         monkeypatch.setattr(experts, "_grouped_kernel", experts.grouped_operands)

@@ -133,15 +133,15 @@ def group(top_k_index: torch.Tensor, experts: int) -> Groups:
     return Groups(order, ends, expert, position.view(top_k_index.shape))
 
 
-def grouped_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these operands: bf16, rows of 16-byte multiples."""
-    return (x.dtype == w.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
-            and w.shape[-2] % 8 == 0)
+def grouped_operands(*operands: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands (rows [pairs, n] or experts' [experts, n, m]): bf16, each
+    dimension but the first a multiple of 8 (rows of 16-byte multiples)."""
+    return all(t.dtype == torch.bfloat16 and all(d % 8 == 0 for d in t.shape[1:]) for t in operands)
 
 
-def _grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _grouped_kernel(*operands: torch.Tensor) -> bool:
     """Whether the products run as torch's grouped GEMM: on CUDA, where it takes the operands."""
-    return x.is_cuda and grouped_operands(x, w)
+    return operands[0].is_cuda and grouped_operands(*operands)
 
 
 def _bounds(offsets: torch.Tensor):
@@ -163,7 +163,7 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like
     products."""
     if like.stride(-2) == 1 and like.stride(-1) != 1:
         return grouped_wgrad(dy, x, offsets, like.transpose(-2, -1)).transpose(-2, -1)
-    if x.is_cuda and x.dtype == dy.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and dy.shape[1] % 8 == 0:
+    if _grouped_kernel(x, dy):
         return F.grouped_mm(x.t(), dy, offs=offsets)
     acc = torch.promote_types(x.dtype, torch.float32)
     return torch.stack([x[a:b].to(acc).t() @ dy[a:b].to(acc) for a, b in _bounds(offsets)])
@@ -259,7 +259,9 @@ class _Experts(torch.autograd.Function):
         combined = torch.ops.bastile.expert_combine(out, position, weights)
         ctx.save_for_backward(hidden, weights, order, offsets, expert, position, gate_up, xa, ha, *params)
         ctx.gate, ctx.lora = gate, lora
-        return combined.to(hidden.dtype)
+        # not a `.to` that returns combined itself: under torch.compile (2.11) a Function's output that is
+        # its forward's no-op `.to` gets a zero gradient
+        return combined if combined.dtype == hidden.dtype else combined.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad):
