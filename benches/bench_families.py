@@ -9,6 +9,7 @@ the same model on the same tokens, each mode in its own process.
     python benches/bench_families.py --models qwen3_5-9b --seq 16384 --checkpoint  # HF gradient checkpointing
     python benches/bench_families.py --models llama3-8b --seq 131072 --checkpoint --modes bastile,bastile-offload
     python benches/bench_families.py --models qwen3-30b-a3b-attn --compile  # each decoder layer torch.compile'd
+    python benches/bench_families.py --models qwen3-30b-a3b --seq 1024 --compile reduce-overhead  # and CUDA-graphed
 
 Models (MODELS): random init from the published configs (sizes, vocabularies, rotary and window settings,
 multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention (GPT-OSS: eager, HF's only). A model that fits one H100
@@ -19,8 +20,9 @@ the adapters. Mixtral-8x7B keeps 8 of its 32 layers (the whole model
 is 94 GB of bf16 weights). Labels = input ids. Modes: hf, liger (Liger Kernel's apply function for the
 model type, its defaults, fused linear cross-entropy included, before the model is built), bastile
 (bastile.apply()), and on request bastile-offload (bastile.apply(offload_checkpoints=True)). --steps steps (default 10), the first --warmup (3) not timed; peak GiB =
-torch.cuda.max_memory_allocated over the child. --compile compiles each decoder layer (module.compile(), regional
-compilation) in every mode, after PEFT; the warmup steps compile. Writes families.csv and .log under $OUT or
+torch.cuda.max_memory_allocated over the child. --compile [MODE] compiles each decoder layer (module.compile(mode=MODE),
+regional compilation) in every mode, after PEFT; the warmup steps compile (and record the CUDA graphs of
+reduce-overhead). Writes families.csv and .log under $OUT or
 bench-results/.
 """
 
@@ -212,7 +214,7 @@ def tiny(config: dict, cfg_cls) -> dict:
     return config
 
 
-def build(mode, name, device, smoke, checkpoint, compiled=False):
+def build(mode, name, device, smoke, checkpoint, compiled=None):
     model_type, config_cls, model_cls, config, targets, _, _ = MODELS[name]
     if mode == "liger":
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
@@ -248,7 +250,7 @@ def build(mode, name, device, smoke, checkpoint, compiled=False):
         from transformers.modeling_layers import GradientCheckpointingLayer
         for layer in net.modules():
             if isinstance(layer, GradientCheckpointingLayer):
-                layer.compile()
+                layer.compile(mode=compiled)
     net.train()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR, fused=device == "cuda")
     return net, opt, cfg.get_text_config().vocab_size
@@ -258,7 +260,7 @@ def child(args) -> dict:
     _, _, _, _, targets, seq, batch = MODELS[args.model]
     seq, batch = (64, 2) if args.smoke else (args.seq or seq, batch)
     work = ((f"LoRA r{LORA}" if targets else "full") + (", checkpointed" if args.checkpoint else "")
-            + (", layers compiled" if args.compile else ""))
+            + (f", layers compiled ({args.compile})" if args.compile else ""))
     result = {"model": args.model, "mode": args.mode, "work": work,
               "seq": seq, "batch": batch}
     try:
@@ -317,7 +319,7 @@ def parent(args):
     names = args.models.split(",") if args.models else list(MODELS)
     extra = ((["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
              + ([f"--seq={args.seq}"] if args.seq else []) + (["--checkpoint"] if args.checkpoint else [])
-             + (["--compile"] if args.compile else []))
+             + ([f"--compile={args.compile}"] if args.compile else []))
 
     def show(result):
         if "profile" in result:
@@ -337,7 +339,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also profile one step: GPU time by category, top kernels")
     ap.add_argument("--seq", type=int, help="every model's sequence length (default: each model's own)")
     ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
-    ap.add_argument("--compile", action="store_true", help="each decoder layer torch.compile'd (regional)")
+    ap.add_argument("--compile", nargs="?", const="default", metavar="MODE",
+                    help="each decoder layer torch.compile'd (regional), in torch.compile's MODE (default: default)")
     modes_main(ap.parse_args(), child, parent)
 
 
