@@ -131,10 +131,9 @@ def layer_forward(ctx: Context) -> Callable:
 
     def normed(self, name, x, checkpointed):
         """norm(self, name, x), and the context its sublayer runs in: one that recomputes it in the backward where
-        that saves memory (recompute.py). Compiled, none: recompute is off there, and Dynamo cannot resume a graph
-        broken inside a generator's context (HF's output capturing breaks it), so the whole layer would run eager."""
+        that saves memory (recompute.py)."""
         n = norm(self, name, x)
-        if name is None or not ctx.runs("norm") or checkpointed or torch.compiler.is_compiling():
+        if name is None or not ctx.runs("norm") or checkpointed:
             return n, contextlib.nullcontext()
         return n, recomputing((n,), lambda: (norm(self, name, x),))
 

@@ -83,21 +83,24 @@ class _Hooks:
         return saved.group.again(saved.i).as_strided(saved.size, saved.stride, saved.offset)
 
 
-@contextlib.contextmanager
 def recomputing(outputs: Sequence[torch.Tensor], compute: Callable[[], Sequence[torch.Tensor]]):
-    """Inside, autograd keeps each of `outputs` (contiguous) saved as how to compute it again: compute() gives
-    them all."""
+    """A context inside which autograd keeps each of `outputs` (contiguous) saved as how to compute it again:
+    compute() gives them all. Where recompute is off, a nullcontext: Dynamo cannot resume a graph broken inside a
+    generator's context (HF's output capturing breaks one), so a compiled layer would run eager."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(t.is_contiguous() for t in outputs):
-        yield
-        return
+        return contextlib.nullcontext()
     hooks = torch._C._autograd
     top = hooks._top_saved_tensors_default_hooks(False)
     outer = getattr(top[0], "__self__", None) if top is not None else None
     if (top is not None and not isinstance(outer, _Hooks)
             or hooks._saved_tensors_hooks_get_disabled_error_message() is not None):
-        yield
-        return
-    group = _Group(outputs, compute)
+        return contextlib.nullcontext()
+    return _saving(_Group(outputs, compute), outer)
+
+
+@contextlib.contextmanager
+def _saving(group: _Group, outer):
+    """`group` recomputed inside: in the outer context's hooks, or in hooks of its own."""
     if outer is not None:
         outer.groups.append(group)
         try:
