@@ -75,7 +75,8 @@ def shrunk(raw: dict) -> dict:
                           shared_expert_intermediate_size=32, num_attention_heads=4, vocab_size=VOCAB,
                           vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, linear_num_key_heads=2,
                           linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16).items():
-        if d.get(key):
+        # a key left to its class's default counts too (Gemma 3's text_config gives no vocab_size: 262,208)
+        if d[key] if key in d else getattr(full, key, None):
             d[key] = size
     for key in ("num_key_value_heads", "num_global_key_value_heads"):
         if d.get(key):  # multi-head, grouped or single kv heads as published
