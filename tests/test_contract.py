@@ -383,12 +383,14 @@ def test_cpu_ops_run_in_forked_dataloader_workers():
     """The parent runs every CPU kernel, then forked DataLoader workers (one torch thread each, as DataLoader
     sets) run them again and get what the parent gets with one thread (ATen's GEMMs in the cross-entropy
     sum in another order with more); a kernel waiting on threads fork() did not copy would hang the
-    workers past the timeout."""
+    workers past the timeout. The parent's first run takes two threads whatever the process was given (make
+    test's passes get one each), so that the pool exists when the workers fork."""
     data = EveryCpuOp()
-    data[0]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
+        torch.set_num_threads(2)
+        data[0]
+        torch.set_num_threads(1)
         want = data[0]
     finally:
         torch.set_num_threads(threads)
