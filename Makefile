@@ -79,10 +79,11 @@ PYTEST_NEWEST = PYTHONPATH=$(abspath $(NEWEST_SITE))$(if $(PYTHONPATH),:$(PYTHON
 pytest-newest: install $(NEWEST_SITE)/.ready
 	$(PYTEST_NEWEST)
 
-# The two passes side by side (the second's output follows the first's): most tests are one thread of Python's
-# time, and a CI machine has two cores.
+# The two passes side by side (the second's output follows the first's), one thread each: most tests are one
+# thread of Python's time, and a CI machine has two cores. Two processes of two OpenMP threads on two cores ran
+# test_experts.py in 276 s where one took 49 (waiting threads spin); two of one thread each took 48.
 test: cargo-test install $(NEWEST_SITE)/.ready
-	$(PYTEST_NEWEST) > target/pytest-newest.log 2>&1 & newest=$$!; \
+	export OMP_NUM_THREADS=1; $(PYTEST_NEWEST) > target/pytest-newest.log 2>&1 & newest=$$!; \
 	$(PYTEST); first=$$?; wait $$newest; second=$$?; \
 	echo "--- transformers $(NEWEST):"; cat target/pytest-newest.log; exit $$((first || second))
 
