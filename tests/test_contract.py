@@ -383,8 +383,8 @@ def test_cpu_ops_run_in_forked_dataloader_workers():
     """The parent runs every CPU kernel, then forked DataLoader workers (one torch thread each, as DataLoader
     sets) run them again and get what the parent gets with one thread (ATen's GEMMs in the cross-entropy
     sum in another order with more); a kernel waiting on threads fork() did not copy would hang the
-    workers past the timeout. The parent's first run takes two threads whatever the process was given (make
-    test's passes get one each), so that the pool exists when the workers fork."""
+    workers past the timeout. The parent's first run takes two threads whatever the process was given
+    (OMP_NUM_THREADS=1 would start no pool), so that the pool exists when the workers fork."""
     data = EveryCpuOp()
     threads = torch.get_num_threads()
     try:
