@@ -67,6 +67,12 @@ def shrunk(raw: dict) -> dict:
     full = CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
     d = copy.deepcopy(raw)
     heads = full.num_attention_heads
+
+    def given(key):
+        """A key's value as published, or where the config leaves it out, its class's default (Gemma 3's text_config
+        gives no vocab_size: 262,208)."""
+        return d[key] if key in d else getattr(full, key, None)
+
     # where the head width follows from hidden_size (and rotation tables from it, Phi-3's longrope factors), so does
     # the test's
     d["hidden_size"] = 64 if "head_dim" in raw else 4 * (full.hidden_size // heads)
@@ -75,23 +81,22 @@ def shrunk(raw: dict) -> dict:
                           shared_expert_intermediate_size=32, num_attention_heads=4, vocab_size=VOCAB,
                           vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, linear_num_key_heads=2,
                           linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16).items():
-        # a key left to its class's default counts too (Gemma 3's text_config gives no vocab_size: 262,208)
-        if d[key] if key in d else getattr(full, key, None):
+        if given(key):
             d[key] = size
     for key in ("num_key_value_heads", "num_global_key_value_heads"):
-        if d.get(key):  # multi-head, grouped or single kv heads as published
-            d[key] = 4 if d[key] == heads else min(d[key], 2)
+        if given(key):  # multi-head, grouped or single kv heads as published
+            d[key] = 4 if given(key) == heads else min(given(key), 2)
     for key in ("num_experts", "num_local_experts"):
-        if d.get(key):
-            d[key] = min(d[key], 8)
+        if given(key):
+            d[key] = min(given(key), 8)
     for key in ("num_experts_per_tok", "experts_per_token", "top_k_experts"):
-        if d.get(key):
-            d[key] = min(d[key], 2)
+        if given(key):
+            d[key] = min(given(key), 2)
     for key in ("sliding_window", "sliding_window_size"):
-        if isinstance(d.get(key), int):
-            d[key] = min(d[key], 16)  # shorter than the test sequences
+        if isinstance(given(key), int):
+            d[key] = min(given(key), 16)  # shorter than the test sequences
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        ids = d.get(key)
+        ids = given(key)
         if isinstance(ids, list):
             d[key] = [i % VOCAB for i in ids]
         elif isinstance(ids, int):
@@ -104,11 +109,11 @@ def shrunk(raw: dict) -> dict:
         for t in types * (len(types) > 1) * 2:
             picked.append(next(i for i, u in enumerate(full_types) if u == t and i not in picked))
         d["layer_types"] = [full_types[i] for i in picked]
-    if isinstance(d.get("no_rope_layers"), list):  # SmolLM3: 0 marks a NoPE layer, one in four
+    if isinstance(given("no_rope_layers"), list):  # SmolLM3: 0 marks a NoPE layer, one in four
         d["no_rope_layers"] = [1, 1, 1, 0]
-    if isinstance(d.get("mlp_only_layers"), list):
-        d["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
-    if d.get("num_kv_shared_layers"):
+    if isinstance(given("mlp_only_layers"), list):
+        d["mlp_only_layers"] = [i for i in given("mlp_only_layers") if i < layers]
+    if given("num_kv_shared_layers"):
         d["num_kv_shared_layers"] = len(types)  # the last of each type reuses the first's K/V
     d["num_hidden_layers"] = layers
     return d
