@@ -63,8 +63,9 @@ endif
 cargo-test: build
 	PATH=$(abspath $(VENV))/bin:$$PATH cargo test --release
 
+PYTEST = $(PY) -m pytest tests -q -p no:cacheprovider
 pytest: install
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PYTEST)
 
 # The same build with the newest tested transformers in front of the pinned one, for the tests that its modeling
 # code can change: all but the ops' own (OP_TESTS: each op against its reference, the registration contract, the
@@ -74,11 +75,17 @@ OP_TESTS = tests/test_contract.py tests/test_library.py tests/test_fused_linear_
 $(NEWEST_SITE)/.ready: | setup
 	$(PY) -m pip install -q --no-cache-dir --no-deps --target $(NEWEST_SITE) transformers==$(NEWEST)
 	touch $@
+PYTEST_NEWEST = PYTHONPATH=$(abspath $(NEWEST_SITE))$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PYTEST) $(OP_TESTS:%=--ignore=%)
 pytest-newest: install $(NEWEST_SITE)/.ready
-	PYTHONPATH=$(abspath $(NEWEST_SITE))$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest tests -q -p no:cacheprovider \
-		$(OP_TESTS:%=--ignore=%)
+	$(PYTEST_NEWEST)
 
-test: cargo-test pytest pytest-newest
+# The two passes side by side (the second's output follows the first's), one thread each: most tests are one
+# thread of Python's time, and a CI machine has two cores. Two processes of two OpenMP threads on two cores ran
+# test_experts.py in 276 s where one took 49 (waiting threads spin); two of one thread each took 48.
+test: cargo-test install $(NEWEST_SITE)/.ready
+	export OMP_NUM_THREADS=1; $(PYTEST_NEWEST) > target/pytest-newest.log 2>&1 & newest=$$!; \
+	$(PYTEST); first=$$?; wait $$newest; second=$$?; \
+	echo "--- transformers $(NEWEST):"; cat target/pytest-newest.log; exit $$((first || second))
 
 # Bastile built from source against the newest torch and transformers (its own virtualenv and target
 # directory), then cargo test and the suite: run before each release (README, "Versions").
