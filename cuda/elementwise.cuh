@@ -16,6 +16,15 @@ __device__ __forceinline__ float sigmoid(float x) {
   return s;
 }
 
+// The gate activations of the gated MLPs (swiglu.h's SWIGLU_*): SiLU, g * sig(g), or GELU with the tanh
+// approximation, g/2 * (1 + tanh(b * (g + k g^3))), b = sqrt(2/pi), k = 0.044715; in f32.
+constexpr float kGeluBeta = 0.7978845608028654f;
+constexpr float kGeluKappa = 0.044715f;
+__device__ __forceinline__ float gate_act(float g, bool gelu_tanh) {
+  if (gelu_tanh) return 0.5f * g * (1.f + tanhf(kGeluBeta * (g + kGeluKappa * (g * g * g))));
+  return g * sigmoid(g);
+}
+
 // A vector through the read-only (non-coherent) path: the inputs never alias the fresh outputs.
 // keep_packed's barriers would otherwise stop the compiler from proving that by itself.
 template <int V, class T> __device__ __forceinline__ Pack<T, V> load_nc(const T *p) {

@@ -358,28 +358,14 @@ struct Tiles {
   __device__ bool skip(int64_t tile) const { return flags && !flags[tile % row_tiles]; }
   // A repair launch with nothing flagged (flags[row_tiles]: any row tile) has nothing to do.
   __device__ bool none() const { return flags && !flags[row_tiles]; }
+  __device__ int32_t a_row(int64_t tile) const { return (int32_t)(tile % row_tiles * kTileM); }
+  __device__ int32_t b_row(int64_t tile, int half) const { return (int32_t)(tile / row_tiles * kTileN + half * kTileN / 2); }
 };
 
 __device__ __forceinline__ float fast_exp2(float x) {  // subnormal results flush to 0 (see the header)
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-
-__device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t *>(&v); }
-
-// The four threads of a row each hold columns 2q, 2q + 1 (q = lane % 4) of four 8-column groups
-// (v[i]: group i); afterwards thread q holds all 8 columns of group q, in order: a 4 x 4 transpose over
-// the quad in two exchanges, so that each thread stores 16 contiguous bytes.
-__device__ __forceinline__ uint4 quad_transpose(uint32_t (&v)[4], int q) {
-  const bool b1 = q & 2, b0 = q & 1;
-  uint32_t r0 = __shfl_xor_sync(0xffffffffu, b1 ? v[0] : v[2], 2), r1 = __shfl_xor_sync(0xffffffffu, b1 ? v[1] : v[3], 2);
-  if (b1) v[0] = r0, v[1] = r1;
-  else v[2] = r0, v[3] = r1;
-  r0 = __shfl_xor_sync(0xffffffffu, b0 ? v[0] : v[1], 1), r1 = __shfl_xor_sync(0xffffffffu, b0 ? v[2] : v[3], 1);
-  if (b0) v[0] = r0, v[2] = r1;
-  else v[1] = r0, v[3] = r1;
-  return make_uint4(v[0], v[1], v[2], v[3]);
 }
 
 // exps of one warp group's 64 x 256 part of a tile, and per row its {max u, sum of 2^(u - r)}.
@@ -453,9 +439,10 @@ __device__ __forceinline__ void epilogue(const CrossEntropyGemm &p, float (&acc)
 }
 
 template <bool CAP> __device__ __forceinline__ void logits_gemm(const CrossEntropyGemm &p) {
-  gemm_bf16_tn<FLCE_GEMM_MAX_STAGES>(&p.hidden_map, &p.weight_map, p.cols, p.stages, Tiles(p),
-                                     [&](float (&acc)[128], int64_t m, int64_t n, int group, int t) {
-                                       epilogue<CAP>(p, acc, m, n, group, t);
+  const Tiles tiles(p);
+  gemm_bf16_tn<FLCE_GEMM_MAX_STAGES>(&p.hidden_map, &p.weight_map, p.cols, p.stages, tiles,
+                                     [&](float (&acc)[128], int64_t tile, int group, int t) {
+                                       epilogue<CAP>(p, acc, tile % tiles.row_tiles, tile / tiles.row_tiles, group, t);
                                      });
 }
 

@@ -3,6 +3,7 @@
 // (gemm_bf16_tn). Only code compiled for sm_90a may call the instructions (the callers check BASTILE_SM90 and
 // trap elsewhere); Rust launches those kernels on compute capability 9.0 only.
 #pragma once
+#include <cuda_bf16.h>
 #include <stdint.h>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -87,20 +88,22 @@ __device__ __forceinline__ void mma_bf16_m64n256k16(float (&d)[128], uint64_t a,
 }
 
 // gemm_bf16_tn's output tile, rows and columns, and the K step of one pipeline stage (64 bf16 are one
-// 128-byte swizzle row); a stage holds an A box and a B box.
+// 128-byte swizzle row); a stage holds an A box and two B boxes of half the tile's columns each.
 constexpr int kGemmTileM = 128, kGemmTileN = 256, kGemmTileK = 64;
+constexpr uint32_t kGemmBytesHalfB = kGemmTileN / 2 * kGemmTileK * 2;
 constexpr uint32_t kGemmBytesA = kGemmTileM * kGemmTileK * 2;
 constexpr uint32_t kGemmStageBytes = kGemmBytesA + kGemmTileN * kGemmTileK * 2;
 constexpr int kGemmThreads = 384;
 
 // The persistent, warp-specialised GEMM A B^T of bf16 K-major operands, A [M, k] and B [N, k] (row-major,
-// through TMA maps with boxes of kGemmTileK x kGemmTileM and kGemmTileK x kGemmTileN), by blocks of
+// through TMA maps with boxes of kGemmTileK x kGemmTileM and kGemmTileK x kGemmTileN / 2), by blocks of
 // kGemmThreads: warp group 0's first thread loads the stages of every tile of its block, groups 1 and 2 each
 // multiply 64 rows of the tile and hand their f32 accumulators (mma_bf16_m64n256k16's layout) to
-// `epilogue(acc, row_tile, col_tile, group (0 or 1), thread in group)`, while the producer runs on into the
-// next tile. `walk` says which output tiles a launch computes: `count` of them, row tiles fastest
-// (`row_tiles` to a column), skipping `skip(tile)`, none at all where `none()`. Dynamic shared memory:
-// `stages` (2 to MaxStages) stages of kGemmStageBytes, plus 1 KiB to align them.
+// `epilogue(acc, tile, group (0 or 1), thread in group)`, while the producer runs on into the next tile.
+// `walk` says which output tiles a launch computes: tiles 0 to `count`, skipping `skip(tile)`, none at all where
+// `none()`; a tile's rows of A start at `a_row(tile)`, its two halves of B's at `b_row(tile, 0)` and
+// `b_row(tile, 1)`. Dynamic shared memory: `stages` (2 to MaxStages) stages of kGemmStageBytes, plus 1 KiB to
+// align them.
 template <int MaxStages, class Walk, class Epilogue>
 __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_map, int64_t k_size, int stages,
                                              const Walk &walk, Epilogue &&epilogue) {
@@ -128,14 +131,14 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
     if (t != 0) return;
     for (int64_t tile = blockIdx.x; tile < walk.count; tile += gridDim.x) {
       if (walk.skip(tile)) continue;
-      const int32_t y_a = (int32_t)((tile % walk.row_tiles) * kGemmTileM);
-      const int32_t y_b = (int32_t)((tile / walk.row_tiles) * kGemmTileN);
+      const int32_t y_a = walk.a_row(tile), y_b0 = walk.b_row(tile, 0), y_b1 = walk.b_row(tile, 1);
       for (int k = 0; k < steps; ++k) {
         wait(&empty[s], phase ^ 1);
         unsigned char *stage = base + s * kGemmStageBytes;
         arrive_expect(&full[s], kGemmStageBytes);
         tma_load(stage, a_map, &full[s], k * kGemmTileK, y_a);
-        tma_load(stage + kGemmBytesA, b_map, &full[s], k * kGemmTileK, y_b);
+        tma_load(stage + kGemmBytesA, b_map, &full[s], k * kGemmTileK, y_b0);
+        tma_load(stage + kGemmBytesA + kGemmBytesHalfB, b_map, &full[s], k * kGemmTileK, y_b1);
         if (++s == stages) s = 0, phase ^= 1;
       }
     }
@@ -167,11 +170,28 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
     mma_wait<0>();
     fence_operands(acc);
     if (t == 0) arrive(&empty[last]);
-    epilogue(acc, tile % walk.row_tiles, tile / walk.row_tiles, me, t);
+    epilogue(acc, tile, me, t);
   }
 #else
   __trap();
 #endif
+}
+
+// Epilogue helpers, for 16-byte stores of bf16 results: a pair of bf16 as one register, and the quad's transpose.
+__device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t *>(&v); }
+
+// The four threads of a row each hold columns 2q, 2q + 1 (q = lane % 4) of four 8-column groups
+// (v[i]: group i); afterwards thread q holds all 8 columns of group q, in order: a 4 x 4 transpose over
+// the quad in two exchanges, so that each thread stores 16 contiguous bytes.
+__device__ __forceinline__ uint4 quad_transpose(uint32_t (&v)[4], int q) {
+  const bool b1 = q & 2, b0 = q & 1;
+  uint32_t r0 = __shfl_xor_sync(0xffffffffu, b1 ? v[0] : v[2], 2), r1 = __shfl_xor_sync(0xffffffffu, b1 ? v[1] : v[3], 2);
+  if (b1) v[0] = r0, v[1] = r1;
+  else v[2] = r0, v[3] = r1;
+  r0 = __shfl_xor_sync(0xffffffffu, b0 ? v[0] : v[1], 1), r1 = __shfl_xor_sync(0xffffffffu, b0 ? v[2] : v[3], 1);
+  if (b0) v[0] = r0, v[2] = r1;
+  else v[1] = r0, v[3] = r1;
+  return make_uint4(v[0], v[1], v[2], v[3]);
 }
 
 }  // namespace bastile::sm90

@@ -18,13 +18,9 @@ namespace {
 
 constexpr int U = SWIGLU_UNROLL;
 
-constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kKappa = 0.044715f;
+constexpr float kBeta = kGeluBeta, kKappa = kGeluKappa;
 
-__device__ __forceinline__ float act(float g, int32_t kind) {
-  if (kind == SWIGLU_GELU_TANH) return 0.5f * g * (1.f + tanhf(kBeta * (g + kKappa * (g * g * g))));
-  return g * sigmoid(g);
-}
+__device__ __forceinline__ float act(float g, int32_t kind) { return gate_act(g, kind == SWIGLU_GELU_TANH); }
 
 template <class T> __device__ __forceinline__ float forward_value(float g, float u, int32_t kind) {
   return round_to<T>(act(g, kind)) * u;

@@ -108,7 +108,7 @@ typedef struct GradScale {
  * zero (ex2.approx.ftz): their probabilities are below 2^-94. Reductions run in a fixed order. */
 typedef struct CrossEntropyGemm {
   BastileTensorMap hidden_map; /* TMA: hidden [rows, cols], boxes of FLCE_GEMM_TILE_K x FLCE_GEMM_TILE_M */
-  BastileTensorMap weight_map; /* TMA: weight [vocab, cols], boxes of FLCE_GEMM_TILE_K x FLCE_GEMM_TILE_N */
+  BastileTensorMap weight_map; /* TMA: weight [vocab, cols], boxes of FLCE_GEMM_TILE_K x FLCE_GEMM_TILE_N / 2 */
   const void *hidden;          /* [rows, cols] */
   const void *weight;          /* [vocab, cols] */
   const int64_t *target;       /* [rows] */

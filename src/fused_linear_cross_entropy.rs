@@ -204,7 +204,7 @@ impl Launch for CrossEntropyGemm {
         }
         let (m, n, k) = (FLCE_GEMM_TILE_M, FLCE_GEMM_TILE_N, FLCE_GEMM_TILE_K);
         p.hidden_map = crate::driver::tensor_map_bf16(p.hidden, p.rows, p.cols, k, m)?;
-        p.weight_map = crate::driver::tensor_map_bf16(p.weight, p.vocab, p.cols, k, n)?;
+        p.weight_map = crate::driver::tensor_map_bf16(p.weight, p.vocab, p.cols, k, n / 2)?;
         let tags: &[Tag] = if p.softcap > 0.0 { &[Tag::Gemm, Tag::Bf16, Tag::Softcap] } else { &[Tag::Gemm, Tag::Bf16] };
         let gemm = kernels::kernel_sharing::<Self>(dev, tags, FLCE_GEMM_THREADS, 1)?;
         let stage_bytes = (m + n) * k * 2;

@@ -103,6 +103,13 @@ inline void check_tables(const char* op, const at::Tensor& cos, const at::Tensor
   }
 }
 
+// The code (swiglu.h's SWIGLU_*) of a gated MLP's activation, "silu" or "gelu_tanh".
+inline int32_t gate_activation(const char* op, c10::string_view activation) {
+  if (activation == "silu") return SWIGLU_SILU;
+  if (activation == "gelu_tanh") return SWIGLU_GELU_TANH;
+  TORCH_CHECK(false, "bastile.", op, ": activation must be \"silu\" or \"gelu_tanh\", got \"", activation, "\"");
+}
+
 // t, or a contiguous copy where its last stride is not 1: the kernels read rows with unit stride and take
 // any other strides as they are.
 inline at::Tensor unit_last(const at::Tensor& t) { return t.sym_stride(-1) == 1 ? t : t.contiguous(); }

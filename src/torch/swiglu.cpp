@@ -43,19 +43,13 @@ Rows rows_of(const at::Tensor& gate, const at::Tensor& up) {
   return {gate.contiguous(), up.contiguous(), cols, cols};
 }
 
-int32_t activation_code(const char* op, c10::string_view activation) {
-  if (activation == "silu") return SWIGLU_SILU;
-  if (activation == "gelu_tanh") return SWIGLU_GELU_TANH;
-  TORCH_CHECK(false, "bastile.", op, ": activation must be \"silu\" or \"gelu_tanh\", got \"", activation, "\"");
-}
-
 struct SwigluBackwardOp {
   static constexpr const char* schema = "swiglu_backward(Tensor grad_y, Tensor gate, Tensor up, str activation=\"silu\") -> (Tensor, Tensor)";
 
   static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& grad_y, const at::Tensor& gate,
                                                    const at::Tensor& up, c10::string_view activation) {
     check("swiglu_backward", gate, {{"up", up}, {"grad_y", grad_y}});
-    const int32_t act = activation_code("swiglu_backward", activation);
+    const int32_t act = gate_activation("swiglu_backward", activation);
     auto grad_gate = at::empty_symint(gate.sym_sizes(), gate.options());
     auto grad_up = at::empty_symint(gate.sym_sizes(), gate.options());
     if (gate.is_meta() || gate.numel() == 0) return {grad_gate, grad_up};
@@ -74,7 +68,7 @@ struct SwigluOp {
 
   static at::Tensor kernel(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
     check("swiglu", gate, {{"up", up}});
-    const int32_t act = activation_code("swiglu", activation);
+    const int32_t act = gate_activation("swiglu", activation);
     auto y = at::empty_symint(gate.sym_sizes(), gate.options());
     if (gate.is_meta() || gate.numel() == 0) return y;
     const auto r = rows_of(gate, up);
