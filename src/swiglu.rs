@@ -50,13 +50,13 @@ const BETA: f64 = 0.7978845608028654; // sqrt(2 / pi)
 const KAPPA: f64 = 0.044715;
 
 #[derive(Clone, Copy)]
-enum Activation {
+pub(crate) enum Activation {
     Silu,
     GeluTanh,
 }
 
 impl Activation {
-    fn of(code: i32) -> Result<Self> {
+    pub(crate) fn of(code: i32) -> Result<Self> {
         match code as u32 {
             SWIGLU_SILU => Ok(Self::Silu),
             SWIGLU_GELU_TANH => Ok(Self::GeluTanh),
@@ -66,7 +66,7 @@ impl Activation {
 
     /// act(g). GELU-tanh in f32 unless T is f64 (`wide`): its 1 + tanh cancels for negative gates, where
     /// torch's f32 result (HF's, and the GPU's) is what training with it sees.
-    fn value(self, g: f64, wide: bool) -> f64 {
+    pub(crate) fn value(self, g: f64, wide: bool) -> f64 {
         match (self, wide) {
             (Self::Silu, _) => g * sigmoid(g),
             (Self::GeluTanh, true) => 0.5 * g * (1.0 + (BETA * (g + KAPPA * g * g * g)).tanh()),

@@ -1,0 +1,17 @@
+"""A mixture of experts' gate/up products and their gated activation in one grouped GEMM: `expert_swiglu`."""
+from typing import Tuple
+
+import torch
+
+from .. import _library  # noqa: F401  (loads the ops)
+
+
+def expert_swiglu(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                  activation: str = "silu") -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [pairs, in] with its rows grouped by expert, weight [experts, 2 * inter, in] (transformers' stored
+    gate_up_proj: gate's rows, then up's), offsets [experts] (int32) each expert's end, the last pairs. Returns
+    (gate_up, h): gate_up [pairs, 2 * inter], row r x[r] @ weight[e]^T for r's expert e (float32 sums, float64 on
+    CPU, rounded once), and h [pairs, inter] = `swiglu(gate, up, activation)` of its halves ("silu" or
+    "gelu_tanh"), as that op rounds it. On compute capability 9.0 (bf16) one kernel writes both; elsewhere on CUDA
+    torch's grouped GEMM and `swiglu`. Not differentiable: bastile.experts runs it in the experts' own node."""
+    return torch.ops.bastile.expert_swiglu(x, weight, offsets, activation)

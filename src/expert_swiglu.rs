@@ -1,0 +1,169 @@
+//! The experts' gate/up grouped GEMM with its gated activation (formulas in `include/expert_swiglu.h`): the
+//! launches of `cuda/expert_swiglu.cu` (the Hopper GEMM, the rows fallback), which path a call takes, and the CPU kernel, the reference the GPU
+//! is tested against (sums in f64, each result rounded once, h from the rounded halves as `swiglu` makes it).
+use crate::cpu::{self, Disjoint, Element};
+use crate::driver::{Device, LaunchConfig, Result};
+use crate::kernels::{self, Decide, Launch, Plan, Tag};
+use crate::params::{
+    BastileDType, ExpertSwiglu, ExpertSwigluPlan, EXPERT_SWIGLU_MAX_EXPERTS, EXPERT_SWIGLU_MAX_STAGES,
+    EXPERT_SWIGLU_ROWS_BLOCK, EXPERT_SWIGLU_TILE_COLS,
+};
+use crate::swiglu::Activation;
+
+const OP: &str = "bastile.expert_swiglu";
+const TILE_M: i64 = 128;
+const TILE_K: u32 = 64;
+const THREADS: u32 = 384;
+
+impl Decide for ExpertSwigluPlan {
+    fn decide(&mut self) -> Result<()> {
+        self.hopper = (self.fits != 0
+            && self.device >= 0
+            && self.inter > 0
+            && self.inter % EXPERT_SWIGLU_TILE_COLS as i64 == 0
+            && self.experts as u32 <= EXPERT_SWIGLU_MAX_EXPERTS
+            && crate::driver::device(self.device).is_ok_and(|d| d.capability() == (9, 0)))
+        .into();
+        Ok(())
+    }
+}
+
+impl Launch for ExpertSwiglu {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let dtype = BastileDType::from_raw(self.dtype)?;
+        if self.gemm == 0 {
+            let kernel = kernels::kernel::<Self>(dev, &[Tag::Rows, dtype.tag()], EXPERT_SWIGLU_ROWS_BLOCK)?;
+            let blocks = crate::geometry::ceil_div(self.pairs * self.inter, EXPERT_SWIGLU_ROWS_BLOCK as i64);
+            let grid = blocks.clamp(1, 32 * dev.sm_count() as i64) as u32;
+            let cfg = LaunchConfig { grid: (grid, 1), block: (EXPERT_SWIGLU_ROWS_BLOCK, 1), shared: 0 };
+            return Ok(Plan::single(kernel, cfg, *self));
+        }
+        if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
+            return Err(format!("{OP}: the GEMM kernel takes bf16 on compute capability 9.0"));
+        }
+        let cols = EXPERT_SWIGLU_TILE_COLS as i64;
+        // The walk's tile indices and TMA's row coordinates are 32-bit.
+        let tiles = (crate::geometry::ceil_div(self.pairs, TILE_M) + self.experts as i64) * (self.inter / cols);
+        let weight_rows = self.experts as i64 * 2 * self.inter;
+        if tiles > i32::MAX as i64 || weight_rows > i32::MAX as i64 || self.pairs > i32::MAX as i64 {
+            return Err(format!("{OP}: {} pairs of {} experts are more than 32-bit tile indices reach", self.pairs, self.experts));
+        }
+        let mut p = *self;
+        p.x_map = crate::driver::tensor_map_bf16(p.x, p.pairs, p.in_, TILE_K, TILE_M as u32)?;
+        p.weight_map = crate::driver::tensor_map_bf16(p.weight, weight_rows, p.in_, TILE_K, cols as u32)?;
+        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16], THREADS, 1)?;
+        let stage_bytes = (TILE_M as u32 + 2 * cols as u32) * TILE_K * 2;
+        // 1 KiB to align the stages to the swizzle pattern.
+        let stages = (gemm.shared.saturating_sub(1024) / stage_bytes).min(EXPERT_SWIGLU_MAX_STAGES);
+        if stages < 2 {
+            return Err(format!("{OP}: {} bytes of shared memory hold no GEMM pipeline", gemm.shared));
+        }
+        p.stages = stages as i32;
+        let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;
+        let cfg = LaunchConfig { grid: (grid, 1), block: (THREADS, 1), shared: stages * stage_bytes + 1024 };
+        Ok(Plan::single(gemm, cfg, p))
+    }
+
+    fn cpu(&self) -> Result<()> {
+        let dt = BastileDType::from_raw(self.dtype)?;
+        let act = Activation::of(self.activation)?;
+        let ends = offsets(self)?;
+        // SAFETY: the C++ layer checked every pointer of the block against its tensor's shape and dtype.
+        crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu::<T>(self, act, &ends) });
+        Ok(())
+    }
+}
+
+/// Each expert's end, checked: non-decreasing within 0..pairs, the last at pairs (every row has an expert).
+fn offsets(p: &ExpertSwiglu) -> Result<Vec<usize>> {
+    // SAFETY: offsets holds `experts` int32 (checked by the C++ layer).
+    let raw = unsafe { cpu::slice::<i32>(p.offsets.cast(), p.experts as usize) };
+    let mut last = 0i64;
+    for (e, &end) in raw.iter().enumerate() {
+        let end = end as i64;
+        if end < last || end > p.pairs {
+            return Err(format!("{OP}: offsets[{e}] = {end} must lie in {last}..={} (non-decreasing, within the pairs)", p.pairs));
+        }
+        last = end;
+    }
+    if last != p.pairs {
+        return Err(format!("{OP}: the last offset is {last}, but x has {} rows", p.pairs));
+    }
+    Ok(raw.iter().map(|&e| e as usize).collect())
+}
+
+unsafe fn forward_cpu<T: Element>(p: &ExpertSwiglu, act: Activation, ends: &[usize]) {
+    let (pairs, k, inter) = (p.pairs as usize, p.in_ as usize, p.inter as usize);
+    let wide = T::DTYPE == BastileDType::BASTILE_F64;
+    let x = cpu::slice::<T>(p.x, pairs * k);
+    let w = cpu::slice::<T>(p.weight, ends.len() * 2 * inter * k);
+    let gate_up = Disjoint::new(cpu::slice_mut::<T>(p.gate_up, pairs * 2 * inter));
+    let h = Disjoint::new(cpu::slice_mut::<T>(p.h, pairs * inter));
+    cpu::parallel_for(pairs, (cpu::GRAIN / (2 * inter * k).max(1)).max(1), |rows| {
+        for r in rows {
+            let e = ends.partition_point(|&end| end <= r);
+            let xr = &x[r * k..(r + 1) * k];
+            // SAFETY: the ranges of parallel_for do not overlap.
+            let out = gate_up.part(r * 2 * inter..(r + 1) * 2 * inter);
+            for (c, o) in out.iter_mut().enumerate() {
+                let wr = &w[(e * 2 * inter + c) * k..(e * 2 * inter + c + 1) * k];
+                *o = T::from_f64(xr.iter().zip(wr).map(|(a, b)| a.to_f64() * b.to_f64()).sum());
+            }
+            let (g, u) = out.split_at(inter);
+            for ((y, g), u) in h.part(r * inter..(r + 1) * inter).iter_mut().zip(g).zip(u) {
+                *y = T::from_f64(T::round(act.value(g.to_f64(), wide)) * u.to_f64());
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::BastileDType::*;
+    use crate::params::SWIGLU_SILU;
+
+    fn block(x: &[f64], w: &[f64], offsets: &[i32], gate_up: &mut [f64], h: &mut [f64], inter: i64) -> ExpertSwiglu {
+        ExpertSwiglu {
+            x: x.as_ptr().cast(),
+            weight: w.as_ptr().cast(),
+            offsets: offsets.as_ptr(),
+            gate_up: gate_up.as_mut_ptr().cast(),
+            h: h.as_mut_ptr().cast(),
+            pairs: gate_up.len() as i64 / (2 * inter),
+            in_: x.len() as i64 / (gate_up.len() as i64 / (2 * inter)),
+            inter,
+            experts: offsets.len() as i32,
+            dtype: BASTILE_F64 as i32,
+            activation: SWIGLU_SILU as i32,
+            ..Default::default()
+        }
+    }
+
+    /// Rows of two experts (the first with none) against sums written out by hand.
+    #[test]
+    fn each_row_takes_its_experts_weight() {
+        // 3 rows of 2, experts 0 (no rows), 1 (rows 0-1), 2 (row 2); inter 1: weight rows gate, up per expert.
+        let x = [1.0, 2.0, 3.0, 4.0, -1.0, 0.5];
+        let w = [9.0, 9.0, 9.0, 9.0, 1.0, 0.0, 0.0, 1.0, 2.0, 1.0, 1.0, -1.0];
+        let (mut gate_up, mut h) = ([0.0; 6], [0.0; 3]);
+        block(&x, &w, &[0, 2, 3], &mut gate_up, &mut h, 1).cpu().unwrap();
+        assert_eq!(gate_up, [1.0, 2.0, 3.0, 4.0, -1.5, -1.5]);
+        let silu = |g: f64| g / (1.0 + (-g).exp());
+        for (r, y) in h.iter().enumerate() {
+            let want = silu(gate_up[2 * r]) * gate_up[2 * r + 1];
+            assert!((y - want).abs() <= 1e-14 * want.abs(), "{y} {want}");
+        }
+    }
+
+    #[test]
+    fn offsets_that_miss_rows_are_refused() {
+        let x = [1.0; 4];
+        let w = [1.0; 8];
+        let (mut gate_up, mut h) = ([0.0; 4], [0.0; 2]);
+        for offsets in [[1, 1], [2, 1], [0, 3]] {
+            let err = block(&x, &w, &offsets, &mut gate_up, &mut h, 1).cpu().unwrap_err();
+            assert!(err.starts_with("bastile.expert_swiglu: "), "{err}");
+        }
+    }
+}

@@ -1,0 +1,70 @@
+// torch.ops.bastile.expert_swiglu (cuda/expert_swiglu.cu): a mixture of experts' gate/up products and their gated
+// activation. x [pairs, in] grouped by expert, weight [experts, 2 * inter, in] (transformers' stored gate_up_proj:
+// gate's rows, then up's), offsets [experts] (int32, each expert's end; the last is pairs): returns gate_up [pairs,
+// 2 * inter] with row r = x[r] @ weight[e]^T for its expert e, and h [pairs, inter] = swiglu(gate, up,
+// activation) of its halves, rounded as the `swiglu` op rounds it. On compute capability 9.0 (bf16, in a multiple
+// of 8, inter of 128) one kernel computes both; elsewhere on CUDA torch's grouped GEMM and `swiglu` where it takes
+// the operands (bf16), else a plain kernel; on the CPU the reference. A piece of the experts' own autograd node (python_shim/bastile/experts.py): no backward of its own.
+#include "op.h"
+
+namespace bastile {
+namespace {
+
+const auto& swiglu_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("bastile::swiglu", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>();
+  return op;
+}
+
+struct ExpertSwigluOp {
+  static constexpr const char* schema =
+      "expert_swiglu(Tensor x, Tensor weight, Tensor offsets, str activation=\"silu\") -> (Tensor, Tensor)";
+
+  static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& x_in, const at::Tensor& weight_in,
+                                                   const at::Tensor& offsets_in, c10::string_view activation) {
+    constexpr const char* op = "expert_swiglu";
+    const auto dt = dtype_code(op, {"x", x_in});
+    check_same_dtype(op, {"x", x_in}, {"weight", weight_in});
+    TORCH_CHECK(offsets_in.scalar_type() == at::kInt, "bastile.", op, ": offsets must be int32, got ",
+                offsets_in.scalar_type());
+    TORCH_CHECK(x_in.dim() == 2, "bastile.", op, ": x must be [pairs, in], got shape ", x_in.sym_sizes());
+    TORCH_CHECK(weight_in.dim() == 3 && weight_in.sym_size(2) == x_in.sym_size(1) && weight_in.sym_size(1) % 2 == 0,
+                "bastile.", op, ": weight must be [experts, 2 * inter, in] with in = ", x_in.sym_size(1),
+                " (x's), got shape ", weight_in.sym_sizes());
+    TORCH_CHECK(offsets_in.dim() == 1 && offsets_in.sym_size(0) == weight_in.sym_size(0), "bastile.", op,
+                ": offsets must be [experts] with experts = ", weight_in.sym_size(0), " (weight's), got shape ",
+                offsets_in.sym_sizes());
+    check_device(op, {"x", x_in}, {{"weight", weight_in}, {"offsets", offsets_in}});
+    const int32_t act = gate_activation(op, activation);
+    const auto& pairs = x_in.sym_size(0);
+    const auto inter = weight_in.sym_size(1) / 2;
+    auto gate_up = at::empty_symint({pairs, 2 * inter}, x_in.options());
+    auto h = at::empty_symint({pairs, inter}, x_in.options());
+    if (x_in.is_meta() || gate_up.numel() == 0) return {gate_up, h};
+    TORCH_CHECK(weight_in.size(0) > 0, "bastile.", op, ": x has ", x_in.size(0), " rows but weight no experts");
+    TORCH_CHECK(weight_in.size(0) <= std::numeric_limits<int32_t>::max(), "bastile.", op, ": ", weight_in.size(0),
+                " experts are more than int32 counts");
+    if (x_in.size(1) == 0) return {gate_up.zero_(), h.zero_()};  // sums over nothing: act(0) * 0
+    const auto x = x_in.contiguous(), weight = weight_in.contiguous(), offsets = offsets_in.contiguous();
+    const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+    const bool fits = dt == BASTILE_BF16 && x.size(1) % 8 == 0 && aligned(x) && aligned(weight);
+    const auto plan = decide(ExpertSwigluPlan{.inter = inter.expect_int(), .experts = int32_t(weight.size(0)),
+                                              .device = x.is_cuda() ? x.device().index() : -1, .fits = fits});
+    if (x.is_cuda() && !plan.hopper && dt == BASTILE_BF16 && x.size(1) % 8 == 0 && inter % 4 == 0) {
+      const int64_t n = inter.expect_int();
+      gate_up = at::_grouped_mm(x, weight.transpose(-2, -1), offsets);
+      return {gate_up, swiglu_op().call(gate_up.narrow(-1, 0, n), gate_up.narrow(-1, n, n), activation)};
+    }
+    launch(x, ExpertSwiglu{.x = x.data_ptr(), .weight = weight.data_ptr(), .offsets = offsets.data_ptr<int32_t>(),
+                           .gate_up = gate_up.data_ptr(), .h = h.data_ptr(), .pairs = x.size(0), .in = x.size(1),
+                           .inter = inter.expect_int(), .experts = int32_t(weight.size(0)), .dtype = dt,
+                           .activation = act, .gemm = plan.hopper});
+    return {gate_up, h};
+  }
+};
+
+}  // namespace
+}  // namespace bastile
+
+BASTILE_OPS(bastile::ExpertSwigluOp)
