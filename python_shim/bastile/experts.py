@@ -17,8 +17,9 @@ where PEFT forms W + delta itself, the router's own forward gets W + delta witho
 of wrappers that is not plain LoRA (several or disabled adapters, merged weights, a low-precision weight) runs
 PEFT's way.
 
-On CUDA, bf16 products run as torch's grouped GEMM; elsewhere (the CPU, other dtypes) expert by expert, which
-reads the per-expert counts on the host.
+On CUDA, bf16 products run as torch's grouped GEMM, gate/up's with a SwiGLU family's activation as the
+`expert_swiglu` op where no adapter or bias joins them (one kernel on Hopper); elsewhere (the CPU, other dtypes)
+expert by expert, which reads the per-expert counts on the host.
 """
 import sys
 from functools import partial
@@ -99,9 +100,12 @@ class _Factors(NamedTuple):
 class Gate(NamedTuple):
     """A family's gated activation of the experts' gate/up rows: `forward(experts, gate_up)`, and
     `backward(experts, gate_up, grad)` the gradient of gate_up for the output's `grad` (the forward made again
-    from gate_up: nothing of it is kept)."""
+    from gate_up: nothing of it is kept). `grouped(experts, x, weight, offsets)`, where the family has one: gate/up's
+    grouped products of the pairs' rows x with the stored [experts, 2 * inter, in] weight and the activation in one
+    op, (gate_up, the gate's output), or None where it does not take this activation."""
     forward: Callable
     backward: Callable
+    grouped: Optional[Callable] = None
 
 
 def through_autograd(forward: Callable) -> Gate:
@@ -230,6 +234,15 @@ def _down_backward(gate: Gate, grad, weights, gate_up, ha, groups: Groups, p: Pr
     return gate.backward(gate_up, _weighted(u, w, h.dtype)), dweight, grads
 
 
+def _gate_up_fused(gate: Gate, x, groups: Groups, p: Projection, factors: Optional[_Factors]):
+    """gate/up's products and the gate in the family's grouped op, (gate_up, h), where it has one and they are
+    plain: no adapter or bias, the grouped GEMM's operands, the weight stored [experts, out, in]; else None."""
+    if gate.grouped is None or factors is not None or p.bias is not None or not _grouped_kernel(x, p.w):
+        return None
+    stored_w = p.w.transpose(-2, -1)
+    return gate.grouped(x, stored_w, groups.offsets) if stored_w.is_contiguous() else None
+
+
 def _projection(params, factors: Optional[_Factors]) -> Projection:
     """(w, bias, the adapter's two sources) as the products read them; the factors made from the sources."""
     w, bias, *sources = params
@@ -250,9 +263,13 @@ class _Experts(torch.autograd.Function):
         (make1, s1), (make2, s2) = lora
         p1, p2 = _projection(params[:4], make1), _projection(params[4:], make2)
         x = _dispatch(hidden, order, p1.w.dtype)
-        gate_up, xa = _forward(x, groups, p1, s1)
+        both = _gate_up_fused(gate, x, groups, p1, make1)
+        if both is not None:
+            (gate_up, h), xa = both, None
+        else:
+            gate_up, xa = _forward(x, groups, p1, s1)
+            h = gate.forward(gate_up)
         del x  # [pairs, hidden], freed before down's output of that size is made
-        h = gate.forward(gate_up)
         out, ha = _forward(h, groups, p2, s2)
         # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32; an fp32
         # model's bf16 under autocast)
@@ -307,7 +324,8 @@ def experts_forward(gate: Gate, concatenated: bool) -> Callable:
             adapter = lora.get(name)
             params += [*stored(self, name), *(adapter.sources if adapter else (None, None))]
             makers.append((_Factors(adapter, self.is_transposed), adapter.scale) if adapter else (None, 0.0))
-        bound = Gate(partial(gate.forward, self), partial(gate.backward, self))
+        bound = Gate(partial(gate.forward, self), partial(gate.backward, self),
+                     gate.grouped and partial(gate.grouped, self))
         return _Experts.apply(bound, tuple(makers), hidden_states, top_k_weights, *groups, *params)
     return experts
 

@@ -15,6 +15,7 @@ from transformers.activations import GELUTanh, SiLUActivation
 from .. import lora
 from ..experts import Gate, experts_forward, through_autograd
 from ..families import Mlp
+from ..ops.expert_swiglu import expert_swiglu
 from ..ops.geglu import geglu
 from ..ops.swiglu import swiglu
 from . import Context, Declaration, Target, named
@@ -124,7 +125,11 @@ def swiglu_gate(traits: Mlp) -> Gate:
             return hf.backward(self, gate_up, grad)
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.cat(torch.ops.bastile.swiglu_backward(grad, gate, up, activation), dim=-1)
-    return Gate(swiglu_gate, swiglu_gate_backward)
+
+    def swiglu_grouped(self, x, weight, offsets):
+        activation = gated_activation(act(self))
+        return None if activation is None else expert_swiglu(x, weight, offsets, activation)
+    return Gate(swiglu_gate, swiglu_gate_backward, swiglu_grouped)
 
 
 def geglu_gate(self, gate_up):
@@ -147,7 +152,7 @@ def declare(ctx: Context) -> Declaration:
     if m.dense:
         targets.append(Target("MLP", "forward", named(mlp_forward(m), "mlp", f), part="dense", lora=why_not(m)))
     if m.experts:
-        gate = Gate(*(named(stage, "mlp", f) for stage in GATES[m.experts](m)))
+        gate = Gate(*(stage and named(stage, "mlp", f) for stage in GATES[m.experts](m)))
         experts = named(experts_forward(gate, CONCATENATED[m.experts]), "mlp", f)
         targets.append(Target("Experts", "forward", experts, part="experts"))
     return Declaration(tuple(targets))
