@@ -1,7 +1,7 @@
-// The experts' gate/up grouped GEMM with the gated activation in its epilogue (include/expert_swiglu.h), on
-// Hopper (the gemm kernel): gemm_bf16_tn over tiles of one expert's rows, whose 256 columns are 128 of gate and the same 128 of up,
-// so that each thread holds both halves of its h elements. Its two warp groups write a tile's gate_up and h from
-// the accumulators; nothing reads gate_up back.
+// The experts' gate/up grouped GEMM with the gated activation in its epilogue (include/expert_swiglu.h). On
+// Hopper (the gemm kernel): gemm_bf16_tn over tiles of one expert's rows, whose 256 columns are 128 of gate and
+// the same 128 of up, so that each thread holds both halves of its h elements; its two warp groups write a tile's
+// gate_up and h from the accumulators, and nothing reads gate_up back. Elsewhere on CUDA, the rows kernel.
 #include "elementwise.cuh"
 #include "expert_swiglu.h"
 #include "hopper.cuh"
