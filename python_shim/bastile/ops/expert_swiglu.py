@@ -13,5 +13,6 @@ def expert_swiglu(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     (gate_up, h): gate_up [pairs, 2 * inter], row r x[r] @ weight[e]^T for r's expert e (float32 sums, float64 on
     CPU, rounded once), and h [pairs, inter] = `swiglu(gate, up, activation)` of its halves ("silu" or
     "gelu_tanh"), as that op rounds it. On compute capability 9.0 (bf16) one kernel writes both; elsewhere on CUDA
-    torch's grouped GEMM and `swiglu`. Not differentiable: bastile.experts runs it in the experts' own node."""
+    torch's grouped GEMM and `swiglu` (bf16), or a plain kernel. Not differentiable: bastile.experts runs it in the
+    experts' own node."""
     return torch.ops.bastile.expert_swiglu(x, weight, offsets, activation)
