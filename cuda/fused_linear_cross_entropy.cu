@@ -328,10 +328,7 @@ namespace {
 
 using namespace bastile::sm90;
 
-constexpr int kTileM = FLCE_GEMM_TILE_M, kTileN = FLCE_GEMM_TILE_N;
-static_assert(kTileM == kGemmTileM && kTileN == kGemmTileN && FLCE_GEMM_TILE_K == kGemmTileK &&
-                  FLCE_GEMM_THREADS == kGemmThreads,
-              "the header's GEMM geometry (which Rust reads) is gemm_bf16_tn's");
+constexpr int kTileM = kGemmTileM, kTileN = kGemmTileN;
 constexpr float kFlushSum = 18446744073709551616.f;                  // 2^64: a row at or above is repaired
 
 __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -572,7 +569,7 @@ __device__ __forceinline__ void rescale(const CrossEntropyGemm &p) {
 }  // namespace
 
 #define FLCE_GEMM_gemm(dt, cap)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(FLCE_GEMM_THREADS, 1)                                           \
+  extern "C" __global__ void __launch_bounds__(kGemmThreads, 1)                                           \
       BASTILE_CAT(fused_linear_cross_entropy_gemm_##dt, FLCE_SUFFIX_##cap)(const __grid_constant__ CrossEntropyGemm p) { \
     logits_gemm<FLCE_SOFTCAP_##cap>(p);                                                                        \
   }

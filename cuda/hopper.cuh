@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "bastile.h"
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define BASTILE_SM90 1
 #else
@@ -89,11 +91,11 @@ __device__ __forceinline__ void mma_bf16_m64n256k16(float (&d)[128], uint64_t a,
 
 // gemm_bf16_tn's output tile, rows and columns, and the K step of one pipeline stage (64 bf16 are one
 // 128-byte swizzle row); a stage holds an A box and two B boxes of half the tile's columns each.
-constexpr int kGemmTileM = 128, kGemmTileN = 256, kGemmTileK = 64;
+constexpr int kGemmTileM = BASTILE_GEMM_TILE_M, kGemmTileN = BASTILE_GEMM_TILE_N, kGemmTileK = BASTILE_GEMM_TILE_K;
 constexpr uint32_t kGemmBytesHalfB = kGemmTileN / 2 * kGemmTileK * 2;
 constexpr uint32_t kGemmBytesA = kGemmTileM * kGemmTileK * 2;
 constexpr uint32_t kGemmStageBytes = kGemmBytesA + kGemmTileN * kGemmTileK * 2;
-constexpr int kGemmThreads = 384;
+constexpr int kGemmThreads = BASTILE_GEMM_THREADS;
 
 // The persistent, warp-specialised GEMM A B^T of bf16 K-major operands, A [M, k] and B [N, k] (row-major,
 // through TMA maps with boxes of kGemmTileK x kGemmTileM and kGemmTileK x kGemmTileN / 2), by blocks of

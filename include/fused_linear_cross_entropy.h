@@ -97,7 +97,7 @@ typedef struct GradScale {
  * GEMM: u_t + FLCE_GEMM_MARGIN, with u_t = s_t log2(e) the target's scaled logit (one dot product a row).
  * The epilogue writes
  *   exps[i, j] = 2^(u_j - r_i) * ds_j/dz_j / (logit_scale / temperature)
- * (bf16) and per FLCE_GEMM_TILE_N-column tile each row's max u and sum of 2^(u - r) (f32). The sums fix the
+ * (bf16) and per BASTILE_GEMM_TILE_N-column tile each row's max u and sum of 2^(u - r) (f32). The sums fix the
  * row's log-sum-exp, so d(loss)/d(logits) = factor_i * exps[i, j] for every j but the target, whose element
  * the finish kernel overwrites so that the same holds there too. The gradient GEMMs thus take exps as they
  * are: grad_hidden = factor * (exps @ weight) (an f32 product, rounded once), grad_weight = exps^T @ (factor
@@ -107,8 +107,8 @@ typedef struct GradScale {
  * again (`tile_flags`), so that its exps are at most 1. Elements below 2^-126 (u_j < u_t - 94) flush to
  * zero (ex2.approx.ftz): their probabilities are below 2^-94. Reductions run in a fixed order. */
 typedef struct CrossEntropyGemm {
-  BastileTensorMap hidden_map; /* TMA: hidden [rows, cols], boxes of FLCE_GEMM_TILE_K x FLCE_GEMM_TILE_M */
-  BastileTensorMap weight_map; /* TMA: weight [vocab, cols], boxes of FLCE_GEMM_TILE_K x FLCE_GEMM_TILE_N / 2 */
+  BastileTensorMap hidden_map; /* TMA: hidden [rows, cols], boxes of BASTILE_GEMM_TILE_K x BASTILE_GEMM_TILE_M */
+  BastileTensorMap weight_map; /* TMA: weight [vocab, cols], boxes of BASTILE_GEMM_TILE_K x BASTILE_GEMM_TILE_N / 2 */
   const void *hidden;          /* [rows, cols] */
   const void *weight;          /* [vocab, cols] */
   const int64_t *target;       /* [rows] */
@@ -147,16 +147,8 @@ typedef struct CrossEntropyGemm {
 
 #define FLCE_GEMM_LOGITS 0
 #define FLCE_GEMM_SCALE 1
-/* A block's output tile, rows and columns, and the K step of one pipeline stage (64 bf16 are one 128-byte
- * swizzle row): the geometry of cuda/hopper.cuh's gemm_bf16_tn, which runs the epilogue above. A block is one
- * producer warp group and two consumers, each taking 64 rows of the tile (one m64n256k16 WGMMA a k16 step);
- * the producer runs on into the next tile during their epilogue.
- * 128 x 256 reads 48 KiB of operands per 4.2 MFLOP: 128 x 128 tiles (half the reuse) ran at ~360
- * TFLOP/s on an H100, bound by L2 bandwidth. */
-#define FLCE_GEMM_TILE_M 128
-#define FLCE_GEMM_TILE_N 256
-#define FLCE_GEMM_TILE_K 64
-#define FLCE_GEMM_THREADS 384
+/* The GEMM is cuda/hopper.cuh's gemm_bf16_tn (its geometry: BASTILE_GEMM_* in bastile.h), running the epilogue
+ * above; at most this many pipeline stages. */
 #define FLCE_GEMM_MAX_STAGES 8
 /* exps = 2^(u - u_t - 32): the target's element 2^-32, a confident row's others far smaller, a row's sum
  * reaching 2^64 only at a loss near 66. */

@@ -5,15 +5,13 @@ use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
 use crate::kernels::{self, Decide, Launch, Plan, Tag};
 use crate::params::{
-    BastileDType, ExpertSwiglu, ExpertSwigluPlan, EXPERT_SWIGLU_MAX_EXPERTS, EXPERT_SWIGLU_MAX_STAGES,
-    EXPERT_SWIGLU_ROWS_BLOCK, EXPERT_SWIGLU_TILE_COLS,
+    BastileDType, ExpertSwiglu, ExpertSwigluPlan, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M,
+    BASTILE_GEMM_TILE_N, EXPERT_SWIGLU_MAX_EXPERTS, EXPERT_SWIGLU_MAX_STAGES, EXPERT_SWIGLU_ROWS_BLOCK,
+    EXPERT_SWIGLU_TILE_COLS,
 };
 use crate::swiglu::Activation;
 
 const OP: &str = "bastile.expert_swiglu";
-const TILE_M: i64 = 128;
-const TILE_K: u32 = 64;
-const THREADS: u32 = 384;
 
 impl Decide for ExpertSwigluPlan {
     fn decide(&mut self) -> Result<()> {
@@ -41,18 +39,18 @@ impl Launch for ExpertSwiglu {
         if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
             return Err(format!("{OP}: the GEMM kernel takes bf16 on compute capability 9.0"));
         }
-        let cols = EXPERT_SWIGLU_TILE_COLS as i64;
+        let (m, n, k, cols) = (BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N, BASTILE_GEMM_TILE_K, EXPERT_SWIGLU_TILE_COLS);
         // The walk's tile indices and TMA's row coordinates are 32-bit.
-        let tiles = (crate::geometry::ceil_div(self.pairs, TILE_M) + self.experts as i64) * (self.inter / cols);
+        let tiles = (crate::geometry::ceil_div(self.pairs, m as i64) + self.experts as i64) * (self.inter / cols as i64);
         let weight_rows = self.experts as i64 * 2 * self.inter;
         if tiles > i32::MAX as i64 || weight_rows > i32::MAX as i64 || self.pairs > i32::MAX as i64 {
             return Err(format!("{OP}: {} pairs of {} experts are more than 32-bit tile indices reach", self.pairs, self.experts));
         }
         let mut p = *self;
-        p.x_map = crate::driver::tensor_map_bf16(p.x, p.pairs, p.in_, TILE_K, TILE_M as u32)?;
-        p.weight_map = crate::driver::tensor_map_bf16(p.weight, weight_rows, p.in_, TILE_K, cols as u32)?;
-        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16], THREADS, 1)?;
-        let stage_bytes = (TILE_M as u32 + 2 * cols as u32) * TILE_K * 2;
+        p.x_map = crate::driver::tensor_map_bf16(p.x, p.pairs, p.in_, k, m)?;
+        p.weight_map = crate::driver::tensor_map_bf16(p.weight, weight_rows, p.in_, k, n / 2)?;
+        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16], BASTILE_GEMM_THREADS, 1)?;
+        let stage_bytes = (m + n) * k * 2;
         // 1 KiB to align the stages to the swizzle pattern.
         let stages = (gemm.shared.saturating_sub(1024) / stage_bytes).min(EXPERT_SWIGLU_MAX_STAGES);
         if stages < 2 {
@@ -60,7 +58,7 @@ impl Launch for ExpertSwiglu {
         }
         p.stages = stages as i32;
         let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;
-        let cfg = LaunchConfig { grid: (grid, 1), block: (THREADS, 1), shared: stages * stage_bytes + 1024 };
+        let cfg = LaunchConfig { grid: (grid, 1), block: (BASTILE_GEMM_THREADS, 1), shared: stages * stage_bytes + 1024 };
         Ok(Plan::single(gemm, cfg, p))
     }
 

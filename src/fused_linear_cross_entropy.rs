@@ -20,7 +20,7 @@ use crate::kernels::{self, Decide, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, CrossEntropyChunk, CrossEntropyGemm, GradScale, HeadPlan, FLCE_BLOCK, FLCE_BLOCKS_PER_SM, FLCE_CACHED, FLCE_CACHED_SOFTCAP,
     FLCE_CACHED_SOFTCAP_STATS, FLCE_CACHED_STATS, FLCE_GEMM_MAX_STAGES, FLCE_GEMM_ROW_BLOCK, FLCE_GEMM_SCALE,
-    FLCE_GEMM_THREADS, FLCE_GEMM_TILE_K, FLCE_GEMM_TILE_M, FLCE_GEMM_TILE_N, FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL,
+    FLCE_SCALE_BLOCK, FLCE_SCALE_UNROLL, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N,
 };
 
 /// Logits of one chunk stay within this many bytes. 256 MiB is 768 rows of Qwen3's vocabulary in
@@ -60,7 +60,7 @@ fn gemm_ld(vocab: i64) -> i64 {
 
 /// Bytes of a row's partial sums on the Hopper path: {max, sum} per column tile.
 fn gemm_partial_bytes(vocab: i64) -> i64 {
-    geometry::ceil_div(vocab, FLCE_GEMM_TILE_N as i64) * 8
+    geometry::ceil_div(vocab, BASTILE_GEMM_TILE_N as i64) * 8
 }
 
 /// Rows of each chunk on the Hopper path without gradients: no exps are written, so the budget (as in
@@ -179,7 +179,7 @@ impl Launch for GradScale {
 /// Scratch of the Hopper path, bytes from its start: partial sums, target logits, references, row sums,
 /// repair flags.
 fn gemm_scratch(p: &CrossEntropyGemm) -> ([i64; 5], i64) {
-    let row_tiles = geometry::ceil_div(p.rows, FLCE_GEMM_TILE_M as i64);
+    let row_tiles = geometry::ceil_div(p.rows, BASTILE_GEMM_TILE_M as i64);
     let sizes = [p.rows * gemm_partial_bytes(p.vocab), p.rows * 4, p.rows * 4, p.rows * 4, (row_tiles + 1) * 4];
     let mut at = [0; 5];
     let mut end = 0;
@@ -202,11 +202,11 @@ impl Launch for CrossEntropyGemm {
         if dev.capability() != (9, 0) {
             return Err("bastile.fused_linear_cross_entropy: the GEMM path needs compute capability 9.0".into());
         }
-        let (m, n, k) = (FLCE_GEMM_TILE_M, FLCE_GEMM_TILE_N, FLCE_GEMM_TILE_K);
+        let (m, n, k) = (BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N, BASTILE_GEMM_TILE_K);
         p.hidden_map = crate::driver::tensor_map_bf16(p.hidden, p.rows, p.cols, k, m)?;
         p.weight_map = crate::driver::tensor_map_bf16(p.weight, p.vocab, p.cols, k, n / 2)?;
         let tags: &[Tag] = if p.softcap > 0.0 { &[Tag::Gemm, Tag::Bf16, Tag::Softcap] } else { &[Tag::Gemm, Tag::Bf16] };
-        let gemm = kernels::kernel_sharing::<Self>(dev, tags, FLCE_GEMM_THREADS, 1)?;
+        let gemm = kernels::kernel_sharing::<Self>(dev, tags, BASTILE_GEMM_THREADS, 1)?;
         let stage_bytes = (m + n) * k * 2;
         // 1 KiB to align the stages to the swizzle pattern.
         let stages = (gemm.shared.saturating_sub(1024) / stage_bytes).min(FLCE_GEMM_MAX_STAGES);
@@ -217,7 +217,7 @@ impl Launch for CrossEntropyGemm {
         let tiles = geometry::ceil_div(p.rows, m as i64) * geometry::ceil_div(p.vocab, n as i64);
         let gemm_cfg = LaunchConfig {
             grid: (tiles.min(dev.sm_count() as i64) as u32, 1),
-            block: (FLCE_GEMM_THREADS, 1),
+            block: (BASTILE_GEMM_THREADS, 1),
             shared: stages * stage_bytes + 1024,
         };
         let warps = FLCE_GEMM_ROW_BLOCK / 32;
