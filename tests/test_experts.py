@@ -230,13 +230,15 @@ def test_frozen_experts_backward_sends_the_gradient_only(family, monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("family, inter", [("qwen3_moe", "moe_intermediate_size"), ("mixtral", "intermediate_size")])
-def test_bf16_cuda_gate_up_and_swiglu_run_as_one_op(family, inter):
-    """bf16 experts on CUDA without an adapter on gate/up: the forward runs gate/up's products and the SwiGLU as
-    `expert_swiglu` (the GEMM kernel on compute capability 9.0 at this width, 128), and the output and the hidden
-    states', routing weights' and experts' gradients are as far from HF's fp32 experts as HF's bf16 ones are (or
-    within 1e-2 in norm)."""
-    ex = mini(family, "cuda", torch.bfloat16, **{inter: 128}).model.layers[0].mlp.experts
+@pytest.mark.parametrize("family", [f for f in FAMILIES if TRAITS[f].mlp.experts == "swiglu" and f not in WRAPPED])
+def test_bf16_cuda_gate_up_and_swiglu_run_as_one_op(family):
+    """bf16 experts on CUDA without an adapter on gate/up: the forward runs gate/up's products and the SwiGLU (Gemma
+    4's GELU-tanh) as `expert_swiglu` (the GEMM kernel on compute capability 9.0 at this width, 128), and the output
+    and the hidden states', routing weights' and experts' gradients are as far from HF's fp32 experts as HF's bf16
+    ones are (or within 1e-2 in norm)."""
+    inter = "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size"
+    model = mini(family, "cuda", torch.bfloat16, **{**OVERRIDES.get(family, {}), inter: 128})
+    ex = next(m for m in model.modules() if type(m).__name__ == TRAITS[family].name("Experts"))
     torch.manual_seed(0)
     x = torch.randn(300, ex.gate_up_proj.shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     index = torch.randint(0, ex.num_experts, (300, 2), device="cuda")
