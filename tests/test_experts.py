@@ -22,7 +22,7 @@ from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, ex
 from test_qwen3_training import batches
 
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe", "qwen3_vl_moe_text",
-            "qwen3_next", "lfm2_moe"]
+            "qwen3_next", "lfm2_moe", "qwen2_moe", "olmoe", "granitemoe"]
 # Gemma 4's mini has no experts (test_families.py); here its MoE model: experts beside each dense MLP
 OVERRIDES = {"gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)}
 EXPERT_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
@@ -77,11 +77,13 @@ def test_experts_train_as_hf(family, lora, monkeypatch):
         assert any("experts" in n and "lora_B" in n for n in grads)
 
 
-# PEFT's all-linear reaches Qwen3-Next's routed experts and router through transformers' weight conversion mapping
-# (from v4's per-expert linears); LFM2-MoE has none, so its experts' parameters are named, and its router, a bare
-# weight, gets no adapter.
+# PEFT's all-linear reaches Qwen3-Next's and OLMoE's routed experts and routers through transformers' weight
+# conversion mapping (from v4's per-expert linears); LFM2-MoE and Qwen2-MoE have none, so their experts' parameters
+# are named, and their routers, bare weights, get no adapter.
+EXPERT_PARAMETERS = dict(target_parameters=["experts.gate_up_proj", "experts.down_proj"])
 ALL_LINEAR = {"qwen3_moe": ({}, {"Qwen3MoeTopKRouter"}), "qwen3_next": ({}, {"Qwen3NextTopKRouter"}),
-              "lfm2_moe": (dict(target_parameters=["experts.gate_up_proj", "experts.down_proj"]), set())}
+              "olmoe": ({}, {"OlmoeTopKRouter"}), "qwen2_moe": (EXPERT_PARAMETERS, set()),
+              "lfm2_moe": (EXPERT_PARAMETERS, set())}
 
 
 @pytest.mark.parametrize("family", list(ALL_LINEAR))

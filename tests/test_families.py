@@ -47,6 +47,12 @@ CONFIGS = {
                   dict(head_dim=32, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
                        output_router_logits=True, router_aux_loss_coef=0.01, norm_topk_prob=True,
                        intermediate_size=256, mlp_only_layers=[1])),
+    # Qwen2's q/k/v biases and window (layer 0 sliding), 2 of 8 experts (their weights not renormalised) beside a
+    # sigmoid-gated shared expert; layer 1 a dense MLP; router aux loss on
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                       num_experts=8, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01,
+                       mlp_only_layers=[1], use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=32, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                      output_router_logits=True, sliding_window=WINDOW, layer_types=ALTERNATING[:2],
@@ -65,12 +71,21 @@ CONFIGS = {
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(intermediate_size=256, num_hidden_layers=3, embedding_multiplier=3.0, residual_multiplier=0.5,
                      attention_multiplier=0.1, logits_scaling=4.0)),
+    # Granite's multipliers and scaling around 2 of 4 experts a token (no aux loss: families.py)
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(intermediate_size=64, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
+                        embedding_multiplier=3.0,
+                        residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
     # queries past position 8 are scaled up
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM",
                    dict(intermediate_size=256, num_hidden_layers=3, head_dim=32, sliding_window=WINDOW,
                         rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                          "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1})),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=256, num_hidden_layers=3, **IDS)),
+    # OLMo 2's full-width q/k norms under Llama's norms, layers and rotation; 2 of 8 experts a token
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=64, num_experts=8, num_experts_per_tok=2, output_router_logits=True,
+                   router_aux_loss_coef=0.01, **IDS)),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
               dict(intermediate_size=256, num_hidden_layers=4, sliding_window=WINDOW, layer_types=ALTERNATING, **IDS)),
     # interleaved rotation of half the head, q/k/v biases, sandwich norms
@@ -134,9 +149,9 @@ CONFIGS = {
                         mlp_only_layers=[1], **{**DELTA_NET, "rope_parameters": PARTIAL_ROPE}, **IDS)),
 }
 FAMILIES = list(CONFIGS)
-NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "glm4", "glm4_moe", "gemma", "gemma2",
+NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "olmoe", "glm4", "glm4_moe", "gemma", "gemma2",
        "gemma3_text",
-       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "qwen3_next"]
+       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "qwen3_next", "qwen2_moe", "granitemoe"]
 # Qwen3's own training tests use a larger model (test_qwen3_training.py); this one is for the other tests.
 MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}
 LR = 2e-3
@@ -917,6 +932,15 @@ def test_bidirectional_gemma_is_refused_before_patching():
     model.config.use_bidirectional_attention = True
     with pytest.raises(Unsupported, match=r"gemma3_text with use_bidirectional_attention=True: Bastile's forwards "
                                           "are causal.*nothing was patched"):
+        bastile.apply(model=model)
+    assert bastile.get_patched_ops() == []
+
+
+def test_olmoe_clipping_q_k_v_is_refused_before_patching():
+    model = mini("olmoe", "cpu", torch.float32)
+    model.config.clip_qkv = 8.0
+    with pytest.raises(Unsupported, match=r"olmoe with clip_qkv=8.0: Bastile's attention does not clamp q, k and v"
+                                          ".*nothing was patched"):
         bastile.apply(model=model)
     assert bastile.get_patched_ops() == []
 

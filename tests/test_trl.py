@@ -141,8 +141,11 @@ CASES = [("sft", "qwen3", dict(loss_type="nll")), ("sft", "llama", dict(loss_typ
          ("sft", "qwen3", dict(loss_type="nll", lora=True)),
          ("sft", "qwen3", dict(loss_type="dft")), ("sft", "llama", dict(loss_type="dft", packing=True)),
          ("dpo", "qwen3", {}), ("kto", "llama", {}), ("grpo", "qwen3", {}), ("rloo", "llama", {}),
-         # TRL's head on each newer family (Granite's: TRL scales the logits by 1 / logits_scaling)
-         *[("sft", family, dict(loss_type="nll")) for family in NEW]]
+         # TRL's head on each newer family (Granite's: TRL scales the logits by 1 / logits_scaling). GraniteMoE's
+         # config has no num_experts, which TRL's head reads for the router's loss: TRL alone runs it without
+         # that loss only (families.py refuses it too)
+         *[("sft", family, dict(loss_type="nll", **({"router_aux_loss_coef": 0.0} if family == "granitemoe" else {})))
+           for family in NEW]]
 
 
 @pytest.mark.parametrize("kind,family,config", CASES, ids=[f"{k}-{f}-{'-'.join(map(str, c.values()))}"

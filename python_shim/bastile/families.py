@@ -40,11 +40,14 @@ class QkNorm(Enum):
 
 
 class Window(Enum):
-    """Where the attention's sliding window comes from: none, the config's `sliding_window` (Mistral), or
-    the attention module's `sliding_window`, set per layer from config.layer_types (Qwen2)."""
+    """Where the attention's sliding window comes from: none, the config's `sliding_window` (Mistral), the
+    attention module's `sliding_window`, set per layer from config.layer_types (Qwen2), or the config's
+    `sliding_window` on the layers config.layer_types calls sliding, whose attention HF windows by its mask only
+    (Qwen2-MoE)."""
     NONE = "none"
     CONFIG = "config"
     LAYER = "layer"
+    LAYER_TYPE = "layer type"
 
 
 class Layout(Enum):
@@ -332,6 +335,13 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
              "norm_topk_prob", "sliding_window", "use_sliding_window"} | _MOE,
             attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER), mlp=Mlp(experts="swiglu"),
             head=Head(router_aux_loss=True)),
+    # Qwen1.5-MoE and Qwen2-MoE: Qwen2's layers (q/k/v biases, qkv_bias; the window on the layers layer_types says)
+    # with Qwen3-MoE's routed experts beside a shared expert (a <prefix>MLP) that HF's MoE block gates by a sigmoid;
+    # layers in mlp_only_layers (or off the decoder_sparse_step) have a dense <prefix>MLP.
+    _family("qwen2_moe", "Qwen2Moe",
+            {"decoder_sparse_step", "max_window_layers", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob",
+             "num_experts", "qkv_bias", "shared_expert_intermediate_size", "use_sliding_window"} | _PER_LAYER | _MOE,
+            attention=Attention(window=Window.LAYER_TYPE), mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True)),
     # GptOssMLP is the MoE block (router and experts), not a dense MLP. Its experts' GEGLU alpha and limit
     # are module attributes, which the patched gate reads (transformers 5.23 sets them from swiglu_*).
     _family("gpt_oss", "GptOss", {"attention_bias", "swiglu_alpha", "swiglu_limit"} | _PER_LAYER | _MOE,
@@ -357,6 +367,18 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             {"attention_bias", "attention_multiplier", "embedding_multiplier", "logits_scaling", "mlp_bias",
              "residual_multiplier"},
             residual=Residual(multiplier="residual_multiplier"), head=Head(logit_divisor="logits_scaling")),
+    # Granite 3.x MoE (granite-3.1-1b-a400m, -3b-a800m): Granite's multipliers and scaling around Mixtral-style layers,
+    # whose MoE block is the layer's block_sparse_moe (its router softmaxes the top-k logits). transformers records
+    # no router logits for it (5.17) or the router's first output, the experts' indices (5.23): its load-balancing
+    # loss is no loss of the router's, and a config asking for it is refused.
+    _family("granitemoe", "GraniteMoe",
+            {"attention_bias", "attention_multiplier", "embedding_multiplier", "logits_scaling",
+             "residual_multiplier"} | _MOE,
+            mlp=Mlp(dense=False, experts="swiglu"),
+            residual=Residual(mlp="block_sparse_moe", multiplier="residual_multiplier"),
+            head=Head(logit_divisor="logits_scaling", router_aux_loss=True),
+            off={"output_router_logits": Off("transformers' GraniteMoE computes its load-balancing loss from no "
+                                             "router logits (5.17) or from the experts' indices (5.23)")}),
     _family("ministral3", "Ministral3", {"sliding_window"},
             attention=Attention(window=Window.CONFIG, query_scale=True), multimodal=_MISTRAL3),
     _family("olmo2", "Olmo2", {"attention_bias"}, norm=Norm.WEIGHT_THEN_CAST,
@@ -364,6 +386,11 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     _family("olmo3", "Olmo3", {"attention_bias"} | _PER_LAYER, norm=Norm.WEIGHT_THEN_CAST,
             attention=Attention(qk_norm=QkNorm.FULL_WIDTH, window=Window.LAYER), rotary=Rotary(cast_back=True),
             residual=POST_NORM),
+    # OLMoE: Llama's pre-norm layers and norms, q and k normed over the whole projection width (as OLMo 2, but
+    # under Llama's rotation), every layer's MLP routed experts behind a softmax router, with its auxiliary loss.
+    _family("olmoe", "Olmoe", {"attention_bias", "clip_qkv", "norm_topk_prob", "num_experts"} | _MOE,
+            attention=Attention(qk_norm=QkNorm.FULL_WIDTH), mlp=Mlp(dense=False, experts="swiglu"),
+            head=Head(router_aux_loss=True), off={"clip_qkv": Off("Bastile's attention does not clamp q, k and v")}),
     # GLM-4.5/4.6/4.7's MoE: HF's sigmoid router (a correction bias, group-limited top-k, routed scaling), a
     # shared expert (a <prefix>MLP) beside the routed ones, the first first_k_dense_replace layers dense; half
     # of each head rotated (half-split), per-head q/k norms where use_qk_norm (GLM-4.5, not Air).

@@ -173,7 +173,9 @@ def softcap(self) -> dict:
 
 
 WINDOWS = {Window.NONE: lambda self: None, Window.CONFIG: lambda self: self.config.sliding_window,
-           Window.LAYER: lambda self: self.sliding_window}
+           Window.LAYER: lambda self: self.sliding_window,
+           Window.LAYER_TYPE: lambda self: (self.config.sliding_window
+                                            if self.config.layer_types[self.layer_idx] == "sliding_attention" else None)}
 
 
 def dropout_of(family: Family) -> Callable:
