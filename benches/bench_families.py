@@ -74,6 +74,15 @@ MODELS = {
                            ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
     "qwen3-30b-a3b-8l": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                          ("Qwen--Qwen3-30B-A3B", dict(num_hidden_layers=8)), None, 4096, 1),
+    # Granite 3.1 3B-A800M (32 layers of 40 experts, 8 a token) and OLMoE-1B-7B (16 layers of 64 experts, 8 a token)
+    # with every weight trained; Qwen1.5-MoE-A2.7B (24 layers of 60 experts, 4 a token, beside a gated shared expert)
+    # under PEFT's all-linear LoRA (the attention, the shared expert and its gate: PEFT does not reach this family's
+    # routed experts through all-linear)
+    "granite-3.1-3b-a800m": ("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM",
+                             "ibm-granite--granite-3.1-3b-a800m-instruct", None, 4096, 1),
+    "olmoe-1b-7b": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", "allenai--OLMoE-1B-7B-0924", None, 4096, 1),
+    "qwen1.5-moe-a2.7b": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "Qwen--Qwen1.5-MoE-A2.7B", "all-linear",
+                          4096, 1),
     # GLM-4.5-Air's first 8 of 46 layers (one dense, then 128 experts, 8 a token, beside a shared expert):
     # LoRA on the attention, or all-linear (the experts' 3-D parameters and the shared expert included)
     "glm4.5-air-8l": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
