@@ -53,8 +53,9 @@ def check(got, x, weight, offsets, activation, sums):
     assert torch.equal(h, torch.ops.bastile.swiglu(gate_up[:, :inter], gate_up[:, inter:], activation))
 
 
-# Experts of several row tiles, one row, none, and a last one ending mid-tile.
-COUNTS = [300, 1, 0, 129, 0, 64]
+# Experts of several row tiles, one row, none, and ones ending mid-tile: in the second 64 rows of a 128-row tile or
+# in the first (a warp group's rows all past the end), the last one at 64.
+COUNTS = [300, 1, 0, 129, 100, 0, 65, 64]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
