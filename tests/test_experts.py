@@ -22,7 +22,7 @@ from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, ex
 from test_qwen3_training import batches
 
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe", "qwen3_vl_moe_text",
-            "qwen3_next", "lfm2_moe", "qwen2_moe", "olmoe", "granitemoe"]
+            "qwen3_next", "lfm2_moe", "qwen2_moe", "olmoe", "granitemoe", "ernie4_5_moe"]
 # Gemma 4's mini has no experts (test_families.py); here its MoE model: experts beside each dense MLP
 OVERRIDES = {"gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)}
 EXPERT_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,

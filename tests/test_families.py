@@ -98,6 +98,13 @@ CONFIGS = {
                  dict(intermediate_size=256, num_hidden_layers=3, head_dim=32, attention_bias=True, use_qk_norm=True,
                       moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                       routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, **IDS)),
+    # whole heads rotated interleaved on f32 tables, biases everywhere
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(intermediate_size=256, use_bias=True, **IDS)),
+    # layer 0 dense, then 2 of 8 experts beside a shared expert (2 experts wide), router aux loss on
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(intermediate_size=256, num_hidden_layers=3, moe_intermediate_size=64, moe_num_experts=8,
+                          moe_k=2, moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_interval=1,
+                          output_router_logits=True, router_aux_loss_coef=0.01, **IDS)),
     # (1 + w) norms, GELU-tanh MLPs, embeddings scaled by sqrt(hidden)
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=256, head_dim=32, **IDS)),
     # sandwich norms, sliding and full layers, attention and final-logit softcaps (HF applies the attention's
@@ -151,7 +158,8 @@ CONFIGS = {
 FAMILIES = list(CONFIGS)
 NEW = ["mixtral", "phi3", "smollm3", "granite", "ministral3", "olmo2", "olmo3", "olmoe", "glm4", "glm4_moe", "gemma", "gemma2",
        "gemma3_text",
-       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "qwen3_next", "qwen2_moe", "granitemoe"]
+       "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "qwen3_next", "qwen2_moe", "granitemoe",
+       "ernie4_5", "ernie4_5_moe"]
 # Qwen3's own training tests use a larger model (test_qwen3_training.py); this one is for the other tests.
 MINI = {**CONFIGS, "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32))}
 LR = 2e-3

@@ -159,7 +159,7 @@ def test_apply_selects_roles_and_model_and_rejects_unknown():
         class config:
             model_type = "gpt2"
 
-    with pytest.raises(ValueError, match="supported: gemma, gemma2, gemma3, gemma3_text, gemma4, gemma4_text, glm4, glm4_moe, gpt_oss, granite, "
+    with pytest.raises(ValueError, match="supported: ernie4_5, ernie4_5_moe, gemma, gemma2, gemma3, gemma3_text, gemma4, gemma4_text, glm4, glm4_moe, gpt_oss, granite, "
                                          "granitemoe, lfm2, lfm2_moe, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, phi3, "
                                          "qwen2, qwen2_5_vl, qwen2_5_vl_text, qwen2_moe, qwen2_vl, qwen2_vl_text, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe, "
                                          "qwen3_vl_moe_text, qwen3_vl_text, smollm3"):

@@ -400,6 +400,16 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
              "use_qk_norm"} | _MOE,
             attention=Attention(qk_norm=QkNorm.PER_HEAD, qk_norm_flag="use_qk_norm"), rotary=Rotary(partial=True),
             mlp=Mlp(experts="swiglu"), head=Head(router_logits=True)),
+    # ERNIE 4.5 (Baidu): Llama's layers with the interleaved rotation of whole heads on f32 tables, q and k cast back
+    # (as GLM-4's pairs, OLMo 2's precision), biases where use_bias; its MoE model (ERNIE-4.5-21B-A3B, 300B-A47B)
+    # routes its layers' experts by HF's softmax router (a correction bias choosing them, the weights renormalised
+    # with moe_norm_min) beside a shared expert (a <prefix>MLP), the layers off moe_layer_* dense.
+    _family("ernie4_5", "Ernie4_5", {"use_bias"}, rotary=Rotary(layout=Layout.INTERLEAVED, cast_back=True)),
+    _family("ernie4_5_moe", "Ernie4_5_Moe",
+            {"moe_intermediate_size", "moe_layer_end_index", "moe_layer_interval", "moe_layer_start_index",
+             "moe_norm_min", "moe_num_shared_experts", "use_bias"} | _MOE,
+            rotary=Rotary(layout=Layout.INTERLEAVED, cast_back=True), mlp=Mlp(experts="swiglu"),
+            head=Head(router_aux_loss=True)),
     # partial_rotary_factor is read from rope_parameters (the top-level key is its legacy spelling).
     _family("glm4", "Glm4", {"attention_bias", "partial_rotary_factor"},
             rotary=Rotary(layout=Layout.INTERLEAVED, partial=True),
