@@ -83,6 +83,10 @@ MODELS = {
     "olmoe-1b-7b": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", "allenai--OLMoE-1B-7B-0924", None, 4096, 1),
     "qwen1.5-moe-a2.7b": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "Qwen--Qwen1.5-MoE-A2.7B", "all-linear",
                           4096, 1),
+    # ERNIE-4.5-21B-A3B (28 layers, the first dense, then 64 experts, 6 a token, beside a shared expert) under PEFT's
+    # all-linear LoRA
+    "ernie4.5-21b-a3b": ("ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "baidu--ERNIE-4.5-21B-A3B-PT",
+                         "all-linear", 4096, 1),
     # GLM-4.5-Air's first 8 of 46 layers (one dense, then 128 experts, 8 a token, beside a shared expert):
     # LoRA on the attention, or all-linear (the experts' 3-D parameters and the shared expert included)
     "glm4.5-air-8l": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
