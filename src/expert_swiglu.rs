@@ -50,15 +50,11 @@ impl Launch for ExpertSwiglu {
         p.x_map = crate::driver::tensor_map_bf16(p.x, p.pairs, p.in_, k, m)?;
         p.weight_map = crate::driver::tensor_map_bf16(p.weight, weight_rows, p.in_, k, n / 2)?;
         let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16], BASTILE_GEMM_THREADS, 1)?;
-        let stage_bytes = (m + n) * k * 2;
-        // 1 KiB to align the stages to the swizzle pattern.
-        let stages = (gemm.shared.saturating_sub(1024) / stage_bytes).min(EXPERT_SWIGLU_MAX_STAGES);
-        if stages < 2 {
-            return Err(format!("{OP}: {} bytes of shared memory hold no GEMM pipeline", gemm.shared));
-        }
+        let (stages, shared) = crate::geometry::gemm_stages(gemm.shared, EXPERT_SWIGLU_MAX_STAGES)
+            .ok_or_else(|| format!("{OP}: {} bytes of shared memory hold no GEMM pipeline", gemm.shared))?;
         p.stages = stages as i32;
         let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;
-        let cfg = LaunchConfig { grid: (grid, 1), block: (BASTILE_GEMM_THREADS, 1), shared: stages * stage_bytes + 1024 };
+        let cfg = LaunchConfig { grid: (grid, 1), block: (BASTILE_GEMM_THREADS, 1), shared };
         Ok(Plan::single(gemm, cfg, p))
     }
 

@@ -207,18 +207,15 @@ impl Launch for CrossEntropyGemm {
         p.weight_map = crate::driver::tensor_map_bf16(p.weight, p.vocab, p.cols, k, n / 2)?;
         let tags: &[Tag] = if p.softcap > 0.0 { &[Tag::Gemm, Tag::Bf16, Tag::Softcap] } else { &[Tag::Gemm, Tag::Bf16] };
         let gemm = kernels::kernel_sharing::<Self>(dev, tags, BASTILE_GEMM_THREADS, 1)?;
-        let stage_bytes = (m + n) * k * 2;
-        // 1 KiB to align the stages to the swizzle pattern.
-        let stages = (gemm.shared.saturating_sub(1024) / stage_bytes).min(FLCE_GEMM_MAX_STAGES);
-        if stages < 2 {
-            return Err(format!("bastile.fused_linear_cross_entropy: {} bytes of shared memory hold no GEMM pipeline", gemm.shared));
-        }
+        let (stages, shared) = geometry::gemm_stages(gemm.shared, FLCE_GEMM_MAX_STAGES).ok_or_else(|| {
+            format!("bastile.fused_linear_cross_entropy: {} bytes of shared memory hold no GEMM pipeline", gemm.shared)
+        })?;
         p.stages = stages as i32;
         let tiles = geometry::ceil_div(p.rows, m as i64) * geometry::ceil_div(p.vocab, n as i64);
         let gemm_cfg = LaunchConfig {
             grid: (tiles.min(dev.sm_count() as i64) as u32, 1),
             block: (BASTILE_GEMM_THREADS, 1),
-            shared: stages * stage_bytes + 1024,
+            shared,
         };
         let warps = FLCE_GEMM_ROW_BLOCK / 32;
         let rows_cfg = LaunchConfig { grid: (rows.div_ceil(warps), 1), block: (FLCE_GEMM_ROW_BLOCK, 1), shared: 0 };

@@ -161,6 +161,17 @@ pub fn grid(blocks: i64, wave: i64) -> i64 {
     }
 }
 
+/// The pipeline of cuda/hopper.cuh's gemm_bf16_tn in a block of `shared` bytes: its stages (at most `max`; each
+/// an A box and B's boxes, BASTILE_GEMM_TILE_M + BASTILE_GEMM_TILE_N rows of BASTILE_GEMM_TILE_K bf16) and the
+/// dynamic shared memory they take with the 1 KiB that aligns them to the swizzle pattern; None where fewer than
+/// two fit.
+pub fn gemm_stages(shared: u32, max: u32) -> Option<(u32, u32)> {
+    use crate::params::{BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N};
+    let stage_bytes = (BASTILE_GEMM_TILE_M + BASTILE_GEMM_TILE_N) * BASTILE_GEMM_TILE_K * 2;
+    let stages = (shared.saturating_sub(1024) / stage_bytes).min(max);
+    (stages >= 2).then_some((stages, stages * stage_bytes + 1024))
+}
+
 /// True when `ptr` may be accessed in `bytes`-wide vectors.
 pub fn aligned(ptr: *const std::ffi::c_void, bytes: usize) -> bool {
     ptr.is_null() || (ptr as usize) % bytes == 0
@@ -169,6 +180,15 @@ pub fn aligned(ptr: *const std::ffi::c_void, bytes: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemm_stages_fill_the_shared_memory_after_its_alignment() {
+        // Hopper's 227 KiB a block: four 48 KiB stages and the 1 KiB of alignment; a block without room for two
+        // has no pipeline.
+        assert_eq!(gemm_stages(232_448, 8), Some((4, 4 * 49_152 + 1024)));
+        assert_eq!(gemm_stages(232_448, 3), Some((3, 3 * 49_152 + 1024)));
+        assert_eq!(gemm_stages(2 * 49_152 + 1023, 8), None);
+    }
 
     fn covers(g: &RowGeometry, cols: i64) {
         let units = cols / g.vec as i64;
