@@ -113,11 +113,14 @@ VARIANTS = {
     # attention sinks: Bastile's sink attention over the packed stream (sinks.py); HF's masks attend across it
     "gpt_oss": ("gpt_oss", dict(output_router_logits=False)),
     "mixtral_window": ("mixtral", dict(output_router_logits=False, sliding_window=4)),
+    # the window on layer 0, the one layer_types calls sliding (HF's attention windows it by its mask only)
+    "qwen2_moe_window": ("qwen2_moe", dict(output_router_logits=False, sliding_window=4)),
+    "olmoe": ("olmoe", dict(output_router_logits=False)),
     "phi3_window": ("phi3", dict(resid_pdrop=0.0, sliding_window=4)),  # dropout: other masks in each run
     "smollm3_window": ("smollm3", dict(sliding_window=4)),
     "ministral3_window": ("ministral3", dict(sliding_window=4)),
     "olmo3_window": ("olmo3", dict(sliding_window=4)),
-    **{family: (family, {}) for family in ("granite", "olmo2", "glm4", "glm4_moe", "gemma")},
+    **{family: (family, {}) for family in ("granite", "granitemoe", "olmo2", "glm4", "glm4_moe", "gemma", "ernie4_5")},
     "gemma3_window": ("gemma3_text", dict(sliding_window=4)),
     # attention softcap: HF's attention with masks made by Bastile (not varlen), HF's own correct
     "gemma2_softcap": ("gemma2", dict(sliding_window=4)),
