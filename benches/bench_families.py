@@ -227,8 +227,32 @@ def tiny(config: dict, cfg_cls) -> dict:
     return config
 
 
+def model_config(name, smoke=False, **overrides):
+    """The config of a MODELS entry (its published config.json with the entry's overrides, then `overrides`),
+    without a cache; tiny for smoke runs."""
+    import transformers
+    _, config_cls, _, config, _, _, _ = MODELS[name]
+    cfg_cls = getattr(transformers, config_cls)
+    if isinstance(config, str) and config in MODELS:  # another entry's config
+        config = MODELS[config][3]
+    folder, own = config if isinstance(config, tuple) else (config, {})
+    if isinstance(folder, str):
+        multimodal = "text_config" in getattr(cfg_cls, "sub_configs", {})
+        config = {k: v for k, v in published(folder, whole=multimodal).items()
+                  if k not in ("model_type", "transformers_version", "quantization_config")}
+    config = {**config, **own, **overrides}
+    if smoke:
+        config = tiny(config, cfg_cls)
+    return cfg_cls(**{**config, "use_cache": False})
+
+
+def model_class(name):
+    import transformers
+    return getattr(transformers, MODELS[name][2])
+
+
 def build(mode, name, device, smoke, checkpoint, compiled=None):
-    model_type, config_cls, model_cls, config, targets, _, _ = MODELS[name]
+    model_type, _, _, _, targets, _, _ = MODELS[name]
     if mode == "liger":
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
         if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
@@ -237,23 +261,11 @@ def build(mode, name, device, smoke, checkpoint, compiled=None):
     if mode in ("bastile", OFFLOAD):
         import bastile
         bastile.apply(offload_checkpoints=mode == OFFLOAD)
-    import transformers
-    cfg_cls = getattr(transformers, config_cls)
-    if isinstance(config, str) and config in MODELS:  # another entry's config
-        config = MODELS[config][3]
-    folder, overrides = config if isinstance(config, tuple) else (config, {})
-    if isinstance(folder, str):
-        multimodal = "text_config" in getattr(cfg_cls, "sub_configs", {})
-        config = {k: v for k, v in published(folder, whole=multimodal).items()
-                  if k not in ("model_type", "transformers_version", "quantization_config")}
-    config = {**config, **overrides}
-    if smoke:
-        config = tiny(config, cfg_cls)
-    cfg = cfg_cls(**{**config, "use_cache": False})
+    cfg = model_config(name, smoke)
     torch.manual_seed(0)
     with torch.device(device):
-        net = getattr(transformers, model_cls)._from_config(cfg, dtype=torch.bfloat16,
-                                                            attn_implementation=ATTENTION.get(model_type, "sdpa"))
+        net = model_class(name)._from_config(cfg, dtype=torch.bfloat16,
+                                             attn_implementation=ATTENTION.get(model_type, "sdpa"))
     if checkpoint:
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if targets:
