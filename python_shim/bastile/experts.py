@@ -181,8 +181,18 @@ def _forward(x, groups: Groups, p: Projection, scale: float):
         xa = grouped_mm(x, p.a, groups.offsets)
         y = y + scale * grouped_mm(xa, p.b, groups.offsets)
     if p.bias is not None:
-        y = y + p.bias[groups.expert]
+        y = _add_bias(y, p.bias, groups.expert)
     return y, xa
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """y + bias[expert] (each row's expert's bias), into y where the dtypes agree: as the product of the rows'
+    one-hot experts and the biases added to y, one pass over y and no [rows, out] gather (each row's sum has one
+    term: exact, rounded once as the addition is)."""
+    if bias.dtype != y.dtype:
+        return y + bias[expert]
+    one_hot = y.new_zeros(len(expert), bias.shape[0]).scatter_(1, expert[:, None], 1)
+    return y.addmm_(one_hot, bias)
 
 
 def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows=None):
@@ -230,7 +240,10 @@ def _down_backward(gate: Gate, grad, weights, gate_up, ha, groups: Groups, p: Pr
     acc = torch.promote_types(u.dtype, torch.float32)
     dweight = (u * h).sum(-1, dtype=acc)  # 16-bit: the products rounded, their sum not
     if p.bias is not None:
-        dweight = dweight + (dpair.to(acc) * p.bias[groups.expert].to(acc)).sum(-1)
+        # <dpair, bias2> of each row: its token's gradient against every expert's bias, [tokens, experts], read at
+        # the row's token and expert (16-bit values are exact in TF32, were a user to allow it)
+        per_token = grad.to(p.w.dtype).to(acc).view(-1, grad.shape[-1]) @ p.bias.to(acc).t()
+        dweight = dweight + per_token[groups.order // weights.shape[-1], groups.expert]
     return gate.backward(gate_up, _weighted(u, w, h.dtype)), dweight, grads
 
 
