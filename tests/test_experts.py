@@ -516,9 +516,9 @@ def test_fp32_model_under_bf16_autocast(family):
         assert g.dtype == torch.float32 and rel_err(g, hf_grads[name]) < 5e-2, name
 
 
-def test_fp32_routing_weights_scale_the_gradient_into_the_models_dtype():
-    """Mixtral's routing weights are fp32 over a bf16 model: the gate's gradient u w is formed in fp32 and rounded
-    once into bf16 (as (u * w).to(bf16)), with no fp32 [pairs, intermediate] tensor in the experts' backward."""
+def test_fp32_routing_weights_make_no_fp32_intermediate_rows():
+    """Mixtral's routing weights are fp32 over a bf16 model: no fp32 [pairs, intermediate] tensor is formed in the
+    experts' backward (the weights scale the inputs' gradient rows where each token's k rows are summed)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     model = mini("mixtral", "cpu", torch.bfloat16, intermediate_size=48)
     bastile.apply(model=model, **NO_TRAINERS)

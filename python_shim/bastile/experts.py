@@ -228,12 +228,12 @@ def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch
     return torch.ops.bastile.expert_dispatch(x, order, dtype=dtype)[0]
 
 
-def _down_backward(gate: Gate, grad, weights, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
-    """The backward of down and the gate for the tokens' gradient `grad`: (the gate's input's gradient, the routing
-    weights' gradient per row, down's parameters' gradients). A function of its own so that its [pairs, hidden]
-    tensors are freed before the gate/up backward allocates its own. With dpair each row's token's gradient and
-    u = dpair (W2 + s A2 B2)^T: dh = w u, the weights' gradient <u, h> (+ <dpair, bias2>)."""
-    w = weights.reshape(-1)[groups.order]
+def _down_backward(gate: Gate, grad, weights, w, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
+    """The backward of down and the gate for the tokens' gradient `grad`, `w` each row's routing weight: (the gate's
+    input's gradient for rows of weight 1, the routing weights' gradient per row, down's parameters' gradients). A
+    function of its own so that its [pairs, hidden] tensors are freed before the gate/up backward allocates its own.
+    With dpair each row's token's gradient and u = dpair (W2 + s A2 B2)^T: dh = w u, the weights' gradient <u, h>
+    (+ <dpair, bias2>)."""
     h = gate.forward(gate_up)
     dpair = _dispatch(grad, groups.order, p.w.dtype)
     u, *grads = _backward(dpair, h, ha, groups, p, scale, need, w)
@@ -244,7 +244,7 @@ def _down_backward(gate: Gate, grad, weights, gate_up, ha, groups: Groups, p: Pr
         # the row's token and expert (16-bit values are exact in TF32, were a user to allow it)
         per_token = grad.to(p.w.dtype).to(acc).view(-1, grad.shape[-1]) @ p.bias.to(acc).t()
         dweight = dweight + per_token[groups.order // weights.shape[-1], groups.expert]
-    return gate.backward(gate_up, _weighted(u, w, h.dtype)), dweight, grads
+    return gate.backward(gate_up, u.to(h.dtype)), dweight, grads
 
 
 def _gate_up_fused(gate: Gate, x, groups: Groups, p: Projection, factors: Optional[_Factors]):
@@ -301,7 +301,8 @@ class _Experts(torch.autograd.Function):
         # an adapter's factors both, where either source needs a gradient
         need1, need2 = (needs[i:i + 2] + (any(needs[i + 2:i + 4]),) * 2 for i in (8, 12))
         p2 = _projection(params[4:], make2)
-        dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, weights, gate_up, ha, groups,
+        w = weights.reshape(-1)[order]
+        dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, weights, w, gate_up, ha, groups,
                                                                     p2, s2, need2)
         if da2 is not None:
             da2, db2 = make2.source_grads(params[6:], needs[14:16], da2, db2)
@@ -309,13 +310,15 @@ class _Experts(torch.autograd.Function):
         # weights' dtype: under autocast the forward's products were narrower, and the backward runs without it
         p1 = _projection(params[:4], make1)
         x = _dispatch(hidden, order, p1.w.dtype) if need1[0] or need1[2] else None
-        dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), x, xa, groups, p1, s1, need1)
+        # dgate_up is that of rows of weight 1: gate/up's parameters take the weights on their narrower operands, and
+        # the rows of dx take theirs where each token's k rows are summed, side by side in fp32 (no atomics), rounded
+        # once to the wider of the two dtypes; the weights' product never runs over the [pairs, inter] rows
+        dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), x, xa, groups, p1, s1, need1, w)
         if da1 is not None:
             da1, db1 = make1.source_grads(params[2:4], needs[10:12], da1, db1)
-        # Each token's k pairs summed side by side in fp32 (no atomics), rounded once to the wider of the two dtypes
         total = torch.promote_types(dx.dtype, hidden.dtype)
-        dhidden = (torch.ops.bastile.expert_combine(dx.to(total), position).to(hidden.dtype).view(hidden.shape)
-                   if needs[2] else None)
+        dhidden = (torch.ops.bastile.expert_combine(dx.to(total), position, weights).to(hidden.dtype)
+                   .view(hidden.shape) if needs[2] else None)
         dweights = dweight[position].to(weights.dtype) if needs[3] else None
         return (None, None, dhidden, dweights, None, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
 
