@@ -4,8 +4,8 @@ The token-expert pairs are ordered by expert (a stable sort and per-expert count
 token's row is sent to its pairs (the `expert_dispatch` op), each expert's rows go through one grouped product for
 gate/up, the family's gated activation (the `swiglu` or `geglu` op), one grouped product for down, then the
 routing weights and the sum over a token's experts in one pass (the `expert_combine` op; the backward sends the
-tokens' gradient back to the pairs through `expert_dispatch`, and the weights scale the narrower operand of each
-product).
+tokens' gradient back to the pairs through `expert_dispatch`; the weights scale the inputs' gradient rows in the
+combine, and the parameters' gradients on the narrower operand of each product).
 
 PEFT LoRA on the 3-D expert parameters (its ParamWrapper, from `target_parameters` or `all-linear`) enters the
 grouped products as x W_e + s (x A_e) B_e. PEFT computes a wrapped module's forward with its weight
