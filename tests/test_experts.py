@@ -312,21 +312,22 @@ def test_expert_lora_bf16_cuda():
         assert err <= max(hf_err, 1e-1), f"{name}: {err:.2e} from fp32 (HF + PEFT bf16: {hf_err:.2e})"
 
 
-@pytest.mark.parametrize("device, mode", [("cpu", "default"), pytest.param("cuda", "default", marks=needs_cuda),
-                                          pytest.param("cuda", "reduce-overhead", marks=needs_cuda)])
-def test_expert_lora_layers_compile_as_eager(device, mode, monkeypatch):
+@pytest.mark.parametrize("family, device, mode", [("qwen3_moe", "cpu", "default"), ("gpt_oss", "cpu", "default"),
+                                                  pytest.param("qwen3_moe", "cuda", "default", marks=needs_cuda),
+                                                  pytest.param("qwen3_moe", "cuda", "reduce-overhead", marks=needs_cuda)])
+def test_expert_lora_layers_compile_as_eager(family, device, mode, monkeypatch):
     """PEFT LoRA on the experts' 3-D parameters, each decoder layer compiled (regional torch.compile): the adapters'
     gradients of the same model's eager step. The adapters' factors are permuted views of their
     weights, made contiguous for the grouped GEMM; Inductor laid a cast's copy of them out in the views' strides,
     which grouped_mm refused. The experts' backward traced whole (grouped weight gradients, no host read) got a
     zero gradient where their forward returned a no-op `.to`. bf16; on the CPU the products and the weight
     gradients take torch's grouped GEMM, as on CUDA. reduce-overhead (CUDA graphs): the third compiled step, the
-    first that replays the recorded graphs."""
+    first that replays the recorded graphs. GPT-OSS: its experts' biases (Inductor mislowered them added in place)."""
     from torch._dynamo.utils import counters
     if device == "cpu":
         monkeypatch.setattr(experts, "_grouped_kernel", experts.grouped_operands)
     # gate_up's A and B of one size, the case where Inductor put B's copy in A's freed buffer
-    base = mini("qwen3_moe", device, torch.bfloat16, moe_intermediate_size=64)
+    base = mini(family, device, torch.bfloat16, **({"moe_intermediate_size": 64} if family == "qwen3_moe" else {}))
     bastile.apply(model=base, **NO_TRAINERS)
     torch.manual_seed(3)
     model = get_peft_model(base, LoraConfig(**{**EXPERT_LORA, "r": 8}))

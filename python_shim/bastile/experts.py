@@ -186,10 +186,11 @@ def _forward(x, groups: Groups, p: Projection, scale: float):
 
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-    """y + bias[expert] (each row's expert's bias), into y where the dtypes agree: as the product of the rows'
-    one-hot experts and the biases added to y, one pass over y and no [rows, out] gather (each row's sum has one
-    term: exact, rounded once as the addition is)."""
-    if bias.dtype != y.dtype:
+    """y + bias[expert] (each row's expert's bias). Eager, where the dtypes agree: into y as the product of the rows'
+    one-hot experts and the biases, one pass over y and no [rows, out] gather (each row's sum has one term: exact,
+    rounded once as the addition is). Under torch.compile the expression itself, which Inductor fuses into one pass
+    (2.11 mislowered the in-place product: a later op's input came out as the index's buffer)."""
+    if bias.dtype != y.dtype or torch.compiler.is_compiling():
         return y + bias[expert]
     one_hot = y.new_zeros(len(expert), bias.shape[0]).scatter_(1, expert[:, None], 1)
     return y.addmm_(one_hot, bias)
