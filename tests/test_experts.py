@@ -493,7 +493,7 @@ def test_expert_parallelism_is_refused_before_patching():
     assert bastile.get_patched_ops() == []
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_fp32_model_under_bf16_autocast(family):
     """An fp32 model trained under bf16 autocast (HF's Trainer with bf16=True over fp32 weights): the forward's
     products and Qwen3-MoE's routing weights are bf16, the backward runs without autocast. The loss as HF's under

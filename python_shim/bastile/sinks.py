@@ -77,6 +77,15 @@ class _Dense(NamedTuple):
         return [slice(r, r + step) for r in range(0, q.shape[-2], step)]
 
     def forward(self, q, k, v):
+        # the math dtype throughout: under autocast the products would be 16-bit, and lse with them
+        with torch.autocast(q.device.type, enabled=False):
+            return self._forward(q, k, v)
+
+    def backward(self, dy, q, k, v, y, normaliser):
+        with torch.autocast(q.device.type, enabled=False):
+            return self._backward(dy, q, k, v, y, normaliser)
+
+    def _forward(self, q, k, v):
         groups = q.shape[2] // k.shape[2]
         qh, kh, vh = self._heads(q, groups), self._heads(k, 1), self._heads(v, 1)
         outs, lses = [], []
@@ -89,7 +98,7 @@ class _Dense(NamedTuple):
         o, lse = torch.cat(outs, -2), torch.cat(lses, -1)
         return self._tokens(o).to(q.dtype), self._tokens(lse[..., None])[..., 0]
 
-    def backward(self, dy, q, k, v, y, normaliser):
+    def _backward(self, dy, q, k, v, y, normaliser):
         groups = q.shape[2] // k.shape[2]
         qh, kh, vh = self._heads(q, groups), self._heads(k, 1), self._heads(v, 1)
         dyh, yh = self._heads(dy, groups), self._heads(y, groups)
