@@ -16,7 +16,7 @@ import sys
 import torch
 
 from bench_families import MODELS, model_class, model_config
-from common import child_process, environment, failed, markdown, out_dir, time_ms, write_csv
+from common import child_process, environment, failed, markdown, out_dir, sync, time_ms, write_csv
 
 MODES = ("hf", "bastile")
 
@@ -74,8 +74,8 @@ def child(args) -> dict:
             from bench_profile import kernel_times
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 forward_backward()
-                torch.cuda.synchronize()
-            top = sorted(kernel_times(prof, True).items(), key=lambda kv: -kv[1][0])[:args.profile]
+                sync(device)
+            top = sorted(kernel_times(prof, device == "cuda").items(), key=lambda kv: -kv[1][0])[:args.profile]
             result["top_ms"] = [(name[:100], round(us / 1e3, 3), calls) for name, (us, calls) in top]
         result["status"] = "ok"
     except Exception as e:  # noqa: BLE001
