@@ -229,7 +229,7 @@ def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch
     return torch.ops.bastile.expert_dispatch(x, order, dtype=dtype)[0]
 
 
-def _down_backward(gate: Gate, grad, weights, w, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
+def _down_backward(gate: Gate, grad, w, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
     """The backward of down and the gate for the tokens' gradient `grad`, `w` each row's routing weight: (the gate's
     input's gradient for rows of weight 1, the routing weights' gradient per row, down's parameters' gradients). A
     function of its own so that its [pairs, hidden] tensors are freed before the gate/up backward allocates its own.
@@ -244,7 +244,7 @@ def _down_backward(gate: Gate, grad, weights, w, gate_up, ha, groups: Groups, p:
         # <dpair, bias2> of each row: its token's gradient against every expert's bias, [tokens, experts], read at
         # the row's token and expert (16-bit values are exact in TF32, were a user to allow it)
         per_token = grad.to(p.w.dtype).to(acc).view(-1, grad.shape[-1]) @ p.bias.to(acc).t()
-        dweight = dweight + per_token[groups.order // weights.shape[-1], groups.expert]
+        dweight = dweight + per_token[groups.order // groups.position.shape[-1], groups.expert]
     return gate.backward(gate_up, u.to(h.dtype)), dweight, grads
 
 
@@ -303,7 +303,7 @@ class _Experts(torch.autograd.Function):
         need1, need2 = (needs[i:i + 2] + (any(needs[i + 2:i + 4]),) * 2 for i in (8, 12))
         p2 = _projection(params[4:], make2)
         w = weights.reshape(-1)[order]
-        dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, weights, w, gate_up, ha, groups,
+        dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, w, gate_up, ha, groups,
                                                                     p2, s2, need2)
         if da2 is not None:
             da2, db2 = make2.source_grads(params[6:], needs[14:16], da2, db2)
