@@ -102,6 +102,29 @@ def test_sequences_follow_hf_packed_rule():
     assert varlen.sequences(torch.tensor([[0, 1, 0]]), 2)["cu_seq_lens_q"].tolist() == [0, 2, 3, 5, 6]
 
 
+def test_padded_spans_show_each_token_what_hfs_mask_shows():
+    """Rows padded at one end (right, left, none, all pads) as spans: each real token sees, causally within its
+    span, exactly the keys HF's padding rule shows it (keys at or before it that are not pads), and every span
+    holds only tokens or only pads; pads inside a row give None, a mask of ones {}."""
+    seq = 9
+    mask = torch.tensor([[1] * 6 + [0] * 3, [0] * 4 + [1] * 5, [1] * seq, [0] * seq, [1] * 8 + [0]])
+    got = varlen.padded(mask)
+    cu = got["cu_seq_lens_q"]
+    assert cu.dtype == torch.int32 and got["cu_seq_lens_k"] is cu
+    lengths = cu.diff().tolist()
+    assert min(lengths) > 0 and got["max_length_q"] == got["max_length_k"] == max(lengths)
+    span = torch.searchsorted(cu[1:].long(), torch.arange(mask.numel()), right=True).view(mask.shape)
+    for row in range(mask.shape[0]):
+        for i in range(seq):
+            assert len({int(mask[row, j]) for j in range(seq) if span[row, j] == span[row, i]}) == 1
+            if mask[row, i]:
+                hf = [j for j in range(seq) if j <= i and mask[row, j]]
+                ours = [j for j in range(seq) if j <= i and span[row, j] == span[row, i]]
+                assert ours == hf, (row, i)
+    assert varlen.padded(torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]])) is None
+    assert varlen.padded(torch.ones(2, 5, dtype=torch.bool)) == {}
+
+
 # (family, config overrides): sliding windows shorter than the sequences, so that a wrong window shows
 VARIANTS = {
     "qwen3": ("qwen3", {}),

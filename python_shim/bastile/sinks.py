@@ -158,13 +158,18 @@ def flash(q: torch.Tensor) -> bool:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
               sliding_window: Optional[int] = None, mask: Optional[torch.Tensor] = None,
-              cu_seq_lens: Optional[torch.Tensor] = None, max_length: Optional[int] = None) -> torch.Tensor:
+              cu_seq_lens: Optional[torch.Tensor] = None, max_length: Optional[int] = None,
+              padding: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal self-attention with one sink logit per head (`sinks` [heads]), as HF's GPT-OSS eager attention.
 
     q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim], kv_heads dividing heads. sliding_window as
     HF's masks read it (a query sees itself and the sliding_window - 1 tokens before it). The rows' tokens:
     - cu_seq_lens (int32 [sequences + 1]) and max_length: a packed stream (varlen.py), each sequence alone;
-    - else `mask`: HF's [batch, 1, seq, seq] mask (a padded batch), added to the scores as HF does;
+      `padding` ([batch, seq], zeros at pads; varlen.padded's spans): the pads' outputs are zeros, as HF's
+      eager attention gives a left pad (it sees no key; its output predicts the row's first token). A right
+      pad's differs from HF's eager output (the row's tokens attended; zeros in HF's flash attention): only a
+      loss over labels at pads reads it;
+    - else `mask`: HF's [batch, 1, seq, seq] mask (pads inside a row), added to the scores as HF does;
     - else each row one sequence.
     Returns [batch, seq, heads, dim]."""
     left = -1 if sliding_window is None else sliding_window - 1
@@ -174,12 +179,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Te
             cu_seq_lens = torch.arange(0, (shape[0] + 1) * shape[1], shape[1], dtype=torch.int32, device=q.device)
             max_length = shape[1]
         tokens = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
-        return _SinkAttention.apply(_Flash(cu_seq_lens, max_length, scale, left), *tokens, sinks).view(shape)
-    if cu_seq_lens is not None:
-        q, k, v = (t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v))
-        visible = _packed(cu_seq_lens, q.shape[1], left)
-    elif mask is not None:
-        visible = (lambda rows: mask[:, 0, rows])
+        out = _SinkAttention.apply(_Flash(cu_seq_lens, max_length, scale, left), *tokens, sinks).view(shape)
     else:
-        visible = _causal(shape[1], left, q.device)
-    return _SinkAttention.apply(_Dense(scale, visible), q, k, v, sinks).view(shape)
+        if cu_seq_lens is not None:
+            q, k, v = (t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v))
+            visible = _packed(cu_seq_lens, q.shape[1], left)
+        elif mask is not None:
+            visible = (lambda rows: mask[:, 0, rows])
+        else:
+            visible = _causal(shape[1], left, q.device)
+        out = _SinkAttention.apply(_Dense(scale, visible), q, k, v, sinks).view(shape)
+    # the pads' outputs, and so their gradients, zero: nothing of theirs reaches the sinks or q, k, v
+    return out if padding is None else out * padding[..., None, None].to(out.dtype)

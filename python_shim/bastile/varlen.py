@@ -45,6 +45,27 @@ def sequences(position_ids: torch.Tensor, batch: int) -> Optional[dict]:
     return dict(zip(KEYS, (cu, cu, longest, longest)))
 
 
+def padded(mask: torch.Tensor) -> Optional[dict]:
+    """The varlen kwargs (KEYS) of a batch whose 2-D padding mask pads each row at one end (ones then zeros, or
+    zeros then ones): a row's tokens are one sequence and its pads another, so that each token sees the tokens
+    that HF's mask shows it and the pads see only pads. {} where no row is padded; None where a row's pads are
+    not at one end (HF's mask then says what each token sees). One host read: the rows' lengths and ends."""
+    keep = mask.bool()
+    n = keep.sum(1)
+    i = torch.arange(keep.shape[1], device=keep.device)
+    right = (keep == (i < n[:, None])).all(1)
+    left = (keep == (i >= keep.shape[1] - n[:, None])).all(1)
+    rows = torch.stack((n, right.long(), left.long())).t().tolist()
+    if not all(r or l for _, r, l in rows):
+        return None
+    seq = keep.shape[1]
+    if all(n == seq for n, _, _ in rows):
+        return {}
+    lengths = [span for n, r, _ in rows for span in ((n, seq - n) if r else (seq - n, n)) if span]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).to(mask.device, non_blocking=True)
+    return dict(zip(KEYS, (cu, cu, max(lengths), max(lengths))))
+
+
 def flash(q: torch.Tensor) -> bool:
     """Whether `attention` runs torch's flash varlen kernel for q (CUDA, 16-bit) rather than one SDPA call
     per sequence (CPU, fp32), which reads the lengths on the host."""

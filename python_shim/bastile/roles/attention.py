@@ -234,16 +234,18 @@ def attention_of(family: Family) -> Callable:
 
 
 def sink_attention_of(family: Family) -> Callable:
-    """GPT-OSS: the sink attention on uncached calls that varlen_rule takes (a packed batch's sequences apart,
-    HF's mask, where the decoder made one, unused), HF's eager interface on the others (the cache, dropout)."""
+    """GPT-OSS: the sink attention on uncached calls that varlen_rule takes, HF's eager interface on the others
+    (the cache, dropout). A packed batch's sequences apart: HF's mask, where it made one, unused; the
+    decoder's 2-D padding mask (rows padded at one end as varlen spans) zeroes the pads' outputs."""
     window, takes, hf = WINDOWS[family.attention.window], varlen_rule(family), hf_attention(family)
 
     def attend(self, q, k, v, mask, cache, shape, kwargs):
         if cache is not None or not takes(self):
             return hf(self, q, k, v, mask, cache, shape, kwargs)
         cu = kwargs.get("cu_seq_lens_q")
+        padding = mask if cu is not None and mask is not None and mask.ndim == 2 else None
         out = sinks.attention(*(t.transpose(1, 2) for t in (q, k, v)), self.sinks, self.scaling, window(self),
-                              None if cu is not None else mask, cu, kwargs.get("max_length_q"))
+                              None if cu is not None else mask, cu, kwargs.get("max_length_q"), padding)
         return out.reshape(*shape, -1), None
     return attend
 

@@ -220,8 +220,10 @@ def masks(ctx: Context) -> Callable:
       its packed rows attend across their sequences.
 
     Where Bastile's sink attention runs every layer (GPT-OSS, `masks_itself`), it applies causality and each
-    layer's window itself: the decoder gets no masks unless a row is padded (a 2-D mask of ones is dropped, one
-    host read as HF's SDPA check makes)."""
+    layer's window itself, and the decoder makes no masks: a 2-D mask of ones is dropped, and rows padded at one
+    end run as varlen spans (varlen.padded; one host read, as HF's SDPA check makes), each layer given the 2-D
+    mask, whose pads' outputs the sink attention zeroes. Only a mask with pads inside a row reaches HF's masks
+    (the sink attention's dense core)."""
     positions, takes_varlen = text_positions(ctx.family), varlen_rule(ctx.family)
     typed = "layer_types" in ctx.family.config
     sinks = ctx.family.attention.sinks
@@ -232,9 +234,12 @@ def masks(ctx: Context) -> Callable:
         if past_key_values is not None or use_cache:
             return attention_mask, input_ids, inputs_embeds, kwargs
         masks_itself = sinks and typed and _varlen_types(ctx, takes_varlen, decoder, layer_types) == set(layer_types)
-        if masks_itself and isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 \
-                and bool(attention_mask.all()):
-            attention_mask = None
+        if masks_itself and isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
+            spans = varlen.padded(attention_mask)
+            if spans == {}:
+                attention_mask = None
+            elif spans is not None and kwargs.get("cu_seq_lens_q") is None:
+                return dict.fromkeys(layer_types, attention_mask), input_ids, inputs_embeds, {**kwargs, **spans}
         if attention_mask is not None:
             return attention_mask, input_ids, inputs_embeds, kwargs
         position_ids = positions(position_ids)
