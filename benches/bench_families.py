@@ -10,6 +10,7 @@ the same model on the same tokens, each mode in its own process.
     python benches/bench_families.py --models llama3-8b --seq 131072 --checkpoint --modes bastile,bastile-offload
     python benches/bench_families.py --models qwen3-30b-a3b-attn --compile  # each decoder layer torch.compile'd
     python benches/bench_families.py --models qwen3-30b-a3b --seq 1024 --compile reduce-overhead  # and CUDA-graphed
+    python benches/bench_families.py --models gpt-oss-20b --seq 2048 --padded 4  # padded batches of 4 rows
 
 Models (MODELS): random init from the published configs (sizes, vocabularies, rotary and window settings,
 multipliers; nothing downloaded), built on the GPU in bf16 with SDPA attention (GPT-OSS: eager, HF's only). A model that fits one H100
@@ -22,7 +23,8 @@ model type, its defaults, fused linear cross-entropy included, before the model 
 (bastile.apply()), and on request bastile-offload (bastile.apply(offload_checkpoints=True)). --steps steps (default 10), the first --warmup (3) not timed; peak GiB =
 torch.cuda.max_memory_allocated over the child. --compile [MODE] compiles each decoder layer (module.compile(mode=MODE),
 regional compilation) in every mode, after PEFT; the warmup steps compile (and record the CUDA graphs of
-reduce-overhead). Writes families.csv and .log under $OUT or
+reduce-overhead). --padded ROWS: batches of ROWS rows of random lengths (seq / 4 to seq) padded on the right
+(train_random's; tokens/s of real tokens). Writes families.csv and .log under $OUT or
 bench-results/.
 """
 
@@ -284,14 +286,16 @@ def build(mode, name, device, smoke, checkpoint, compiled=None):
 def child(args) -> dict:
     _, _, _, _, targets, seq, batch = MODELS[args.model]
     seq, batch = (64, 2) if args.smoke else (args.seq or seq, batch)
+    batch = args.padded or batch
     work = ((f"LoRA r{LORA}" if targets else "full") + (", checkpointed" if args.checkpoint else "")
+            + (", padded" if args.padded else "")
             + (f", layers compiled ({args.compile})" if args.compile else ""))
     result = {"model": args.model, "mode": args.mode, "work": work,
               "seq": seq, "batch": batch}
     try:
         result["env"] = environment()
         net, opt, vocab = build(args.mode, args.model, args.device, args.smoke, args.checkpoint, args.compile)
-        train_random(result, net, opt, vocab, batch, seq, args)
+        train_random(result, net, opt, vocab, batch, seq, args, padded=bool(args.padded))
         if args.profile:
             result["profile"] = profile_step(net, opt, torch.randint(0, vocab, (batch, seq), device=args.device),
                                              args.device)
@@ -344,7 +348,8 @@ def parent(args):
     names = args.models.split(",") if args.models else list(MODELS)
     extra = ((["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
              + ([f"--seq={args.seq}"] if args.seq else []) + (["--checkpoint"] if args.checkpoint else [])
-             + ([f"--compile={args.compile}"] if args.compile else []))
+             + ([f"--compile={args.compile}"] if args.compile else [])
+             + ([f"--padded={args.padded}"] if args.padded else []))
 
     def show(result):
         if "profile" in result:
@@ -366,6 +371,8 @@ def main():
     ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     ap.add_argument("--compile", nargs="?", const="default", metavar="MODE",
                     help="each decoder layer torch.compile'd (regional), in torch.compile's MODE (default: default)")
+    ap.add_argument("--padded", type=int, default=0, metavar="ROWS",
+                    help="batches of ROWS right-padded rows of random lengths (seq / 4 to seq)")
     modes_main(ap.parse_args(), child, parent)
 
 

@@ -435,14 +435,23 @@ def published(folder: str, whole: bool = False) -> dict:
     return raw if whole else raw.get("text_config", raw)
 
 
-def train_random(result: dict, net, opt, vocab: int, batch: int, seq: int, args):
-    """args.steps steps on random tokens (the first args.warmup not timed): tokens/s, peak GiB and losses into
-    result."""
+def train_random(result: dict, net, opt, vocab: int, batch: int, seq: int, args, padded: bool = False):
+    """args.steps steps on random tokens (the first args.warmup not timed): tokens/s (real tokens, pads not
+    counted), peak GiB and losses into result. `padded`: each row's length drawn from seq / 4 to seq, padded on
+    the right to seq (the attention mask; labels -100 at the pads, as HF's collators give them)."""
     gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, vocab, (batch, seq), generator=gen).to(args.device) for _ in range(args.steps)]
+    data, tokens = [], 0
+    for step in range(args.steps):
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        mask = torch.ones_like(ids)
+        if padded:
+            mask = (torch.arange(seq) < torch.randint(seq // 4, seq + 1, (batch, 1), generator=gen)).long()
+        data.append({k: t.to(args.device) for k, t in
+                     dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).items()}
+                    if padded else ids.to(args.device))
+        tokens += int(mask.sum()) if step >= args.warmup else 0
     losses, elapsed, peak = train_steps(net, opt, data, args.warmup, args.device, sync)
-    result.update(status="ok", tokens_per_s=batch * seq * (args.steps - args.warmup) / elapsed,
-                  peak_alloc_GiB=peak, losses=[l.item() for l in losses])
+    result.update(status="ok", tokens_per_s=tokens / elapsed, peak_alloc_GiB=peak, losses=[l.item() for l in losses])
 
 
 def failed(e: Exception) -> str:
@@ -456,7 +465,8 @@ def failed(e: Exception) -> str:
 
 
 def train_steps(model, opt, batches, warmup: int, device, sync):
-    """Trains a causal LM on each batch of token ids (inputs and labels), timing the steps after `warmup`
+    """Trains a causal LM on each batch (token ids, inputs and labels; or a dict of the model's arguments), timing
+    the steps after `warmup`
     between two calls of sync(). Returns the losses (0-dim tensors), the seconds of the timed steps and the
     peak GiB allocated on CUDA (nan elsewhere)."""
     cuda = torch.device(device).type == "cuda"
@@ -467,7 +477,7 @@ def train_steps(model, opt, batches, warmup: int, device, sync):
         if step == warmup:
             sync(device)
             t0 = time.perf_counter()
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(**(batch if isinstance(batch, dict) else dict(input_ids=batch, labels=batch))).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
