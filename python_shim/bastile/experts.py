@@ -196,17 +196,18 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torc
     return y.addmm_(one_hot, bias)
 
 
-def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows=None):
+def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows=None, wx=None):
     """The gradients of _forward's y for the pairs' dy: (dx, dw, dbias, da, db), `need` saying which of w, bias,
     a, b. `rows` (each row's routing weight): the parameters' gradients are those of dy scaled by it, dx that of
-    dy; the scale goes on the narrower operand of each product (x, x a, or dy (B^T)), not on dy."""
+    dy; the scale goes on the narrower operand of each product (x, x a, or dy (B^T)), not on dy. `wx`: x's rows
+    already scaled by theirs (then x, which only dw would read, may be None)."""
     need_w, need_bias, need_a, need_b = need
     t = scale * grouped_mm(dy, p.b.transpose(-2, -1), groups.offsets) if p.a is not None else None
     dx = grouped_mm(dy, p.w.transpose(-2, -1), groups.offsets)
     if t is not None:
         dx = dx + grouped_mm(t, p.a.transpose(-2, -1), groups.offsets)
     scaled = (lambda v: _weighted(v, rows, v.dtype)) if rows is not None else (lambda v: v)
-    dw = grouped_wgrad(scaled(x), dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
+    dw = grouped_wgrad(scaled(x) if wx is None else wx, dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
     dbias = None
     if need_bias:
         acc = torch.promote_types(dy.dtype, torch.float32)
@@ -224,9 +225,10 @@ def _weighted(v: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.
     return torch.mul(v, rows[:, None], out=v.new_empty(v.shape, dtype=dtype))
 
 
-def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each row's token's row of x, in dtype."""
-    return torch.ops.bastile.expert_dispatch(x, order, dtype=dtype)[0]
+def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype, weights=None) -> torch.Tensor:
+    """Each row's token's row of x, in dtype; times the row's routing weight where `weights` ([tokens, k]) are
+    given, rounded once as _weighted rounds it."""
+    return torch.ops.bastile.expert_dispatch(x, order, weights, dtype=dtype)[0]
 
 
 def _down_backward(gate: Gate, grad, w, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
@@ -310,11 +312,15 @@ class _Experts(torch.autograd.Function):
         # gate/up, from the pairs' rows of x made again where a weight or factor A takes a gradient; in the
         # weights' dtype: under autocast the forward's products were narrower, and the backward runs without it
         p1 = _projection(params[:4], make1)
-        x = _dispatch(hidden, order, p1.w.dtype) if need1[0] or need1[2] else None
+        # where only the weight reads x (no factor A), its rows come weighted from the dispatch: no pass of their own
+        weighted = need1[0] and not need1[2]
+        x = (_dispatch(hidden, order, p1.w.dtype, weights if weighted else None)
+             if need1[0] or need1[2] else None)
         # dgate_up is that of rows of weight 1: gate/up's parameters take the weights on their narrower operands, and
         # the rows of dx take theirs where each token's k rows are summed, side by side in fp32 (no atomics), rounded
         # once to the wider of the two dtypes; the weights' product never runs over the [pairs, inter] rows
-        dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), x, xa, groups, p1, s1, need1, w)
+        dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), None if weighted else x, xa, groups, p1, s1,
+                                              need1, w, x if weighted else None)
         if da1 is not None:
             da1, db1 = make1.source_grads(params[2:4], needs[10:12], da1, db1)
         total = torch.promote_types(dx.dtype, hidden.dtype)
