@@ -466,9 +466,8 @@ def failed(e: Exception) -> str:
 
 def train_steps(model, opt, batches, warmup: int, device, sync):
     """Trains a causal LM on each batch (token ids, inputs and labels; or a dict of the model's arguments), timing
-    the steps after `warmup`
-    between two calls of sync(). Returns the losses (0-dim tensors), the seconds of the timed steps and the
-    peak GiB allocated on CUDA (nan elsewhere)."""
+    the steps after `warmup` between two calls of sync(). Returns the losses (0-dim tensors), the seconds of the
+    timed steps and the peak GiB allocated on CUDA (nan elsewhere)."""
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()

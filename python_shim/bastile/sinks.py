@@ -8,7 +8,7 @@ the sink attention's dq, dk, dv exactly (its probabilities exp(x - L) are the si
 nothing to dP), and the sink's gradient is -sum over rows of exp(s - L) D. The flash kernel runs unchanged both
 ways, and Bastile's attention_sink ops between them take one pass each (the row factor and L; D and the sink's
 gradient): no [heads, seq, seq] tensor is formed on CUDA (16-bit, heads to 256 wide), nor kept anywhere.
-Elsewhere (the CPU, fp32/fp64, HF's padding masks) the scores of a block of queries at a time.
+Elsewhere (the CPU, fp32/fp64, HF's masks of pads inside a row) the scores of a block of queries at a time.
 """
 from typing import Callable, NamedTuple, Optional
 
