@@ -1069,6 +1069,40 @@ def test_subclass_of_a_patched_class_is_refused_before_patching():
     assert bastile.get_patched_ops() == []
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_right_padded_batch_runs_unmasked_as_hf(family, monkeypatch):
+    """A batch padded on the right, as HF's and TRL's collators pad (labels -100 at the pads): the loss and
+    gradients are HF's with its padding mask, and no mask with padding is made (no token sees the pads after it:
+    the decoder drops the mask, so SDPA runs is_causal; GPT-OSS's pads are varlen spans). A left-padded batch
+    still gets HF's padding masks, except GPT-OSS's (spans too)."""
+    from transformers import masking_utils
+    (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]  # test_training_matches_hf_cpu_fp32's
+    right, left = torch.ones_like(ids), torch.ones_like(ids)
+    right[0, 30:], left[1, :9] = 0, 0
+    inputs = dict(input_ids=ids, attention_mask=right, labels=labels.masked_fill(right == 0, -100))
+
+    def grads(model):
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    exact = exact_grads(family, mini(family, "cpu", torch.float32), lambda m: m(**inputs).loss)
+    ref_loss, ref_grads = grads(mini(family, "cpu", torch.float32))
+    model = mini(family, "cpu", torch.float32)
+    bastile.apply(model=model, **NO_TRAINERS)
+    padded = []
+    pad = masking_utils.padding_mask_function
+    monkeypatch.setattr(masking_utils, "padding_mask_function", lambda m: padded.append(m) or pad(m))
+    loss, got = grads(model)
+    assert padded == []
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert got.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert_grad_close(got[name], exact.get(name, g), name)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=left)
+    assert bool(padded) != TRAITS[family].attention.sinks
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def test_gated_delta_net_padded_batch_matches_hf(family):
     """A left-padded batch with its attention mask: the Gated DeltaNet zeroes the padding's inputs as HF's

@@ -103,12 +103,16 @@ def test_sequences_follow_hf_packed_rule():
 
 
 def test_padded_spans_show_each_token_what_hfs_mask_shows():
-    """Rows padded at one end (right, left, none, all pads) as spans: each real token sees, causally within its
-    span, exactly the keys HF's padding rule shows it (keys at or before it that are not pads), and every span
-    holds only tokens or only pads; pads inside a row give None, a mask of ones {}."""
+    """`padding` reads each row's tokens and where its pads lie (at its end, its start, both where it has none,
+    neither where they lie inside it); rows padded at one end as `padded` spans: each real token sees, causally
+    within its span, exactly the keys HF's padding rule shows it (keys at or before it that are not pads), and
+    every span holds only tokens or only pads."""
     seq = 9
     mask = torch.tensor([[1] * 6 + [0] * 3, [0] * 4 + [1] * 5, [1] * seq, [0] * seq, [1] * 8 + [0]])
-    got = varlen.padded(mask)
+    rows = varlen.padding(mask)
+    assert rows == [(6, True, False), (5, False, True), (9, True, True), (0, True, True), (8, True, False)]
+    assert varlen.padding(torch.tensor([[1, 1, 0, 1]])) == [(3, False, False)]
+    got = varlen.padded(rows, seq, mask.device)
     cu = got["cu_seq_lens_q"]
     assert cu.dtype == torch.int32 and got["cu_seq_lens_k"] is cu
     lengths = cu.diff().tolist()
@@ -121,8 +125,6 @@ def test_padded_spans_show_each_token_what_hfs_mask_shows():
                 hf = [j for j in range(seq) if j <= i and mask[row, j]]
                 ours = [j for j in range(seq) if j <= i and span[row, j] == span[row, i]]
                 assert ours == hf, (row, i)
-    assert varlen.padded(torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]])) is None
-    assert varlen.padded(torch.ones(2, 5, dtype=torch.bool)) == {}
 
 
 # (family, config overrides): sliding windows shorter than the sequences, so that a wrong window shows

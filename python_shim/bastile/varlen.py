@@ -6,7 +6,7 @@ its position ids restart inside a row: HF's rule, a position other than its pred
 a sequence. HF's SDPA path turns such rows into a [seq, seq] block-diagonal mask, and SDPA's masked kernels
 run at less than half the speed of its causal one; here the sequences go to a variable-length kernel.
 """
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,24 +45,23 @@ def sequences(position_ids: torch.Tensor, batch: int) -> Optional[dict]:
     return dict(zip(KEYS, (cu, cu, longest, longest)))
 
 
-def padded(mask: torch.Tensor) -> Optional[dict]:
-    """The varlen kwargs (KEYS) of a batch whose 2-D padding mask pads each row at one end (ones then zeros, or
-    zeros then ones): a row's tokens are one sequence and its pads another, so that each token sees the tokens
-    that HF's mask shows it and the pads see only pads. {} where no row is padded; None where a row's pads are
-    not at one end (HF's mask then says what each token sees). One host read: the rows' lengths and ends."""
+def padding(mask: torch.Tensor) -> List[Tuple[int, bool, bool]]:
+    """Each row of a 2-D padding mask as (its tokens, whether its pads lie at its end, whether they lie at its
+    start): a row with no pad is both, one with pads inside it neither. One host read."""
     keep = mask.bool()
     n = keep.sum(1)
     i = torch.arange(keep.shape[1], device=keep.device)
     right = (keep == (i < n[:, None])).all(1)
     left = (keep == (i >= keep.shape[1] - n[:, None])).all(1)
-    rows = torch.stack((n, right.long(), left.long())).t().tolist()
-    if not all(r or l for _, r, l in rows):
-        return None
-    seq = keep.shape[1]
-    if all(n == seq for n, _, _ in rows):
-        return {}
-    lengths = [span for n, r, _ in rows for span in ((n, seq - n) if r else (seq - n, n)) if span]
-    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).to(mask.device, non_blocking=True)
+    return [(n, bool(r), bool(l)) for n, r, l in torch.stack((n, right.long(), left.long())).t().tolist()]
+
+
+def padded(rows: List[Tuple[int, bool, bool]], seq: int, device) -> dict:
+    """The varlen kwargs (KEYS) of rows of `seq` tokens padded at one end (`padding`'s rows, each at its end or
+    its start): a row's tokens are one sequence and its pads another, so that each token sees the tokens that
+    HF's mask shows it and the pads see only pads."""
+    lengths = [span for n, end, _ in rows for span in ((n, seq - n) if end else (seq - n, n)) if span]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).to(device, non_blocking=True)
     return dict(zip(KEYS, (cu, cu, max(lengths), max(lengths))))
 
 

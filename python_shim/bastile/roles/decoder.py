@@ -219,6 +219,12 @@ def masks(ctx: Context) -> Callable:
       ignores HF's) and HF's, made with the position ids, for the others. GPT-OSS's makes them without, so that
       its packed rows attend across their sequences.
 
+    A 2-D padding mask whose rows are padded only at their ends (TRL's and HF's collators pad on the right), with
+    no positions or varlen kwargs, is dropped outside tracing (one host read, as HF's SDPA check makes): every
+    layer is causal, so no token sees the pads after it, and the call runs as an unpadded one (SDPA's
+    `is_causal`, ~3x faster than its masked kernels). Only the pads' own outputs change, which no loss reads
+    with the pads' labels ignored (-100). Other masks (left padding) go to HF's.
+
     Where Bastile's sink attention runs every layer (GPT-OSS, `masks_itself`), it applies causality and each
     layer's window itself, and the decoder makes no masks: a 2-D mask of ones is dropped, and rows padded at one
     end run as varlen spans (varlen.padded; one host read, as HF's SDPA check makes), each layer given the 2-D
@@ -234,11 +240,14 @@ def masks(ctx: Context) -> Callable:
         if past_key_values is not None or use_cache:
             return attention_mask, input_ids, inputs_embeds, kwargs
         masks_itself = sinks and typed and _varlen_types(ctx, takes_varlen, decoder, layer_types) == set(layer_types)
-        if masks_itself and isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
-            spans = varlen.padded(attention_mask)
-            if spans == {}:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and (masks_itself or (
+                position_ids is None and kwargs.get("cu_seq_lens_q") is None and not torch.compiler.is_compiling())):
+            rows, seq = varlen.padding(attention_mask), attention_mask.shape[1]
+            if all(n == seq for n, _, _ in rows) or (not masks_itself and all(end for _, end, _ in rows)):
+                # no pads, or pads only after each row's tokens, which causal attention never shows them
                 attention_mask = None
-            elif spans is not None and kwargs.get("cu_seq_lens_q") is None:
+            elif masks_itself and all(end or start for _, end, start in rows) and kwargs.get("cu_seq_lens_q") is None:
+                spans = varlen.padded(rows, seq, attention_mask.device)
                 return dict.fromkeys(layer_types, attention_mask), input_ids, inputs_embeds, {**kwargs, **spans}
         if attention_mask is not None:
             return attention_mask, input_ids, inputs_embeds, kwargs
