@@ -14,6 +14,7 @@ import inspect
 import sys
 import warnings
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -1069,8 +1070,28 @@ def test_subclass_of_a_patched_class_is_refused_before_patching():
     assert bastile.get_patched_ops() == []
 
 
+def padded_step_matches_hf(family, inputs, watch):
+    """Asserts that one step on `inputs` (a padded batch) gives HF's loss and gradients (the decay parameters' on
+    exact_delta_rule), the patched model's run inside the context `watch`; returns the patched model."""
+    def grads(model):
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    exact = exact_grads(family, mini(family, "cpu", torch.float32), lambda m: m(**inputs).loss)
+    ref_loss, ref_grads = grads(mini(family, "cpu", torch.float32))
+    model = mini(family, "cpu", torch.float32)
+    bastile.apply(model=model, **NO_TRAINERS)
+    with watch:
+        loss, got = grads(model)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert got.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert_grad_close(got[name], exact.get(name, g), name)
+    return model
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_right_padded_batch_runs_unmasked_as_hf(family, monkeypatch):
+def test_right_padded_batch_runs_unmasked_as_hf(family):
     """A batch padded on the right, as HF's and TRL's collators pad (labels -100 at the pads): the loss and
     gradients are HF's with its padding mask, and no mask with padding is made (no token sees the pads after it:
     the decoder drops the mask, so SDPA runs is_causal; GPT-OSS's pads are varlen spans). A left-padded batch
@@ -1080,27 +1101,13 @@ def test_right_padded_batch_runs_unmasked_as_hf(family, monkeypatch):
     right, left = torch.ones_like(ids), torch.ones_like(ids)
     right[0, 30:], left[1, :9] = 0, 0
     inputs = dict(input_ids=ids, attention_mask=right, labels=labels.masked_fill(right == 0, -100))
-
-    def grads(model):
-        loss = model(**inputs).loss
-        loss.backward()
-        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    exact = exact_grads(family, mini(family, "cpu", torch.float32), lambda m: m(**inputs).loss)
-    ref_loss, ref_grads = grads(mini(family, "cpu", torch.float32))
-    model = mini(family, "cpu", torch.float32)
-    bastile.apply(model=model, **NO_TRAINERS)
-    padded = []
-    pad = masking_utils.padding_mask_function
-    monkeypatch.setattr(masking_utils, "padding_mask_function", lambda m: padded.append(m) or pad(m))
-    loss, got = grads(model)
-    assert padded == []
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    assert got.keys() == ref_grads.keys()
-    for name, g in ref_grads.items():
-        assert_grad_close(got[name], exact.get(name, g), name)
-    with torch.no_grad():
+    made = mock.Mock(wraps=masking_utils.padding_mask_function)  # HF's masks with padding
+    watch = lambda: mock.patch.object(masking_utils, "padding_mask_function", made)
+    model = padded_step_matches_hf(family, inputs, watch())
+    assert not made.called
+    with torch.no_grad(), watch():
         model(input_ids=ids, attention_mask=left)
-    assert bool(padded) != TRAITS[family].attention.sinks
+    assert made.called != TRAITS[family].attention.sinks
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
@@ -1111,23 +1118,9 @@ def test_gated_delta_net_padded_batch_matches_hf(family):
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     inputs = dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(mask == 0, -100))
-
-    def grads(model):
-        model.zero_grad(set_to_none=True)
-        loss = model(**inputs).loss
-        loss.backward()
-        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    exact = exact_grads(family, mini(family, "cpu", torch.float32), lambda m: m(**inputs).loss)
-    ref_loss, ref_grads = grads(mini(family, "cpu", torch.float32))
-    model = mini(family, "cpu", torch.float32)
-    bastile.apply(model=model, **NO_TRAINERS)
-    with Dispatched() as seen:
-        loss, got = grads(model)
+    seen = Dispatched()
+    padded_step_matches_hf(family, inputs, seen)
     assert "gated_delta_rule" in seen.ops
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    assert got.keys() == ref_grads.keys()
-    for name, g in ref_grads.items():
-        assert_grad_close(got[name], exact.get(name, g), name)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
