@@ -324,7 +324,9 @@ def test_patched_training_step_compiles_without_graph_breaks(attn):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_unmasked_training_step_gives_sdpa_is_causal(monkeypatch, compiled):
     """With no attention_mask, position_ids or cache, SDPA gets no mask and is_causal, under torch.compile
-    too (where HF alone builds a [seq, seq] mask); a padding mask still reaches SDPA as a mask."""
+    too (where HF alone builds a [seq, seq] mask); so does a batch padded on the right, outside tracing (the
+    decoder reads the mask on the host, which a compiled graph does not); a left-padded batch reaches SDPA with
+    its mask."""
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -344,11 +346,12 @@ def test_unmasked_training_step_gives_sdpa_is_causal(monkeypatch, compiled):
     calls.clear()
     torch.testing.assert_close(step(), ref, rtol=1e-5, atol=0)
     assert calls == [(True, True)] * 2  # one per layer
-    padding = torch.ones_like(ids)
-    padding[0, -3:] = 0
-    calls.clear()
-    step(attention_mask=padding)
-    assert calls == [(False, False)] * 2
+    right, left = torch.ones_like(ids), torch.ones_like(ids)
+    right[0, -3:], left[0, :3] = 0, 0
+    for padding, unmasked in ((right, not compiled), (left, False)):
+        calls.clear()
+        step(attention_mask=padding)
+        assert calls == [(unmasked, unmasked)] * 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
