@@ -240,13 +240,14 @@ def masks(ctx: Context) -> Callable:
         if past_key_values is not None or use_cache:
             return attention_mask, input_ids, inputs_embeds, kwargs
         masks_itself = sinks and typed and _varlen_types(ctx, takes_varlen, decoder, layer_types) == set(layer_types)
+        packed = kwargs.get("cu_seq_lens_q") is not None
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and (masks_itself or (
-                position_ids is None and kwargs.get("cu_seq_lens_q") is None and not torch.compiler.is_compiling())):
+                position_ids is None and not packed and not torch.compiler.is_compiling())):
             rows, seq = varlen.padding(attention_mask), attention_mask.shape[1]
             if all(n == seq for n, _, _ in rows) or (not masks_itself and all(end for _, end, _ in rows)):
                 # no pads, or pads only after each row's tokens, which causal attention never shows them
                 attention_mask = None
-            elif masks_itself and all(end or start for _, end, start in rows) and kwargs.get("cu_seq_lens_q") is None:
+            elif masks_itself and not packed and all(end or start for _, end, start in rows):
                 spans = varlen.padded(rows, seq, attention_mask.device)
                 return dict.fromkeys(layer_types, attention_mask), input_ids, inputs_embeds, {**kwargs, **spans}
         if attention_mask is not None:
