@@ -1,5 +1,6 @@
 // Helpers every op's kernels use: element conversion, vector access, group reductions.
 #pragma once
+#include <cstdio>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -24,6 +25,16 @@ template <> __device__ __forceinline__ bf16 from_f32<bf16>(float v) { return __f
 
 // Rounds through T, as torch does when it stores an intermediate in T.
 template <class T> __device__ __forceinline__ float round_to(float v) { return to_f32(from_f32<T>(v)); }
+
+// An index from the caller's tensor: one outside 0..n stops the kernel, as torch's indexing does, rather than
+// read or write outside the tensor it indexes.
+__device__ __forceinline__ int64_t checked_index(int64_t i, int64_t n, const char *op, const char *what) {
+  if (i < 0 || i >= n) {
+    printf("bastile.%s: %s holds %lld, outside 0..%lld\n", op, what, (long long)i, (long long)n);
+    __trap();
+  }
+  return i;
+}
 
 // torch.result_type for two floating types: equal types stay, any other pair widens to f32.
 template <class A, class B> struct Promote { using type = float; };

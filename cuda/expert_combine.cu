@@ -1,8 +1,6 @@
 // A mixture of experts' pairs joined into their tokens and the gradient sent back (include/expert_combine.h):
 // memory-bound passes in which `group` threads share a row, each taking its vectors l, l + group, ...; a token's
 // k rows are summed side by side in registers, so the result is the same on every run.
-#include <cstdio>
-
 #include "elementwise.cuh"
 #include "expert_combine.h"
 
@@ -12,14 +10,8 @@ namespace {
 
 constexpr int BLOCK = EXPERT_COMBINE_BLOCK;
 
-// An index from the caller's tensor: one outside 0..n stops the kernel, as torch's indexing does, rather than
-// read or write outside the rows.
 __device__ __forceinline__ int64_t checked(int64_t i, int64_t n, const char *what) {
-  if (i < 0 || i >= n) {
-    printf("bastile.expert_combine: %s holds %lld, outside 0..%lld\n", what, (long long)i, (long long)n);
-    __trap();
-  }
-  return i;
+  return checked_index(i, n, "expert_combine", what);
 }
 
 template <class T, class W, int V> __device__ __forceinline__ void forward(const ExpertCombineForward &p) {
