@@ -12,7 +12,9 @@
 // The pairs are flat, row boundaries fall between pairs: the `vec` variants take V = 16 / sizeof(T)
 // pairs per access, two 16-byte vectors of gate_up for one 16-byte vector of y (or of grad_y), and
 // need every pointer 16-byte aligned; the last n % V pairs take scalar accesses. The `scalar`
-// variants take any alignment.
+// variants take any alignment. With a bias (the experts'), gate and up are each gate_up + bias of the
+// row's expert rounded to T first; the vec variants read the bias as vectors too, so Rust launches them
+// with a bias only where a row is whole vectors.
 #include "elementwise.cuh"
 #include "geglu.h"
 
@@ -62,44 +64,79 @@ template <class T, int V> struct Pairs {
   __device__ __forceinline__ float operator[](int m) const { return to_f32(m < V ? lo.v[m] : hi.v[m - V]); }
 };
 
-template <class T, int V> __device__ __forceinline__ void forward(const GegluForward &p) {
+// A row's expert's bias (GegluBias), or none (kBias false).
+template <class T, bool kBias> struct Bias {
+  const T *bias;
+  const int64_t *expert;
+  int64_t inter, experts;
+
+  __device__ __forceinline__ explicit Bias(const GegluBias &b)
+      : bias(static_cast<const T *>(b.bias)), expert(b.expert), inter(b.inter), experts(b.experts) {}
+
+  // The (gate, up) bias of pair i and those after it in its row (a 32-bit division where i allows: 64-bit is many
+  // times the instructions, on every vector).
+  __device__ __forceinline__ const T *of(int64_t i) const {
+    const int64_t r = (i | inter) >> 32 == 0 ? (int64_t)((uint32_t)i / (uint32_t)inter) : i / inter;
+    return bias + checked_index(__ldg(expert + r), experts, "geglu", "expert") * 2 * inter + 2 * (i - r * inter);
+  }
+
+  // gate_up's element m of the V pairs (as loaded in x) plus the bias's (in b), rounded to T as HF's sum.
+  template <int V> __device__ __forceinline__ float add(const Pairs<T, V> &x, const Pairs<T, V> &b, int m) const {
+    return kBias ? round_to<T>(x[m] + b[m]) : x[m];
+  }
+  __device__ __forceinline__ float add(const T *x, int64_t i, int m) const {
+    return kBias ? round_to<T>(to_f32(x[2 * i + m]) + to_f32(of(i)[m])) : to_f32(x[2 * i + m]);
+  }
+};
+
+template <class T, int V, bool kBias> __device__ __forceinline__ void forward(const GegluForward &p) {
   const T *__restrict__ x = static_cast<const T *>(p.gate_up);
   T *__restrict__ y = static_cast<T *>(p.y);
   const Gate f = gate_of<T>(p.alpha, p.limit);
-  Pairs<T, V> in[U];
+  const Bias<T, kBias> b(p.bias);
+  Pairs<T, V> in[U], add[U];
   for_each_vector<V, U>(
-      p.n, [&](int k, int64_t i) { in[k].load(x + 2 * V * i); },
+      p.n,
+      [&](int k, int64_t i) {
+        in[k].load(x + 2 * V * i);
+        if constexpr (kBias) add[k].load(b.of(V * i));
+      },
       [&](int k, int64_t i) {
         keep_packed(in[k].lo, in[k].hi);
+        if constexpr (kBias) keep_packed(add[k].lo, add[k].hi);
         float o[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) o[j] = f.forward(in[k][2 * j], in[k][2 * j + 1]);
+        for (int j = 0; j < V; ++j) o[j] = f.forward(b.add(in[k], add[k], 2 * j), b.add(in[k], add[k], 2 * j + 1));
         store<V>(y + V * i, o);
       });
   const int64_t t = tail_index<V>(p.n);
-  if (t >= 0) y[t] = from_f32<T>(f.forward(to_f32(x[2 * t]), to_f32(x[2 * t + 1])));
+  if (t >= 0) y[t] = from_f32<T>(f.forward(b.add(x, t, 0), b.add(x, t, 1)));
 }
 
-template <class T, int V> __device__ __forceinline__ void backward(const GegluBackward &p) {
+template <class T, int V, bool kBias> __device__ __forceinline__ void backward(const GegluBackward &p) {
   const T *__restrict__ grad_y = static_cast<const T *>(p.grad_y);
   const T *__restrict__ x = static_cast<const T *>(p.gate_up);
   T *__restrict__ dx = static_cast<T *>(p.grad_gate_up);
   const Gate f = gate_of<T>(p.alpha, p.limit, p.at_limit != 0);
+  const Bias<T, kBias> b(p.bias);
   Pack<T, V> dy[U];
-  Pairs<T, V> in[U];
+  Pairs<T, V> in[U], add[U];
   for_each_vector<V, U>(
       p.n,
       [&](int k, int64_t i) {
         dy[k] = load_nc<V>(grad_y + V * i);
         in[k].load(x + 2 * V * i);
+        if constexpr (kBias) add[k].load(b.of(V * i));
       },
       [&](int k, int64_t i) {
         keep_packed(dy[k], in[k].lo, in[k].hi);
+        if constexpr (kBias) keep_packed(add[k].lo, add[k].hi);
         float d[2][V];  // as lo and hi
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const int m = 2 * j;
-          f.backward(to_f32(dy[k].v[j]), in[k][m], in[k][m + 1], d[m / V][m % V], d[(m + 1) / V][(m + 1) % V]);
+          f.backward(to_f32(dy[k].v[j]), b.add(in[k], add[k], m), b.add(in[k], add[k], m + 1), d[m / V][m % V],
+                     d[(m + 1) / V][(m + 1) % V]);
         }
         store<V>(dx + 2 * V * i, d[0]);
         store<V>(dx + 2 * V * i + V, d[1]);
@@ -107,10 +144,21 @@ template <class T, int V> __device__ __forceinline__ void backward(const GegluBa
   const int64_t t = tail_index<V>(p.n);
   if (t >= 0) {
     float dg, du;
-    f.backward(to_f32(grad_y[t]), to_f32(x[2 * t]), to_f32(x[2 * t + 1]), dg, du);
+    f.backward(to_f32(grad_y[t]), b.add(x, t, 0), b.add(x, t, 1), dg, du);
     dx[2 * t] = from_f32<T>(dg);
     dx[2 * t + 1] = from_f32<T>(du);
   }
+}
+
+// Each kernel in two forms, by whether a bias is given (the same for every thread).
+template <class T, int V> __device__ __forceinline__ void forward(const GegluForward &p) {
+  if (p.bias.bias != nullptr) forward<T, V, true>(p);
+  else forward<T, V, false>(p);
+}
+
+template <class T, int V> __device__ __forceinline__ void backward(const GegluBackward &p) {
+  if (p.bias.bias != nullptr) backward<T, V, true>(p);
+  else backward<T, V, false>(p);
 }
 
 }  // namespace

@@ -24,9 +24,8 @@ pub struct Elementwise {
 
 impl Elementwise {
     /// The launch of `params`' kernel `<op>_<dir>_<dtype>_<vec|scalar>` over `n` elements of `dt`
-    /// (output elements: pairs for geglu), 16-byte vectors when every pointer in `ptrs` allows them.
-    pub fn plan<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, ptrs: &[*const c_void], n: i64) -> Result<Plan> {
-        let vec = vector_width(dt, ptrs);
+    /// (output elements: pairs for geglu), `vec` elements an access ([`vector_width`], or 1).
+    pub fn plan<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, vec: i64, n: i64) -> Result<Plan> {
         let access = if vec > 1 { Tag::Vec } else { Tag::Scalar };
         let kernel = kernels::kernel::<P>(dev, &[dir, dt.tag(), access], self.block)?;
         // Each block covers block * unroll accesses per grid-stride step; the elements past the last
@@ -50,7 +49,8 @@ macro_rules! elementwise_launch {
             fn plan(&self, dev: &'static $crate::driver::Device) -> $crate::driver::Result<$crate::kernels::Plan> {
                 $($valid(self)?;)?
                 let dt = $crate::params::BastileDType::from_raw(self.dtype)?;
-                $shape.plan(dev, *self, $crate::kernels::Tag::$dir, dt, &[$(self.$ptr),+], self.n)
+                let vec = $crate::elementwise::vector_width(dt, &[$(self.$ptr),+]);
+                $shape.plan(dev, *self, $crate::kernels::Tag::$dir, dt, vec, self.n)
             }
 
             fn cpu(&self) -> $crate::driver::Result<()> {

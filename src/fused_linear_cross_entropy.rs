@@ -14,7 +14,7 @@
 //! that [`HeadPlan`] decides here.
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
-use crate::elementwise::Elementwise;
+use crate::elementwise::{vector_width, Elementwise};
 use crate::geometry;
 use crate::kernels::{self, Decide, Launch, Plan, Tag};
 use crate::params::{
@@ -167,7 +167,7 @@ const SCALE: Elementwise = Elementwise { block: FLCE_SCALE_BLOCK, unroll: FLCE_S
 impl Launch for GradScale {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let dtype = BastileDType::from_raw(self.dtype)?;
-        SCALE.plan(dev, *self, Tag::Scale, dtype, &[self.src, self.dst], self.n)
+        SCALE.plan(dev, *self, Tag::Scale, dtype, vector_width(dtype, &[self.src, self.dst]), self.n)
     }
 
     /// The C++ layer scales CPU tensors with ATen.

@@ -1,14 +1,98 @@
 //! GEGLU of GPT-OSS (HF `GptOssExperts._apply_gate`; the formulas are in `cuda/geglu.cu`): the launches
 //! of its kernels and the CPU kernels, the reference the GPU is tested against. Every result is computed
-//! in f64 (f32 on the GPU) and rounded once to T, where HF rounds after each op.
+//! in f64 (f32 on the GPU) and rounded once to T, where HF rounds after each op; gate_up + bias is rounded
+//! to T first, as HF's sum.
 use crate::cpu::{self, Disjoint, Element};
-use crate::elementwise::Elementwise;
-use crate::params::{GegluBackward, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
+use crate::driver::{Device, Result};
+use crate::elementwise::{vector_width, Elementwise};
+use crate::kernels::{Launch, Plan, Tag};
+use crate::params::{BastileDType, GegluBackward, GegluBias, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
+use std::ffi::c_void;
 
-// A vector of y covers two of gate_up: both start 16-byte aligned when their pointers are.
-crate::elementwise_launch! { Elementwise { block: GEGLU_BLOCK, unroll: GEGLU_UNROLL },
-    GegluForward: Fwd(gate_up, y) => forward_cpu;
-    GegluBackward: Bwd(grad_y, gate_up, grad_gate_up) => backward_cpu;
+const SHAPE: Elementwise = Elementwise { block: GEGLU_BLOCK, unroll: GEGLU_UNROLL };
+
+impl GegluBias {
+    /// The n pairs as rows of `inter` with their experts, where there is a bias.
+    fn valid(&self, n: i64) -> Result<()> {
+        if !self.bias.is_null() && n > 0 && (self.inter <= 0 || n % self.inter != 0 || self.experts <= 0) {
+            return Err(format!("bastile.geglu: {n} pairs are not rows of {} pairs over {} experts' biases",
+                               self.inter, self.experts));
+        }
+        Ok(())
+    }
+
+    /// Pairs an access: a vector of y covers two of gate_up (and of the bias), which start 16-byte aligned when
+    /// their pointers are; with a bias, vectors only where each row is whole ones (a vector reads one row's bias).
+    fn width(&self, dt: BastileDType, ptrs: &[*const c_void]) -> i64 {
+        let vec = vector_width(dt, &[ptrs, &[self.bias]].concat());
+        if self.bias.is_null() || self.inter % vec == 0 { vec } else { 1 }
+    }
+}
+
+impl Launch for GegluForward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        self.bias.valid(self.n)?;
+        let dt = BastileDType::from_raw(self.dtype)?;
+        SHAPE.plan(dev, *self, Tag::Fwd, dt, self.bias.width(dt, &[self.gate_up, self.y]), self.n)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        self.bias.valid(self.n)?;
+        let dt = BastileDType::from_raw(self.dtype)?;
+        // SAFETY: the C++ layer checked that every pointer holds the block's elements of `dt`.
+        crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu::<T>(self) })
+    }
+}
+
+impl Launch for GegluBackward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        self.bias.valid(self.n)?;
+        let dt = BastileDType::from_raw(self.dtype)?;
+        let ptrs = [self.grad_y, self.gate_up, self.grad_gate_up as *const c_void];
+        SHAPE.plan(dev, *self, Tag::Bwd, dt, self.bias.width(dt, &ptrs), self.n)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        self.bias.valid(self.n)?;
+        let dt = BastileDType::from_raw(self.dtype)?;
+        // SAFETY: as in the forward.
+        crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { backward_cpu::<T>(self) })
+    }
+}
+
+/// gate_up's n pairs as the activation takes them: plus their row's expert's bias, rounded to T, where there is
+/// one.
+struct Input<'a, T> {
+    x: &'a [T],
+    bias: Option<(&'a [T], &'a [i64], usize)>,
+}
+
+impl<T: Element> Input<'_, T> {
+    /// SAFETY: `x` holds 2n elements of T and, with a bias, `b` holds valid pointers of its shapes.
+    unsafe fn new<'a>(x: *const c_void, b: &GegluBias, n: usize) -> Result<Input<'a, T>> {
+        let x = cpu::slice::<T>(x, 2 * n);
+        if b.bias.is_null() || n == 0 {
+            return Ok(Input { x, bias: None });
+        }
+        let (inter, experts) = (b.inter as usize, b.experts as usize);
+        let expert = cpu::slice::<i64>(b.expert.cast(), n / inter);
+        if let Some(e) = expert.iter().find(|&&e| e < 0 || e as usize >= experts) {
+            return Err(format!("bastile.geglu: expert holds {e}, outside 0..{experts}"));
+        }
+        Ok(Input { x, bias: Some((cpu::slice::<T>(b.bias, experts * 2 * inter), expert, inter)) })
+    }
+
+    /// Pair i's (gate, up).
+    fn pair(&self, i: usize) -> (f64, f64) {
+        let (g, u) = (self.x[2 * i].to_f64(), self.x[2 * i + 1].to_f64());
+        match self.bias {
+            None => (g, u),
+            Some((bias, expert, inter)) => {
+                let at = expert[i / inter] as usize * 2 * inter + 2 * (i % inter);
+                (T::round(g + bias[at].to_f64()), T::round(u + bias[at + 1].to_f64()))
+            }
+        }
+    }
 }
 
 /// alpha and the limit as T's clamp applies it, and whether the gradient passes at the limit itself
@@ -55,31 +139,34 @@ impl Gate {
     }
 }
 
-unsafe fn forward_cpu<T: Element>(p: &GegluForward) {
+unsafe fn forward_cpu<T: Element>(p: &GegluForward) -> Result<()> {
     let n = p.n as usize;
-    let (x, y) = (cpu::slice::<T>(p.gate_up, 2 * n), Disjoint::new(cpu::slice_mut::<T>(p.y, n)));
+    let (x, y) = (Input::<T>::new(p.gate_up, &p.bias, n)?, Disjoint::new(cpu::slice_mut::<T>(p.y, n)));
     let f = Gate::new::<T>(p.alpha, p.limit, true);
     cpu::parallel_for(n, cpu::GRAIN, |r| {
         // SAFETY (here and below): the ranges of parallel_for do not overlap.
-        for (y, gu) in y.part(r.clone()).iter_mut().zip(x[2 * r.start..2 * r.end].chunks_exact(2)) {
-            *y = T::from_f64(f.forward(gu[0].to_f64(), gu[1].to_f64()));
+        for (y, i) in y.part(r.clone()).iter_mut().zip(r) {
+            let (g, u) = x.pair(i);
+            *y = T::from_f64(f.forward(g, u));
         }
     });
+    Ok(())
 }
 
-unsafe fn backward_cpu<T: Element>(p: &GegluBackward) {
+unsafe fn backward_cpu<T: Element>(p: &GegluBackward) -> Result<()> {
     let n = p.n as usize;
-    let (dy, x) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate_up, 2 * n));
+    let (dy, x) = (cpu::slice::<T>(p.grad_y, n), Input::<T>::new(p.gate_up, &p.bias, n)?);
     let dx = Disjoint::new(cpu::slice_mut::<T>(p.grad_gate_up, 2 * n));
     let f = Gate::new::<T>(p.alpha, p.limit, p.at_limit != 0);
     cpu::parallel_for(n, cpu::GRAIN, |r| {
-        let pairs = 2 * r.start..2 * r.end;
-        for ((d, gu), dy) in dx.part(pairs.clone()).chunks_exact_mut(2).zip(x[pairs].chunks_exact(2)).zip(&dy[r]) {
-            let (dg, du) = f.backward(dy.to_f64(), gu[0].to_f64(), gu[1].to_f64());
+        for ((d, i), dy) in dx.part(2 * r.start..2 * r.end).chunks_exact_mut(2).zip(r.clone()).zip(&dy[r]) {
+            let (g, u) = x.pair(i);
+            let (dg, du) = f.backward(dy.to_f64(), g, u);
             d[0] = T::from_f64(dg);
             d[1] = T::from_f64(du);
         }
     });
+    Ok(())
 }
 
 #[cfg(test)]
@@ -115,7 +202,7 @@ mod tests {
         let n = dy.len();
         let (mut y, mut dx) = (vec![T::from_f64(f64::NAN); n], vec![T::from_f64(f64::NAN); 2 * n]);
         let (n, dtype) = (n as i64, dt as i32);
-        GegluForward { gate_up: gu.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, alpha, limit, dtype }
+        GegluForward { gate_up: gu.as_ptr().cast(), y: y.as_mut_ptr().cast(), n, alpha, limit, dtype, ..Default::default() }
             .cpu()
             .unwrap();
         let b = GegluBackward {
@@ -127,9 +214,25 @@ mod tests {
             limit,
             dtype,
             at_limit: at_limit.into(),
+            ..Default::default()
         };
         b.cpu().unwrap();
         (y, dx)
+    }
+
+    /// Both CPU kernels with each row of `inter` pairs' expert's bias: (y, grad_gate_up), or the error.
+    fn run_biased<T: Element>(dt: BastileDType, gu: &[T], dy: &[T], bias: &[T], expert: &[i64], inter: i64)
+                              -> Result<(Vec<T>, Vec<T>)> {
+        let n = dy.len();
+        let (mut y, mut dx) = (vec![T::from_f64(f64::NAN); n], vec![T::from_f64(f64::NAN); 2 * n]);
+        let b = GegluBias { bias: bias.as_ptr().cast(), expert: expert.as_ptr(), inter,
+                            experts: bias.len() as i64 / (2 * inter) };
+        let (n, dtype, alpha, limit) = (n as i64, dt as i32, ALPHA, LIMIT);
+        GegluForward { gate_up: gu.as_ptr().cast(), y: y.as_mut_ptr().cast(), bias: b, n, alpha, limit, dtype }.cpu()?;
+        GegluBackward { grad_y: dy.as_ptr().cast(), gate_up: gu.as_ptr().cast(), grad_gate_up: dx.as_mut_ptr().cast(),
+                        bias: b, n, alpha, limit, dtype, at_limit: 1 }
+            .cpu()?;
+        Ok((y, dx))
     }
 
     /// Checks every result against [`reference`] on the same (rounded) inputs: rounded once (through
@@ -233,6 +336,46 @@ mod tests {
         assert!(dx[1].is_nan());
         assert!(dx[2].is_nan());
         assert_eq!(dx[3], 0.0);
+    }
+
+    /// With a bias, the kernels give what they give without one on gate_up + bias[expert] rounded to T (the sums
+    /// made here), whatever the row length (vectors of a row, or pairs across them on the GPU).
+    fn biased_is_unbiased_on_the_sums<T: Element>(dt: BastileDType) {
+        for (rows, inter, experts) in [(5usize, 3usize, 4usize), (7, 16, 3), (2, 1, 2)] {
+            let (gu, dy) = random::<T>(rows * inter);
+            let bias: Vec<T> = cast(&noise(experts * 2 * inter, 4, 4.0));
+            let expert: Vec<i64> = (0..rows).map(|r| ((r * 5 + 1) % experts) as i64).collect();
+            let sums: Vec<T> = (0..2 * rows * inter)
+                .map(|e| {
+                    let (r, c) = (e / (2 * inter), e % (2 * inter));
+                    T::from_f64(gu[e].to_f64() + bias[expert[r] as usize * 2 * inter + c].to_f64())
+                })
+                .collect();
+            let bits = |(y, dx): (Vec<T>, Vec<T>)| y.iter().chain(&dx).map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+            let want = bits(run(dt, &sums, &dy, ALPHA, LIMIT, true));
+            let got = bits(run_biased(dt, &gu, &dy, &bias, &expert, inter as i64).unwrap());
+            assert_eq!(got, want, "{dt:?}: {rows} rows of {inter} pairs");
+        }
+    }
+
+    #[test]
+    fn bias_of_each_rows_expert_is_added_first() {
+        biased_is_unbiased_on_the_sums::<f64>(BASTILE_F64);
+        biased_is_unbiased_on_the_sums::<f32>(BASTILE_F32);
+        biased_is_unbiased_on_the_sums::<f16>(BASTILE_F16);
+        biased_is_unbiased_on_the_sums::<bf16>(BASTILE_BF16);
+    }
+
+    #[test]
+    fn bad_experts_and_rows_are_errors() {
+        let (gu, dy) = random::<f32>(6);
+        let bias = vec![0f32; 2 * 2 * 3];
+        let err = run_biased(BASTILE_F32, &gu, &dy, &bias, &[0, 2], 3).unwrap_err();
+        assert_eq!(err, "bastile.geglu: expert holds 2, outside 0..2");
+        let err = run_biased(BASTILE_F32, &gu, &dy, &bias, &[0, -1], 3).unwrap_err();
+        assert_eq!(err, "bastile.geglu: expert holds -1, outside 0..2");
+        let err = run_biased(BASTILE_F32, &gu, &dy, &bias[..8], &[0, 0, 0], 4).unwrap_err();
+        assert_eq!(err, "bastile.geglu: 6 pairs are not rows of 4 pairs over 1 experts' biases");
     }
 
     #[test]

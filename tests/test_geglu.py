@@ -31,8 +31,10 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 HALF = [torch.bfloat16, torch.float16]
 
 
-def hf(gate_up, alpha=ALPHA, limit=LIMIT):
-    """transformers' own GptOssExperts._apply_gate on gate_up."""
+def hf(gate_up, alpha=ALPHA, limit=LIMIT, bias=None, expert=None):
+    """transformers' own GptOssExperts._apply_gate on gate_up (plus each row's expert's bias, as HF adds it)."""
+    if bias is not None:
+        gate_up = gate_up + bias[expert].view(gate_up.shape)
     return GptOssExperts._apply_gate(SimpleNamespace(alpha=alpha, limit=limit), gate_up)
 
 
@@ -94,6 +96,15 @@ def inputs(shape, dtype, device, seed=0):
     return interleave(g, u).to(dtype).to(device), dy.to(dtype).to(device)
 
 
+def biased(shape, dtype, device, experts=5, seed=0):
+    """inputs() with a bias [experts, 2 * I] ~ 2 N(0, 1) and each row's expert, the last expert given no row."""
+    x, dy = inputs(shape, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    bias = 2 * torch.randn(experts, x.shape[-1], generator=gen)
+    expert = torch.randint(0, experts - 1, (x.numel() // max(x.shape[-1], 1),), generator=gen)
+    return x, dy, bias.to(dtype).to(device), expert.to(device)
+
+
 # Per element, against the exact value: rounded once, so half an ulp, plus the f32 math of the GPU
 # (one gate value next to the zero of d/dg [g sig(a g)] at g = -0.7512 cancels ~0.3 fp16 ulp; the
 # rest stays below 0.01 ulp) or the 16-bit rounding through f32 of the CPU (2^-16 ulp).
@@ -152,7 +163,9 @@ def samples(device):
         x, _ = inputs(shape, torch.float32, device, seed)
         return (x.requires_grad_(), alpha, limit), {}
 
-    return [call((4, 3, 8)), call((6, 5, 12)), call((5,), 1.0, 3.0, 1), call((1,), seed=2)]
+    x, _, bias, expert = biased((7, 12), torch.float32, device)
+    with_bias = ((x.requires_grad_(), ALPHA, LIMIT, bias.requires_grad_(), expert), {})
+    return [call((4, 3, 8)), call((6, 5, 12)), call((5,), 1.0, 3.0, 1), call((1,), seed=2), with_bias]
 
 
 def kink_free(shape, gen):
@@ -174,6 +187,12 @@ def gradcheck_samples():
         assert ((x[..., ::2] > limit).any() and (x[..., 1::2].abs() > limit).any()
                 and (x[..., ::2] < limit).any())  # every branch
         calls.append(((x.requires_grad_(), alpha, limit), {}))
+    # With a bias: gate_up is the kink-free sums less each row's expert's bias.
+    gen = torch.Generator().manual_seed(1)
+    sums = kink_free((6, 20), gen)
+    bias = torch.randn(4, 40, dtype=torch.float64, generator=gen)
+    expert = torch.tensor([0, 2, 2, 1, 0, 2])
+    calls.append((((sums - bias[expert]).requires_grad_(), ALPHA, LIMIT, bias.requires_grad_(), expert), {}))
     return calls
 
 
@@ -197,6 +216,22 @@ BAD = [
     (lambda: backward_op(f32(4, 4), f32(4, 7), ALPHA, LIMIT), "must be even"),
     (lambda: backward_op(f32(4, 4), torch.randn(4, 8, device="meta"), ALPHA, LIMIT), "gate_up is on meta but grad_y is on cpu"),
     (lambda: backward_op(f32(4, 4), f32(4, 8), ALPHA, float("nan")), "geglu_backward: limit is NaN"),
+    (lambda: op(f32(4, 8), ALPHA, LIMIT, f32(3, 8)), "bias and expert go together .* got bias without expert"),
+    (lambda: backward_op(f32(4, 4), f32(4, 8), ALPHA, LIMIT, None, torch.zeros(4, dtype=torch.long)),
+     "geglu_backward: bias and expert go together .* got expert without bias"),
+    (lambda: op(f32(4, 8), ALPHA, LIMIT, f32(3, 8), torch.zeros(4, dtype=torch.int32)), "expert must be int64, got Int"),
+    (lambda: op(f32(4, 8), ALPHA, LIMIT, f32(3, 6), torch.zeros(4, dtype=torch.long)),
+     r"bias must be \[experts, 8\] \(gate_up's last dim\), got \[3, 6\]"),
+    (lambda: op(f32(4, 8), ALPHA, LIMIT, f32(8), torch.zeros(4, dtype=torch.long)), r"bias must be \[experts, 8\]"),
+    (lambda: op(f32(4, 8), ALPHA, LIMIT, f32(3, 8), torch.zeros(3, dtype=torch.long)),
+     r"expert must hold one index for each of gate_up's rows of 8, got shape \[3\]"),
+    (lambda: op(f32(4, 8), ALPHA, LIMIT, f32(3, 8).double(), torch.zeros(4, dtype=torch.long)),
+     "gate_up and bias must have the same dtype"),
+    (lambda: op(f32(4, 8), ALPHA, LIMIT, f32(3, 8), torch.tensor([0, 1, 3, 0])), "geglu: expert holds 3, outside 0..3"),
+    (lambda: backward_op(f32(4, 4), f32(4, 8), ALPHA, LIMIT, f32(3, 8), torch.tensor([0, -1, 0, 0])),
+     "geglu: expert holds -1, outside 0..3"),
+    (lambda: op(f32(4, 8), ALPHA, LIMIT, f32(3, 8), torch.zeros(4, dtype=torch.long, device="meta")),
+     "gate_up is on cpu but expert is on meta"),
 ]
 
 CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD, gradcheck_samples=gradcheck_samples)
@@ -328,6 +363,27 @@ def test_autocast_leaves_dtype_alone(device):
     assert rel_err(y32, ref32) < 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 40), (9, 2880), (33, 3), (2, 5, 16)])
+def test_bias_is_added_to_each_row_first(dtype, device, shape):
+    """With a bias, the op is the op without one on gate_up + bias[expert] as torch sums it (rounded once, as HF's
+    sum): bit for bit, forward and backward; the bias's gradient is the exact gradient of gate_up summed over each
+    expert's rows (an expert with no rows gets 0)."""
+    x, dy, bias, expert = biased(shape, dtype, device)
+    sums = x + bias[expert].view(x.shape)
+    xr, br = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    y = op(xr, ALPHA, LIMIT, br, expert)
+    dx, dbias = torch.autograd.grad(y, (xr, br), dy)
+    assert torch.equal(y, op(sums, ALPHA, LIMIT))
+    assert torch.equal(dx, backward_op(dy, sums, ALPHA, LIMIT))
+    assert torch.equal(backward_op(dy, x, ALPHA, LIMIT, bias, expert), dx)
+    _, exact_dx = exact(sums, dy)
+    want = torch.zeros(bias.shape, dtype=torch.float64).index_add_(0, expert.cpu(), exact_dx.view(-1, x.shape[-1]).cpu())
+    assert dbias.dtype == dtype and (dbias[-1] == 0).all()
+    assert rel_err(dbias, want) < HF_REL[dtype]
+
+
 def test_saves_only_gate_up():
     x, _ = inputs((4, 16), torch.float32, "cpu")
     x.requires_grad_()
@@ -340,7 +396,7 @@ def test_saves_only_gate_up():
 def test_functional_alias_has_gpt_oss_defaults():
     experts = GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=4, num_local_experts=2))
     params = inspect.signature(bastile.geglu).parameters
-    assert list(params) == ["gate_up", "alpha", "limit"]
+    assert list(params) == ["gate_up", "alpha", "limit", "bias", "expert"]
     assert (params["alpha"].default, params["limit"].default) == (experts.alpha, experts.limit)
     x, _ = inputs((3, 40), torch.bfloat16, "cpu")
     torch.testing.assert_close(bastile.geglu(x), op(x, ALPHA, LIMIT), rtol=0, atol=0)
@@ -393,6 +449,25 @@ def test_cuda_misaligned_views(dtype, which):
     assert x.is_contiguous() and dy.is_contiguous()
     assert_cuda_matches_cpu(op(x, ALPHA, LIMIT), op(x.cpu(), ALPHA, LIMIT), "y")
     assert_cuda_matches_cpu(backward_op(dy, x, ALPHA, LIMIT), backward_op(dy.cpu(), x.cpu(), ALPHA, LIMIT), "grad")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4096, 2880), (777, 2880), (301, 3), (7, 17, 1000), (5, 1001), "misaligned"])
+def test_cuda_bias_matches_cpu(dtype, shape):
+    # Rows of whole vectors take the vector kernels with the bias, others (and a bias not 16-byte aligned) the scalar.
+    x, dy, bias, expert = biased((64, 1000) if shape == "misaligned" else shape, dtype, "cpu", experts=32)
+    args = lambda d: (bias.to(d), expert.to(d))
+    y, dx = op(x, ALPHA, LIMIT, *args("cpu")), backward_op(dy, x, ALPHA, LIMIT, *args("cpu"))
+    cuda_bias, cuda_expert = args("cuda")
+    if shape == "misaligned":
+        cuda_bias = torch.empty(bias.numel() + 1, dtype=dtype, device="cuda")[1:].view(bias.shape).copy_(bias)
+    poison_cuda_allocator(8 * x.numel())
+    yc = op(x.cuda(), ALPHA, LIMIT, cuda_bias, cuda_expert)
+    poison_cuda_allocator(8 * x.numel())
+    dxc = backward_op(dy.cuda(), x.cuda(), ALPHA, LIMIT, cuda_bias, cuda_expert)
+    assert_cuda_matches_cpu(yc, y, "y")
+    assert_cuda_matches_cpu(dxc, dx, "grad_gate_up")
 
 
 @needs_cuda

@@ -1,6 +1,9 @@
 // torch.ops.bastile.geglu: GPT-OSS's clamped GLU (cuda/geglu.cu) of gate_up [..., 2I], gate at even and up
-// at odd positions of the last dim, into y [..., I]. The kernels read the pairs flat, so a non-contiguous
-// gate_up is made contiguous first. Autograd saves only gate_up: the backward recomputes the sigmoid.
+// at odd positions of the last dim, into y [..., I]; with `bias` [experts, 2I] and `expert` (int64, one per row
+// of gate_up), each row's expert's bias added first (the experts' gate/up bias, rounded as HF's `gate_up + bias`),
+// so that no pass of its own writes the sum. The kernels read the pairs flat, so a non-contiguous gate_up is made
+// contiguous first. Autograd saves gate_up (and the bias and experts): the backward recomputes the sigmoid; the
+// bias's gradient is gate_up's summed over each expert's rows (sum_by_expert).
 // Autocast leaves it alone, as it leaves HF's clamps, sigmoid and products. Its gradient at the clamps' bounds
 // follows the running torch's clamp (clamp_passes_at_bounds).
 #include <cmath>
@@ -26,6 +29,38 @@ void check(const char* op, const at::Tensor& x, double limit) {
               ": limit is NaN, with which HF's clamp of up makes every output NaN; inf clamps nothing");
 }
 
+using Bias = std::optional<at::Tensor>;
+
+// The bias of each row's expert as the kernels read it (contiguous bias and expert, kept alive by the caller),
+// after checking them against gate_up: none without one.
+struct RowBias {
+  at::Tensor bias, expert;
+
+  RowBias(const char* op, const at::Tensor& x, const Bias& bias_in, const Bias& expert_in) {
+    TORCH_CHECK(bias_in.has_value() == expert_in.has_value(), "bastile.", op,
+                ": bias and expert go together (each row's expert picks its row of bias), got ",
+                bias_in ? "bias without expert" : "expert without bias");
+    if (!bias_in) return;
+    check_same_dtype(op, {"gate_up", x}, {"bias", *bias_in});
+    TORCH_CHECK(expert_in->scalar_type() == at::kLong, "bastile.", op, ": expert must be int64, got ",
+                expert_in->scalar_type());
+    TORCH_CHECK(bias_in->dim() == 2 && bias_in->sym_size(1) == x.sym_size(-1), "bastile.", op,
+                ": bias must be [experts, ", x.sym_size(-1), "] (gate_up's last dim), got ", bias_in->sym_sizes());
+    TORCH_CHECK(expert_in->dim() == 1 && expert_in->sym_size(0) * x.sym_size(-1) == x.sym_numel(), "bastile.", op,
+                ": expert must hold one index for each of gate_up's rows of ", x.sym_size(-1), ", got shape ",
+                expert_in->sym_sizes(), " for gate_up of shape ", x.sym_sizes());
+    check_device(op, {"gate_up", x}, {{"bias", *bias_in}, {"expert", *expert_in}});
+    bias = bias_in->contiguous();
+    expert = expert_in->contiguous();
+  }
+
+  GegluBias block(const at::Tensor& x) const {
+    if (!bias.defined()) return {};
+    return {.bias = bias.data_ptr(), .expert = expert.data_ptr<int64_t>(), .inter = x.size(-1) / 2,
+            .experts = bias.size(0)};
+  }
+};
+
 // Whether the running torch's clamp passes the gradient at its bounds themselves (through 2.11) or stops it
 // there too (newer releases, pytorch/pytorch#184574: the minimum-norm subgradient). The op's gradient is that
 // of HF's expression under the torch it runs in, so torch's autograd is asked, once, outside whatever mode
@@ -42,11 +77,15 @@ bool clamp_passes_at_bounds() {
 }
 
 struct GegluBackwardOp {
-  static constexpr const char* schema = "geglu_backward(Tensor grad_y, Tensor gate_up, float alpha, float limit) -> Tensor";
+  static constexpr const char* schema =
+      "geglu_backward(Tensor grad_y, Tensor gate_up, float alpha, float limit, Tensor? bias=None, "
+      "Tensor? expert=None) -> Tensor";
 
-  static at::Tensor kernel(const at::Tensor& grad_y, const at::Tensor& gate_up, double alpha, double limit) {
+  static at::Tensor kernel(const at::Tensor& grad_y, const at::Tensor& gate_up, double alpha, double limit,
+                           const Bias& bias_in, const Bias& expert) {
     constexpr const char* op = "geglu_backward";
     check(op, gate_up, limit);
+    const RowBias bias(op, gate_up, bias_in, expert);
     check_float(op, {{"grad_y", grad_y}});
     check_same_dtype(op, {"gate_up", gate_up}, {"grad_y", grad_y});
     TORCH_CHECK(grad_y.sym_sizes() == c10::SymIntArrayRef(y_sizes(gate_up)), "bastile.", op,
@@ -57,35 +96,49 @@ struct GegluBackwardOp {
     if (gate_up.is_meta() || grad_y.numel() == 0) return grad_gate_up;
     const auto dy = grad_y.contiguous(), x = gate_up.contiguous();
     launch(x, GegluBackward{.grad_y = dy.data_ptr(), .gate_up = x.data_ptr(), .grad_gate_up = grad_gate_up.data_ptr(),
-                            .n = dy.numel(), .alpha = alpha, .limit = limit,
+                            .bias = bias.block(x), .n = dy.numel(), .alpha = alpha, .limit = limit,
                             .dtype = dtype_code(op, {"gate_up", x}), .at_limit = clamp_passes_at_bounds()});
     return grad_gate_up;
   }
 };
 
 struct GegluOp {
-  static constexpr const char* schema = "geglu(Tensor gate_up, float alpha, float limit) -> Tensor";
+  static constexpr const char* schema =
+      "geglu(Tensor gate_up, float alpha, float limit, Tensor? bias=None, Tensor? expert=None) -> Tensor";
 
-  static at::Tensor kernel(const at::Tensor& gate_up, double alpha, double limit) {
+  static at::Tensor kernel(const at::Tensor& gate_up, double alpha, double limit, const Bias& bias_in,
+                           const Bias& expert) {
     check("geglu", gate_up, limit);
+    const RowBias bias("geglu", gate_up, bias_in, expert);
     auto y = at::empty_symint(y_sizes(gate_up), gate_up.options());
     if (gate_up.is_meta() || y.numel() == 0) return y;
     const auto x = gate_up.contiguous();
-    launch(x, GegluForward{.gate_up = x.data_ptr(), .y = y.data_ptr(), .n = y.numel(), .alpha = alpha, .limit = limit,
-                           .dtype = dtype_code("geglu", {"gate_up", x})});
+    launch(x, GegluForward{.gate_up = x.data_ptr(), .y = y.data_ptr(), .bias = bias.block(x), .n = y.numel(),
+                           .alpha = alpha, .limit = limit, .dtype = dtype_code("geglu", {"gate_up", x})});
     return y;
   }
 
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up, double alpha, double limit) {
-    ctx->save_for_backward({gate_up});
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up, double alpha, double limit,
+                            const Bias& bias, const Bias& expert) {
+    ctx->save_for_backward({gate_up, bias.value_or(at::Tensor()), expert.value_or(at::Tensor())});
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["limit"] = limit;
-    return call<GegluOp>(gate_up, alpha, limit);
+    ctx->saved_data["bias_grad"] = bias && bias->requires_grad();
+    return call<GegluOp>(gate_up, alpha, limit, bias, expert);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto alpha = ctx->saved_data["alpha"].toDouble(), limit = ctx->saved_data["limit"].toDouble();
-    return {call<GegluBackwardOp>(grads[0], ctx->get_saved_variables()[0], alpha, limit)};
+    const auto s = ctx->get_saved_variables();
+    const auto& bias = s[1];
+    const auto opt = [](const at::Tensor& t) { return t.defined() ? Bias(t) : std::nullopt; };
+    auto grad = call<GegluBackwardOp>(grads[0], s[0], alpha, limit, opt(bias), opt(s[2]));
+    at::Tensor grad_bias;
+    if (ctx->saved_data["bias_grad"].toBool()) {
+      const auto rows = grad.reshape_symint({-1, grad.sym_size(-1)});
+      grad_bias = sum_by_expert(rows, s[2], bias.sym_size(0)).to(bias.scalar_type());
+    }
+    return {grad, at::Tensor(), at::Tensor(), grad_bias, at::Tensor()};
   }
 };
 

@@ -119,6 +119,16 @@ inline at::ScalarType stats_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// rows [n, dim] summed by their expert (expert: int64 [n], each in 0..experts): [experts, dim] in at least float32,
+// as the product of the rows' one-hot experts and the rows, the same on every run (index_add_'s atomics on CUDA sum
+// in any order).
+inline at::Tensor sum_by_expert(const at::Tensor& rows, const at::Tensor& expert, const c10::SymInt& experts) {
+  const auto acc = at::promote_types(rows.scalar_type(), at::kFloat);
+  // rows of the identity: Inductor (2.11) lowered a scatter of ones into zeros to an int64 tensor
+  const auto one_hot = at::eye_symint(experts, rows.options().dtype(acc)).index_select(0, expert);
+  return one_hot.t().mm(rows.to(acc));
+}
+
 // ------------------------------------------------------------------------------------------ launches
 
 // Calls into Rust; a Rust error (already worded for the user) becomes a c10::Error, which Python sees as
