@@ -14,31 +14,69 @@ __device__ __forceinline__ int64_t checked(int64_t i, int64_t n, const char *wha
   return checked_index(i, n, "expert_combine", what);
 }
 
+// Pairs a token's lanes hold found (their rows, biases and weights in registers) before reading any vector: the
+// k rows (and biases) of each vector are then loaded side by side, not each after its index. Larger k: one by one.
+constexpr int HELD = 8;
+
+// One pair's row (plus its expert's bias where `biased`) into acc, times its weight w where `weighted`.
+template <class T, class P, int V>
+__device__ __forceinline__ void add_pair(float (&acc)[V], const Pack<T, V> &row, const Pack<T, V> &b, bool biased,
+                                         bool weighted, float w) {
+  float x[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) x[i] = biased ? round_to<T>(to_f32(row.v[i]) + to_f32(b.v[i])) : to_f32(row.v[i]);
+  // __fmul_rn: the product is rounded to P before the sum, as torch rounds it (never fused into an FMA).
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] += weighted ? round_to<P>(__fmul_rn(w, x[i])) : x[i];
+}
+
 template <class T, class W, int V> __device__ __forceinline__ void forward(const ExpertCombineForward &p) {
   using P = typename Promote<T, W>::type;
   const T *__restrict__ rows = static_cast<const T *>(p.rows);
+  const T *__restrict__ bias = static_cast<const T *>(p.bias);
   const W *weights = static_cast<const W *>(p.weights);
   P *__restrict__ out = static_cast<P *>(p.out);
   const int lane = threadIdx.x % p.group;
+  const bool biased = bias != nullptr, weighted = weights != nullptr;
   const int64_t pairs = p.tokens * p.k, vectors = p.dim / V;
+  // pair's row and bias (as row-start pointers) and weight
+  const auto row_of = [&](int64_t pair) { return rows + checked(p.position[pair], pairs, "position") * p.dim; };
+  const auto bias_of = [&](int64_t pair) {
+    return biased ? bias + checked(p.expert[pair], p.experts, "expert") * p.dim : bias;
+  };
+  const auto weight_of = [&](int64_t pair) { return weighted ? to_f32(weights[pair]) : 1.f; };
   FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / p.group) {
     const int64_t t = base + threadIdx.x / p.group;
     if (t >= p.tokens) continue;
+    if (p.k <= HELD) {
+      const T *src[HELD], *add[HELD];
+      float w[HELD];
+#pragma unroll
+      for (int j = 0; j < HELD; ++j)
+        if (j < p.k) src[j] = row_of(t * p.k + j), add[j] = bias_of(t * p.k + j), w[j] = weight_of(t * p.k + j);
+      for (int64_t c = lane; c < vectors; c += p.group) {
+        Pack<T, V> x[HELD], b[HELD];
+#pragma unroll
+        for (int j = 0; j < HELD; ++j) {
+          if (j < p.k) x[j] = load_nc<V>(src[j] + c * V);
+          if (j < p.k && biased) b[j] = load_nc<V>(add[j] + c * V);
+        }
+        float acc[V] = {};
+#pragma unroll
+        for (int j = 0; j < HELD; ++j)
+          if (j < p.k) add_pair<T, P, V>(acc, x[j], b[j], biased, weighted, w[j]);
+        store<V>(out + t * p.dim + c * V, acc);
+      }
+      continue;
+    }
     for (int64_t c = lane; c < vectors; c += p.group) {
       float acc[V] = {};
 #pragma unroll 4
       for (int64_t j = 0; j < p.k; ++j) {
-        const int64_t pair = t * p.k + j, r = checked(p.position[pair], pairs, "position");
-        const Pack<T, V> x = load_nc<V>(rows + r * p.dim + c * V);
-        if (weights == nullptr) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) acc[i] += to_f32(x.v[i]);
-        } else {
-          const float w = to_f32(weights[pair]);
-          // __fmul_rn: the product is rounded to P before the sum, as torch rounds it (never fused into an FMA).
-#pragma unroll
-          for (int i = 0; i < V; ++i) acc[i] += round_to<P>(__fmul_rn(w, to_f32(x.v[i])));
-        }
+        const int64_t pair = t * p.k + j;
+        Pack<T, V> b;
+        if (biased) b = load_nc<V>(bias_of(pair) + c * V);
+        add_pair<T, P, V>(acc, load_nc<V>(row_of(pair) + c * V), b, biased, weighted, weight_of(pair));
       }
       store<V>(out + t * p.dim + c * V, acc);
     }

@@ -3,6 +3,8 @@
  * outputs, grouped by expert) is position[pair], and order is the inverse map, order[row] = pair. With routing
  * weights w [tokens, k] (null: ones) and P the promoted type of rows and weights:
  *   forward   out[t] = sum_j round_P(w[t, j] * rows[position[t * k + j]])
+ * where a bias [experts, dim] of `dtype` is given, the pair's row is round(rows[position[p]] + bias[expert[p]]) first
+ * (the experts' down bias, as HF's `out + bias` rounds it; the backward takes the rows with their bias);
  *   backward  grad_rows[r] = w[p] * grad[p / k] and, given rows, grad_weights[p] = <grad[p / k], rows[r]>, p = order[r]
  * summed in f32 (f64 on the CPU), each result rounded once. rows and grad_rows are [tokens * k, dim] of `dtype`;
  * out and grad [tokens, dim] of P; the weights are of `dtype`, or f32 with 16-bit rows. An index outside
@@ -27,6 +29,9 @@ typedef struct ExpertCombineForward {
   const int64_t *position;  /* [tokens, k] */
   const void *weights;      /* [tokens, k], or null */
   void *out;                /* [tokens, dim] */
+  const void *bias;         /* [experts, dim], or null */
+  const int64_t *expert;    /* [tokens, k]: each pair's expert, in 0..experts (another stops the kernel) */
+  int64_t experts;
   int64_t tokens;
   int64_t k;
   int64_t dim;

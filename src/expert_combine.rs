@@ -35,7 +35,7 @@ fn plan<P: Kernels>(dev: &Device, mut p: P, group_of: fn(&mut P) -> &mut i32, di
 impl Launch for ExpertCombineForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
-        plan(dev, *self, |p| &mut p.group, Tag::Fwd, dt, wt, &[self.rows], &[self.out], self.tokens, self.dim)
+        plan(dev, *self, |p| &mut p.group, Tag::Fwd, dt, wt, &[self.rows, self.bias], &[self.out], self.tokens, self.dim)
     }
 
     fn cpu(&self) -> Result<()> {
@@ -85,6 +85,13 @@ unsafe fn forward_cpu<T: Element, W: Element, Y: Element>(p: &ExpertCombineForwa
     let position = cpu::slice::<i64>(p.position.cast(), pairs);
     check_indices("expert_combine", "position", position, pairs, false)?;
     let rows = cpu::slice::<T>(p.rows, pairs * dim);
+    let bias = if p.bias.is_null() {
+        None
+    } else {
+        let expert = cpu::slice::<i64>(p.expert.cast(), pairs);
+        check_indices("expert_combine", "expert", expert, p.experts.max(0) as usize, false)?;
+        Some((cpu::slice::<T>(p.bias, p.experts as usize * dim), expert))
+    };
     let weights = (!p.weights.is_null()).then(|| cpu::slice::<W>(p.weights, pairs));
     let out = Disjoint::new(cpu::slice_mut::<Y>(p.out, tokens * dim));
     cpu::parallel_for(tokens, grain(k * dim), |range| {
@@ -94,7 +101,9 @@ unsafe fn forward_cpu<T: Element, W: Element, Y: Element>(p: &ExpertCombineForwa
             for (c, o) in out.iter_mut().enumerate() {
                 let mut acc = 0.0;
                 for pair in t * k..(t + 1) * k {
-                    let x = rows[position[pair] as usize * dim + c].to_f64();
+                    let r = position[pair] as usize;
+                    let x = rows[r * dim + c].to_f64();
+                    let x = bias.map_or(x, |(b, e)| T::round(x + b[e[pair] as usize * dim + c].to_f64()));
                     acc += weights.map_or(x, |w| Y::round(w[pair].to_f64() * x));
                 }
                 *o = Y::from_f64(acc);
@@ -162,7 +171,8 @@ mod tests {
         let (d, wd) = (T::DTYPE as i32, W::DTYPE as i32);
         let (t, kk, dm) = (tokens as i64, k as i64, dim as i64);
         ExpertCombineForward { rows: rows.as_ptr().cast(), position: position.as_ptr(), weights: weights.as_ptr().cast(),
-            out: out.as_mut_ptr().cast(), tokens: t, k: kk, dim: dm, dtype: d, weights_dtype: wd, group: 0 }.cpu().unwrap();
+            out: out.as_mut_ptr().cast(), tokens: t, k: kk, dim: dm, dtype: d, weights_dtype: wd, ..Default::default() }
+            .cpu().unwrap();
         ExpertCombineBackward { grad: grad.as_ptr().cast(), order: ORDER.as_ptr(), weights: weights.as_ptr().cast(),
             rows: rows.as_ptr().cast(), grad_rows: grad_rows.as_mut_ptr().cast(), grad_weights: grad_weights.as_mut_ptr().cast(),
             tokens: t, k: kk, dim: dm, dtype: d, weights_dtype: wd, group: 0 }.cpu().unwrap();
@@ -197,6 +207,38 @@ mod tests {
         check::<half::f16, f32, f32>(2f64.powi(-11));
     }
 
+    /// The forward with a bias of each pair's expert: what it gives without one on the rows plus their bias, rounded.
+    fn bias_is_added_first<T: Element, W: Element, Y: Element>() {
+        let (tokens, k, dim, experts) = (3usize, 2usize, 5usize, 3usize);
+        let rows: Vec<T> = cast(&noise(tokens * k * dim, 1, 2.0));
+        let bias: Vec<T> = cast(&noise(experts * dim, 4, 2.0));
+        let expert = [2i64, 0, 2, 1, 1, 0]; // each pair's
+        let weights: Vec<W> = cast(&noise(tokens * k, 2, 1.0));
+        // row r is pair ORDER[r]'s
+        let sums: Vec<T> = (0..rows.len())
+            .map(|e| T::from_f64(rows[e].to_f64() + bias[expert[ORDER[e / dim] as usize] as usize * dim + e % dim].to_f64()))
+            .collect();
+        let position = position();
+        let run = |rows: &[T], bias: Option<&[T]>| {
+            let mut out = vec![Y::from_f64(f64::NAN); tokens * dim];
+            ExpertCombineForward { rows: rows.as_ptr().cast(), position: position.as_ptr(), weights: weights.as_ptr().cast(),
+                out: out.as_mut_ptr().cast(), bias: bias.map_or(std::ptr::null(), |b| b.as_ptr().cast()),
+                expert: expert.as_ptr(), experts: experts as i64, tokens: tokens as i64, k: k as i64, dim: dim as i64,
+                dtype: T::DTYPE as i32, weights_dtype: W::DTYPE as i32, group: 0 }.cpu().unwrap();
+            out.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(&rows, Some(&bias)), run(&sums, None), "{:?}", T::DTYPE);
+    }
+
+    #[test]
+    fn bias_of_each_rows_expert_is_added_first() {
+        bias_is_added_first::<f64, f64, f64>();
+        bias_is_added_first::<f32, f32, f32>();
+        bias_is_added_first::<half::bf16, half::bf16, half::bf16>();
+        bias_is_added_first::<half::bf16, f32, f32>();
+        bias_is_added_first::<half::f16, f32, f32>();
+    }
+
     #[test]
     fn indices_outside_the_rows_or_repeated_are_errors() {
         let (rows, mut out) = ([0f32; 4], [0f32; 2]);
@@ -205,6 +247,12 @@ mod tests {
             tokens: 1, k: 2, dim: 1, dtype: BASTILE_F32 as i32, weights_dtype: BASTILE_F32 as i32, ..Default::default() }
             .cpu().unwrap_err();
         assert_eq!(err, "bastile.expert_combine: position holds 4, outside 0..2");
+        let (bias, expert, position) = ([0f32; 2], [0i64, 2], [0i64, 1]);
+        let err = ExpertCombineForward { rows: rows.as_ptr().cast(), position: position.as_ptr(), out: out.as_mut_ptr().cast(),
+            bias: bias.as_ptr().cast(), expert: expert.as_ptr(), experts: 2, tokens: 1, k: 2, dim: 1,
+            dtype: BASTILE_F32 as i32, weights_dtype: BASTILE_F32 as i32, ..Default::default() }
+            .cpu().unwrap_err();
+        assert_eq!(err, "bastile.expert_combine: expert holds 2, outside 0..2");
         let (grad, order, mut grad_rows) = ([0f32; 1], [1i64, 1], [0f32; 2]);
         let err = ExpertCombineBackward { grad: grad.as_ptr().cast(), order: order.as_ptr(), grad_rows: grad_rows.as_mut_ptr().cast(),
             tokens: 1, k: 2, dim: 1, dtype: BASTILE_F32 as i32, weights_dtype: BASTILE_F32 as i32, ..Default::default() }

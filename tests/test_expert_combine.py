@@ -18,9 +18,10 @@ DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (to
           (torch.bfloat16, torch.float16)]
 
 
-def reference(rows, position, weights=None):
-    """torch's expression: products rounded to the promoted dtype, summed over k."""
-    picked = rows[position]
+def reference(rows, position, weights=None, bias=None, expert=None):
+    """torch's expression: products rounded to the promoted dtype, summed over k (each pair's row plus its expert's
+    bias first, as HF adds the experts' down bias)."""
+    picked = rows[position] if bias is None else rows[position] + bias[expert]
     return (picked * weights[..., None] if weights is not None else picked).sum(1)
 
 
@@ -99,6 +100,40 @@ def test_backward_piece_dispatches_each_token_to_its_pairs(device, dtype, weight
     assert torch.equal(g_weights, autograd_weights)
 
 
+def biased(tokens, k, dim, experts=4, seed=5):
+    """pairs() and a bias [experts, dim] with each pair's expert [tokens, k], the last expert given no pair."""
+    rows, position, weights, order = pairs(tokens, k, dim, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return rows, position, weights, torch.randn(experts, dim, generator=g), torch.randint(0, experts - 1, (tokens, k), generator=g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,weights_dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("k", [3, 10])
+def test_bias_is_added_to_each_row_first(device, dtype, weights_dtype, offset, k):
+    """With a bias, the op is the op without one on each row plus its pair's expert's bias as torch sums them (rounded
+    once, as HF's `out + bias`): bit for bit, with the rows' and weights' gradients; the bias's gradient is each
+    expert's rows' gradients summed (an expert with no pair gets 0). offset 1: a bias not 16-byte aligned (the scalar
+    kernels). k 10: more pairs a token than the CUDA kernel holds in registers."""
+    rows, position, weights, bias, expert = biased(29, k, 40)
+    promoted = torch.promote_types(dtype, weights_dtype)
+    rows, weights, position, expert = rows.to(device, dtype), weights.to(device, weights_dtype), position.to(device), expert.to(device)
+    bias = torch.cat([bias.new_zeros(offset), bias.flatten()]).to(device, dtype)[offset:].view(bias.shape)
+    dy = torch.randn(29, 40, generator=torch.Generator().manual_seed(7)).to(device, promoted)
+    row_expert = torch.empty_like(expert.view(-1)).scatter_(0, position.view(-1), expert.view(-1))
+    sums = rows + bias[row_expert]
+    leaves = [t.detach().clone().requires_grad_() for t in (rows, weights, bias)]
+    y = op(leaves[0], position, leaves[1], leaves[2], expert)
+    g_rows, g_weights, g_bias = torch.autograd.grad(y, leaves, dy)
+    want = grads(op, sums, position, weights, dy)
+    for got, ref in zip((y.detach(), g_rows, g_weights), want):
+        assert torch.equal(got, ref)
+    exact = torch.zeros(bias.shape, dtype=torch.float64).index_add_(0, row_expert.cpu(), want[1].cpu().double())
+    assert g_bias.dtype == dtype and (g_bias[-1] == 0).all()
+    assert ((g_bias.cpu().double() - exact).abs() <= torch.finfo(dtype).eps * exact.abs() + 1e-6 * exact.abs().max()).all()
+
+
 def test_position_must_be_a_permutation_for_the_backward():
     rows, position, weights, _ = pairs(3, 2, 4)
     position[1, 0] = position[0, 0]
@@ -110,7 +145,8 @@ def test_position_must_be_a_permutation_for_the_backward():
 
 @needs_cuda
 @pytest.mark.parametrize("dtype,weights_dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(333, 8, 2048), (50, 2, 36), (7, 4, 200)], ids=["qwen3-moe", "scalar", "wide"])
+@pytest.mark.parametrize("shape", [(333, 8, 2048), (50, 2, 36), (7, 4, 200), (20, 10, 64)],
+                         ids=["qwen3-moe", "scalar", "wide", "k-past-held"])
 def test_cuda_equals_cpu(dtype, weights_dtype, shape):
     """Every element written (the allocator poisoned), as the CPU kernels (f64 sums) up to the GPU's f32 sums of the
     same rounded terms: a unit of the result plus n f32 units of the terms' size (n: the terms summed); the rows'
@@ -143,7 +179,10 @@ def samples(device):
         rows, position, weights, _ = pairs(tokens, k, dim, dtype=torch.float32)
         args = (rows.to(device).requires_grad_(), position.to(device))
         return (*args, weights.to(device).requires_grad_()) if weighted else args, {}
-    return [call(4, 2, 20), call(6, 2, 20), call(3, 3, 5), call(5, 2, 7, weighted=False)]
+    rows, position, weights, bias, expert = biased(5, 2, 12)
+    with_bias = ((rows.float().to(device).requires_grad_(), position.to(device), weights.float().to(device).requires_grad_(),
+                  bias.to(device).requires_grad_(), expert.to(device)), {})
+    return [call(4, 2, 20), call(6, 2, 20), call(3, 3, 5), call(5, 2, 7, weighted=False), with_bias]
 
 
 def empty(device):
@@ -156,7 +195,9 @@ def empty(device):
 
 def gradcheck_samples():
     rows, position, weights, _ = pairs(5, 3, 4)
-    return [((rows.requires_grad_(), position, weights.requires_grad_()), {})]
+    _, _, _, bias, expert = biased(5, 3, 4)
+    return [((rows.requires_grad_(), position, weights.requires_grad_()), {}),
+            ((rows, position, weights, bias.double().requires_grad_(), expert), {})]
 
 
 f32 = lambda *s: torch.randn(*s)
@@ -172,6 +213,15 @@ BAD = [
     (lambda: op(f32(6, 4), perm(3, 2), f32(2, 3)), "weights must be \\[tokens, k\\] with tokens = 3"),
     (lambda: op(f32(6, 4), perm(3, 2).to("meta")), "rows is on cpu but position is on meta"),
     (lambda: op(f32(6, 4), perm(3, 2) + 3), "position holds 6, outside 0..6"),
+    (lambda: op(f32(6, 4), perm(3, 2), None, f32(2, 4)), "bias and expert go together .* got bias without expert"),
+    (lambda: op(f32(6, 4), perm(3, 2), None, f32(2, 5), perm(3, 2) % 2),
+     r"bias must be \[experts, 4\] \(the rows' dim\), got \[2, 5\]"),
+    (lambda: op(f32(6, 4), perm(3, 2), None, f32(2, 4), torch.zeros(6, dtype=torch.long)),
+     r"expert must be \[tokens, k\] as position, each pair's expert, got shape \[6\] for position's \[3, 2\]"),
+    (lambda: op(f32(6, 4), perm(3, 2), None, f32(2, 4), (perm(3, 2) % 2).int()), "expert must be int64"),
+    (lambda: op(f32(6, 4), perm(3, 2), None, f32(2, 4).half(), perm(3, 2) % 2), "rows and bias must have the same dtype"),
+    (lambda: op(f32(6, 4), perm(3, 2), None, f32(2, 4), torch.tensor([[0, 1], [2, 0], [0, 0]])),
+     "expert_combine: expert holds 2, outside 0..2"),
     (lambda: backward_op(f32(3, 4), perm(3, 2).view(-1), None, f32(6, 4)), "rows are for the weights' gradient"),
     (lambda: backward_op(f32(3, 4), torch.arange(5)), "order's length 5 must be tokens \\* k for x's 3 tokens"),
     (lambda: backward_op(f32(3, 4), perm(3, 2).view(-1), f32(3, 2), f32(6, 5)), "rows must be \\[tokens \\* k, dim\\]"),

@@ -3,7 +3,10 @@
 // expert), `position` [tokens, k] (int64) the row of each token's j-th pair, `weights` [tokens, k] its routing
 // weight (None: ones): out[t] = sum_j weights[t, j] * rows[position[t, j]], each product rounded to the promoted
 // dtype as torch's `rows * weights` rounds it, the sum in f32 (one rounding, the same on every run), of the
-// promoted dtype. The kernels take weights of rows' dtype or float32 (Mixtral's and GLM's routers keep them in
+// promoted dtype. With `bias` [experts, dim] (rows' dtype) and `expert` [tokens, k] (int64, each pair's expert, as
+// the router chose them), each pair's row is rows[position[t, j]] + bias[expert[t, j]] first, rounded as HF's
+// `out + bias` (the experts' down bias, with no pass of its own); the backward's weight gradient reads the rows with
+// their bias, made again. The kernels take weights of rows' dtype or float32 (Mixtral's and GLM's routers keep them in
 // float32); others are promoted with the rows first.
 // expert_dispatch(x, order, weights, rows, dtype) is the other direction, its backward as a piece: with order
 // [tokens * k] (the inverse of position: the pair of each row), row r gets weights[p] * x[p / k] in `dtype`
@@ -102,11 +105,34 @@ struct ExpertDispatchOp {
   }
 };
 
-struct ExpertCombineOp {
-  static constexpr const char* schema = "expert_combine(Tensor rows, Tensor position, Tensor? weights=None) -> Tensor";
+using Optional = std::optional<at::Tensor>;
 
-  static at::Tensor kernel(const at::Tensor& rows_in, const at::Tensor& position_in,
-                           const std::optional<at::Tensor>& weights_in) {
+// The pairs' bias and experts (contiguous, kept alive by the caller), checked against the rows and position:
+// undefined without them.
+std::pair<at::Tensor, at::Tensor> pair_bias(const char* op, const at::Tensor& rows, const at::Tensor& position,
+                                            const Optional& bias, const Optional& expert) {
+  TORCH_CHECK(bias.has_value() == expert.has_value(), "bastile.", op,
+              ": bias and expert go together (each pair's expert picks its row of bias), got ",
+              bias ? "bias without expert" : "expert without bias");
+  if (!bias) return {};
+  check_same_dtype(op, {"rows", rows}, {"bias", *bias});
+  check_index(op, {"expert", *expert});
+  TORCH_CHECK(bias->dim() == 2 && bias->sym_size(1) == rows.sym_size(1), "bastile.", op, ": bias must be [experts, ",
+              rows.sym_size(1), "] (the rows' dim), got ", bias->sym_sizes());
+  TORCH_CHECK(expert->sym_sizes() == position.sym_sizes(), "bastile.", op,
+              ": expert must be [tokens, k] as position, each pair's expert, got shape ", expert->sym_sizes(),
+              " for position's ", position.sym_sizes());
+  check_device(op, {"rows", rows}, {{"bias", *bias}, {"expert", *expert}});
+  return {bias->contiguous(), expert->contiguous()};
+}
+
+struct ExpertCombineOp {
+  static constexpr const char* schema =
+      "expert_combine(Tensor rows, Tensor position, Tensor? weights=None, Tensor? bias=None, Tensor? expert=None) "
+      "-> Tensor";
+
+  static at::Tensor kernel(const at::Tensor& rows_in, const at::Tensor& position_in, const Optional& weights_in,
+                           const Optional& bias_in, const Optional& expert_in) {
     constexpr const char* op = "expert_combine";
     const auto dt = dtype_code(op, {"rows", rows_in});
     check_index(op, {"position", position_in});
@@ -115,6 +141,7 @@ struct ExpertCombineOp {
                 ": position must be [tokens, k] with tokens * k = rows' ", rows_in.sym_size(0), ", got ",
                 position_in.sym_sizes());
     check_device(op, {"rows", rows_in}, {{"position", position_in}});
+    const auto [bias, expert] = pair_bias(op, rows_in, position_in, bias_in, expert_in);
     at::Tensor weights;
     BastileDType wt = dt;
     if (weights_in) {
@@ -131,28 +158,41 @@ struct ExpertCombineOp {
     if (weights.defined()) weights = weights.contiguous();
     launch(rows, ExpertCombineForward{.rows = rows.data_ptr(), .position = position.data_ptr<int64_t>(),
                                       .weights = weights.defined() ? weights.data_ptr() : nullptr,
-                                      .out = out.data_ptr(), .tokens = position.size(0), .k = position.size(1),
+                                      .out = out.data_ptr(),
+                                      .bias = bias.defined() ? bias.data_ptr() : nullptr,
+                                      .expert = bias.defined() ? expert.data_ptr<int64_t>() : nullptr,
+                                      .experts = bias.defined() ? bias.size(0) : 0,
+                                      .tokens = position.size(0), .k = position.size(1),
                                       .dim = rows.size(1), .dtype = dt, .weights_dtype = wt});
     return out;
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& position,
-                            const std::optional<at::Tensor>& weights) {
+                            const Optional& weights, const Optional& bias, const Optional& expert) {
     const bool weights_grad = weights && weights->requires_grad();
-    ctx->save_for_backward({position, weights.value_or(at::Tensor()), weights_grad ? rows : at::Tensor()});
+    ctx->save_for_backward({position, weights.value_or(at::Tensor()), weights_grad ? rows : at::Tensor(),
+                            bias.value_or(at::Tensor()), expert.value_or(at::Tensor())});
     ctx->saved_data["dtype"] = rows.scalar_type();
-    return call<ExpertCombineOp>(rows, position, weights);
+    ctx->saved_data["bias_grad"] = bias && bias->requires_grad();
+    return call<ExpertCombineOp>(rows, position, weights, bias, expert);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto& position = s[0];
+    const auto &position = s[0], &bias = s[3], &expert = s[4];
     const auto flat = position.reshape(-1);
     const auto order = at::full_like(flat, -1).scatter_(0, flat, at::arange(c10::Scalar(flat.sym_numel()), flat.options()));
     const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional(t) : std::nullopt; };
+    // each row's expert, for the weights' gradient, which reads the rows as the forward summed them (with their
+    // bias), and the bias's: each expert's rows' gradients (the weighted products, rounded to the rows' dtype) summed
+    const auto row_expert = bias.defined() ? expert.reshape(-1).index_select(0, order) : at::Tensor();
+    const auto rows = s[2].defined() && bias.defined() ? s[2] + bias.index_select(0, row_expert) : s[2];
     auto [grad_rows, grad_weights] = call<ExpertDispatchOp>(
-        grads[0], order, opt(s[1]), opt(s[2]), ctx->saved_data["dtype"].toScalarType());
-    return {grad_rows, at::Tensor(), s[2].defined() ? grad_weights : at::Tensor()};
+        grads[0], order, opt(s[1]), opt(rows), ctx->saved_data["dtype"].toScalarType());
+    const auto grad_bias = ctx->saved_data["bias_grad"].toBool()
+                               ? sum_by_expert(grad_rows, row_expert, bias.sym_size(0)).to(bias.scalar_type())
+                               : at::Tensor();
+    return {grad_rows, at::Tensor(), s[2].defined() ? grad_weights : at::Tensor(), grad_bias, at::Tensor()};
   }
 
 };
