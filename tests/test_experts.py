@@ -517,6 +517,37 @@ def test_fp32_model_under_bf16_autocast(family):
         assert g.dtype == torch.float32 and rel_err(g, hf_grads[name]) < 5e-2, name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpt_oss_biases_are_added_by_the_ops_after_their_products(dtype):
+    """GPT-OSS's expert biases join the ops that read their products (gate/up's the geglu op, in the forward and the
+    backward's recompute; down's the forward's expert_combine): no pass of their own over the pairs' rows (the
+    one-hot product into them, addmm_). The values are test_experts_train_as_hf's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            at = 4 if func._opname == "geglu_backward" else 3  # after (grad_y,) gate_up, alpha, limit; rows, position, weights
+            bias = args[at] if func.namespace == "bastile" and len(args) > at else None
+            self.calls.append((func._opname, bias))
+            return func(*args, **(kwargs or {}))
+
+    model = mini("gpt_oss", "cpu", dtype)
+    bastile.apply(model=model, **NO_TRAINERS)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with Calls() as seen:
+        model(input_ids=ids, labels=ids).loss.backward()
+    layers = model.config.num_hidden_layers
+    gate = [bias for name, bias in seen.calls if name in ("geglu", "geglu_backward")]
+    assert len(gate) == 3 * layers and all(isinstance(b, torch.Tensor) and b.dtype == dtype for b in gate)
+    combine = [bias for name, bias in seen.calls if name == "expert_combine"]
+    assert len(combine) == 2 * layers and sum(isinstance(b, torch.Tensor) for b in combine) == layers
+    assert "addmm_" not in {name for name, _ in seen.calls}
+
+
 def test_fp32_routing_weights_make_no_fp32_intermediate_rows():
     """Mixtral's routing weights are fp32 over a bf16 model: no fp32 [pairs, intermediate] tensor is formed in the
     experts' backward (the weights scale the inputs' gradient rows where each token's k rows are summed)."""

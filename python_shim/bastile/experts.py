@@ -5,7 +5,9 @@ token's row is sent to its pairs (the `expert_dispatch` op), each expert's rows 
 gate/up, the family's gated activation (the `swiglu` or `geglu` op), one grouped product for down, then the
 routing weights and the sum over a token's experts in one pass (the `expert_combine` op; the backward sends the
 tokens' gradient back to the pairs through `expert_dispatch`; the weights scale the inputs' gradient rows in the
-combine, and the parameters' gradients on the narrower operand of each product).
+combine, and the parameters' gradients on the narrower operand of each product). The experts' biases (GPT-OSS)
+are added by the ops after their products (gate/up's by the `geglu` op, down's by `expert_combine`), not in passes
+of their own.
 
 PEFT LoRA on the 3-D expert parameters (its ParamWrapper, from `target_parameters` or `all-linear`) enters the
 grouped products as x W_e + s (x A_e) B_e. PEFT computes a wrapped module's forward with its weight
@@ -102,10 +104,13 @@ class Gate(NamedTuple):
     `backward(experts, gate_up, grad)` the gradient of gate_up for the output's `grad` (the forward made again
     from gate_up: nothing of it is kept). `grouped(experts, x, weight, offsets)`, where the family has one: gate/up's
     grouped products of the pairs' rows x with the stored [experts, 2 * inter, in] weight and the activation in one
-    op, (gate_up, the gate's output), or None where it does not take this activation."""
+    op, (gate_up, the gate's output), or None where it does not take this activation. `bias`: forward and backward
+    take gate/up's bias and each row's expert after their other arguments, and add it to gate_up first, rounded to
+    its dtype."""
     forward: Callable
     backward: Callable
     grouped: Optional[Callable] = None
+    bias: bool = False
 
 
 def through_autograd(forward: Callable) -> Gate:
@@ -120,11 +125,13 @@ def through_autograd(forward: Callable) -> Gate:
 
 class Groups(NamedTuple):
     """The token-expert pairs ordered by expert: `order` (the pair of each row), `offsets` (each expert's end,
-    int32), `expert` (each row's expert), `position` (the row of each pair, [tokens, k])."""
+    int32), `expert` (each row's expert), `position` (the row of each pair, [tokens, k]), `chosen` (each pair's
+    expert, [tokens, k]: the router's choice)."""
     order: torch.Tensor
     offsets: torch.Tensor
     expert: torch.Tensor
     position: torch.Tensor
+    chosen: torch.Tensor
 
 
 def group(top_k_index: torch.Tensor, experts: int) -> Groups:
@@ -134,7 +141,7 @@ def group(top_k_index: torch.Tensor, experts: int) -> Groups:
     # id: a host sync on CUDA)
     ends = torch.searchsorted(expert, torch.arange(experts, device=ids.device), right=True, out_int32=True)
     position = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
-    return Groups(order, ends, expert, position.view(top_k_index.shape))
+    return Groups(order, ends, expert, position.view(top_k_index.shape), top_k_index)
 
 
 def grouped_operands(*operands: torch.Tensor) -> bool:
@@ -173,16 +180,25 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like
     return torch.stack([x[a:b].to(acc).t() @ dy[a:b].to(acc) for a, b in _bounds(offsets)])
 
 
-def _forward(x, groups: Groups, p: Projection, scale: float):
-    """x w + s (x a) b + bias of each pair's expert, and x a (the backward's)."""
+def _forward(x, groups: Groups, p: Projection, scale: float, taken: bool = False):
+    """x w + s (x a) b + bias of each pair's expert, x a (the backward's), and whether the op after the product adds
+    the bias itself (`taken`, _takes_bias): then y is without it."""
     y = grouped_mm(x, p.w, groups.offsets)
     xa = None
     if p.a is not None:
         xa = grouped_mm(x, p.a, groups.offsets)
         y = y + scale * grouped_mm(xa, p.b, groups.offsets)
+    if _takes_bias(taken, p.bias, y):
+        return y, xa, True
     if p.bias is not None:
         y = _add_bias(y, p.bias, groups.expert)
-    return y, xa
+    return y, xa, False
+
+
+def _takes_bias(taken: bool, bias: Optional[torch.Tensor], y: torch.Tensor) -> bool:
+    """Whether the op after a product adds the product's bias itself (`taken`: that op takes one; a bias of the
+    product's dtype), so that no pass of its own writes their sum."""
+    return taken and bias is not None and bias.dtype == y.dtype
 
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -231,13 +247,14 @@ def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype, weights=
     return torch.ops.bastile.expert_dispatch(x, order, weights, dtype=dtype)[0]
 
 
-def _down_backward(gate: Gate, grad, w, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
-    """The backward of down and the gate for the tokens' gradient `grad`, `w` each row's routing weight: (the gate's
-    input's gradient for rows of weight 1, the routing weights' gradient per row, down's parameters' gradients). A
-    function of its own so that its [pairs, hidden] tensors are freed before the gate/up backward allocates its own.
+def _down_backward(gate: Gate, bias1: tuple, grad, w, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
+    """The backward of down and the gate (given gate/up's `bias1` where it adds it, _takes_bias) for the tokens'
+    gradient `grad`, `w` each row's routing weight: (the gate's input's gradient for rows of weight 1, the routing
+    weights' gradient per row, down's parameters' gradients). A function of its own so that its [pairs, hidden]
+    tensors are freed before the gate/up backward allocates its own.
     With dpair each row's token's gradient and u = dpair (W2 + s A2 B2)^T: dh = w u, the weights' gradient <u, h>
     (+ <dpair, bias2>)."""
-    h = gate.forward(gate_up)
+    h = gate.forward(gate_up, *bias1)
     dpair = _dispatch(grad, groups.order, p.w.dtype)
     u, *grads = _backward(dpair, h, ha, groups, p, scale, need, w)
     acc = torch.promote_types(u.dtype, torch.float32)
@@ -247,7 +264,7 @@ def _down_backward(gate: Gate, grad, w, gate_up, ha, groups: Groups, p: Projecti
         # the row's token and expert (16-bit values are exact in TF32, were a user to allow it)
         per_token = grad.to(p.w.dtype).to(acc).view(-1, grad.shape[-1]) @ p.bias.to(acc).t()
         dweight = dweight + per_token[groups.order // groups.position.shape[-1], groups.expert]
-    return gate.backward(gate_up, u.to(h.dtype)), dweight, grads
+    return gate.backward(gate_up, u.to(h.dtype), *bias1), dweight, grads
 
 
 def _gate_up_fused(gate: Gate, x, groups: Groups, p: Projection, factors: Optional[_Factors]):
@@ -274,8 +291,8 @@ class _Experts(torch.autograd.Function):
     adapters' factors are made again from them. `lora`: each projection's (_Factors or None, scale)."""
 
     @staticmethod
-    def forward(ctx, gate, lora, hidden, weights, order, offsets, expert, position, *params):
-        groups = Groups(order, offsets, expert, position)
+    def forward(ctx, gate, lora, hidden, weights, order, offsets, expert, position, chosen, *params):
+        groups = Groups(order, offsets, expert, position, chosen)
         (make1, s1), (make2, s2) = lora
         p1, p2 = _projection(params[:4], make1), _projection(params[4:], make2)
         x = _dispatch(hidden, order, p1.w.dtype)
@@ -283,14 +300,14 @@ class _Experts(torch.autograd.Function):
         if both is not None:
             (gate_up, h), xa = both, None
         else:
-            gate_up, xa = _forward(x, groups, p1, s1)
-            h = gate.forward(gate_up)
+            gate_up, xa, folded = _forward(x, groups, p1, s1, gate.bias)
+            h = gate.forward(gate_up, *((p1.bias, expert) if folded else ()))
         del x  # [pairs, hidden], freed before down's output of that size is made
-        out, ha = _forward(h, groups, p2, s2)
+        out, ha, folded = _forward(h, groups, p2, s2, True)
         # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32; an fp32
         # model's bf16 under autocast)
-        combined = torch.ops.bastile.expert_combine(out, position, weights)
-        ctx.save_for_backward(hidden, weights, order, offsets, expert, position, gate_up, xa, ha, *params)
+        combined = torch.ops.bastile.expert_combine(out, position, weights, *((p2.bias, chosen) if folded else ()))
+        ctx.save_for_backward(hidden, weights, *groups, gate_up, xa, ha, *params)
         ctx.gate, ctx.lora = gate, lora
         # not a `.to` that returns combined itself: under torch.compile (2.11) a Function's output that is
         # its forward's no-op `.to` gets a zero gradient
@@ -298,17 +315,20 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weights, order, offsets, expert, position, gate_up, xa, ha, *params = ctx.saved_tensors
-        groups, needs = Groups(order, offsets, expert, position), ctx.needs_input_grad
+        hidden, weights, *saved = ctx.saved_tensors
+        groups, (gate_up, xa, ha, *params) = Groups(*saved[:5]), saved[5:]
+        order, expert, position, needs = groups.order, groups.expert, groups.position, ctx.needs_input_grad
         (make1, s1), (make2, s2) = ctx.lora
         # an adapter's factors both, where either source needs a gradient
-        need1, need2 = (needs[i:i + 2] + (any(needs[i + 2:i + 4]),) * 2 for i in (8, 12))
+        need1, need2 = (needs[i:i + 2] + (any(needs[i + 2:i + 4]),) * 2 for i in (9, 13))
         p2 = _projection(params[4:], make2)
         w = weights.reshape(-1)[order]
-        dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, grad, w, gate_up, ha, groups,
+        # gate_up is without its bias where the gate adds it
+        bias1 = (params[1], expert) if _takes_bias(ctx.gate.bias, params[1], gate_up) else ()
+        dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, bias1, grad, w, gate_up, ha, groups,
                                                                     p2, s2, need2)
         if da2 is not None:
-            da2, db2 = make2.source_grads(params[6:], needs[14:16], da2, db2)
+            da2, db2 = make2.source_grads(params[6:], needs[15:17], da2, db2)
         # gate/up, from the pairs' rows of x made again where a weight or factor A takes a gradient; in the
         # weights' dtype: under autocast the forward's products were narrower, and the backward runs without it
         p1 = _projection(params[:4], make1)
@@ -322,12 +342,12 @@ class _Experts(torch.autograd.Function):
         dx, dw1, dbias1, da1, db1 = _backward(dgate_up.to(p1.w.dtype), None if weighted else x, xa, groups, p1, s1,
                                               need1, w, x if weighted else None)
         if da1 is not None:
-            da1, db1 = make1.source_grads(params[2:4], needs[10:12], da1, db1)
+            da1, db1 = make1.source_grads(params[2:4], needs[11:13], da1, db1)
         total = torch.promote_types(dx.dtype, hidden.dtype)
         dhidden = (torch.ops.bastile.expert_combine(dx.to(total), position, weights).to(hidden.dtype)
                    .view(hidden.shape) if needs[2] else None)
         dweights = dweight[position].to(weights.dtype) if needs[3] else None
-        return (None, None, dhidden, dweights, None, None, None, None, dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
+        return (None, None, dhidden, dweights, *(None,) * len(groups), dw1, dbias1, da1, db1, dw2, dbias2, da2, db2)
 
 
 def experts_forward(gate: Gate, concatenated: bool) -> Callable:
@@ -348,7 +368,7 @@ def experts_forward(gate: Gate, concatenated: bool) -> Callable:
             params += [*stored(self, name), *(adapter.sources if adapter else (None, None))]
             makers.append((_Factors(adapter, self.is_transposed), adapter.scale) if adapter else (None, 0.0))
         bound = Gate(partial(gate.forward, self), partial(gate.backward, self),
-                     gate.grouped and partial(gate.grouped, self))
+                     gate.grouped and partial(gate.grouped, self), gate.bias)
         return _Experts.apply(bound, tuple(makers), hidden_states, top_k_weights, *groups, *params)
     return experts
 

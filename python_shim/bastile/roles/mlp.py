@@ -132,17 +132,18 @@ def swiglu_gate(traits: Mlp) -> Gate:
     return Gate(swiglu_gate, swiglu_gate_backward, swiglu_grouped)
 
 
-def geglu_gate(self, gate_up):
-    """GPT-OSS's experts' gated activation (GptOssExperts._apply_gate): clamped, interleaved GEGLU of gate_up in
-    one kernel."""
-    return geglu(gate_up, self.alpha, self.limit)
+def geglu_gate(self, gate_up, bias=None, expert=None):
+    """GPT-OSS's experts' gated activation (GptOssExperts._apply_gate): clamped, interleaved GEGLU of gate_up (plus
+    each row's expert's bias) in one kernel."""
+    return geglu(gate_up, self.alpha, self.limit, bias, expert)
 
 
-def geglu_gate_backward(self, gate_up, grad):
-    return torch.ops.bastile.geglu_backward(grad, gate_up, self.alpha, self.limit)
+def geglu_gate_backward(self, gate_up, grad, bias=None, expert=None):
+    return torch.ops.bastile.geglu_backward(grad, gate_up, self.alpha, self.limit, bias, expert)
 
 
-GATES = {"swiglu": swiglu_gate, "geglu": lambda traits: Gate(geglu_gate, geglu_gate_backward)}  # traits -> gate stage
+# traits -> gate stage
+GATES = {"swiglu": swiglu_gate, "geglu": lambda traits: Gate(geglu_gate, geglu_gate_backward, bias=True)}
 CONCATENATED = {"swiglu": True, "geglu": False}  # how each gate reads gate/up: [gate; up], or interleaved
 
 
@@ -152,7 +153,7 @@ def declare(ctx: Context) -> Declaration:
     if m.dense:
         targets.append(Target("MLP", "forward", named(mlp_forward(m), "mlp", f), part="dense", lora=why_not(m)))
     if m.experts:
-        gate = Gate(*(stage and named(stage, "mlp", f) for stage in GATES[m.experts](m)))
+        gate = Gate(*(named(stage, "mlp", f) if callable(stage) else stage for stage in GATES[m.experts](m)))
         experts = named(experts_forward(gate, CONCATENATED[m.experts]), "mlp", f)
         targets.append(Target("Experts", "forward", experts, part="experts"))
     return Declaration(tuple(targets))
