@@ -160,6 +160,21 @@ pub fn promote(a: BastileDType, b: BastileDType) -> BastileDType {
     }
 }
 
+/// Each index from a caller's tensor within 0..n (else the error names op and tensor); with `once`, each of 0..n
+/// exactly once (a permutation, through which a kernel writes).
+pub fn check_indices(op: &str, name: &str, indices: &[i64], n: usize, once: bool) -> crate::driver::Result<()> {
+    let mut seen = vec![false; if once { n } else { 0 }];
+    for &i in indices {
+        if i < 0 || i as usize >= n {
+            return Err(format!("bastile.{op}: {name} holds {i}, outside 0..{n}"));
+        }
+        if once && std::mem::replace(&mut seen[i as usize], true) {
+            return Err(format!("bastile.{op}: {name} holds {i} twice; it must hold each of 0..{n} once"));
+        }
+    }
+    Ok(())
+}
+
 /// Slice view of `len` elements at `ptr`.
 ///
 /// # Safety

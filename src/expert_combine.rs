@@ -64,32 +64,17 @@ fn grain(width: usize) -> usize {
     (cpu::GRAIN / width.max(1)).max(1)
 }
 
-/// Each index within 0..n; with `once`, each of 0..n exactly once (a permutation: the backward writes each
-/// pair's weight gradient through it).
-fn check_indices(op: &str, name: &str, indices: &[i64], n: usize, once: bool) -> Result<()> {
-    let mut seen = vec![false; if once { n } else { 0 }];
-    for &i in indices {
-        if i < 0 || i as usize >= n {
-            return Err(format!("bastile.{op}: {name} holds {i}, outside 0..{n}"));
-        }
-        if once && std::mem::replace(&mut seen[i as usize], true) {
-            return Err(format!("bastile.{op}: {name} holds {i} twice; it must hold each of 0..{n} once"));
-        }
-    }
-    Ok(())
-}
-
 unsafe fn forward_cpu<T: Element, W: Element, Y: Element>(p: &ExpertCombineForward) -> Result<()> {
     let (tokens, k, dim) = (p.tokens as usize, p.k as usize, p.dim as usize);
     let pairs = tokens * k;
     let position = cpu::slice::<i64>(p.position.cast(), pairs);
-    check_indices("expert_combine", "position", position, pairs, false)?;
+    cpu::check_indices("expert_combine", "position", position, pairs, false)?;
     let rows = cpu::slice::<T>(p.rows, pairs * dim);
     let bias = if p.bias.is_null() {
         None
     } else {
         let expert = cpu::slice::<i64>(p.expert.cast(), pairs);
-        check_indices("expert_combine", "expert", expert, p.experts.max(0) as usize, false)?;
+        cpu::check_indices("expert_combine", "expert", expert, p.experts.max(0) as usize, false)?;
         Some((cpu::slice::<T>(p.bias, p.experts as usize * dim), expert))
     };
     let weights = (!p.weights.is_null()).then(|| cpu::slice::<W>(p.weights, pairs));
@@ -117,7 +102,7 @@ unsafe fn backward_cpu<T: Element, W: Element, Y: Element>(p: &ExpertCombineBack
     let (tokens, k, dim) = (p.tokens as usize, p.k as usize, p.dim as usize);
     let pairs = tokens * k;
     let order = cpu::slice::<i64>(p.order.cast(), pairs);
-    check_indices("expert_dispatch", "order", order, pairs, true)?;
+    cpu::check_indices("expert_dispatch", "order", order, pairs, true)?;
     let grad = cpu::slice::<Y>(p.grad, tokens * dim);
     let weights = (!p.weights.is_null()).then(|| cpu::slice::<W>(p.weights, pairs));
     let rows = (!p.rows.is_null()).then(|| cpu::slice::<T>(p.rows, pairs * dim));

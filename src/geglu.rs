@@ -76,9 +76,7 @@ impl<T: Element> Input<'_, T> {
         }
         let (inter, experts) = (b.inter as usize, b.experts as usize);
         let expert = cpu::slice::<i64>(b.expert.cast(), n / inter);
-        if let Some(e) = expert.iter().find(|&&e| e < 0 || e as usize >= experts) {
-            return Err(format!("bastile.geglu: expert holds {e}, outside 0..{experts}"));
-        }
+        cpu::check_indices("geglu", "expert", expert, experts, false)?;
         Ok(Input { x, bias: Some((cpu::slice::<T>(b.bias, experts * 2 * inter), expert, inter)) })
     }
 

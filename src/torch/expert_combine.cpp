@@ -37,11 +37,6 @@ std::pair<at::Tensor, BastileDType> kernel_weights(const char* op, const at::Ten
   return {promoted, dtype_code(op, {"weights", promoted})};
 }
 
-void check_index(const char* op, Named index) {
-  TORCH_CHECK(index.t.scalar_type() == at::kLong, "bastile.", op, ": ", index.name, " must be int64, got ",
-              index.t.scalar_type());
-}
-
 struct ExpertDispatchOp {
   static constexpr const char* schema =
       "expert_dispatch(Tensor x, Tensor order, Tensor? weights=None, Tensor? rows=None, "
@@ -111,18 +106,12 @@ using Optional = std::optional<at::Tensor>;
 // undefined without them.
 std::pair<at::Tensor, at::Tensor> pair_bias(const char* op, const at::Tensor& rows, const at::Tensor& position,
                                             const Optional& bias, const Optional& expert) {
-  TORCH_CHECK(bias.has_value() == expert.has_value(), "bastile.", op,
-              ": bias and expert go together (each pair's expert picks its row of bias), got ",
-              bias ? "bias without expert" : "expert without bias");
-  if (!bias) return {};
-  check_same_dtype(op, {"rows", rows}, {"bias", *bias});
-  check_index(op, {"expert", *expert});
+  if (!check_bias(op, {"rows", rows}, bias, expert)) return {};
   TORCH_CHECK(bias->dim() == 2 && bias->sym_size(1) == rows.sym_size(1), "bastile.", op, ": bias must be [experts, ",
               rows.sym_size(1), "] (the rows' dim), got ", bias->sym_sizes());
   TORCH_CHECK(expert->sym_sizes() == position.sym_sizes(), "bastile.", op,
               ": expert must be [tokens, k] as position, each pair's expert, got shape ", expert->sym_sizes(),
               " for position's ", position.sym_sizes());
-  check_device(op, {"rows", rows}, {{"bias", *bias}, {"expert", *expert}});
   return {bias->contiguous(), expert->contiguous()};
 }
 

@@ -37,19 +37,12 @@ struct RowBias {
   at::Tensor bias, expert;
 
   RowBias(const char* op, const at::Tensor& x, const Bias& bias_in, const Bias& expert_in) {
-    TORCH_CHECK(bias_in.has_value() == expert_in.has_value(), "bastile.", op,
-                ": bias and expert go together (each row's expert picks its row of bias), got ",
-                bias_in ? "bias without expert" : "expert without bias");
-    if (!bias_in) return;
-    check_same_dtype(op, {"gate_up", x}, {"bias", *bias_in});
-    TORCH_CHECK(expert_in->scalar_type() == at::kLong, "bastile.", op, ": expert must be int64, got ",
-                expert_in->scalar_type());
+    if (!check_bias(op, {"gate_up", x}, bias_in, expert_in)) return;
     TORCH_CHECK(bias_in->dim() == 2 && bias_in->sym_size(1) == x.sym_size(-1), "bastile.", op,
                 ": bias must be [experts, ", x.sym_size(-1), "] (gate_up's last dim), got ", bias_in->sym_sizes());
     TORCH_CHECK(expert_in->dim() == 1 && expert_in->sym_size(0) * x.sym_size(-1) == x.sym_numel(), "bastile.", op,
                 ": expert must hold one index for each of gate_up's rows of ", x.sym_size(-1), ", got shape ",
                 expert_in->sym_sizes(), " for gate_up of shape ", x.sym_sizes());
-    check_device(op, {"gate_up", x}, {{"bias", *bias_in}, {"expert", *expert_in}});
     bias = bias_in->contiguous();
     expert = expert_in->contiguous();
   }

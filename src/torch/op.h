@@ -119,6 +119,26 @@ inline at::ScalarType stats_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// An index tensor from the caller: int64.
+inline void check_index(const char* op, Named index) {
+  TORCH_CHECK(index.t.scalar_type() == at::kLong, "bastile.", op, ": ", index.name, " must be int64, got ",
+              index.t.scalar_type());
+}
+
+// The experts' bias an op adds to its tensor `to` and the experts that pick its rows (int64): both or neither, the
+// bias in to's dtype, both on its device. Whether they are given; their shapes are the op's to check.
+inline bool check_bias(const char* op, Named to, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& expert) {
+  TORCH_CHECK(bias.has_value() == expert.has_value(), "bastile.", op,
+              ": bias and expert go together (an expert picks its row of bias), got ",
+              bias ? "bias without expert" : "expert without bias");
+  if (!bias) return false;
+  check_same_dtype(op, to, {"bias", *bias});
+  check_index(op, {"expert", *expert});
+  check_device(op, to, {{"bias", *bias}, {"expert", *expert}});
+  return true;
+}
+
 // rows [n, dim] summed by their expert (expert: int64 [n], each in 0..experts): [experts, dim] in at least float32,
 // as the product of the rows' one-hot experts and the rows, the same on every run (index_add_'s atomics on CUDA sum
 // in any order).
