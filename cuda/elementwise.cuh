@@ -1,6 +1,7 @@
 // Helpers of the flat elementwise kernels (swiglu, geglu): memory-bound, so each thread loads U
 // 16-byte vectors of every input before it computes and stores any (bytes in flight), in a
-// grid-stride loop with 64-bit indices; the last n % V elements take scalar accesses.
+// grid-stride loop with 64-bit indices; the last n % V elements take scalar accesses. Where a sum
+// over each row is wanted too, a warp takes a row (for_each_row).
 #pragma once
 #include "common.cuh"
 
@@ -49,6 +50,45 @@ __device__ __forceinline__ void for_each_vector(int64_t n, Load load, Finish fin
     for (int k = 0; k < U; ++k)
       if (base + k * blockDim.x < nvec) finish(k, base + k * blockDim.x);
   }
+}
+
+// Visits the vectors of rows of `cols` elements, cols a multiple of V: one warp a row in a grid-stride loop over
+// rows, U vectors a lane per step, load(k, i) for every k before finish(k, i) for any (i a vector's index in the
+// flat range). finish returns its vector's share of a row's sum, which done(row, sum) gets on lane 0, summed in
+// an order fixed by the shape (deterministic, no atomics).
+template <int V, int U, class Load, class Finish, class Done>
+__device__ __forceinline__ void for_each_row(int64_t n, int64_t cols, Load load, Finish finish, Done done) {
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = n / cols, per_row = cols / V, warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
+    float sum = 0.f;
+    for (int64_t c = lane; c < per_row; c += 32 * U) {
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (c + k * 32 < per_row) load(k, r * per_row + c + k * 32);
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (c + k * 32 < per_row) sum += finish(k, r * per_row + c + k * 32);
+    }
+    sum = warp_group_sum(sum, 32);
+    if (lane == 0) done(r, sum);
+  }
+}
+
+// A backward's visit: where `dot` is set, by rows (for_each_row), each row's sum of finish's values into dot[row];
+// else flat (for_each_vector). finish(kDot, k, i) gets kDot as std::true_type or std::false_type. Whether it went by
+// rows: a flat visit leaves the elements past the last vector (tail_index) to the caller.
+template <int V, int U, class Load, class Finish>
+__device__ __forceinline__ bool for_each_vector_or_row(int64_t n, int64_t cols, void *dot, Load load, Finish finish) {
+  if (dot != nullptr) {
+    float *__restrict__ out = static_cast<float *>(dot);
+    for_each_row<V, U>(
+        n, cols, load, [&](int k, int64_t i) { return finish(std::true_type{}, k, i); },
+        [&](int64_t r, float sum) { out[r] = sum; });
+    return true;
+  }
+  for_each_vector<V, U>(n, load, [&](int k, int64_t i) { finish(std::false_type{}, k, i); });
+  return false;
 }
 
 // Widens loaded vectors where they are used, not right after the load: bf16 would otherwise be

@@ -14,7 +14,8 @@
 // need every pointer 16-byte aligned; the last n % V pairs take scalar accesses. The `scalar`
 // variants take any alignment. With a bias (the experts'), gate and up are each gate_up + bias of the
 // row's expert rounded to T first; the vec variants read the bias as vectors too, so Rust launches them
-// with a bias only where a row is whole vectors.
+// with a bias only where a row is whole vectors. Asked (p.dot), the backward also sums each row's
+// dy * y (the experts' routing weights' gradient), a warp a row, over rows of whole vectors likewise.
 #include "elementwise.cuh"
 #include "geglu.h"
 
@@ -40,12 +41,15 @@ struct Gate {
     return (up(u) + 1.f) * (g * sigmoid(alpha * g));
   }
 
-  __device__ __forceinline__ void backward(float dy, float g, float u, float &dg, float &du) const {
+  // The gradients of a pair; with kDot, also dy times its y as the forward rounds it (the row's dot).
+  template <class T, bool kDot>
+  __device__ __forceinline__ float backward(float dy, float g, float u, float &dg, float &du) const {
     const float gc = gate(g), s = sigmoid(alpha * gc);
     // Written so that a NaN input fails the test and gets 0, as torch's where(mask, grad, 0) gives.
     const bool g_in = at_limit ? g <= limit : g < limit, u_in = at_limit ? u >= -limit && u <= limit : u > -limit && u < limit;
     dg = g_in ? dy * (up(u) + 1.f) * (s * (1.f + alpha * gc * (1.f - s))) : 0.f;
     du = u_in ? dy * (gc * s) : 0.f;
+    return kDot ? dy * round_to<T>((up(u) + 1.f) * (gc * s)) : 0.f;
   }
 };
 
@@ -70,8 +74,8 @@ template <class T, bool kBias> struct Bias {
   const int64_t *expert;
   int64_t inter, experts;
 
-  __device__ __forceinline__ explicit Bias(const GegluBias &b)
-      : bias(static_cast<const T *>(b.bias)), expert(b.expert), inter(b.inter), experts(b.experts) {}
+  __device__ __forceinline__ Bias(const GegluBias &b, int64_t inter)
+      : bias(static_cast<const T *>(b.bias)), expert(b.expert), inter(inter), experts(b.experts) {}
 
   // The (gate, up) bias of pair i and those after it in its row (a 32-bit division where i allows: 64-bit is many
   // times the instructions, on every vector).
@@ -93,7 +97,7 @@ template <class T, int V, bool kBias> __device__ __forceinline__ void forward(co
   const T *__restrict__ x = static_cast<const T *>(p.gate_up);
   T *__restrict__ y = static_cast<T *>(p.y);
   const Gate f = gate_of<T>(p.alpha, p.limit);
-  const Bias<T, kBias> b(p.bias);
+  const Bias<T, kBias> b(p.bias, p.inter);
   Pairs<T, V> in[U], add[U];
   for_each_vector<V, U>(
       p.n,
@@ -118,33 +122,35 @@ template <class T, int V, bool kBias> __device__ __forceinline__ void backward(c
   const T *__restrict__ x = static_cast<const T *>(p.gate_up);
   T *__restrict__ dx = static_cast<T *>(p.grad_gate_up);
   const Gate f = gate_of<T>(p.alpha, p.limit, p.at_limit != 0);
-  const Bias<T, kBias> b(p.bias);
+  const Bias<T, kBias> b(p.bias, p.inter);
   Pack<T, V> dy[U];
   Pairs<T, V> in[U], add[U];
-  for_each_vector<V, U>(
-      p.n,
-      [&](int k, int64_t i) {
-        dy[k] = load_nc<V>(grad_y + V * i);
-        in[k].load(x + 2 * V * i);
-        if constexpr (kBias) add[k].load(b.of(V * i));
-      },
-      [&](int k, int64_t i) {
-        keep_packed(dy[k], in[k].lo, in[k].hi);
-        if constexpr (kBias) keep_packed(add[k].lo, add[k].hi);
-        float d[2][V];  // as lo and hi
+  const auto load = [&](int k, int64_t i) {
+    dy[k] = load_nc<V>(grad_y + V * i);
+    in[k].load(x + 2 * V * i);
+    if constexpr (kBias) add[k].load(b.of(V * i));
+  };
+  // Stores vector i's gradients; returns its share of the row's dot (kDot).
+  const auto finish = [&](auto dot, int k, int64_t i) {
+    keep_packed(dy[k], in[k].lo, in[k].hi);
+    if constexpr (kBias) keep_packed(add[k].lo, add[k].hi);
+    float d[2][V], sum = 0.f;  // d as lo and hi
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const int m = 2 * j;
-          f.backward(to_f32(dy[k].v[j]), b.add(in[k], add[k], m), b.add(in[k], add[k], m + 1), d[m / V][m % V],
-                     d[(m + 1) / V][(m + 1) % V]);
-        }
-        store<V>(dx + 2 * V * i, d[0]);
-        store<V>(dx + 2 * V * i + V, d[1]);
-      });
+    for (int j = 0; j < V; ++j) {
+      const int m = 2 * j;
+      sum += f.backward<T, decltype(dot)::value>(to_f32(dy[k].v[j]), b.add(in[k], add[k], m),
+                                                  b.add(in[k], add[k], m + 1), d[m / V][m % V],
+                                                  d[(m + 1) / V][(m + 1) % V]);
+    }
+    store<V>(dx + 2 * V * i, d[0]);
+    store<V>(dx + 2 * V * i + V, d[1]);
+    return sum;
+  };
+  if (for_each_vector_or_row<V, U>(p.n, p.inter, p.dot, load, finish)) return;
   const int64_t t = tail_index<V>(p.n);
   if (t >= 0) {
     float dg, du;
-    f.backward(to_f32(grad_y[t]), b.add(x, t, 0), b.add(x, t, 1), dg, du);
+    f.backward<T, false>(to_f32(grad_y[t]), b.add(x, t, 0), b.add(x, t, 1), dg, du);
     dx[2 * t] = from_f32<T>(dg);
     dx[2 * t + 1] = from_f32<T>(du);
   }

@@ -3,7 +3,8 @@
 //   grad_up   = T(dy * s)
 //   grad_gate = T(T(dy * u) * act'(g))    as torch's silu_backward / gelu_backward(approximate="tanh")
 // act is SiLU, g * sig(g), or GELU-tanh, g/2 * (1 + tanh(b * (g + k g^3))) with b = sqrt(2/pi), k = 0.044715.
-// The backward recomputes act(g) from the saved inputs instead of saving an activation.
+// The backward recomputes act(g) from the saved inputs instead of saving an activation; asked (p.dot), it also
+// sums each row's dy * y (the experts' routing weights' gradient), a warp a row.
 //
 // Memory-bound and elementwise: each thread loads SWIGLU_UNROLL 16-byte vectors of every input
 // before it computes and stores any (bytes in flight), in a grid-stride loop with 64-bit indices.
@@ -37,10 +38,13 @@ __device__ __forceinline__ float act_grad(float dy, float g, int32_t kind) {
   return dy * sig * (1.f + g * (1.f - sig));
 }
 
-template <class T>
-__device__ __forceinline__ void backward_value(float dy, float g, float u, int32_t kind, float &dg, float &du) {
-  du = dy * round_to<T>(act(g, kind));
+// The gradients of one element; with kDot, also dy times its y as the forward rounds it (the row's dot).
+template <class T, bool kDot>
+__device__ __forceinline__ float backward_value(float dy, float g, float u, int32_t kind, float &dg, float &du) {
+  const float s = round_to<T>(act(g, kind));
+  du = dy * s;
   dg = act_grad(round_to<T>(dy * u), g, kind);
+  return kDot ? dy * round_to<T>(s * u) : 0.f;
 }
 
 // Where element e of the contiguous outputs lies in gate and up. A vector's elements share a row (swiglu.h).
@@ -89,28 +93,30 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
   T *__restrict__ grad_gate = static_cast<T *>(p.grad_gate);
   T *__restrict__ grad_up = static_cast<T *>(p.grad_up);
   Pack<T, V> dy[U], g[U], u[U];
-  for_each_vector<V, U>(
-      p.n,
-      [&](int k, int64_t i) {
-        const int64_t e = at_row(p, i * V);
-        dy[k] = load_nc<V>(grad_y + i * V);
-        g[k] = load_nc<V>(gate + e);
-        u[k] = load_nc<V>(up + e);
-      },
-      [&](int k, int64_t i) {
-        keep_packed(dy[k], g[k], u[k]);
-        float dg[V], du[V];
+  const auto load = [&](int k, int64_t i) {
+    const int64_t e = at_row(p, i * V);
+    dy[k] = load_nc<V>(grad_y + i * V);
+    g[k] = load_nc<V>(gate + e);
+    u[k] = load_nc<V>(up + e);
+  };
+  // Stores vector i's gradients; returns its share of the row's dot (kDot).
+  const auto finish = [&](auto dot, int k, int64_t i) {
+    keep_packed(dy[k], g[k], u[k]);
+    float dg[V], du[V], sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < V; ++j)
-          backward_value<T>(to_f32(dy[k].v[j]), to_f32(g[k].v[j]), to_f32(u[k].v[j]), p.activation, dg[j], du[j]);
-        store<V>(grad_gate + i * V, dg);
-        store<V>(grad_up + i * V, du);
-      });
+    for (int j = 0; j < V; ++j)
+      sum += backward_value<T, decltype(dot)::value>(to_f32(dy[k].v[j]), to_f32(g[k].v[j]), to_f32(u[k].v[j]),
+                                                      p.activation, dg[j], du[j]);
+    store<V>(grad_gate + i * V, dg);
+    store<V>(grad_up + i * V, du);
+    return sum;
+  };
+  if (for_each_vector_or_row<V, U>(p.n, p.cols, p.dot, load, finish)) return;
   const int64_t t = tail_index<V>(p.n);
   if (t >= 0) {
     float dg, du;
     const int64_t e = at_row(p, t);
-    backward_value<T>(to_f32(grad_y[t]), to_f32(gate[e]), to_f32(up[e]), p.activation, dg, du);
+    backward_value<T, false>(to_f32(grad_y[t]), to_f32(gate[e]), to_f32(up[e]), p.activation, dg, du);
     grad_gate[t] = from_f32<T>(dg);
     grad_up[t] = from_f32<T>(du);
   }

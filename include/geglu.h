@@ -21,7 +21,6 @@
 typedef struct GegluBias {
   const void *bias;      /* [experts, 2 * inter] */
   const int64_t *expert; /* [n / inter], each in 0..experts (another stops the kernel) */
-  int64_t inter;         /* pairs a row */
   int64_t experts;
 } GegluBias;
 
@@ -30,17 +29,22 @@ typedef struct GegluForward {
   void *y;             /* [n] */
   GegluBias bias;
   int64_t n;           /* pairs */
+  int64_t inter;       /* pairs a row (y's last dim), which the bias and the dot read */
   double alpha;        /* sigmoid slope: y = (clamp(u) + 1) * g * sigmoid(alpha * g), g clamped */
   double limit;        /* gate <= limit, -limit <= up <= limit */
   int32_t dtype;
 } GegluForward;
 
+/* With `dot` (not NULL), the backward also gives each row's <grad_y, y> as swiglu.h's SwigluBackward does: the
+ * vector kernels then take rows of whole vectors too. */
 typedef struct GegluBackward {
   const void *grad_y;  /* [n] */
   const void *gate_up; /* [2n] as given to the forward */
   void *grad_gate_up;  /* [2n], interleaved as gate_up: the gradient of gate_up + bias too */
+  void *dot;           /* [n / inter] or NULL */
   GegluBias bias;
   int64_t n;
+  int64_t inter;
   double alpha;
   double limit;
   int32_t dtype;

@@ -34,12 +34,17 @@ typedef struct SwigluForward {
   int32_t activation; /* SWIGLU_SILU or SWIGLU_GELU_TANH */
 } SwigluForward;
 
+/* With `dot` (not NULL), the backward also gives each row's <grad_y, y> (y as the forward rounds it, made
+ * again): the products summed in f32 (f64 on CPU for f64) in an order fixed by the shape, one warp a row, into
+ * dot [n / cols] of f32 (f64 for f64); the vector kernels then take rows of whole vectors. (The experts' routing
+ * weights' gradient, without y made again in a pass of its own.) */
 typedef struct SwigluBackward {
   const void *grad_y; /* [n] */
   const void *gate;   /* [n / cols rows at stride ld], as given to the forward */
   const void *up;     /* [n / cols rows at stride ld] */
   void *grad_gate;    /* [n] */
   void *grad_up;      /* [n] */
+  void *dot;          /* [n / cols] or NULL */
   int64_t n;
   int64_t cols;
   int64_t ld;

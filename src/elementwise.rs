@@ -1,6 +1,8 @@
 //! Launches of the flat elementwise kernels of `cuda/elementwise.cuh` (swiglu, geglu, the fused
 //! cross-entropy's gradient scaling): a grid-stride loop over 16-byte vectors, or single elements
-//! where a pointer is not 16-byte aligned. Their lists are `BASTILE_ELEMENTWISE_KERNELS`.
+//! where a pointer is not 16-byte aligned, or a warp a row where a sum over each row is wanted too. Their lists
+//! are `BASTILE_ELEMENTWISE_KERNELS`.
+use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{self, Device, Result};
 use crate::geometry;
 use crate::kernels::{self, Kernels, Plan, Tag};
@@ -26,13 +28,44 @@ impl Elementwise {
     /// The launch of `params`' kernel `<op>_<dir>_<dtype>_<vec|scalar>` over `n` elements of `dt`
     /// (output elements: pairs for geglu), `vec` elements an access ([`vector_width`], or 1).
     pub fn plan<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, vec: i64, n: i64) -> Result<Plan> {
-        let access = if vec > 1 { Tag::Vec } else { Tag::Scalar };
-        let kernel = kernels::kernel::<P>(dev, &[dir, dt.tag(), access], self.block)?;
         // Each block covers block * unroll accesses per grid-stride step; the elements past the last
         // vector go to the first threads of block 0, which always exists.
-        let blocks = geometry::ceil_div(n / vec, (self.block * self.unroll) as i64).max(1);
+        self.launch(dev, params, dir, dt, vec, geometry::ceil_div(n / vec, (self.block * self.unroll) as i64))
+    }
+
+    /// The launch of a kernel's row path (`for_each_row`: a warp a row) over `rows`.
+    pub fn plan_rows<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, vec: i64, rows: i64) -> Result<Plan> {
+        self.launch(dev, params, dir, dt, vec, geometry::ceil_div(rows, (self.block / 32) as i64))
+    }
+
+    fn launch<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, vec: i64, blocks: i64) -> Result<Plan> {
+        let access = if vec > 1 { Tag::Vec } else { Tag::Scalar };
+        let kernel = kernels::kernel::<P>(dev, &[dir, dt.tag(), access], self.block)?;
+        let blocks = blocks.max(1);
         let grid = geometry::grid(blocks, dev.sm_count() as i64 * kernel.blocks_per_sm as i64) as u32;
         Ok(Plan::single(kernel, driver::LaunchConfig { grid: (grid, 1), block: (self.block, 1), shared: 0 }, params))
+    }
+}
+
+/// Each row's sum of `term(e)` over its `cols` elements e (flat indices), in f64, into `dot` [rows] of T's
+/// statistics dtype (f32, or f64 for f64): the CPU kernels' reference for the GPU's rows (`for_each_row`).
+/// SAFETY: `dot` holds `rows` elements of that dtype.
+pub unsafe fn row_dots<T: Element>(dot: *mut c_void, rows: usize, cols: usize, term: impl Fn(usize) -> f64 + Sync) {
+    let sum = |r: usize| (r * cols..(r + 1) * cols).map(&term).sum::<f64>();
+    if T::DTYPE == BastileDType::BASTILE_F64 {
+        write(cpu::slice_mut::<f64>(dot, rows), cols, sum, |v| v);
+    } else {
+        write(cpu::slice_mut::<f32>(dot, rows), cols, sum, |v| v as f32);
+    }
+    fn write<D: Send>(out: &mut [D], cols: usize, sum: impl Fn(usize) -> f64 + Sync, cast: impl Fn(f64) -> D + Sync) {
+        let rows = out.len();
+        let out = Disjoint::new(out);
+        cpu::parallel_for(rows, (cpu::GRAIN / cols.max(1)).max(1), |r| {
+            // SAFETY: the ranges of parallel_for do not overlap.
+            for (o, i) in unsafe { out.part(r.clone()) }.iter_mut().zip(r) {
+                *o = cast(sum(i));
+            }
+        });
     }
 }
 

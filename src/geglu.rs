@@ -4,40 +4,41 @@
 //! to T first, as HF's sum.
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, Result};
-use crate::elementwise::{vector_width, Elementwise};
+use crate::elementwise::{row_dots, vector_width, Elementwise};
 use crate::kernels::{Launch, Plan, Tag};
 use crate::params::{BastileDType, GegluBackward, GegluBias, GegluForward, GEGLU_BLOCK, GEGLU_UNROLL};
 use std::ffi::c_void;
 
 const SHAPE: Elementwise = Elementwise { block: GEGLU_BLOCK, unroll: GEGLU_UNROLL };
 
-impl GegluBias {
-    /// The n pairs as rows of `inter` with their experts, where there is a bias.
-    fn valid(&self, n: i64) -> Result<()> {
-        if !self.bias.is_null() && n > 0 && (self.inter <= 0 || n % self.inter != 0 || self.experts <= 0) {
-            return Err(format!("bastile.geglu: {n} pairs are not rows of {} pairs over {} experts' biases",
-                               self.inter, self.experts));
-        }
-        Ok(())
+/// The n pairs as rows of `inter` where a bias or the dot reads them (`rows`), and the bias's experts.
+fn rows_valid(n: i64, inter: i64, bias: &GegluBias, rows: bool) -> Result<()> {
+    if n > 0 && (rows || !bias.bias.is_null()) && (inter <= 0 || n % inter != 0) {
+        return Err(format!("bastile.geglu: {n} pairs are not rows of {inter} pairs"));
     }
+    if n > 0 && !bias.bias.is_null() && bias.experts <= 0 {
+        return Err(format!("bastile.geglu: a bias of {} experts", bias.experts));
+    }
+    Ok(())
+}
 
-    /// Pairs an access: a vector of y covers two of gate_up (and of the bias), which start 16-byte aligned when
-    /// their pointers are; with a bias, vectors only where each row is whole ones (a vector reads one row's bias).
-    fn width(&self, dt: BastileDType, ptrs: &[*const c_void]) -> i64 {
-        let vec = vector_width(dt, &[ptrs, &[self.bias]].concat());
-        if self.bias.is_null() || self.inter % vec == 0 { vec } else { 1 }
-    }
+/// Pairs an access: a vector of y covers two of gate_up (and of the bias), which start 16-byte aligned when their
+/// pointers are; where a bias or the dot reads rows, vectors only where each row is whole ones (a vector reads one
+/// row's bias; a warp sums one row).
+fn width(dt: BastileDType, ptrs: &[*const c_void], bias: &GegluBias, inter: i64, rows: bool) -> i64 {
+    let vec = vector_width(dt, &[ptrs, &[bias.bias]].concat());
+    if (bias.bias.is_null() && !rows) || inter % vec == 0 { vec } else { 1 }
 }
 
 impl Launch for GegluForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
-        self.bias.valid(self.n)?;
+        rows_valid(self.n, self.inter, &self.bias, false)?;
         let dt = BastileDType::from_raw(self.dtype)?;
-        SHAPE.plan(dev, *self, Tag::Fwd, dt, self.bias.width(dt, &[self.gate_up, self.y]), self.n)
+        SHAPE.plan(dev, *self, Tag::Fwd, dt, width(dt, &[self.gate_up, self.y], &self.bias, self.inter, false), self.n)
     }
 
     fn cpu(&self) -> Result<()> {
-        self.bias.valid(self.n)?;
+        rows_valid(self.n, self.inter, &self.bias, false)?;
         let dt = BastileDType::from_raw(self.dtype)?;
         // SAFETY: the C++ layer checked that every pointer holds the block's elements of `dt`.
         crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu::<T>(self) })
@@ -45,15 +46,21 @@ impl Launch for GegluForward {
 }
 
 impl Launch for GegluBackward {
+    /// With a dot, the kernel's row path.
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
-        self.bias.valid(self.n)?;
+        let rows = !self.dot.is_null();
+        rows_valid(self.n, self.inter, &self.bias, rows)?;
         let dt = BastileDType::from_raw(self.dtype)?;
         let ptrs = [self.grad_y, self.gate_up, self.grad_gate_up as *const c_void];
-        SHAPE.plan(dev, *self, Tag::Bwd, dt, self.bias.width(dt, &ptrs), self.n)
+        let vec = width(dt, &ptrs, &self.bias, self.inter, rows);
+        if rows {
+            return SHAPE.plan_rows(dev, *self, Tag::Bwd, dt, vec, self.n / self.inter);
+        }
+        SHAPE.plan(dev, *self, Tag::Bwd, dt, vec, self.n)
     }
 
     fn cpu(&self) -> Result<()> {
-        self.bias.valid(self.n)?;
+        rows_valid(self.n, self.inter, &self.bias, !self.dot.is_null())?;
         let dt = BastileDType::from_raw(self.dtype)?;
         // SAFETY: as in the forward.
         crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { backward_cpu::<T>(self) })
@@ -69,12 +76,12 @@ struct Input<'a, T> {
 
 impl<T: Element> Input<'_, T> {
     /// SAFETY: `x` holds 2n elements of T and, with a bias, `b` holds valid pointers of its shapes.
-    unsafe fn new<'a>(x: *const c_void, b: &GegluBias, n: usize) -> Result<Input<'a, T>> {
+    unsafe fn new<'a>(x: *const c_void, b: &GegluBias, n: usize, inter: i64) -> Result<Input<'a, T>> {
         let x = cpu::slice::<T>(x, 2 * n);
         if b.bias.is_null() || n == 0 {
             return Ok(Input { x, bias: None });
         }
-        let (inter, experts) = (b.inter as usize, b.experts as usize);
+        let (inter, experts) = (inter as usize, b.experts as usize);
         let expert = cpu::slice::<i64>(b.expert.cast(), n / inter);
         cpu::check_indices("geglu", "expert", expert, experts, false)?;
         Ok(Input { x, bias: Some((cpu::slice::<T>(b.bias, experts * 2 * inter), expert, inter)) })
@@ -139,7 +146,7 @@ impl Gate {
 
 unsafe fn forward_cpu<T: Element>(p: &GegluForward) -> Result<()> {
     let n = p.n as usize;
-    let (x, y) = (Input::<T>::new(p.gate_up, &p.bias, n)?, Disjoint::new(cpu::slice_mut::<T>(p.y, n)));
+    let (x, y) = (Input::<T>::new(p.gate_up, &p.bias, n, p.inter)?, Disjoint::new(cpu::slice_mut::<T>(p.y, n)));
     let f = Gate::new::<T>(p.alpha, p.limit, true);
     cpu::parallel_for(n, cpu::GRAIN, |r| {
         // SAFETY (here and below): the ranges of parallel_for do not overlap.
@@ -153,7 +160,7 @@ unsafe fn forward_cpu<T: Element>(p: &GegluForward) -> Result<()> {
 
 unsafe fn backward_cpu<T: Element>(p: &GegluBackward) -> Result<()> {
     let n = p.n as usize;
-    let (dy, x) = (cpu::slice::<T>(p.grad_y, n), Input::<T>::new(p.gate_up, &p.bias, n)?);
+    let (dy, x) = (cpu::slice::<T>(p.grad_y, n), Input::<T>::new(p.gate_up, &p.bias, n, p.inter)?);
     let dx = Disjoint::new(cpu::slice_mut::<T>(p.grad_gate_up, 2 * n));
     let f = Gate::new::<T>(p.alpha, p.limit, p.at_limit != 0);
     cpu::parallel_for(n, cpu::GRAIN, |r| {
@@ -164,6 +171,13 @@ unsafe fn backward_cpu<T: Element>(p: &GegluBackward) -> Result<()> {
             d[1] = T::from_f64(du);
         }
     });
+    if !p.dot.is_null() && n > 0 {
+        let inter = p.inter as usize;
+        row_dots::<T>(p.dot, n / inter, inter, |i| {
+            let (g, u) = x.pair(i);
+            dy[i].to_f64() * T::round(f.forward(g, u))
+        });
+    }
     Ok(())
 }
 
@@ -223,12 +237,11 @@ mod tests {
                               -> Result<(Vec<T>, Vec<T>)> {
         let n = dy.len();
         let (mut y, mut dx) = (vec![T::from_f64(f64::NAN); n], vec![T::from_f64(f64::NAN); 2 * n]);
-        let b = GegluBias { bias: bias.as_ptr().cast(), expert: expert.as_ptr(), inter,
-                            experts: bias.len() as i64 / (2 * inter) };
+        let b = GegluBias { bias: bias.as_ptr().cast(), expert: expert.as_ptr(), experts: bias.len() as i64 / (2 * inter) };
         let (n, dtype, alpha, limit) = (n as i64, dt as i32, ALPHA, LIMIT);
-        GegluForward { gate_up: gu.as_ptr().cast(), y: y.as_mut_ptr().cast(), bias: b, n, alpha, limit, dtype }.cpu()?;
+        GegluForward { gate_up: gu.as_ptr().cast(), y: y.as_mut_ptr().cast(), bias: b, n, inter, alpha, limit, dtype }.cpu()?;
         GegluBackward { grad_y: dy.as_ptr().cast(), gate_up: gu.as_ptr().cast(), grad_gate_up: dx.as_mut_ptr().cast(),
-                        bias: b, n, alpha, limit, dtype, at_limit: 1 }
+                        dot: std::ptr::null_mut(), bias: b, n, inter, alpha, limit, dtype, at_limit: 1 }
             .cpu()?;
         Ok((y, dx))
     }
@@ -364,6 +377,38 @@ mod tests {
         biased_is_unbiased_on_the_sums::<bf16>(BASTILE_BF16);
     }
 
+    /// The backward's row dots (with the rows' biases) are each row's sum of dy * y (y as the forward gives it) in
+    /// f64, stored in f32 (f64 for f64); its gradients are those it gives without them. Rows must be whole.
+    fn row_dots_are_sums_of_dy_times_y<T: Element, D: Copy + PartialEq + std::fmt::Debug>(dt: BastileDType, to: fn(f64) -> D) {
+        let (rows, inter, experts) = (6usize, 5usize, 3usize);
+        let (gu, dy) = random::<T>(rows * inter);
+        let bias: Vec<T> = cast(&noise(experts * 2 * inter, 4, 4.0));
+        let expert: Vec<i64> = (0..rows).map(|r| (r % experts) as i64).collect();
+        let (y, dx) = run_biased(dt, &gu, &dy, &bias, &expert, inter as i64).unwrap();
+        let (mut dx2, mut dot) = (vec![T::from_f64(f64::NAN); 2 * dy.len()], vec![to(f64::NAN); rows]);
+        let b = GegluBias { bias: bias.as_ptr().cast(), expert: expert.as_ptr(), experts: experts as i64 };
+        let mut p = GegluBackward { grad_y: dy.as_ptr().cast(), gate_up: gu.as_ptr().cast(),
+                                    grad_gate_up: dx2.as_mut_ptr().cast(), dot: dot.as_mut_ptr().cast(), bias: b,
+                                    n: dy.len() as i64, inter: inter as i64, alpha: ALPHA, limit: LIMIT,
+                                    dtype: dt as i32, at_limit: 1 };
+        p.cpu().unwrap();
+        let f64s = |v: &[T]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
+        assert_eq!(f64s(&dx2), f64s(&dx));
+        let want: Vec<D> = (0..rows)
+            .map(|r| to((r * inter..(r + 1) * inter).map(|e| dy[e].to_f64() * y[e].to_f64()).sum()))
+            .collect();
+        assert_eq!(dot, want);
+        p.bias = GegluBias::default();
+        p.inter = 4;
+        assert_eq!(p.cpu().unwrap_err(), "bastile.geglu: 30 pairs are not rows of 4 pairs");
+    }
+
+    #[test]
+    fn row_dots() {
+        row_dots_are_sums_of_dy_times_y::<bf16, f32>(BASTILE_BF16, |v| v as f32);
+        row_dots_are_sums_of_dy_times_y::<f64, f64>(BASTILE_F64, |v| v);
+    }
+
     #[test]
     fn bad_experts_and_rows_are_errors() {
         let (gu, dy) = random::<f32>(6);
@@ -373,7 +418,7 @@ mod tests {
         let err = run_biased(BASTILE_F32, &gu, &dy, &bias, &[0, -1], 3).unwrap_err();
         assert_eq!(err, "bastile.geglu: expert holds -1, outside 0..2");
         let err = run_biased(BASTILE_F32, &gu, &dy, &bias[..8], &[0, 0, 0], 4).unwrap_err();
-        assert_eq!(err, "bastile.geglu: 6 pairs are not rows of 4 pairs over 1 experts' biases");
+        assert_eq!(err, "bastile.geglu: 6 pairs are not rows of 4 pairs");
     }
 
     #[test]

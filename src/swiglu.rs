@@ -2,13 +2,37 @@
 //! GELU-tanh; the formulas and their roundings are in `cuda/swiglu.cu`): the launches of its kernels and
 //! the CPU kernels, the reference the GPU is tested against.
 use crate::cpu::{self, Disjoint, Element};
-use crate::driver::Result;
-use crate::elementwise::Elementwise;
+use crate::driver::{Device, Result};
+use crate::elementwise::{row_dots, vector_width, Elementwise};
+use crate::kernels::{Launch, Plan, Tag};
 use crate::params::{BastileDType, SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_GELU_TANH, SWIGLU_SILU, SWIGLU_UNROLL};
 
-crate::elementwise_launch! { Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL },
+const SHAPE: Elementwise = Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL };
+
+crate::elementwise_launch! { SHAPE,
     SwigluForward: Fwd(gate, up, y) if forward_valid => forward_cpu;
-    SwigluBackward: Bwd(grad_y, gate, up, grad_gate, grad_up) if backward_valid => backward_cpu;
+}
+
+impl Launch for SwigluBackward {
+    /// With a dot, the kernel's row path: vectors only where a row is whole ones.
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        backward_valid(self)?;
+        let dt = BastileDType::from_raw(self.dtype)?;
+        let vec = vector_width(dt, &[self.grad_y, self.gate, self.up, self.grad_gate as _, self.grad_up as _]);
+        if self.dot.is_null() {
+            return SHAPE.plan(dev, *self, Tag::Bwd, dt, vec, self.n);
+        }
+        let vec = if self.cols % vec == 0 { vec } else { 1 };
+        SHAPE.plan_rows(dev, *self, Tag::Bwd, dt, vec, self.n / self.cols)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        backward_valid(self)?;
+        let dt = BastileDType::from_raw(self.dtype)?;
+        // SAFETY: the C++ layer checked that every pointer holds the block's elements of `dt`.
+        crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { backward_cpu::<T>(self) });
+        Ok(())
+    }
 }
 
 fn forward_valid(p: &SwigluForward) -> Result<()> {
@@ -126,6 +150,12 @@ unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
             *dg = T::from_f64(T::round(dy * u) * act.derivative(g, wide));
         }
     });
+    if !p.dot.is_null() && n > 0 {
+        row_dots::<T>(p.dot, n / cols as usize, cols as usize, |e| {
+            let i = at_row(cols, ld, e);
+            dy[e].to_f64() * T::round(T::round(act.value(g[i].to_f64(), wide)) * u[i].to_f64())
+        });
+    }
 }
 
 #[cfg(test)]
@@ -169,7 +199,9 @@ mod tests {
             .unwrap();
         let (gate, up, grad_y) = (g.as_ptr().cast(), u.as_ptr().cast(), dy.as_ptr().cast());
         let (grad_gate, grad_up) = (dg.as_mut_ptr().cast(), du.as_mut_ptr().cast());
-        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, n, cols, ld, dtype, activation }.cpu().unwrap();
+        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, dot: std::ptr::null_mut(), n, cols, ld, dtype, activation }
+            .cpu()
+            .unwrap();
         (y, dg, du)
     }
 
@@ -190,6 +222,36 @@ mod tests {
         assert!(odd.cpu().unwrap_err().contains("not whole 16-byte vectors"));
         let ragged = SwigluForward { n: 10, cols: 4, ld: 8, dtype: BASTILE_F32 as i32, ..Default::default() };
         assert!(ragged.cpu().unwrap_err().contains("not rows of 4"));
+    }
+
+    /// The backward's row dots are each row's sum of dy * y (y as the forward gives it) in f64, stored in f32 (f64
+    /// for f64); its gradients are those it gives without them. gate and up as a concatenated gate/up's halves.
+    fn row_dots_are_sums_of_dy_times_y<T: Element, D: Copy + PartialEq + std::fmt::Debug>(to: fn(f64) -> D) {
+        let (rows_n, cols) = (5usize, 24usize);
+        let gate_up: Vec<T> = cast(&noise(rows_n * 2 * cols, 4, 4.0));
+        let dy: Vec<T> = cast(&noise(rows_n * cols, 5, 2.0));
+        let (g, u) = (&gate_up[..], &gate_up[cols..]);
+        let (y, dg, du) = rows(SWIGLU_SILU, g, u, &dy, cols as i64, 2 * cols as i64);
+        let nan = || vec![T::from_f64(f64::NAN); dy.len()];
+        let (mut dg2, mut du2, mut dot) = (nan(), nan(), vec![to(f64::NAN); rows_n]);
+        SwigluBackward { grad_y: dy.as_ptr().cast(), gate: g.as_ptr().cast(), up: u.as_ptr().cast(),
+                         grad_gate: dg2.as_mut_ptr().cast(), grad_up: du2.as_mut_ptr().cast(),
+                         dot: dot.as_mut_ptr().cast(), n: dy.len() as i64, cols: cols as i64, ld: 2 * cols as i64,
+                         dtype: T::DTYPE as i32, activation: SWIGLU_SILU as i32 }
+            .cpu()
+            .unwrap();
+        let f64s = |v: &[T]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
+        assert_eq!((f64s(&dg2), f64s(&du2)), (f64s(&dg), f64s(&du)));
+        let want: Vec<D> = (0..rows_n)
+            .map(|r| to((r * cols..(r + 1) * cols).map(|e| dy[e].to_f64() * y[e].to_f64()).sum()))
+            .collect();
+        assert_eq!(dot, want);
+    }
+
+    #[test]
+    fn row_dots() {
+        row_dots_are_sums_of_dy_times_y::<bf16, f32>(|v| v as f32);
+        row_dots_are_sums_of_dy_times_y::<f64, f64>(|v| v);
     }
 
     fn bits(v: &[bf16]) -> Vec<u16> {

@@ -81,6 +81,19 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).abs() / torch.ldexp(torch.full_like(a, fi.eps), e - 1)
 
 
+def assert_row_dots(dots: torch.Tensor, grad_y: torch.Tensor, y: torch.Tensor):
+    """A gated activation's backward's dots (dot=True) against each row's products of grad_y and y (the forward's
+    output) summed in fp64: float32 (float64 for float64) of y's rows, within a summation's rounding in that
+    dtype (a row's length times its unit roundoff) of the row's sum of magnitudes."""
+    wide = y.dtype == torch.float64
+    assert dots.dtype == (torch.float64 if wide else torch.float32) and dots.device == y.device
+    assert dots.shape == y.shape[:-1]
+    terms = grad_y.double().cpu() * y.double().cpu()
+    bound = terms.abs().sum(-1) * (y.shape[-1] + 1) * (2.0 ** -53 if wide else 2.0 ** -24)
+    err = (dots.double().cpu() - terms.sum(-1)).abs()
+    assert (err <= bound).all(), f"{(err - bound).max().item()} beyond the bound"
+
+
 def poison_cuda_allocator(nbytes: int):
     """Leaves NaN in the caching allocator's free blocks, so an output element a kernel forgets to
     write shows up as NaN instead of a plausible stale value."""

@@ -13,10 +13,15 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 import bastile
-from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err, ulps
+from conftest import CUDA, DEVICES, Contract, assert_row_dots, needs_cuda, poison_cuda_allocator, rel_err, ulps
 
 op = torch.ops.bastile.geglu
-backward_op = torch.ops.bastile.geglu_backward
+
+
+def backward_op(*args, **kwargs):
+    """geglu_backward's gradient of gate_up, without the rows' dots."""
+    return torch.ops.bastile.geglu_backward(*args, **kwargs)[0]
+
 ALPHA, LIMIT = 1.702, 7.0
 
 
@@ -382,6 +387,29 @@ def test_bias_is_added_to_each_row_first(dtype, device, shape):
     want = torch.zeros(bias.shape, dtype=torch.float64).index_add_(0, expert.cpu(), exact_dx.view(-1, x.shape[-1]).cpu())
     assert dbias.dtype == dtype and (dbias[-1] == 0).all()
     assert rel_err(dbias, want) < HF_REL[dtype]
+
+
+# Rows of whole vectors, odd (the scalar kernels), GPT-OSS's, a 3-d batch, empty rows, more rows than a GPU's warps.
+DOT_SHAPES = [(37, 40), (33, 3), (9, 2880), (2, 5, 16), (4, 0), (20000, 8)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", DOT_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_row_dots(with_bias, shape, dtype, device):
+    """dot=True: each row's <grad_y, y>, y as the op gives it (with each row's expert's bias), summed (against
+    fp64); the gradient that without it, bit for bit."""
+    if dtype == torch.float64 and device == "cuda":
+        pytest.skip("float64 runs on the CPU only")
+    x, dy, bias, expert = biased(shape, dtype, device)
+    args = (bias, expert) if with_bias else (None, None)
+    poison_cuda_allocator(16 * dy.numel())
+    dx, dots = torch.ops.bastile.geglu_backward(dy, x, ALPHA, LIMIT, *args, True)
+    assert_row_dots(dots, dy, op(x, ALPHA, LIMIT, *args))
+    assert torch.equal(dx, backward_op(dy, x, ALPHA, LIMIT, *args))
+    if device == "cpu" and shape == (2, 5, 16):
+        torch.library.opcheck(torch.ops.bastile.geglu_backward, (dy, x, ALPHA, LIMIT, *args, True))
 
 
 def test_saves_only_gate_up():

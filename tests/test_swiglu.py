@@ -5,10 +5,15 @@ import torch
 from transformers.activations import ACT2FN
 
 import bastile
-from conftest import CUDA, DEVICES, Contract, needs_cuda, poison_cuda_allocator, rel_err, ulps
+from conftest import CUDA, DEVICES, Contract, assert_row_dots, needs_cuda, poison_cuda_allocator, rel_err, ulps
 
 op = torch.ops.bastile.swiglu
-backward_op = torch.ops.bastile.swiglu_backward
+
+
+def backward_op(*args, **kwargs):
+    """swiglu_backward's (grad_gate, grad_up), without the rows' dots."""
+    return torch.ops.bastile.swiglu_backward(*args, **kwargs)[:2]
+
 HALF = [torch.bfloat16, torch.float16]
 
 
@@ -116,6 +121,7 @@ BAD = [
     (lambda: op(f32(4, 8), f32(4, 8), "gelu"), 'swiglu: activation must be "silu" or "gelu_tanh", got "gelu"'),
     (lambda: backward_op(f32(4, 8), f32(4, 8), f32(4, 8), "relu"),
      'swiglu_backward: activation must be "silu" or "gelu_tanh", got "relu"'),
+    (lambda: backward_op(f32(()), f32(()), f32(()), "silu", True), "swiglu_backward: dot sums rows, and a 0-dim input"),
 ]
 
 CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD)
@@ -154,6 +160,35 @@ def test_fp64_is_exact_math(activation):
     y, grads = run_both(g, u, dy, activation)
     for got, exact in zip((y, *grads), f64_reference(g, u, dy, activation)):
         assert rel_err(got, exact) < 1e-14
+
+
+# Rows of whole vectors, of one vector, odd (the scalar kernels), a 3-d batch, empty rows, and more rows than a
+# GPU's warps (each warp takes several).
+DOT_SHAPES = [(37, 40), (33, 768), (5, 3), (2, 5, 16), (4, 0), (20000, 8)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", DOT_SHAPES + ["halves"])
+def test_row_dots(shape, activation, dtype, device):
+    """dot=True: each row's <grad_y, y>, y as the op gives it, summed (against fp64); the gradients those without
+    it, bit for bit; gate and up as the halves of one gate/up too."""
+    if dtype == torch.float64 and device == "cuda":
+        pytest.skip("float64 runs on the CPU only")
+    if shape == "halves":
+        gate_up, _, dy = inputs((300, 2 * 64), dtype, device)
+        g, u = gate_up.chunk(2, dim=-1)
+        dy = dy[:, :64].contiguous()
+    else:
+        g, u, dy = inputs(shape, dtype, device)
+    poison_cuda_allocator(16 * dy.numel())
+    dg, du, dots = torch.ops.bastile.swiglu_backward(dy, g, u, activation, True)
+    assert_row_dots(dots, dy, op(g, u, activation))
+    want = backward_op(dy, g, u, activation)
+    assert torch.equal(dg, want[0]) and torch.equal(du, want[1])
+    if device == "cpu" and shape == (2, 5, 16):
+        torch.library.opcheck(torch.ops.bastile.swiglu_backward, (dy, g, u, activation, True))
 
 
 @pytest.mark.parametrize("device", DEVICES)

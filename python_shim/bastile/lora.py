@@ -380,7 +380,7 @@ class _SwiGLUDown(torch.autograd.Function):
             flat_grad_act = None if grad_act is None else grad_act.view(-1, grad_act.shape[-1])
             ((dA, dB),) = ctx.adapters.backward(flat_act, ha, a, [b], [flat_grad], flat_grad_act)
         if grad_act is not None:
-            grad_gate, grad_up = torch.ops.bastile.swiglu_backward(grad_act, gate, up, ctx.activation)
+            grad_gate, grad_up, _ = torch.ops.bastile.swiglu_backward(grad_act, gate, up, ctx.activation)
         return grad_gate, grad_up, grad_weight, grad_bias, dA, dB, None, None, None
 
 

@@ -3,7 +3,8 @@
 // of gate_up), each row's expert's bias added first (the experts' gate/up bias, rounded as HF's `gate_up + bias`),
 // so that no pass of its own writes the sum. The kernels read the pairs flat, so a non-contiguous gate_up is made
 // contiguous first. Autograd saves gate_up (and the bias and experts): the backward recomputes the sigmoid; the
-// bias's gradient is gate_up's summed over each expert's rows (sum_by_expert).
+// bias's gradient is gate_up's summed over each expert's rows (sum_by_expert). geglu_backward(dot=True) also gives
+// each row's <grad_y, y> (the experts' routing weights' gradient, with no y made again for it).
 // Autocast leaves it alone, as it leaves HF's clamps, sigmoid and products. Its gradient at the clamps' bounds
 // follows the running torch's clamp (clamp_passes_at_bounds).
 #include <cmath>
@@ -49,8 +50,7 @@ struct RowBias {
 
   GegluBias block(const at::Tensor& x) const {
     if (!bias.defined()) return {};
-    return {.bias = bias.data_ptr(), .expert = expert.data_ptr<int64_t>(), .inter = x.size(-1) / 2,
-            .experts = bias.size(0)};
+    return {.bias = bias.data_ptr(), .expert = expert.data_ptr<int64_t>(), .experts = bias.size(0)};
   }
 };
 
@@ -72,10 +72,10 @@ bool clamp_passes_at_bounds() {
 struct GegluBackwardOp {
   static constexpr const char* schema =
       "geglu_backward(Tensor grad_y, Tensor gate_up, float alpha, float limit, Tensor? bias=None, "
-      "Tensor? expert=None) -> Tensor";
+      "Tensor? expert=None, bool dot=False) -> (Tensor, Tensor)";
 
-  static at::Tensor kernel(const at::Tensor& grad_y, const at::Tensor& gate_up, double alpha, double limit,
-                           const Bias& bias_in, const Bias& expert) {
+  static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& grad_y, const at::Tensor& gate_up, double alpha,
+                                                   double limit, const Bias& bias_in, const Bias& expert, bool dot) {
     constexpr const char* op = "geglu_backward";
     check(op, gate_up, limit);
     const RowBias bias(op, gate_up, bias_in, expert);
@@ -86,12 +86,14 @@ struct GegluBackwardOp {
                 " for gate_up of shape ", gate_up.sym_sizes());
     check_device(op, {"gate_up", gate_up}, {{"grad_y", grad_y}});
     auto grad_gate_up = at::empty_symint(gate_up.sym_sizes(), gate_up.options());
-    if (gate_up.is_meta() || grad_y.numel() == 0) return grad_gate_up;
+    auto dots = row_dots(op, dot, grad_y.sym_sizes(), gate_up);
+    if (gate_up.is_meta() || grad_y.numel() == 0) return {grad_gate_up, dots};
     const auto dy = grad_y.contiguous(), x = gate_up.contiguous();
     launch(x, GegluBackward{.grad_y = dy.data_ptr(), .gate_up = x.data_ptr(), .grad_gate_up = grad_gate_up.data_ptr(),
-                            .bias = bias.block(x), .n = dy.numel(), .alpha = alpha, .limit = limit,
-                            .dtype = dtype_code(op, {"gate_up", x}), .at_limit = clamp_passes_at_bounds()});
-    return grad_gate_up;
+                            .dot = dot ? dots.data_ptr() : nullptr, .bias = bias.block(x), .n = dy.numel(),
+                            .inter = dy.size(-1), .alpha = alpha, .limit = limit, .dtype = dtype_code(op, {"gate_up", x}),
+                            .at_limit = clamp_passes_at_bounds()});
+    return {grad_gate_up, dots};
   }
 };
 
@@ -107,7 +109,7 @@ struct GegluOp {
     if (gate_up.is_meta() || y.numel() == 0) return y;
     const auto x = gate_up.contiguous();
     launch(x, GegluForward{.gate_up = x.data_ptr(), .y = y.data_ptr(), .bias = bias.block(x), .n = y.numel(),
-                           .alpha = alpha, .limit = limit, .dtype = dtype_code("geglu", {"gate_up", x})});
+                           .inter = y.size(-1), .alpha = alpha, .limit = limit, .dtype = dtype_code("geglu", {"gate_up", x})});
     return y;
   }
 
@@ -125,7 +127,7 @@ struct GegluOp {
     const auto s = ctx->get_saved_variables();
     const auto& bias = s[1];
     const auto opt = [](const at::Tensor& t) { return t.defined() ? Bias(t) : std::nullopt; };
-    auto grad = call<GegluBackwardOp>(grads[0], s[0], alpha, limit, opt(bias), opt(s[2]));
+    auto [grad, dots] = call<GegluBackwardOp>(grads[0], s[0], alpha, limit, opt(bias), opt(s[2]), false);
     at::Tensor grad_bias;
     if (ctx->saved_data["bias_grad"].toBool()) {
       const auto rows = grad.reshape_symint({-1, grad.sym_size(-1)});

@@ -119,6 +119,16 @@ inline at::ScalarType stats_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// What a gated activation's backward gives for its `dot` argument: each row's <grad_y, y>, one per row of y (of
+// shape y_sizes) in stats_dtype, zeros where the rows are empty; unasked, an empty tensor.
+inline at::Tensor row_dots(const char* op, bool dot, c10::SymIntArrayRef y_sizes, const at::Tensor& like) {
+  const auto options = like.options().dtype(stats_dtype(like));
+  if (!dot) return at::empty({0}, options);
+  TORCH_CHECK(!y_sizes.empty(), "bastile.", op, ": dot sums rows, and a 0-dim input has none");
+  auto rows = at::empty_symint(y_sizes.slice(0, y_sizes.size() - 1), options);
+  return like.is_meta() || y_sizes.back() != 0 ? rows : rows.zero_();
+}
+
 // An index tensor from the caller: int64.
 inline void check_index(const char* op, Named index) {
   TORCH_CHECK(index.t.scalar_type() == at::kLong, "bastile.", op, ": ", index.name, " must be int64, got ",

@@ -1,5 +1,6 @@
 // torch.ops.bastile.swiglu: y = act(gate) * up with act "silu" or "gelu_tanh" (cuda/swiglu.cu). Autograd saves
-// gate and up only: the backward recomputes the activation, so none is stored. Halves of one concatenated gate/up
+// gate and up only: the backward recomputes the activation, so none is stored. swiglu_backward(dot=True) also gives
+// each row's <grad_y, y> (the experts' routing weights' gradient, with no y made again for it). Halves of one concatenated gate/up
 // tensor are read where they lie. Autocast leaves it alone, as it leaves HF's activation and product.
 #include "op.h"
 
@@ -44,22 +45,27 @@ Rows rows_of(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 struct SwigluBackwardOp {
-  static constexpr const char* schema = "swiglu_backward(Tensor grad_y, Tensor gate, Tensor up, str activation=\"silu\") -> (Tensor, Tensor)";
+  static constexpr const char* schema =
+      "swiglu_backward(Tensor grad_y, Tensor gate, Tensor up, str activation=\"silu\", bool dot=False) "
+      "-> (Tensor, Tensor, Tensor)";
 
-  static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& grad_y, const at::Tensor& gate,
-                                                   const at::Tensor& up, c10::string_view activation) {
-    check("swiglu_backward", gate, {{"up", up}, {"grad_y", grad_y}});
-    const int32_t act = gate_activation("swiglu_backward", activation);
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel(const at::Tensor& grad_y, const at::Tensor& gate,
+                                                               const at::Tensor& up, c10::string_view activation,
+                                                               bool dot) {
+    constexpr const char* op = "swiglu_backward";
+    check(op, gate, {{"up", up}, {"grad_y", grad_y}});
+    const int32_t act = gate_activation(op, activation);
     auto grad_gate = at::empty_symint(gate.sym_sizes(), gate.options());
     auto grad_up = at::empty_symint(gate.sym_sizes(), gate.options());
-    if (gate.is_meta() || gate.numel() == 0) return {grad_gate, grad_up};
+    auto dots = row_dots(op, dot, gate.sym_sizes(), gate);
+    if (gate.is_meta() || gate.numel() == 0) return {grad_gate, grad_up, dots};
     const auto dy = grad_y.contiguous();
     const auto r = rows_of(gate, up);
     launch(dy, SwigluBackward{.grad_y = dy.data_ptr(), .gate = r.gate.data_ptr(), .up = r.up.data_ptr(),
-                              .grad_gate = grad_gate.data_ptr(), .grad_up = grad_up.data_ptr(), .n = dy.numel(),
-                              .cols = r.cols, .ld = r.ld, .dtype = dtype_code("swiglu_backward", {"gate", gate}),
-                              .activation = act});
-    return {grad_gate, grad_up};
+                              .grad_gate = grad_gate.data_ptr(), .grad_up = grad_up.data_ptr(),
+                              .dot = dot ? dots.data_ptr() : nullptr, .n = dy.numel(), .cols = r.cols, .ld = r.ld,
+                              .dtype = dtype_code(op, {"gate", gate}), .activation = act});
+    return {grad_gate, grad_up, dots};
   }
 };
 
@@ -87,8 +93,8 @@ struct SwigluOp {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto [grad_gate, grad_up] =
-        call<SwigluBackwardOp>(grads[0], saved[0], saved[1], ctx->saved_data["activation"].toStringRef());
+    auto [grad_gate, grad_up, dots] =
+        call<SwigluBackwardOp>(grads[0], saved[0], saved[1], ctx->saved_data["activation"].toStringRef(), false);
     return {grad_gate, grad_up};
   }
 };

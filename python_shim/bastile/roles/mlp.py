@@ -124,7 +124,7 @@ def swiglu_gate(traits: Mlp) -> Gate:
         if activation is None:
             return hf.backward(self, gate_up, grad)
         gate, up = gate_up.chunk(2, dim=-1)
-        return torch.cat(torch.ops.bastile.swiglu_backward(grad, gate, up, activation), dim=-1)
+        return torch.cat(torch.ops.bastile.swiglu_backward(grad, gate, up, activation)[:2], dim=-1)
 
     def swiglu_grouped(self, x, weight, offsets):
         activation = gated_activation(act(self))
@@ -139,7 +139,7 @@ def geglu_gate(self, gate_up, bias=None, expert=None):
 
 
 def geglu_gate_backward(self, gate_up, grad, bias=None, expert=None):
-    return torch.ops.bastile.geglu_backward(grad, gate_up, self.alpha, self.limit, bias, expert)
+    return torch.ops.bastile.geglu_backward(grad, gate_up, self.alpha, self.limit, bias, expert)[0]
 
 
 # traits -> gate stage
