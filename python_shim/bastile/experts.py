@@ -101,8 +101,9 @@ class _Factors(NamedTuple):
 
 class Gate(NamedTuple):
     """A family's gated activation of the experts' gate/up rows: `forward(experts, gate_up)`, and
-    `backward(experts, gate_up, grad)` the gradient of gate_up for the output's `grad` (the forward made again
-    from gate_up: nothing of it is kept). `grouped(experts, x, weight, offsets)`, where the family has one: gate/up's
+    `backward(experts, gate_up, grad, dot=False)` (the gradient of gate_up for the output's `grad`, each row's
+    <grad, output> in at least fp32 where `dot` asks and the stage sums it, else None), the forward made again from
+    gate_up: nothing of it is kept. `grouped(experts, x, weight, offsets)`, where the family has one: gate/up's
     grouped products of the pairs' rows x with the stored [experts, 2 * inter, in] weight and the activation in one
     op, (gate_up, the gate's output), or None where it does not take this activation. `bias`: forward and backward
     take gate/up's bias and each row's expert after their other arguments, and add it to gate_up first, rounded to
@@ -115,11 +116,11 @@ class Gate(NamedTuple):
 
 def through_autograd(forward: Callable) -> Gate:
     """The Gate of a `forward` with no backward op of its own: autograd's."""
-    def backward(experts, gate_up, grad):
+    def backward(experts, gate_up, grad, dot=False):
         with torch.enable_grad():
             g = gate_up.detach().requires_grad_()
             (dg,) = torch.autograd.grad(forward(experts, g), g, grad)
-        return dg
+        return dg, None
     return Gate(forward, backward)
 
 
@@ -247,24 +248,29 @@ def _dispatch(x: torch.Tensor, order: torch.Tensor, dtype: torch.dtype, weights=
     return torch.ops.bastile.expert_dispatch(x, order, weights, dtype=dtype)[0]
 
 
-def _down_backward(gate: Gate, bias1: tuple, grad, w, gate_up, ha, groups: Groups, p: Projection, scale: float, need):
+def _down_backward(gate: Gate, bias1: tuple, grad, w, gate_up, ha, groups: Groups, p: Projection, scale: float, need,
+                   dot: bool):
     """The backward of down and the gate (given gate/up's `bias1` where it adds it, _takes_bias) for the tokens'
     gradient `grad`, `w` each row's routing weight: (the gate's input's gradient for rows of weight 1, the routing
-    weights' gradient per row, down's parameters' gradients). A function of its own so that its [pairs, hidden]
-    tensors are freed before the gate/up backward allocates its own.
+    weights' gradient per row where `dot` asks, down's parameters' gradients). A function of its own so that its
+    [pairs, hidden] tensors are freed before the gate/up backward allocates its own.
     With dpair each row's token's gradient and u = dpair (W2 + s A2 B2)^T: dh = w u, the weights' gradient <u, h>
-    (+ <dpair, bias2>)."""
-    h = gate.forward(gate_up, *bias1)
+    (+ <dpair, bias2>), <u, h> summed by the gate's backward where it can: then h is made again only where down's
+    weight or factor A reads it."""
+    need_w, _, need_a, _ = need
+    h = gate.forward(gate_up, *bias1) if need_w or need_a else None
     dpair = _dispatch(grad, groups.order, p.w.dtype)
     u, *grads = _backward(dpair, h, ha, groups, p, scale, need, w)
-    acc = torch.promote_types(u.dtype, torch.float32)
-    dweight = (u * h).sum(-1, dtype=acc)  # 16-bit: the products rounded, their sum not
-    if p.bias is not None:
+    dgate_up, dweight = gate.backward(gate_up, u.to(gate_up.dtype), *bias1, dot=dot)
+    if dot and dweight is None:
+        h = gate.forward(gate_up, *bias1) if h is None else h
+        dweight = (u * h).sum(-1, dtype=torch.promote_types(u.dtype, torch.float32))  # 16-bit: the products rounded
+    if dot and p.bias is not None:
         # <dpair, bias2> of each row: its token's gradient against every expert's bias, [tokens, experts], read at
         # the row's token and expert (16-bit values are exact in TF32, were a user to allow it)
-        per_token = grad.to(p.w.dtype).to(acc).view(-1, grad.shape[-1]) @ p.bias.to(acc).t()
+        per_token = grad.to(p.w.dtype).to(dweight.dtype).view(-1, grad.shape[-1]) @ p.bias.to(dweight.dtype).t()
         dweight = dweight + per_token[groups.order // groups.position.shape[-1], groups.expert]
-    return gate.backward(gate_up, u.to(h.dtype), *bias1), dweight, grads
+    return dgate_up, dweight, grads
 
 
 def _gate_up_fused(gate: Gate, x, groups: Groups, p: Projection, factors: Optional[_Factors]):
@@ -326,7 +332,7 @@ class _Experts(torch.autograd.Function):
         # gate_up is without its bias where the gate adds it
         bias1 = (params[1], expert) if _takes_bias(ctx.gate.bias, params[1], gate_up) else ()
         dgate_up, dweight, (dw2, dbias2, da2, db2) = _down_backward(ctx.gate, bias1, grad, w, gate_up, ha, groups,
-                                                                    p2, s2, need2)
+                                                                    p2, s2, need2, needs[3])
         if da2 is not None:
             da2, db2 = make2.source_grads(params[6:], needs[15:17], da2, db2)
         # gate/up, from the pairs' rows of x made again where a weight or factor A takes a gradient; in the

@@ -119,12 +119,13 @@ def swiglu_gate(traits: Mlp) -> Gate:
 
     hf = through_autograd(swiglu_gate)
 
-    def swiglu_gate_backward(self, gate_up, grad):
+    def swiglu_gate_backward(self, gate_up, grad, dot=False):
         activation = gated_activation(act(self))
         if activation is None:
-            return hf.backward(self, gate_up, grad)
+            return hf.backward(self, gate_up, grad, dot)
         gate, up = gate_up.chunk(2, dim=-1)
-        return torch.cat(torch.ops.bastile.swiglu_backward(grad, gate, up, activation)[:2], dim=-1)
+        grad_gate, grad_up, dots = torch.ops.bastile.swiglu_backward(grad, gate, up, activation, dot)
+        return torch.cat((grad_gate, grad_up), dim=-1), dots if dot else None
 
     def swiglu_grouped(self, x, weight, offsets):
         activation = gated_activation(act(self))
@@ -138,8 +139,9 @@ def geglu_gate(self, gate_up, bias=None, expert=None):
     return geglu(gate_up, self.alpha, self.limit, bias, expert)
 
 
-def geglu_gate_backward(self, gate_up, grad, bias=None, expert=None):
-    return torch.ops.bastile.geglu_backward(grad, gate_up, self.alpha, self.limit, bias, expert)[0]
+def geglu_gate_backward(self, gate_up, grad, bias=None, expert=None, dot=False):
+    grad_gate_up, dots = torch.ops.bastile.geglu_backward(grad, gate_up, self.alpha, self.limit, bias, expert, dot)
+    return grad_gate_up, dots if dot else None
 
 
 # traits -> gate stage
