@@ -227,10 +227,13 @@ def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows
     dw = grouped_wgrad(scaled(x) if wx is None else wx, dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
     dbias = None
     if need_bias:
+        # each expert's rows of dy (times their weights) summed as one product with the rows' one-hot experts, in at
+        # least fp32: the same sum on every run, where index_add_ on CUDA is not (as the ops' sum_by_expert)
         acc = torch.promote_types(dy.dtype, torch.float32)
-        per_row = dy.to(acc) * rows[:, None].to(acc) if rows is not None else dy.to(acc)
-        dbias = torch.zeros(p.bias.shape, dtype=acc, device=dy.device).index_add_(0, groups.expert, per_row)
-        dbias = dbias.to(p.bias.dtype)
+        one_hot = torch.eye(p.bias.shape[0], dtype=acc, device=dy.device)[groups.expert]
+        if rows is not None:
+            one_hot = one_hot * rows[:, None].to(acc)
+        dbias = (one_hot.t() @ dy.to(acc)).to(p.bias.dtype)
     da = grouped_wgrad(x, scaled(t), groups.offsets, p.a).to(p.a.dtype) if need_a else None
     db = (scale * grouped_wgrad(scaled(xa), dy, groups.offsets, p.b)).to(p.b.dtype) if need_b else None
     return dx, dw, dbias, da, db
