@@ -728,13 +728,15 @@ IMAGE = 600  # above the ids batches() draws
 # tower's gradients (HF's eager and SDPA attention give gradients 8e-6 apart there, Bastile's 1.7e-5 from SDPA's;
 # in fp64 (HF's norms run in fp64) Bastile's are within 1e-7 of HF's, the rounding of HF's fp32 loss), and over the
 # AdamW steps of an image batch into the losses: on an AMD EPYC, HF's fp32 losses are 2.0e-5 from HF's in fp64 by
-# the sixth step, Bastile's 3.0e-6 from them and 1.8e-5 from HF's fp32.
+# the sixth step, Bastile's 3.0e-6 from them and 1.8e-5 from HF's fp32. Qwen3-VL's text batch likewise: on an Intel
+# Xeon (AVX-512) HF's fp32 losses are 1.7e-5 from HF's in fp64 by the sixth step (2e-6 by the fifth), Bastile's
+# 3.3e-5, 1.6e-5 to 3.1e-5 from HF's fp32 by the tests run before it (3f7e488 alike); on an AMD EPYC within 1e-5.
 MULTIMODAL = {"gemma3": (gemma3_multimodal, "gemma3_text", 1e-5, "model.vision_tower"),
               "gemma4": (gemma4_multimodal, "gemma4_text", 3e-5, "model.vision_tower"),
               "qwen3_5": (lambda: qwen3_5_multimodal("qwen3_5_text"), "qwen3_5_text", 1e-5, "model.visual"),
               "qwen3_5_moe": (lambda: qwen3_5_multimodal("qwen3_5_moe_text"), "qwen3_5_moe_text", 1e-5,
                               "model.visual"),
-              "qwen3_vl": (qwen3_vl_multimodal, "qwen3_vl_text", 1e-5, "model.visual"),
+              "qwen3_vl": (qwen3_vl_multimodal, "qwen3_vl_text", 5e-5, "model.visual"),
               "qwen3_vl_moe": (lambda: qwen3_vl_multimodal(moe=True), "qwen3_vl_moe_text", 1e-5, "model.visual"),
               "qwen2_5_vl": (lambda: qwen2_vl_multimodal("qwen2_5_vl"), "qwen2_5_vl_text", 1e-5, "model.visual"),
               "qwen2_vl": (lambda: qwen2_vl_multimodal("qwen2_vl"), "qwen2_vl_text", 1e-5, "model.visual"),
