@@ -209,8 +209,12 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torc
     (2.11 mislowered the in-place product: a later op's input came out as the index's buffer)."""
     if bias.dtype != y.dtype or torch.compiler.is_compiling():
         return y + bias[expert]
-    one_hot = y.new_zeros(len(expert), bias.shape[0]).scatter_(1, expert[:, None], 1)
-    return y.addmm_(one_hot, bias)
+    return y.addmm_(_one_hot(expert, bias.shape[0], y.dtype), bias)
+
+
+def _one_hot(expert: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, experts] of dtype: 1 at each row's expert, else 0."""
+    return torch.eye(experts, dtype=dtype, device=expert.device)[expert]
 
 
 def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows=None, wx=None):
@@ -230,7 +234,7 @@ def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows
         # each expert's rows of dy (times their weights) summed as one product with the rows' one-hot experts, in at
         # least fp32: the same sum on every run, where index_add_ on CUDA is not (as the ops' sum_by_expert)
         acc = torch.promote_types(dy.dtype, torch.float32)
-        one_hot = torch.eye(p.bias.shape[0], dtype=acc, device=dy.device)[groups.expert]
+        one_hot = _one_hot(groups.expert, p.bias.shape[0], acc)
         if rows is not None:
             one_hot = one_hot * rows[:, None].to(acc)
         dbias = (one_hot.t() @ dy.to(acc)).to(p.bias.dtype)
