@@ -33,9 +33,12 @@ impl Elementwise {
         self.launch(dev, params, dir, dt, vec, geometry::ceil_div(n / vec, (self.block * self.unroll) as i64))
     }
 
-    /// The launch of a kernel's row path (`for_each_row`: a warp a row) over `rows`.
-    pub fn plan_rows<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, vec: i64, rows: i64) -> Result<Plan> {
-        self.launch(dev, params, dir, dt, vec, geometry::ceil_div(rows, (self.block / 32) as i64))
+    /// The launch of a kernel's row path (`for_each_row`: a warp a row) over `n` elements in rows of `cols`:
+    /// vectors only where a row is whole ones, so that no vector spans two rows' sums.
+    pub fn plan_rows<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, vec: i64, n: i64, cols: i64)
+                                 -> Result<Plan> {
+        let vec = if cols % vec == 0 { vec } else { 1 };
+        self.launch(dev, params, dir, dt, vec, geometry::ceil_div(n / cols.max(1), (self.block / 32) as i64))
     }
 
     fn launch<P: Kernels>(&self, dev: &Device, params: P, dir: Tag, dt: BastileDType, vec: i64, blocks: i64) -> Result<Plan> {

@@ -23,18 +23,17 @@ fn rows_valid(n: i64, inter: i64, bias: &GegluBias, rows: bool) -> Result<()> {
 }
 
 /// Pairs an access: a vector of y covers two of gate_up (and of the bias), which start 16-byte aligned when their
-/// pointers are; where a bias or the dot reads rows, vectors only where each row is whole ones (a vector reads one
-/// row's bias; a warp sums one row).
-fn width(dt: BastileDType, ptrs: &[*const c_void], bias: &GegluBias, inter: i64, rows: bool) -> i64 {
+/// pointers are; with a bias, vectors only where each row is whole ones (a vector reads one row's bias).
+fn width(dt: BastileDType, ptrs: &[*const c_void], bias: &GegluBias, inter: i64) -> i64 {
     let vec = vector_width(dt, &[ptrs, &[bias.bias]].concat());
-    if (bias.bias.is_null() && !rows) || inter % vec == 0 { vec } else { 1 }
+    if bias.bias.is_null() || inter % vec == 0 { vec } else { 1 }
 }
 
 impl Launch for GegluForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         rows_valid(self.n, self.inter, &self.bias, false)?;
         let dt = BastileDType::from_raw(self.dtype)?;
-        SHAPE.plan(dev, *self, Tag::Fwd, dt, width(dt, &[self.gate_up, self.y], &self.bias, self.inter, false), self.n)
+        SHAPE.plan(dev, *self, Tag::Fwd, dt, width(dt, &[self.gate_up, self.y], &self.bias, self.inter), self.n)
     }
 
     fn cpu(&self) -> Result<()> {
@@ -52,9 +51,9 @@ impl Launch for GegluBackward {
         rows_valid(self.n, self.inter, &self.bias, rows)?;
         let dt = BastileDType::from_raw(self.dtype)?;
         let ptrs = [self.grad_y, self.gate_up, self.grad_gate_up as *const c_void];
-        let vec = width(dt, &ptrs, &self.bias, self.inter, rows);
+        let vec = width(dt, &ptrs, &self.bias, self.inter);
         if rows {
-            return SHAPE.plan_rows(dev, *self, Tag::Bwd, dt, vec, self.n / self.inter);
+            return SHAPE.plan_rows(dev, *self, Tag::Bwd, dt, vec, self.n, self.inter);
         }
         SHAPE.plan(dev, *self, Tag::Bwd, dt, vec, self.n)
     }

@@ -14,7 +14,7 @@ crate::elementwise_launch! { SHAPE,
 }
 
 impl Launch for SwigluBackward {
-    /// With a dot, the kernel's row path: vectors only where a row is whole ones.
+    /// With a dot, the kernel's row path.
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         backward_valid(self)?;
         let dt = BastileDType::from_raw(self.dtype)?;
@@ -22,8 +22,7 @@ impl Launch for SwigluBackward {
         if self.dot.is_null() {
             return SHAPE.plan(dev, *self, Tag::Bwd, dt, vec, self.n);
         }
-        let vec = if self.cols % vec == 0 { vec } else { 1 };
-        SHAPE.plan_rows(dev, *self, Tag::Bwd, dt, vec, self.n / self.cols)
+        SHAPE.plan_rows(dev, *self, Tag::Bwd, dt, vec, self.n, self.cols)
     }
 
     fn cpu(&self) -> Result<()> {
