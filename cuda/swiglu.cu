@@ -47,10 +47,12 @@ __device__ __forceinline__ float backward_value(float dy, float g, float u, int3
   return kDot ? dy * round_to<T>(s * u) : 0.f;
 }
 
-// Where element e of the contiguous outputs lies in gate and up. A vector's elements share a row (swiglu.h).
-template <class P> __device__ __forceinline__ int64_t at_row(const P &p, int64_t e) {
-  return p.ld == p.cols ? e : e + e / p.cols * (p.ld - p.cols);
+// Where element e of the contiguous tensors lies in rows of cols at stride ld (gate and up's; the backward's
+// gradients'). A vector's elements share a row (swiglu.h).
+__device__ __forceinline__ int64_t at_row(int64_t e, int64_t cols, int64_t ld) {
+  return ld == cols ? e : e + e / cols * (ld - cols);
 }
+template <class P> __device__ __forceinline__ int64_t at_row(const P &p, int64_t e) { return at_row(e, p.cols, p.ld); }
 
 template <class T, int V> __device__ __forceinline__ void forward(const SwigluForward &p) {
   const T *__restrict__ gate = static_cast<const T *>(p.gate);
@@ -107,8 +109,9 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
     for (int j = 0; j < V; ++j)
       sum += backward_value<T, decltype(dot)::value>(to_f32(dy[k].v[j]), to_f32(g[k].v[j]), to_f32(u[k].v[j]),
                                                       p.activation, dg[j], du[j]);
-    store<V>(grad_gate + i * V, dg);
-    store<V>(grad_up + i * V, du);
+    const int64_t o = at_row(i * V, p.cols, p.grad_ld);
+    store<V>(grad_gate + o, dg);
+    store<V>(grad_up + o, du);
     return sum;
   };
   if (for_each_vector_or_row<V, U>(p.n, p.cols, p.dot, load, finish)) return;
@@ -117,8 +120,9 @@ template <class T, int V> __device__ __forceinline__ void backward(const SwigluB
     float dg, du;
     const int64_t e = at_row(p, t);
     backward_value<T, false>(to_f32(grad_y[t]), to_f32(gate[e]), to_f32(up[e]), p.activation, dg, du);
-    grad_gate[t] = from_f32<T>(dg);
-    grad_up[t] = from_f32<T>(du);
+    const int64_t o = at_row(t, p.cols, p.grad_ld);
+    grad_gate[o] = from_f32<T>(dg);
+    grad_up[o] = from_f32<T>(du);
   }
 }
 

@@ -1,8 +1,9 @@
 /* Parameter blocks of cuda/swiglu.cu: y = act(gate) * up elementwise, over n elements of one dtype
  * (f64 on CPU only), act SiLU (SwiGLU) or GELU with the tanh approximation (Gemma's GEGLU, HF's
  * gelu_pytorch_tanh). gate and up are rows of `cols` elements `ld` apart (the halves of a concatenated
- * gate/up projection, read where they lie); the other tensors are contiguous. Where ld != cols, cols and ld
- * are whole 16-byte vectors, so that no vector spans two rows. */
+ * gate/up projection, read where they lie), and so are the backward's grad_gate and grad_up, `grad_ld` apart (the
+ * halves of one gradient of gate/up); the other tensors are contiguous. The vector kernels take rows at a stride
+ * only where the rows and strides are whole 16-byte vectors, so that no vector spans two rows. */
 #pragma once
 #include "bastile.h"
 
@@ -42,12 +43,13 @@ typedef struct SwigluBackward {
   const void *grad_y; /* [n] */
   const void *gate;   /* [n / cols rows at stride ld], as given to the forward */
   const void *up;     /* [n / cols rows at stride ld] */
-  void *grad_gate;    /* [n] */
-  void *grad_up;      /* [n] */
+  void *grad_gate;    /* [n / cols rows at stride grad_ld] */
+  void *grad_up;      /* [n / cols rows at stride grad_ld] */
   void *dot;          /* [n / cols] or NULL */
   int64_t n;
   int64_t cols;
   int64_t ld;
+  int64_t grad_ld;    /* grad_gate's and grad_up's rows (cols: contiguous), which do not overlap */
   int32_t dtype;
   int32_t activation;
 } SwigluBackward;

@@ -67,6 +67,15 @@ impl<'a, T> Disjoint<'a, T> {
         Disjoint { ptr: output.as_mut_ptr(), len: output.len(), _output: PhantomData }
     }
 
+    /// An output of `len` elements at `ptr`, which other outputs' parts may interleave with (the halves of one
+    /// tensor's rows).
+    ///
+    /// # Safety
+    /// `ptr` holds `len` elements of T for 'a, and no part in use of this output or any other overlaps another.
+    pub unsafe fn raw(ptr: *mut T, len: usize) -> Self {
+        Disjoint { ptr, len, _output: PhantomData }
+    }
+
     /// Elements `range` of the output.
     ///
     /// # Safety

@@ -72,34 +72,6 @@ pub unsafe fn row_dots<T: Element>(dot: *mut c_void, rows: usize, cols: usize, t
     }
 }
 
-/// [`Launch`](crate::kernels::Launch) for the parameter blocks of an elementwise op, one dtype for
-/// all their tensors: each `Block: dir(pointers...) => cpu_kernel;` launches `<op>_<dir>_<dtype>_<access>`
-/// over the block's `n` with the `Elementwise` shape given first (16-byte vectors when every pointer
-/// allows them), and on the CPU runs `cpu_kernel::<T>`, an `unsafe fn(&Block)` generic over the element
-/// type. `Block: dir(pointers...) if valid => cpu_kernel;` first checks the block's other fields with
-/// `valid(&Block) -> Result<()>` on either device.
-#[macro_export]
-macro_rules! elementwise_launch {
-    ($shape:expr, $($block:ident: $dir:ident($($ptr:ident),+) $(if $valid:ident)? => $cpu:ident;)+) => {$(
-        impl $crate::kernels::Launch for $block {
-            fn plan(&self, dev: &'static $crate::driver::Device) -> $crate::driver::Result<$crate::kernels::Plan> {
-                $($valid(self)?;)?
-                let dt = $crate::params::BastileDType::from_raw(self.dtype)?;
-                let vec = $crate::elementwise::vector_width(dt, &[$(self.$ptr),+]);
-                $shape.plan(dev, *self, $crate::kernels::Tag::$dir, dt, vec, self.n)
-            }
-
-            fn cpu(&self) -> $crate::driver::Result<()> {
-                $($valid(self)?;)?
-                let dt = $crate::params::BastileDType::from_raw(self.dtype)?;
-                // SAFETY: the C++ layer checked that every pointer holds the block's elements of `dt`.
-                $crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { $cpu::<T>(self) });
-                Ok(())
-            }
-        }
-    )+};
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

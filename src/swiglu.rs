@@ -6,19 +6,34 @@ use crate::driver::{Device, Result};
 use crate::elementwise::{row_dots, vector_width, Elementwise};
 use crate::kernels::{Launch, Plan, Tag};
 use crate::params::{BastileDType, SwigluBackward, SwigluForward, SWIGLU_BLOCK, SWIGLU_GELU_TANH, SWIGLU_SILU, SWIGLU_UNROLL};
+use std::ffi::c_void;
 
 const SHAPE: Elementwise = Elementwise { block: SWIGLU_BLOCK, unroll: SWIGLU_UNROLL };
 
-crate::elementwise_launch! { SHAPE,
-    SwigluForward: Fwd(gate, up, y) if forward_valid => forward_cpu;
+impl Launch for SwigluForward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        rows_valid(self.n, self.cols, &[self.ld], self.activation)?;
+        let dt = BastileDType::from_raw(self.dtype)?;
+        let vec = width(dt, &[self.gate, self.up, self.y], self.cols, &[self.ld]);
+        SHAPE.plan(dev, *self, Tag::Fwd, dt, vec, self.n)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        rows_valid(self.n, self.cols, &[self.ld], self.activation)?;
+        let dt = BastileDType::from_raw(self.dtype)?;
+        // SAFETY: the C++ layer checked that every pointer holds the block's elements of `dt`.
+        crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu::<T>(self) });
+        Ok(())
+    }
 }
 
 impl Launch for SwigluBackward {
     /// With a dot, the kernel's row path.
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
-        backward_valid(self)?;
+        rows_valid(self.n, self.cols, &[self.ld, self.grad_ld], self.activation)?;
         let dt = BastileDType::from_raw(self.dtype)?;
-        let vec = vector_width(dt, &[self.grad_y, self.gate, self.up, self.grad_gate as _, self.grad_up as _]);
+        let ptrs = [self.grad_y, self.gate, self.up, self.grad_gate as _, self.grad_up as _];
+        let vec = width(dt, &ptrs, self.cols, &[self.ld, self.grad_ld]);
         if self.dot.is_null() {
             return SHAPE.plan(dev, *self, Tag::Bwd, dt, vec, self.n);
         }
@@ -26,7 +41,7 @@ impl Launch for SwigluBackward {
     }
 
     fn cpu(&self) -> Result<()> {
-        backward_valid(self)?;
+        rows_valid(self.n, self.cols, &[self.ld, self.grad_ld], self.activation)?;
         let dt = BastileDType::from_raw(self.dtype)?;
         // SAFETY: the C++ layer checked that every pointer holds the block's elements of `dt`.
         crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { backward_cpu::<T>(self) });
@@ -34,26 +49,21 @@ impl Launch for SwigluBackward {
     }
 }
 
-fn forward_valid(p: &SwigluForward) -> Result<()> {
-    Activation::of(p.activation)?;
-    rows_valid(p.n, p.cols, p.ld, p.dtype)
-}
-
-fn backward_valid(p: &SwigluBackward) -> Result<()> {
-    Activation::of(p.activation)?;
-    rows_valid(p.n, p.cols, p.ld, p.dtype)
-}
-
-/// gate and up are whole rows, and rows at a stride whole 16-byte vectors (include/swiglu.h).
-fn rows_valid(n: i64, cols: i64, ld: i64, dtype: i32) -> Result<()> {
-    let size = BastileDType::from_raw(dtype)?.size() as i64;
-    if n > 0 && (cols <= 0 || n % cols != 0 || ld < cols) {
+/// The n elements are rows of `cols`, each of the strided tensors' rows `ld` apart (at least cols), and the
+/// activation is known.
+fn rows_valid(n: i64, cols: i64, lds: &[i64], activation: i32) -> Result<()> {
+    Activation::of(activation)?;
+    if let Some(ld) = lds.iter().find(|&&ld| n > 0 && (cols <= 0 || n % cols != 0 || ld < cols)) {
         return Err(format!("bastile.swiglu: {n} elements are not rows of {cols} at stride {ld}"));
     }
-    if ld != cols && ((cols * size) % 16 != 0 || (ld * size) % 16 != 0) {
-        return Err(format!("bastile.swiglu: rows of {cols} at stride {ld} are not whole 16-byte vectors"));
-    }
     Ok(())
+}
+
+/// Elements an access: a 16-byte vector where every pointer allows it and no vector spans two rows (the rows and
+/// their strides whole vectors, or every tensor contiguous).
+fn width(dt: BastileDType, ptrs: &[*const c_void], cols: i64, lds: &[i64]) -> i64 {
+    let vec = vector_width(dt, ptrs);
+    if lds.iter().all(|&ld| ld == cols) || (cols % vec == 0 && lds.iter().all(|&ld| ld % vec == 0)) { vec } else { 1 }
 }
 
 /// Where element `e` of the contiguous outputs lies in gate and up, and how many elements their rows span.
@@ -121,7 +131,7 @@ impl Activation {
 }
 
 unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
-    let (act, wide) = (Activation::of(p.activation).expect("forward_valid"), T::DTYPE == BastileDType::BASTILE_F64);
+    let (act, wide) = (Activation::of(p.activation).expect("rows_valid"), T::DTYPE == BastileDType::BASTILE_F64);
     let (n, cols, ld) = (p.n as usize, p.cols, p.ld);
     let rows = span(p.n, cols, ld);
     let (g, u) = (cpu::slice::<T>(p.gate, rows), cpu::slice::<T>(p.up, rows));
@@ -136,21 +146,27 @@ unsafe fn forward_cpu<T: Element>(p: &SwigluForward) {
 }
 
 unsafe fn backward_cpu<T: Element>(p: &SwigluBackward) {
-    let (act, wide) = (Activation::of(p.activation).expect("backward_valid"), T::DTYPE == BastileDType::BASTILE_F64);
-    let (n, cols, ld) = (p.n as usize, p.cols, p.ld);
+    let (act, wide) = (Activation::of(p.activation).expect("rows_valid"), T::DTYPE == BastileDType::BASTILE_F64);
+    let (n, cols, ld, grad_ld) = (p.n as usize, p.cols, p.ld, p.grad_ld);
     let rows = span(p.n, cols, ld);
     let (dy, g, u) = (cpu::slice::<T>(p.grad_y, n), cpu::slice::<T>(p.gate, rows), cpu::slice::<T>(p.up, rows));
-    let (dg, du) = (Disjoint::new(cpu::slice_mut::<T>(p.grad_gate, n)), Disjoint::new(cpu::slice_mut::<T>(p.grad_up, n)));
-    cpu::parallel_for(n, cpu::GRAIN, |r| {
-        for ((dg, du), e) in dg.part(r.clone()).iter_mut().zip(du.part(r.clone()).iter_mut()).zip(r) {
-            let i = at_row(cols, ld, e);
-            let (dy, g, u) = (dy[e].to_f64(), g[i].to_f64(), u[i].to_f64());
-            *du = T::from_f64(dy * T::round(act.value(g, wide)));
-            *dg = T::from_f64(T::round(dy * u) * act.derivative(g, wide));
+    // Row by row: grad_gate's and grad_up's rows may interleave in one tensor (the halves of one gradient).
+    let grads = span(p.n, cols, grad_ld);
+    let (dg, du) = (Disjoint::raw(p.grad_gate.cast::<T>(), grads), Disjoint::raw(p.grad_up.cast::<T>(), grads));
+    let c = cols.max(1) as usize;
+    cpu::parallel_for(n / c, (cpu::GRAIN / c).max(1), |range| {
+        for r in range {
+            let (o, i) = (at_row(cols, grad_ld, r * c), at_row(cols, ld, r * c));
+            // SAFETY: the rows of grad_gate and grad_up do not overlap (swiglu.h), nor the ranges of parallel_for.
+            for (k, (dg, du)) in dg.part(o..o + c).iter_mut().zip(du.part(o..o + c)).enumerate() {
+                let (dy, g, u) = (dy[r * c + k].to_f64(), g[i + k].to_f64(), u[i + k].to_f64());
+                *du = T::from_f64(dy * T::round(act.value(g, wide)));
+                *dg = T::from_f64(T::round(dy * u) * act.derivative(g, wide));
+            }
         }
     });
     if !p.dot.is_null() && n > 0 {
-        row_dots::<T>(p.dot, n / cols as usize, cols as usize, |e| {
+        row_dots::<T>(p.dot, n / c, c, |e| {
             let i = at_row(cols, ld, e);
             dy[e].to_f64() * T::round(T::round(act.value(g[i].to_f64(), wide)) * u[i].to_f64())
         });
@@ -198,29 +214,48 @@ mod tests {
             .unwrap();
         let (gate, up, grad_y) = (g.as_ptr().cast(), u.as_ptr().cast(), dy.as_ptr().cast());
         let (grad_gate, grad_up) = (dg.as_mut_ptr().cast(), du.as_mut_ptr().cast());
-        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, dot: std::ptr::null_mut(), n, cols, ld, dtype, activation }
+        let grad_ld = cols;
+        SwigluBackward { grad_y, gate, up, grad_gate, grad_up, dot: std::ptr::null_mut(), n, cols, ld, grad_ld, dtype, activation }
             .cpu()
             .unwrap();
         (y, dg, du)
     }
 
+    /// The backward's gradients written as the halves of one [rows, 2 cols] tensor (grad_ld 2 cols).
+    fn joined_grads<T: Element>(g: &[T], u: &[T], dy: &[T], cols: i64, ld: i64) -> Vec<T> {
+        let mut grad = vec![T::from_f64(f64::NAN); 2 * dy.len()];
+        let (grad_gate, grad_up) = (grad.as_mut_ptr(), grad[cols as usize..].as_mut_ptr());
+        SwigluBackward { grad_y: dy.as_ptr().cast(), gate: g.as_ptr().cast(), up: u.as_ptr().cast(), grad_gate: grad_gate.cast(),
+                         grad_up: grad_up.cast(), n: dy.len() as i64, cols, ld, grad_ld: 2 * cols, dtype: T::DTYPE as i32,
+                         activation: SWIGLU_SILU as i32, ..Default::default() }
+            .cpu()
+            .unwrap();
+        grad
+    }
+
     /// The halves of a concatenated [rows, 2 cols] gate/up, read at stride 2 cols, give what their contiguous
-    /// copies give; rows that are not whole 16-byte vectors at a stride are refused.
+    /// copies give, rows of whole 16-byte vectors or not (6 bf16); so does the gradient written as such halves.
+    /// Rows that do not tile the elements, or overlap, are refused.
     #[test]
     fn rows_at_a_stride_read_as_their_copies() {
-        let (rows_n, cols) = (5usize, 24usize);
-        let gate_up: Vec<bf16> = cast(&noise(rows_n * 2 * cols, 4, 4.0));
-        let dy: Vec<bf16> = cast(&noise(rows_n * cols, 5, 2.0));
-        let half = |k: usize| -> Vec<bf16> { gate_up.chunks(2 * cols).flat_map(|r| r[k * cols..(k + 1) * cols].to_vec()).collect() };
-        let want = run(SWIGLU_SILU, &half(0), &half(1), &dy);
-        let got = rows(SWIGLU_SILU, &gate_up, &gate_up[cols..], &dy, cols as i64, 2 * cols as i64);
-        assert_eq!(bits(&got.0), bits(&want.0));
-        assert_eq!(bits(&got.1), bits(&want.1));
-        assert_eq!(bits(&got.2), bits(&want.2));
-        let odd = SwigluForward { n: 12, cols: 6, ld: 12, dtype: BASTILE_BF16 as i32, ..Default::default() };
-        assert!(odd.cpu().unwrap_err().contains("not whole 16-byte vectors"));
+        for (rows_n, cols) in [(5usize, 24usize), (3, 6)] {
+            let gate_up: Vec<bf16> = cast(&noise(rows_n * 2 * cols, 4, 4.0));
+            let dy: Vec<bf16> = cast(&noise(rows_n * cols, 5, 2.0));
+            let half = |k: usize| -> Vec<bf16> { gate_up.chunks(2 * cols).flat_map(|r| r[k * cols..(k + 1) * cols].to_vec()).collect() };
+            let want = run(SWIGLU_SILU, &half(0), &half(1), &dy);
+            let got = rows(SWIGLU_SILU, &gate_up, &gate_up[cols..], &dy, cols as i64, 2 * cols as i64);
+            assert_eq!(bits(&got.0), bits(&want.0));
+            assert_eq!(bits(&got.1), bits(&want.1));
+            assert_eq!(bits(&got.2), bits(&want.2));
+            let joined = joined_grads(&gate_up, &gate_up[cols..], &dy, cols as i64, 2 * cols as i64);
+            let want_joined: Vec<bf16> =
+                want.1.chunks(cols).zip(want.2.chunks(cols)).flat_map(|(g, u)| g.iter().chain(u).copied()).collect();
+            assert_eq!(bits(&joined), bits(&want_joined));
+        }
         let ragged = SwigluForward { n: 10, cols: 4, ld: 8, dtype: BASTILE_F32 as i32, ..Default::default() };
         assert!(ragged.cpu().unwrap_err().contains("not rows of 4"));
+        let overlapping = SwigluBackward { n: 8, cols: 4, ld: 4, grad_ld: 2, dtype: BASTILE_F32 as i32, ..Default::default() };
+        assert!(overlapping.cpu().unwrap_err().contains("not rows of 4 at stride 2"));
     }
 
     /// The backward's row dots are each row's sum of dy * y (y as the forward gives it) in f64, stored in f32 (f64
@@ -236,7 +271,7 @@ mod tests {
         SwigluBackward { grad_y: dy.as_ptr().cast(), gate: g.as_ptr().cast(), up: u.as_ptr().cast(),
                          grad_gate: dg2.as_mut_ptr().cast(), grad_up: du2.as_mut_ptr().cast(),
                          dot: dot.as_mut_ptr().cast(), n: dy.len() as i64, cols: cols as i64, ld: 2 * cols as i64,
-                         dtype: T::DTYPE as i32, activation: SWIGLU_SILU as i32 }
+                         grad_ld: cols as i64, dtype: T::DTYPE as i32, activation: SWIGLU_SILU as i32 }
             .cpu()
             .unwrap();
         let f64s = |v: &[T]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
@@ -312,7 +347,7 @@ mod tests {
 
     #[test]
     fn bad_activation_code_is_an_error() {
-        let p = SwigluBackward { dtype: BASTILE_F32 as i32, activation: 7, n: 1, cols: 1, ld: 1, ..Default::default() };
+        let p = SwigluBackward { dtype: BASTILE_F32 as i32, activation: 7, n: 1, cols: 1, ld: 1, grad_ld: 1, ..Default::default() };
         assert_eq!(p.cpu().unwrap_err(), "bastile.swiglu: unknown activation code 7");
     }
 }

@@ -122,6 +122,10 @@ BAD = [
     (lambda: backward_op(f32(4, 8), f32(4, 8), f32(4, 8), "relu"),
      'swiglu_backward: activation must be "silu" or "gelu_tanh", got "relu"'),
     (lambda: backward_op(f32(()), f32(()), f32(()), "silu", True), "swiglu_backward: dot sums rows, and a 0-dim input"),
+    (lambda: backward_op(f32(4, 4), f32(4, 7), None), "swiglu_backward: without up, gate holds gate and up concatenated"),
+    (lambda: backward_op(f32(()), f32(()), None), "swiglu_backward: without up, gate holds gate and up concatenated"),
+    (lambda: backward_op(f32(4, 8), f32(4, 8), None), "grad_y must have gate's shape with the last dim halved"),
+    (lambda: backward_op(f32(4, 4).half(), f32(4, 8), None), "gate and grad_y must have the same dtype"),
 ]
 
 CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=hf, bad=BAD)
@@ -192,6 +196,28 @@ def test_row_dots(shape, activation, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(300, 64), (2, 7, 5), (0, 8)])
+@pytest.mark.parametrize("dot", [False, True])
+def test_gate_up_gradient_is_written_whole(dot, shape, dtype, device):
+    """Without up, gate is a concatenated gate/up ([..., 2 * cols]): its gradient is cat(grad_gate, grad_up) of the
+    halves' backward, bit for bit, with the same dots; rows of whole 16-byte vectors, odd rows (the scalar kernels),
+    no rows."""
+    if dtype == torch.float64 and device == "cuda":
+        pytest.skip("float64 runs on the CPU only")
+    gate_up, _, dy = inputs((*shape[:-1], 2 * shape[-1]), dtype, device)
+    dy = dy[..., :shape[-1]].contiguous()
+    gate, up = gate_up.chunk(2, dim=-1)
+    poison_cuda_allocator(16 * gate_up.numel())
+    grad, second, dots = torch.ops.bastile.swiglu_backward(dy, gate_up, None, "silu", dot)
+    grad_gate, grad_up, want_dots = torch.ops.bastile.swiglu_backward(dy, gate.contiguous(), up.contiguous(), "silu", dot)
+    assert grad.shape == gate_up.shape and second.numel() == 0
+    assert torch.equal(grad, torch.cat((grad_gate, grad_up), dim=-1)) and torch.equal(dots, want_dots)
+    if device == "cpu" and shape == (2, 7, 5):
+        torch.library.opcheck(torch.ops.bastile.swiglu_backward, (dy, gate_up, None, "silu", dot))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_rounds_where_hf_rounds(device):
     # bf16 inputs whose every output differs from the exactly computed value rounded once
     # (-0.54296875, 0.75390625, -0.4296875): the op must round silu(g) and dy * u to bf16 as HF does.
@@ -231,10 +257,9 @@ def test_saves_only_gate_and_up():
 
 
 # The halves of a concatenated [..., 2 cols] gate/up (chunk(2, -1), as the fused gate/up projections and the MoE
-# experts give them): read where they lie when each row is whole 16-byte vectors, copied otherwise; 3-D with a
-# size-1 leading dimension too.
-HALVES = [((64, 2 * 768), True), ((2, 5, 2 * 16), True), ((1, 7, 2 * 24), True), ((9, 2 * 5), False),
-          ((4, 2 * 12), None)]
+# experts give them): read where they lie, rows of whole 16-byte vectors or not (5 columns; 12 are in f32 only); 3-D
+# with a size-1 leading dimension too.
+HALVES = [(64, 2 * 768), (2, 5, 2 * 16), (1, 7, 2 * 24), (9, 2 * 5), (4, 2 * 12)]
 
 
 def copies_made(fn):
@@ -245,10 +270,10 @@ def copies_made(fn):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape,in_place", HALVES)
-def test_halves_of_gate_up_read_where_they_lie(device, dtype, shape, in_place):
+@pytest.mark.parametrize("shape", HALVES)
+def test_halves_of_gate_up_read_where_they_lie(device, dtype, shape):
     """y and gate/up's gradient through the halves equal those of their contiguous copies bit for bit, and the
-    halves are not copied where their rows are whole 16-byte vectors (in_place None: 12 columns are, in f32)."""
+    halves are not copied."""
     gate_up, _, _ = inputs(shape, dtype, device)
     dy = inputs(gate_up[..., : shape[-1] // 2].shape, dtype, device, 1)[2]
     leaf = gate_up.clone().requires_grad_()
@@ -259,11 +284,8 @@ def test_halves_of_gate_up_read_where_they_lie(device, dtype, shape, in_place):
     ry, (rdg, rdu) = run_both(*(h.contiguous() for h in gate_up.chunk(2, dim=-1)), dy)
     torch.testing.assert_close(y, ry, rtol=0, atol=0)
     torch.testing.assert_close(dgu, torch.cat([rdg, rdu], -1), rtol=0, atol=0)
-    if in_place is None:
-        in_place = dtype == torch.float32
     gate, up = gate_up.chunk(2, dim=-1)
-    copies = copies_made(lambda: (op(gate, up), backward_op(dy, gate, up)))
-    assert (copies == 0) == in_place, copies
+    assert copies_made(lambda: (op(gate, up), backward_op(dy, gate, up))) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -123,9 +123,8 @@ def swiglu_gate(traits: Mlp) -> Gate:
         activation = gated_activation(act(self))
         if activation is None:
             return hf.backward(self, gate_up, grad, dot)
-        gate, up = gate_up.chunk(2, dim=-1)
-        grad_gate, grad_up, dots = torch.ops.bastile.swiglu_backward(grad, gate, up, activation, dot)
-        return torch.cat((grad_gate, grad_up), dim=-1), dots if dot else None
+        grad_gate_up, _, dots = torch.ops.bastile.swiglu_backward(grad, gate_up, None, activation, dot)
+        return grad_gate_up, dots if dot else None
 
     def swiglu_grouped(self, x, weight, offsets):
         activation = gated_activation(act(self))
