@@ -14,10 +14,6 @@ __device__ __forceinline__ int64_t checked(int64_t i, int64_t n, const char *wha
   return checked_index(i, n, "expert_combine", what);
 }
 
-// Pairs a token's lanes hold found (their rows, biases and weights in registers) before reading any vector: the
-// k rows (and biases) of each vector are then loaded side by side, not each after its index. Larger k: one by one.
-constexpr int HELD = 8;
-
 // One pair's row (plus its expert's bias where `biased`) into acc, times its weight w where `weighted`.
 template <class T, class P, int V>
 __device__ __forceinline__ void add_pair(float (&acc)[V], const Pack<T, V> &row, const Pack<T, V> &b, bool biased,
@@ -30,41 +26,47 @@ __device__ __forceinline__ void add_pair(float (&acc)[V], const Pack<T, V> &row,
   for (int i = 0; i < V; ++i) acc[i] += weighted ? round_to<P>(__fmul_rn(w, x[i])) : x[i];
 }
 
-template <class T, class W, int V> __device__ __forceinline__ void forward(const ExpertCombineForward &p) {
+// Pairs a token's lanes hold found (their rows, biases and weights in registers) before reading any vector: the
+// k <= H rows (and biases) of each vector are then loaded side by side, not each after its index. Larger k: one
+// by one.
+template <class T, class W, int V, int H, bool kBias>
+__device__ __forceinline__ void forward(const ExpertCombineForward &p) {
   using P = typename Promote<T, W>::type;
   const T *__restrict__ rows = static_cast<const T *>(p.rows);
   const T *__restrict__ bias = static_cast<const T *>(p.bias);
   const W *weights = static_cast<const W *>(p.weights);
   P *__restrict__ out = static_cast<P *>(p.out);
   const int lane = threadIdx.x % p.group;
-  const bool biased = bias != nullptr, weighted = weights != nullptr;
+  const bool weighted = weights != nullptr;
   const int64_t pairs = p.tokens * p.k, vectors = p.dim / V;
   // pair's row and bias (as row-start pointers) and weight
   const auto row_of = [&](int64_t pair) { return rows + checked(p.position[pair], pairs, "position") * p.dim; };
-  const auto bias_of = [&](int64_t pair) {
-    return biased ? bias + checked(p.expert[pair], p.experts, "expert") * p.dim : bias;
-  };
+  const auto bias_of = [&](int64_t pair) { return bias + checked(p.expert[pair], p.experts, "expert") * p.dim; };
   const auto weight_of = [&](int64_t pair) { return weighted ? to_f32(weights[pair]) : 1.f; };
   FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / p.group) {
     const int64_t t = base + threadIdx.x / p.group;
     if (t >= p.tokens) continue;
-    if (p.k <= HELD) {
-      const T *src[HELD], *add[HELD];
-      float w[HELD];
+    if (p.k <= H) {
+      const T *src[H], *add[H];
+      float w[H];
 #pragma unroll
-      for (int j = 0; j < HELD; ++j)
-        if (j < p.k) src[j] = row_of(t * p.k + j), add[j] = bias_of(t * p.k + j), w[j] = weight_of(t * p.k + j);
-      for (int64_t c = lane; c < vectors; c += p.group) {
-        Pack<T, V> x[HELD], b[HELD];
-#pragma unroll
-        for (int j = 0; j < HELD; ++j) {
-          if (j < p.k) x[j] = load_nc<V>(src[j] + c * V);
-          if (j < p.k && biased) b[j] = load_nc<V>(add[j] + c * V);
+      for (int j = 0; j < H; ++j)
+        if (j < p.k) {
+          src[j] = row_of(t * p.k + j), w[j] = weight_of(t * p.k + j);
+          if constexpr (kBias) add[j] = bias_of(t * p.k + j);
         }
+      for (int64_t c = lane; c < vectors; c += p.group) {
+        Pack<T, V> x[H], b[H];
+#pragma unroll
+        for (int j = 0; j < H; ++j)
+          if (j < p.k) {
+            x[j] = load_nc<V>(src[j] + c * V);
+            if constexpr (kBias) b[j] = load_nc<V>(add[j] + c * V);
+          }
         float acc[V] = {};
 #pragma unroll
-        for (int j = 0; j < HELD; ++j)
-          if (j < p.k) add_pair<T, P, V>(acc, x[j], b[j], biased, weighted, w[j]);
+        for (int j = 0; j < H; ++j)
+          if (j < p.k) add_pair<T, P, V>(acc, x[j], b[j], kBias, weighted, w[j]);
         store<V>(out + t * p.dim + c * V, acc);
       }
       continue;
@@ -75,8 +77,8 @@ template <class T, class W, int V> __device__ __forceinline__ void forward(const
       for (int64_t j = 0; j < p.k; ++j) {
         const int64_t pair = t * p.k + j;
         Pack<T, V> b;
-        if (biased) b = load_nc<V>(bias_of(pair) + c * V);
-        add_pair<T, P, V>(acc, load_nc<V>(row_of(pair) + c * V), b, biased, weighted, weight_of(pair));
+        if constexpr (kBias) b = load_nc<V>(bias_of(pair) + c * V);
+        add_pair<T, P, V>(acc, load_nc<V>(row_of(pair) + c * V), b, kBias, weighted, weight_of(pair));
       }
       store<V>(out + t * p.dim + c * V, acc);
     }
@@ -123,14 +125,34 @@ template <class T, class W, int V> __device__ __forceinline__ void backward(cons
 
 }  // namespace
 
-#define KERNEL(dir, t, w, access)                                                                              \
-  extern "C" __global__ void __launch_bounds__(BLOCK) expert_combine_##dir##_##t##_##w##_##access(             \
-      const BASTILE_CAT(ExpertCombine, DIR_##dir) p) {                                                         \
-    RUN_##dir<BASTILE_TYPE_##t, BASTILE_TYPE_##w, BASTILE_WIDTH_##access(BASTILE_TYPE_##t)>(p);                \
+// A kernel of the lists (include/expert_combine.h): the forward's held and bias tags pick its template arguments
+// and its blocks an SM. It holds its pairs' pointers and vectors in registers, and more blocks keep more loads in
+// flight: two where their registers fit in half the SM's without many spills (H200: 1.2-1.6x the one-block kernel
+// that held both kinds at once).
+#define KERNEL(dir, t, w, access, held, bias)                                                                    \
+  extern "C" __global__ void __launch_bounds__(BLOCK, BLOCKS_##dir##held##bias)                                 \
+      BASTILE_CAT(expert_combine_##dir##_##t##_##w##_##access, SUFFIX_##held##bias)(                             \
+          const BASTILE_CAT(ExpertCombine, DIR_##dir) p) {                                                       \
+    RUN_##dir<BASTILE_TYPE_##t, BASTILE_TYPE_##w, BASTILE_WIDTH_##access(BASTILE_TYPE_##t) ARGS_##held##bias>(p); \
   }
 #define DIR_fwd Forward
 #define DIR_bwd Backward
 #define RUN_fwd forward
 #define RUN_bwd backward
+#define SUFFIX_
+#define ARGS_
+#define BLOCKS_bwd 1
+#define SUFFIX_held4plain _held4_plain
+#define ARGS_held4plain , 4, false
+#define BLOCKS_fwdheld4plain 2
+#define SUFFIX_held4bias _held4_bias
+#define ARGS_held4bias , 4, true
+#define BLOCKS_fwdheld4bias 2
+#define SUFFIX_held8plain _held8_plain
+#define ARGS_held8plain , 8, false
+#define BLOCKS_fwdheld8plain 2
+#define SUFFIX_held8bias _held8_bias
+#define ARGS_held8bias , 8, true
+#define BLOCKS_fwdheld8bias 1
 EXPERT_COMBINE_FORWARD_KERNELS(KERNEL)
 EXPERT_COMBINE_BACKWARD_KERNELS(KERNEL)

@@ -16,13 +16,18 @@
 #define EXPERT_COMBINE_BLOCK 256
 
 /* expert_combine_<fwd|bwd>_<rows' dtype>_<weights' dtype>_<vec|scalar>: 16-byte vectors of the rows where every
- * row pointer allows them. */
-#define EXPERT_COMBINE_DTYPES(K, dir)                                                                      \
-  K(dir, f32, f32, vec) K(dir, f32, f32, scalar) K(dir, f16, f16, vec) K(dir, f16, f16, scalar)              \
-  K(dir, f16, f32, vec) K(dir, f16, f32, scalar) K(dir, bf16, bf16, vec) K(dir, bf16, bf16, scalar)          \
-  K(dir, bf16, f32, vec) K(dir, bf16, f32, scalar)
-#define EXPERT_COMBINE_FORWARD_KERNELS(K) EXPERT_COMBINE_DTYPES(K, fwd)
-#define EXPERT_COMBINE_BACKWARD_KERNELS(K) EXPERT_COMBINE_DTYPES(K, bwd)
+ * row pointer allows them. The forward's also by the pairs a token's threads hold in registers, their rows (and
+ * biases) read side by side (held4 for k <= 4, held8 for k <= 8; more are read one by one), and by whether a bias is
+ * given (plain or bias): each its own kernel, so that each takes only the registers it needs. */
+#define EXPERT_COMBINE_DTYPES(K, EACH) \
+  EACH(K, f32, f32) EACH(K, f16, f16) EACH(K, f16, f32) EACH(K, bf16, bf16) EACH(K, bf16, f32)
+#define EXPERT_COMBINE_FORWARD_OF(K, t, w, access) \
+  K(fwd, t, w, access, held4, plain) K(fwd, t, w, access, held4, bias) K(fwd, t, w, access, held8, plain) \
+  K(fwd, t, w, access, held8, bias)
+#define EXPERT_COMBINE_FORWARD_EACH(K, t, w) EXPERT_COMBINE_FORWARD_OF(K, t, w, vec) EXPERT_COMBINE_FORWARD_OF(K, t, w, scalar)
+#define EXPERT_COMBINE_BACKWARD_EACH(K, t, w) K(bwd, t, w, vec, , ) K(bwd, t, w, scalar, , )
+#define EXPERT_COMBINE_FORWARD_KERNELS(K) EXPERT_COMBINE_DTYPES(K, EXPERT_COMBINE_FORWARD_EACH)
+#define EXPERT_COMBINE_BACKWARD_KERNELS(K) EXPERT_COMBINE_DTYPES(K, EXPERT_COMBINE_BACKWARD_EACH)
 
 typedef struct ExpertCombineForward {
   const void *rows;         /* [tokens * k, dim] */

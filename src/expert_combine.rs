@@ -11,11 +11,11 @@ use std::ffi::c_void;
 
 /// One launch over `rows` rows of `dim` elements: 16-byte vectors of the rows' dtype where `dim` and every
 /// pointer allow them (`rows_like` hold the rows' dtype, `promoted` the promoted type's, vectors of as many
-/// elements); `p.group` is set here.
+/// elements), the kernel's tags after its access `variant`; `p.group` is set here.
 #[allow(clippy::too_many_arguments)]
 fn plan<P: Kernels>(dev: &Device, mut p: P, group_of: fn(&mut P) -> &mut i32, dir: Tag, dt: BastileDType,
-                    wt: BastileDType, rows_like: &[*const c_void], promoted: &[*const c_void], rows: i64, dim: i64)
-                    -> Result<Plan> {
+                    wt: BastileDType, variant: &[Tag], rows_like: &[*const c_void], promoted: &[*const c_void],
+                    rows: i64, dim: i64) -> Result<Plan> {
     if dt == BastileDType::BASTILE_F64 {
         return Err(format!("bastile.{}: float64 is supported on CPU only", P::OP));
     }
@@ -28,14 +28,19 @@ fn plan<P: Kernels>(dev: &Device, mut p: P, group_of: fn(&mut P) -> &mut i32, di
     let g = geometry::lane_group(dim / vec);
     *group_of(&mut p) = g;
     let access = if vec > 1 { Tag::Vec } else { Tag::Scalar };
-    let kernel = kernels::kernel::<P>(dev, &[dir, dt.tag(), wt.tag(), access], EXPERT_COMBINE_BLOCK)?;
+    let kernel = kernels::kernel::<P>(dev, &[&[dir, dt.tag(), wt.tag(), access], variant].concat(), EXPERT_COMBINE_BLOCK)?;
     Ok(Plan::single(kernel, geometry::lane_group_launch(rows, g, EXPERT_COMBINE_BLOCK), p))
 }
 
 impl Launch for ExpertCombineForward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
-        plan(dev, *self, |p| &mut p.group, Tag::Fwd, dt, wt, &[self.rows, self.bias], &[self.out], self.tokens, self.dim)
+        // The kernel that holds a token's k pairs in registers, for k <= 8; more are read one by one, where the
+        // kernel holding 4 takes the fewest registers.
+        let held = if (5..=8).contains(&self.k) { Tag::Held8 } else { Tag::Held4 };
+        let bias = if self.bias.is_null() { Tag::Plain } else { Tag::Bias };
+        plan(dev, *self, |p| &mut p.group, Tag::Fwd, dt, wt, &[held, bias], &[self.rows, self.bias], &[self.out],
+             self.tokens, self.dim)
     }
 
     fn cpu(&self) -> Result<()> {
@@ -49,7 +54,7 @@ impl Launch for ExpertCombineBackward {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
         let rows_like = [self.rows, self.grad_rows as *const c_void];
-        plan(dev, *self, |p| &mut p.group, Tag::Bwd, dt, wt, &rows_like, &[self.grad], self.tokens * self.k, self.dim)
+        plan(dev, *self, |p| &mut p.group, Tag::Bwd, dt, wt, &[], &rows_like, &[self.grad], self.tokens * self.k, self.dim)
     }
 
     fn cpu(&self) -> Result<()> {
@@ -180,6 +185,24 @@ mod tests {
                 dot = (dot.0 + g * x, dot.1 + (g * x).abs());
             }
             near("grad_weights", grad_weights[pair].to_f64(), dot.0, dot.1);
+        }
+    }
+
+    /// Every kernel a plan can ask for is listed: each pair of dtypes and access, and the forward's each held
+    /// count and bias.
+    #[test]
+    fn every_launch_has_a_kernel() {
+        let pairs = [(BASTILE_F32, BASTILE_F32), (BASTILE_F16, BASTILE_F16), (BASTILE_F16, BASTILE_F32),
+                     (BASTILE_BF16, BASTILE_BF16), (BASTILE_BF16, BASTILE_F32)];
+        for (dt, wt) in pairs {
+            for access in [Tag::Vec, Tag::Scalar] {
+                ExpertCombineBackward::find(&[Tag::Bwd, dt.tag(), wt.tag(), access]).unwrap();
+                for held in [Tag::Held4, Tag::Held8] {
+                    for bias in [Tag::Plain, Tag::Bias] {
+                        ExpertCombineForward::find(&[Tag::Fwd, dt.tag(), wt.tag(), access, held, bias]).unwrap();
+                    }
+                }
+            }
         }
     }
 

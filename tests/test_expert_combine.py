@@ -110,12 +110,12 @@ def biased(tokens, k, dim, experts=4, seed=5):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,weights_dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0, 1])
-@pytest.mark.parametrize("k", [3, 10])
+@pytest.mark.parametrize("k", [3, 6, 10])
 def test_bias_is_added_to_each_row_first(device, dtype, weights_dtype, offset, k):
     """With a bias, the op is the op without one on each row plus its pair's expert's bias as torch sums them (rounded
     once, as HF's `out + bias`): bit for bit, with the rows' and weights' gradients; the bias's gradient is each
     expert's rows' gradients summed (an expert with no pair gets 0). offset 1: a bias not 16-byte aligned (the scalar
-    kernels). k 10: more pairs a token than the CUDA kernel holds in registers."""
+    kernels). k 3 and 6: the CUDA kernels that hold 4 and 8 pairs a token in registers; k 10: more than they hold."""
     rows, position, weights, bias, expert = biased(29, k, 40)
     promoted = torch.promote_types(dtype, weights_dtype)
     rows, weights, position, expert = rows.to(device, dtype), weights.to(device, weights_dtype), position.to(device), expert.to(device)
