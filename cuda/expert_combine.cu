@@ -127,7 +127,7 @@ template <class T, class W, int V> __device__ __forceinline__ void backward(cons
 
 // A kernel of the lists (include/expert_combine.h): the forward's held and bias tags pick its template arguments
 // and its blocks an SM. It holds its pairs' pointers and vectors in registers, and more blocks keep more loads in
-// flight: two where their registers fit in half the SM's without many spills (H200: 1.2-1.6x the one-block kernel
+// flight: two where their registers fit in half the SM's without many spills (H200: 1.1-1.6x the one-block kernel
 // that held both kinds at once).
 #define KERNEL(dir, t, w, access, held, bias)                                                                    \
   extern "C" __global__ void __launch_bounds__(BLOCK, BLOCKS_##dir##held##bias)                                 \

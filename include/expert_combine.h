@@ -17,8 +17,8 @@
 
 /* expert_combine_<fwd|bwd>_<rows' dtype>_<weights' dtype>_<vec|scalar>: 16-byte vectors of the rows where every
  * row pointer allows them. The forward's also by the pairs a token's threads hold in registers, their rows (and
- * biases) read side by side (held4 for k <= 4, held8 for k <= 8; more are read one by one), and by whether a bias is
- * given (plain or bias): each its own kernel, so that each takes only the registers it needs. */
+ * biases) read side by side (held8 for 5 to 8 pairs, held4 for the others, which reads pairs past 4 one by one), and
+ * by whether a bias is given (plain or bias): each its own kernel, so that each takes only the registers it needs. */
 #define EXPERT_COMBINE_DTYPES(K, EACH) \
   EACH(K, f32, f32) EACH(K, f16, f16) EACH(K, f16, f32) EACH(K, bf16, bf16) EACH(K, bf16, f32)
 #define EXPERT_COMBINE_FORWARD_OF(K, t, w, access) \
