@@ -55,7 +55,7 @@ struct SwigluBackwardOp {
                                                                c10::string_view activation, bool dot) {
     constexpr const char* op = "swiglu_backward";
     const bool joined = !up_in.has_value();
-    at::Tensor gate = gate_in, up = up_in.value_or(at::Tensor()), grad;
+    at::Tensor gate = gate_in, up = up_in.value_or(at::Tensor());
     if (joined) {
       TORCH_CHECK(gate_in.dim() > 0 && gate_in.sym_size(-1) % 2 == 0, "bastile.", op,
                   ": without up, gate holds gate and up concatenated on its last dim, which must be even, got shape ",
@@ -69,21 +69,20 @@ struct SwigluBackwardOp {
     }
     check(op, gate, {{"up", up}, {"grad_y", grad_y}});
     const int32_t act = gate_activation(op, activation);
+    const auto dots = row_dots(op, dot, gate.sym_sizes(), gate);
     at::Tensor grad_gate, grad_up;
+    std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
     if (joined) {
-      grad = at::empty_symint(gate_in.sym_sizes(), gate.options());
+      const auto grad = at::empty_symint(gate_in.sym_sizes(), gate.options());
       grad_gate = grad.narrow_symint(-1, 0, gate.sym_size(-1));
       grad_up = grad.narrow_symint(-1, gate.sym_size(-1), gate.sym_size(-1));
+      out = {grad, at::empty({0}, gate.options()), dots};
     } else {
       grad_gate = at::empty_symint(gate.sym_sizes(), gate.options());
       grad_up = at::empty_symint(gate.sym_sizes(), gate.options());
+      out = {grad_gate, grad_up, dots};
     }
-    auto dots = row_dots(op, dot, gate.sym_sizes(), gate);
-    const auto results = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
-      if (joined) return {grad, at::empty({0}, gate.options()), dots};
-      return {grad_gate, grad_up, dots};
-    };
-    if (gate.is_meta() || gate.numel() == 0) return results();
+    if (gate.is_meta() || gate.numel() == 0) return out;
     const auto dy = grad_y.contiguous();
     const auto r = rows_of(gate, up);
     launch(dy, SwigluBackward{.grad_y = dy.data_ptr(), .gate = r.gate.data_ptr(), .up = r.up.data_ptr(),
@@ -91,7 +90,7 @@ struct SwigluBackwardOp {
                               .dot = dot ? dots.data_ptr() : nullptr, .n = dy.numel(), .cols = r.cols, .ld = r.ld,
                               .grad_ld = joined ? 2 * r.cols : r.cols, .dtype = dtype_code(op, {"gate", gate}),
                               .activation = act});
-    return results();
+    return out;
   }
 };
 
