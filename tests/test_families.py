@@ -1096,30 +1096,47 @@ def padded_step_matches_hf(family, inputs, watch):
 def test_right_padded_batch_runs_unmasked_as_hf(family):
     """A batch padded on the right, as HF's and TRL's collators pad (labels -100 at the pads): the loss and
     gradients are HF's with its padding mask, and no mask with padding is made (no token sees the pads after it:
-    the decoder drops the mask, so SDPA runs is_causal; GPT-OSS's pads are varlen spans). A left-padded batch
-    still gets HF's padding masks, except GPT-OSS's (spans too)."""
+    the decoder drops the mask, so SDPA runs is_causal; GPT-OSS's pads are varlen spans)."""
     from transformers import masking_utils
     (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]  # test_training_matches_hf_cpu_fp32's
-    right, left = torch.ones_like(ids), torch.ones_like(ids)
-    right[0, 30:], left[1, :9] = 0, 0
+    right = torch.ones_like(ids)
+    right[0, 30:] = 0
     inputs = dict(input_ids=ids, attention_mask=right, labels=labels.masked_fill(right == 0, -100))
     made = mock.Mock(wraps=masking_utils.padding_mask_function)  # HF's masks with padding
-    watch = lambda: mock.patch.object(masking_utils, "padding_mask_function", made)
-    model = padded_step_matches_hf(family, inputs, watch())
+    padded_step_matches_hf(family, inputs, mock.patch.object(masking_utils, "padding_mask_function", made))
     assert not made.called
-    with torch.no_grad(), watch():
-        model(input_ids=ids, attention_mask=left)
-    assert made.called != TRAITS[family].attention.sinks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_padded_at_both_ends_run_as_spans_as_hf(family):
+    """A row padded on the left and the right (an RL trainer's prompt and completion) beside one padded on the
+    right, labels -100 at the pads: the loss and gradients are HF's with its padding mask, and the decoder makes
+    no mask with padding (the rows' tokens run as varlen spans) unless an attention layer keeps HF's (an
+    attention softcap: Gemma 2). The first token's label is ignored too, as a prompt's are: the last left pad
+    predicts it, and a pad's output is not HF's (nor is HF's the same under eager attention and SDPA)."""
+    from transformers import masking_utils
+    (ids, labels), = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1)[0]
+    mask = torch.ones_like(ids)
+    mask[0, :9], mask[0, 40:], mask[1, 30:] = 0, 0, 0
+    labels = labels.masked_fill(mask == 0, -100)
+    labels[0, 9] = -100
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    made = mock.Mock(wraps=masking_utils.padding_mask_function)
+    model = padded_step_matches_hf(family, inputs, mock.patch.object(masking_utils, "padding_mask_function", made))
+    assert made.called == (getattr(model.config, "attn_logit_softcapping", None) is not None)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def test_gated_delta_net_padded_batch_matches_hf(family):
-    """A left-padded batch with its attention mask: the Gated DeltaNet zeroes the padding's inputs as HF's
-    does (its conv and state run over them), and the loss and gradients are HF's."""
+    """A left-padded batch with its attention mask: the row's tokens run as a varlen span, their conv and state
+    starting from zeros as HF's do over its zeroed pads, and the loss and gradients are HF's (the first token's
+    label ignored, as in test_rows_padded_at_both_ends_run_as_spans_as_hf)."""
     (ids, labels), = batches(1, 1, 2, 32, "cpu", ignore_fraction=0.1)[0]
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(mask == 0, -100))
+    labels = labels.masked_fill(mask == 0, -100)
+    labels[1, 5] = -100
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
     seen = Dispatched()
     padded_step_matches_hf(family, inputs, seen)
     assert "gated_delta_rule" in seen.ops

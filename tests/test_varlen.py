@@ -103,15 +103,16 @@ def test_sequences_follow_hf_packed_rule():
 
 
 def test_padded_spans_show_each_token_what_hfs_mask_shows():
-    """`padding` reads each row's tokens and where its pads lie (at its end, its start, both where it has none,
-    neither where they lie inside it); rows padded at one end as `padded` spans: each real token sees, causally
-    within its span, exactly the keys HF's padding rule shows it (keys at or before it that are not pads), and
-    every span holds only tokens or only pads."""
+    """`padding` reads each row's pads before its tokens and its tokens where the tokens are one run (pads at its
+    start, its end, both or neither), None where pads lie between them; such rows as `padded` spans: each real
+    token sees, causally within its span, exactly the keys HF's padding rule shows it (keys at or before it that
+    are not pads), and every span holds only tokens or only pads."""
     seq = 9
-    mask = torch.tensor([[1] * 6 + [0] * 3, [0] * 4 + [1] * 5, [1] * seq, [0] * seq, [1] * 8 + [0]])
+    mask = torch.tensor([[1] * 6 + [0] * 3, [0] * 4 + [1] * 5, [1] * seq, [0] * seq, [1] * 8 + [0],
+                         [0] * 2 + [1] * 4 + [0] * 3])
     rows = varlen.padding(mask)
-    assert rows == [(6, True, False), (5, False, True), (9, True, True), (0, True, True), (8, True, False)]
-    assert varlen.padding(torch.tensor([[1, 1, 0, 1]])) == [(3, False, False)]
+    assert rows == [(0, 6), (4, 5), (0, 9), (9, 0), (0, 8), (2, 4)]
+    assert varlen.padding(torch.tensor([[1, 1, 0, 1], [0, 1, 0, 1]])) == [None, None]
     got = varlen.padded(rows, seq, mask.device)
     cu = got["cu_seq_lens_q"]
     assert cu.dtype == torch.int32 and got["cu_seq_lens_k"] is cu

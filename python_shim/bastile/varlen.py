@@ -45,22 +45,22 @@ def sequences(position_ids: torch.Tensor, batch: int) -> Optional[dict]:
     return dict(zip(KEYS, (cu, cu, longest, longest)))
 
 
-def padding(mask: torch.Tensor) -> List[Tuple[int, bool, bool]]:
-    """Each row of a 2-D padding mask as (its tokens, whether its pads lie at its end, whether they lie at its
-    start): a row with no pad is both, one with pads inside it neither. One host read."""
+def padding(mask: torch.Tensor) -> List[Optional[Tuple[int, int]]]:
+    """Each row of a 2-D padding mask as (the pads before its tokens, its tokens) where its tokens are one run
+    (pads at its start, its end, both or neither), None where pads lie between them. One host read."""
     keep = mask.bool()
     n = keep.sum(1)
+    lead = (~keep).long().cumprod(1).sum(1)
     i = torch.arange(keep.shape[1], device=keep.device)
-    right = (keep == (i < n[:, None])).all(1)
-    left = (keep == (i >= keep.shape[1] - n[:, None])).all(1)
-    return [(n, bool(r), bool(l)) for n, r, l in torch.stack((n, right.long(), left.long())).t().tolist()]
+    run = (keep == ((i >= lead[:, None]) & (i < (lead + n)[:, None]))).all(1)
+    return [(a, b) if r else None for a, b, r in torch.stack((lead, n, run.long())).t().tolist()]
 
 
-def padded(rows: List[Tuple[int, bool, bool]], seq: int, device) -> dict:
-    """The varlen kwargs (KEYS) of rows of `seq` tokens padded at one end (`padding`'s rows, each at its end or
-    its start): a row's tokens are one sequence and its pads another, so that each token sees the tokens that
-    HF's mask shows it and the pads see only pads."""
-    lengths = [span for n, end, _ in rows for span in ((n, seq - n) if end else (seq - n, n)) if span]
+def padded(rows: List[Tuple[int, int]], seq: int, device) -> dict:
+    """The varlen kwargs (KEYS) of rows of `seq` tokens whose tokens are one run (`padding`'s rows): a row's
+    tokens are one sequence and its pads before and after them two others, so that each token sees the tokens
+    that HF's mask shows it and the pads see only pads."""
+    lengths = [span for lead, n in rows for span in (lead, n, seq - lead - n) if span]
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).to(device, non_blocking=True)
     return dict(zip(KEYS, (cu, cu, max(lengths), max(lengths))))
 

@@ -223,13 +223,17 @@ def masks(ctx: Context) -> Callable:
     no positions or varlen kwargs, is dropped outside tracing (one host read, as HF's SDPA check makes): every
     layer is causal, so no token sees the pads after it, and the call runs as an unpadded one (SDPA's
     `is_causal`, ~3x faster than its masked kernels). Only the pads' own outputs change, which no loss reads
-    with the pads' labels ignored (-100). Other masks (left padding) go to HF's.
+    with the pads' labels ignored (-100). Where every layer runs varlen (_varlen_types), rows whose tokens are
+    one run but with pads before them (an RL trainer's prompts padded on the left, its completions on the right)
+    run as varlen spans instead (varlen.padded: a row's tokens one sequence, its pads others), with no mask; the
+    pads' outputs change as above, and the positions stay HF's (0 at each row's first place, pad or not). Other masks
+    (pads inside a row, layers that keep HF's attention) go to HF's.
 
     Where Bastile's sink attention runs every layer (GPT-OSS, `masks_itself`), it applies causality and each
-    layer's window itself, and the decoder makes no masks: a 2-D mask of ones is dropped, and rows padded at one
-    end run as varlen spans (varlen.padded; one host read, as HF's SDPA check makes), each layer given the 2-D
-    mask, whose pads' outputs the sink attention zeroes. Only a mask with pads inside a row reaches HF's masks
-    (the sink attention's dense core)."""
+    layer's window itself, and the decoder makes no masks: a 2-D mask of ones is dropped, and rows whose tokens
+    are one run go as varlen spans (with positions too), each layer given the 2-D mask, whose pads' outputs the
+    sink attention zeroes. Only a mask with pads inside a row reaches HF's masks (the sink attention's dense
+    core)."""
     positions, takes_varlen = text_positions(ctx.family), varlen_rule(ctx.family)
     typed = "layer_types" in ctx.family.config
     sinks = ctx.family.attention.sinks
@@ -244,12 +248,16 @@ def masks(ctx: Context) -> Callable:
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and (masks_itself or (
                 position_ids is None and not packed and not torch.compiler.is_compiling())):
             rows, seq = varlen.padding(attention_mask), attention_mask.shape[1]
-            if all(n == seq for n, _, _ in rows) or (not masks_itself and all(end for _, end, _ in rows)):
+            if all(r == (0, seq) for r in rows) or (not masks_itself and all(r and r[0] == 0 for r in rows)):
                 # no pads, or pads only after each row's tokens, which causal attention never shows them
                 attention_mask = None
-            elif masks_itself and not packed and all(end or start for _, end, start in rows):
+            elif not packed and None not in rows and (masks_itself or _varlen_types(
+                    ctx, takes_varlen, decoder, layer_types) == set(layer_types or [None])):
+                # each row's tokens one run (a prompt padded on the left, its completion on the right): spans
                 spans = varlen.padded(rows, seq, attention_mask.device)
-                return dict.fromkeys(layer_types, attention_mask), input_ids, inputs_embeds, {**kwargs, **spans}
+                mask = attention_mask if masks_itself else None  # the sink attention zeroes the pads' outputs
+                return (dict.fromkeys(layer_types, mask) if typed else mask), input_ids, inputs_embeds, \
+                    {**kwargs, **spans}
         if attention_mask is not None:
             return attention_mask, input_ids, inputs_embeds, kwargs
         position_ids = positions(position_ids)
