@@ -24,7 +24,8 @@ model type, its defaults, fused linear cross-entropy included, before the model 
 torch.cuda.max_memory_allocated over the child. --compile [MODE] compiles each decoder layer (module.compile(mode=MODE),
 regional compilation) in every mode, after PEFT; the warmup steps compile (and record the CUDA graphs of
 reduce-overhead). --padded ROWS: batches of ROWS rows of random lengths (seq / 4 to seq) padded on the right
-(train_random's; tokens/s of real tokens). Writes families.csv and .log under $OUT or
+(train_random's; tokens/s of real tokens); with --both-ends, an RL trainer's rows: a prompt padded on the left
+and a completion on the right. Writes families.csv and .log under $OUT or
 bench-results/.
 """
 
@@ -288,14 +289,15 @@ def child(args) -> dict:
     seq, batch = (64, 2) if args.smoke else (args.seq or seq, batch)
     batch = args.padded or batch
     work = ((f"LoRA r{LORA}" if targets else "full") + (", checkpointed" if args.checkpoint else "")
-            + (", padded" if args.padded else "")
+            + ((", padded at both ends" if args.both_ends else ", padded") if args.padded else "")
             + (f", layers compiled ({args.compile})" if args.compile else ""))
     result = {"model": args.model, "mode": args.mode, "work": work,
               "seq": seq, "batch": batch}
     try:
         result["env"] = environment()
         net, opt, vocab = build(args.mode, args.model, args.device, args.smoke, args.checkpoint, args.compile)
-        train_random(result, net, opt, vocab, batch, seq, args, padded=bool(args.padded))
+        pad = ("both" if args.both_ends else "right") if args.padded else ""
+        train_random(result, net, opt, vocab, batch, seq, args, pad=pad)
         if args.profile:
             result["profile"] = profile_step(net, opt, torch.randint(0, vocab, (batch, seq), device=args.device),
                                              args.device)
@@ -349,7 +351,7 @@ def parent(args):
     extra = ((["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
              + ([f"--seq={args.seq}"] if args.seq else []) + (["--checkpoint"] if args.checkpoint else [])
              + ([f"--compile={args.compile}"] if args.compile else [])
-             + ([f"--padded={args.padded}"] if args.padded else []))
+             + ([f"--padded={args.padded}"] if args.padded else []) + (["--both-ends"] if args.both_ends else []))
 
     def show(result):
         if "profile" in result:
@@ -373,6 +375,8 @@ def main():
                     help="each decoder layer torch.compile'd (regional), in torch.compile's MODE (default: default)")
     ap.add_argument("--padded", type=int, default=0, metavar="ROWS",
                     help="batches of ROWS right-padded rows of random lengths (seq / 4 to seq)")
+    ap.add_argument("--both-ends", action="store_true",
+                    help="with --padded: each row a prompt padded on the left and a completion on the right")
     modes_main(ap.parse_args(), child, parent)
 
 

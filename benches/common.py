@@ -435,20 +435,27 @@ def published(folder: str, whole: bool = False) -> dict:
     return raw if whole else raw.get("text_config", raw)
 
 
-def train_random(result: dict, net, opt, vocab: int, batch: int, seq: int, args, padded: bool = False):
+def train_random(result: dict, net, opt, vocab: int, batch: int, seq: int, args, pad: str = ""):
     """args.steps steps on random tokens (the first args.warmup not timed): tokens/s (real tokens, pads not
-    counted), peak GiB and losses into result. `padded`: each row's length drawn from seq / 4 to seq, padded on
-    the right to seq (the attention mask; labels -100 at the pads, as HF's collators give them)."""
+    counted), peak GiB and losses into result. `pad` "right": each row's length drawn from seq / 4 to seq, padded
+    on the right to seq (the attention mask; labels -100 at the pads, as HF's collators give them); "both": an RL
+    trainer's rows, a prompt of seq / 8 to seq / 2 tokens padded on the left to seq / 2, then a completion as
+    long padded on the right (labels -100 at the pads and the prompt, whose loss no RL trainer takes)."""
     gen = torch.Generator().manual_seed(1)
     data, tokens = [], 0
     for step in range(args.steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-        mask = torch.ones_like(ids)
-        if padded:
-            mask = (torch.arange(seq) < torch.randint(seq // 4, seq + 1, (batch, 1), generator=gen)).long()
+        mask, labels = torch.ones_like(ids), ids.clone()
+        half, i = seq // 2, torch.arange(seq)
+        if pad == "right":
+            mask = (i < torch.randint(seq // 4, seq + 1, (batch, 1), generator=gen)).long()
+        elif pad == "both":
+            prompt, completion = torch.randint(seq // 8, half + 1, (2, batch, 1), generator=gen)
+            mask = ((i >= half - prompt) & (i < half + completion)).long()
+            labels[:, :half] = -100
         data.append({k: t.to(args.device) for k, t in
-                     dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).items()}
-                    if padded else ids.to(args.device))
+                     dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(mask == 0, -100)).items()}
+                    if pad else ids.to(args.device))
         tokens += int(mask.sum()) if step >= args.warmup else 0
     losses, elapsed, peak = train_steps(net, opt, data, args.warmup, args.device, sync)
     result.update(status="ok", tokens_per_s=tokens / elapsed, peak_alloc_GiB=peak, losses=[l.item() for l in losses])
