@@ -47,10 +47,11 @@ def sequences(position_ids: torch.Tensor, batch: int) -> Optional[dict]:
 
 def padding(mask: torch.Tensor) -> List[Optional[Tuple[int, int]]]:
     """Each row of a 2-D padding mask as (the pads before its tokens, its tokens) where its tokens are one run
-    (pads at its start, its end, both or neither), None where pads lie between them. One host read."""
+    (pads at its start, its end, both or neither), None where pads lie between them; a row of pads only is
+    (0, 0), padded at its end. One host read."""
     keep = mask.bool()
     n = keep.sum(1)
-    lead = (~keep).long().cumprod(1).sum(1)
+    lead = (~keep).long().cumprod(1).sum(1) * (n > 0)
     i = torch.arange(keep.shape[1], device=keep.device)
     run = (keep == ((i >= lead[:, None]) & (i < (lead + n)[:, None]))).all(1)
     return [(a, b) if r else None for a, b, r in torch.stack((lead, n, run.long())).t().tolist()]
