@@ -141,6 +141,8 @@ CASES = [("sft", "qwen3", dict(loss_type="nll")), ("sft", "llama", dict(loss_typ
          ("sft", "qwen3", dict(loss_type="nll", lora=True)),
          ("sft", "qwen3", dict(loss_type="dft")), ("sft", "llama", dict(loss_type="dft", packing=True)),
          ("dpo", "qwen3", {}), ("kto", "llama", {}), ("grpo", "qwen3", {}), ("rloo", "llama", {}),
+         # two prompts of a batch's eight rows: the shorter padded on the left (Bastile's decoder: varlen spans)
+         ("grpo", "llama", dict(per_device_train_batch_size=8)),
          # TRL's head on each newer family (Granite's: TRL scales the logits by 1 / logits_scaling). GraniteMoE's
          # config has no num_experts, which TRL's head reads for the router's loss: TRL alone runs it without
          # that loss only (families.py refuses it too)
