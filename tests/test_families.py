@@ -1126,16 +1126,21 @@ def test_rows_padded_at_both_ends_run_as_spans_as_hf(family):
     assert made.called == (getattr(model.config, "attn_logit_softcapping", None) is not None)
 
 
+@pytest.mark.parametrize("pads", ["left", "inside"])
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
-def test_gated_delta_net_padded_batch_matches_hf(family):
-    """A left-padded batch with its attention mask: the row's tokens run as a varlen span, their conv and state
-    starting from zeros as HF's do over its zeroed pads, and the loss and gradients are HF's (the first token's
-    label ignored, as in test_rows_padded_at_both_ends_run_as_spans_as_hf)."""
+def test_gated_delta_net_padded_batch_matches_hf(family, pads):
+    """A padded batch with its attention mask, and the loss and gradients are HF's. Left: the row's tokens run as
+    a varlen span, their conv and state starting from zeros as HF's do over its zeroed pads (the first token's
+    label ignored, as in test_rows_padded_at_both_ends_run_as_spans_as_hf). Inside a row: HF's masks, and the
+    Gated DeltaNet zeroes the pads' inputs as HF's does (its conv and state run over them)."""
     (ids, labels), = batches(1, 1, 2, 32, "cpu", ignore_fraction=0.1)[0]
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
+    if pads == "inside":
+        mask[1, :5], mask[1, 10:14] = 1, 0
     labels = labels.masked_fill(mask == 0, -100)
-    labels[1, 5] = -100
+    if pads == "left":
+        labels[1, 5] = -100
     inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
     seen = Dispatched()
     padded_step_matches_hf(family, inputs, seen)
