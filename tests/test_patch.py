@@ -349,7 +349,7 @@ def test_unmasked_training_step_gives_sdpa_is_causal(monkeypatch, compiled):
     assert calls == [(True, True)] * 2  # one per layer
     right, left = torch.ones_like(ids), torch.ones_like(ids)
     right[0, -3:], left[0, :3] = 0, 0
-    for padding, unmasked in ((right, not compiled),) + (((left, False),) if compiled else ()):
+    for padding, unmasked in [(right, not compiled)] + ([(left, False)] if compiled else []):
         calls.clear()
         step(attention_mask=padding)
         assert calls == [(unmasked, unmasked)] * 2

@@ -256,8 +256,8 @@ def masks(ctx: Context) -> Callable:
                 # each row's tokens one run (a prompt padded on the left, its completion on the right): spans
                 spans = varlen.padded(rows, seq, attention_mask.device)
                 mask = attention_mask if masks_itself else None  # the sink attention zeroes the pads' outputs
-                return (dict.fromkeys(layer_types, mask) if typed else mask), input_ids, inputs_embeds, \
-                    {**kwargs, **spans}
+                return ((dict.fromkeys(layer_types, mask) if typed else mask), input_ids, inputs_embeds,
+                        {**kwargs, **spans})
         if attention_mask is not None:
             return attention_mask, input_ids, inputs_embeds, kwargs
         position_ids = positions(position_ids)
