@@ -98,10 +98,11 @@ __device__ void zero_rest(const ExpertSwiglu &p, int64_t from) {
 
 // One warp group's 64 rows of a tile: gate_up and h as bf16, 16-byte stores (columns 8 j + 2 q of the
 // accumulators' layout, gathered per thread by quad_transpose).
+template <int Act>
 __device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128], const ExpertTiles::Place &at,
                                          int group, int t) {
   const int warp = t / 32, lane = t % 32, q = lane % 4;
-  const bool gelu = p.activation == SWIGLU_GELU_TANH;
+  constexpr bool gelu = Act == SWIGLU_GELU_TANH;
   bf16 *gate_up = static_cast<bf16 *>(p.gate_up), *h = static_cast<bf16 *>(p.h);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -130,7 +131,7 @@ __device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128
   }
 }
 
-__device__ __forceinline__ void run(const ExpertSwiglu &p) {
+template <int Act> __device__ __forceinline__ void run(const ExpertSwiglu &p) {
   __shared__ int32_t first[EXPERT_SWIGLU_MAX_EXPERTS + 1], ends[EXPERT_SWIGLU_MAX_EXPERTS];
   groups(p, first, ends, (int)(p.inter / kCols));
   __syncthreads();
@@ -138,7 +139,7 @@ __device__ __forceinline__ void run(const ExpertSwiglu &p) {
   const ExpertTiles walk{first, ends, p.experts, p.inter, first[p.experts]};
   gemm_bf16_tn<EXPERT_SWIGLU_MAX_STAGES>(&p.x_map, &p.weight_map, p.in, p.stages, walk,
                                          [&](float (&acc)[128], int64_t tile, int group, int t) {
-                                           epilogue(p, acc, walk.place(tile), group, t);
+                                           epilogue<Act>(p, acc, walk.place(tile), group, t);
                                          });
 }
 
@@ -176,13 +177,14 @@ template <class T> __device__ __forceinline__ void rows(const ExpertSwiglu &p) {
 
 }  // namespace
 
-#define EXPERT_SWIGLU_gemm(dt)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(kGemmThreads, 1) expert_swiglu_gemm_##dt(const __grid_constant__ ExpertSwiglu p) { \
-    run(p);                                                                                                        \
+constexpr int kAct_silu = SWIGLU_SILU, kAct_gelu_tanh = SWIGLU_GELU_TANH;
+#define EXPERT_SWIGLU_gemm(dt, act)                                                                                \
+  extern "C" __global__ void __launch_bounds__(kGemmThreads, 1) expert_swiglu_gemm_##dt##_##act(const __grid_constant__ ExpertSwiglu p) { \
+    run<kAct_##act>(p);                                                                                            \
   }
 #define EXPERT_SWIGLU_rows(dt)                                                                                     \
   extern "C" __global__ void __launch_bounds__(EXPERT_SWIGLU_ROWS_BLOCK) expert_swiglu_rows_##dt(const __grid_constant__ ExpertSwiglu p) { \
     rows<BASTILE_TYPE_##dt>(p);                                                                                    \
   }
-#define KERNEL(kind, dt) EXPERT_SWIGLU_##kind(dt)
+#define KERNEL(kind, ...) EXPERT_SWIGLU_##kind(__VA_ARGS__)
 EXPERT_SWIGLU_KERNELS(KERNEL)

@@ -49,7 +49,8 @@ impl Launch for ExpertSwiglu {
         let mut p = *self;
         p.x_map = crate::driver::tensor_map_bf16(p.x, p.pairs, p.in_, k, m)?;
         p.weight_map = crate::driver::tensor_map_bf16(p.weight, weight_rows, p.in_, k, n / 2)?;
-        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16], BASTILE_GEMM_THREADS, 1)?;
+        let act = Activation::of(self.activation)?;
+        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16, act.tag()], BASTILE_GEMM_THREADS, 1)?;
         let (stages, shared) = crate::geometry::gemm_stages(gemm.shared, EXPERT_SWIGLU_MAX_STAGES)
             .ok_or_else(|| format!("{OP}: {} bytes of shared memory hold no GEMM pipeline", gemm.shared))?;
         p.stages = stages as i32;

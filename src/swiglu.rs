@@ -97,6 +97,14 @@ impl Activation {
         }
     }
 
+    /// The word for this activation in kernel names.
+    pub(crate) fn tag(self) -> crate::kernels::Tag {
+        match self {
+            Self::Silu => crate::kernels::Tag::Silu,
+            Self::GeluTanh => crate::kernels::Tag::GeluTanh,
+        }
+    }
+
     /// act(g). GELU-tanh in f32 unless T is f64 (`wide`): its 1 + tanh cancels for negative gates, where
     /// torch's f32 result (HF's, and the GPU's) is what training with it sees.
     pub(crate) fn value(self, g: f64, wide: bool) -> f64 {
