@@ -97,12 +97,14 @@ __device__ void zero_rest(const ExpertSwiglu &p, int64_t from) {
 }
 
 // One warp group's 64 rows of a tile: gate_up and h as bf16, 16-byte stores (columns 8 j + 2 q of the
-// accumulators' layout, gathered per thread by quad_transpose).
+// accumulators' layout, gathered per thread through the warp's scratch by stmatrix).
 template <int Act>
 __device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128], const ExpertTiles::Place &at,
                                          int group, int t) {
   const int warp = t / 32, lane = t % 32, q = lane % 4;
   constexpr bool gelu = Act == SWIGLU_GELU_TANH;
+  __shared__ alignas(16) unsigned char scratch[2 * 4][3 * kRegroupBytes];  // each consumer warp's g, u and y
+  unsigned char *mine = scratch[group * 4 + warp];
   bf16 *gate_up = static_cast<bf16 *>(p.gate_up), *h = static_cast<bf16 *>(p.h);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -121,7 +123,12 @@ __device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128
         const float y0 = round_to<bf16>(gate_act(gf.x, gelu)) * uf.x, y1 = round_to<bf16>(gate_act(gf.y, gelu)) * uf.y;
         g[i] = bits(gv), u[i] = bits(uv), y[i] = bits(__floats2bfloat162_rn(y0, y1));
       }
-      const uint4 gw = quad_transpose(g, q), uw = quad_transpose(u, q), yw = quad_transpose(y, q);
+      store_matrices(mine, lane, g), store_matrices(mine + kRegroupBytes, lane, u);
+      store_matrices(mine + 2 * kRegroupBytes, lane, y);
+      __syncwarp();
+      const uint4 gw = load_group(mine, lane), uw = load_group(mine + kRegroupBytes, lane);
+      const uint4 yw = load_group(mine + 2 * kRegroupBytes, lane);
+      __syncwarp();  // read before the next j's matrices overwrite them
       if (in) {
         *reinterpret_cast<uint4 *>(g_out + 8 * (j + q)) = gw;
         *reinterpret_cast<uint4 *>(u_out + 8 * (j + q)) = uw;
