@@ -373,6 +373,8 @@ __device__ __forceinline__ void epilogue(const CrossEntropyGemm &p, float (&acc)
   const float pre = CAP ? (float)(p.logit_scale / p.softcap) : 0.f;
   const float post = CAP ? (float)(p.softcap / p.temperature) : 0.f, inv_post = CAP ? 1.f / post : 0.f;
   const int warp = t / 32, lane = t % 32, q = lane % 4;
+  __shared__ alignas(16) unsigned char scratch[2 * 4][kRegroupBytes];  // each consumer warp's
+  unsigned char *mine = scratch[group * 4 + warp];
   const int64_t tiles = ceil_div(p.vocab, kTileN);
   const bool whole = (n + 1) * kTileN <= p.vocab;
   float2 *partial = reinterpret_cast<float2 *>(p.partial);
@@ -420,8 +422,11 @@ __device__ __forceinline__ void epilogue(const CrossEntropyGemm &p, float (&acc)
       bf16 *out = static_cast<bf16 *>(p.exps) + row * p.ld + n * kTileN;
 #pragma unroll
       for (int j = 0; j < kTileN / 8; j += 4) {
-        uint32_t v[4] = {e[j], e[j + 1], e[j + 2], e[j + 3]};
-        const uint4 w = quad_transpose(v, q);
+        const uint32_t v[4] = {e[j], e[j + 1], e[j + 2], e[j + 3]};
+        store_matrices(mine, lane, v);
+        __syncwarp();
+        const uint4 w = load_group(mine, lane);
+        __syncwarp();  // read before the next j's matrices overwrite them
         if (in && (whole || n * kTileN + 8 * (j + q) < p.ld)) *reinterpret_cast<uint4 *>(out + 8 * (j + q)) = w;
       }
     }

@@ -179,27 +179,14 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
 #endif
 }
 
-// Epilogue helpers, for 16-byte stores of bf16 results: a pair of bf16 as one register, and the quad's transpose.
+// Epilogue helpers, for 16-byte stores of bf16 results: a pair of bf16 as one register, and the regrouping of a
+// row's columns. The four threads of a row each hold columns 2q, 2q + 1 (q = lane % 4) of four 8-column groups
+// (v[i]: group i); stmatrix writes the warp's four 8 x 8 bf16 matrices to its scratch as 8 rows of 80 bytes (64
+// and 16 of padding, so that no phase of the writes meets a bank twice), and thread q of a row reads group q's 8
+// columns back (load_group, after a __syncwarp). Fewer instructions than a transpose over the quad by shuffles
+// (its selects and moves): 2-6% of the experts' gate/up GEMM (H200).
 __device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t *>(&v); }
 
-// The four threads of a row each hold columns 2q, 2q + 1 (q = lane % 4) of four 8-column groups
-// (v[i]: group i); afterwards thread q holds all 8 columns of group q, in order: a 4 x 4 transpose over
-// the quad in two exchanges, so that each thread stores 16 contiguous bytes.
-__device__ __forceinline__ uint4 quad_transpose(uint32_t (&v)[4], int q) {
-  const bool b1 = q & 2, b0 = q & 1;
-  uint32_t r0 = __shfl_xor_sync(0xffffffffu, b1 ? v[0] : v[2], 2), r1 = __shfl_xor_sync(0xffffffffu, b1 ? v[1] : v[3], 2);
-  if (b1) v[0] = r0, v[1] = r1;
-  else v[2] = r0, v[3] = r1;
-  r0 = __shfl_xor_sync(0xffffffffu, b0 ? v[0] : v[1], 1), r1 = __shfl_xor_sync(0xffffffffu, b0 ? v[2] : v[3], 1);
-  if (b0) v[0] = r0, v[2] = r1;
-  else v[1] = r0, v[3] = r1;
-  return make_uint4(v[0], v[1], v[2], v[3]);
-}
-
-// The same regrouping through shared memory, for epilogues that can spare 640 bytes a warp and an array: stmatrix
-// writes the warp's four 8 x 8 bf16 matrices (v[i] as above) as 8 rows of 80 bytes (64 and 16 of padding, so that
-// no phase of the writes meets a bank twice), and thread q of a row reads group q's 8 columns back. Fewer
-// instructions than the shuffles' selects and moves: 2-6% of the experts' gate/up GEMM (H200).
 constexpr int kRegroupRow = 80, kRegroupBytes = 8 * kRegroupRow;
 __device__ __forceinline__ void store_matrices(unsigned char *scratch, int lane, const uint32_t (&v)[4]) {
   const uint32_t at = shared_address(scratch + lane % 8 * kRegroupRow + lane / 8 * 16);
