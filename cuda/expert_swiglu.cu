@@ -103,8 +103,7 @@ __device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128
                                          int group, int t) {
   const int warp = t / 32, lane = t % 32, q = lane % 4;
   constexpr bool gelu = Act == SWIGLU_GELU_TANH;
-  __shared__ alignas(16) unsigned char scratch[2 * 4][3 * kRegroupBytes];  // each consumer warp's g, u and y
-  unsigned char *mine = scratch[group * 4 + warp];
+  unsigned char *mine = regroup_scratch<3>(group, t);  // g, u and y
   bf16 *gate_up = static_cast<bf16 *>(p.gate_up), *h = static_cast<bf16 *>(p.h);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {

@@ -373,8 +373,7 @@ __device__ __forceinline__ void epilogue(const CrossEntropyGemm &p, float (&acc)
   const float pre = CAP ? (float)(p.logit_scale / p.softcap) : 0.f;
   const float post = CAP ? (float)(p.softcap / p.temperature) : 0.f, inv_post = CAP ? 1.f / post : 0.f;
   const int warp = t / 32, lane = t % 32, q = lane % 4;
-  __shared__ alignas(16) unsigned char scratch[2 * 4][kRegroupBytes];  // each consumer warp's exps, regrouped
-  unsigned char *mine = scratch[group * 4 + warp];
+  unsigned char *mine = regroup_scratch<1>(group, t);  // the exps
   const int64_t tiles = ceil_div(p.vocab, kTileN);
   const bool whole = (n + 1) * kTileN <= p.vocab;
   float2 *partial = reinterpret_cast<float2 *>(p.partial);
