@@ -95,7 +95,7 @@ constexpr int kGemmTileM = BASTILE_GEMM_TILE_M, kGemmTileN = BASTILE_GEMM_TILE_N
 constexpr uint32_t kGemmBytesHalfB = kGemmTileN / 2 * kGemmTileK * 2;
 constexpr uint32_t kGemmBytesA = kGemmTileM * kGemmTileK * 2;
 constexpr uint32_t kGemmStageBytes = kGemmBytesA + kGemmTileN * kGemmTileK * 2;
-constexpr int kGemmThreads = BASTILE_GEMM_THREADS;
+constexpr int kGemmThreads = BASTILE_GEMM_THREADS, kWarpGroup = 128;  // a warp group: WGMMA's threads
 
 // The persistent, warp-specialised GEMM A B^T of bf16 K-major operands, A [M, k] and B [N, k] (row-major,
 // through TMA maps with boxes of kGemmTileK x kGemmTileM and kGemmTileK x kGemmTileN / 2), by blocks of
@@ -124,7 +124,7 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
   }
   __syncthreads();
   const int steps = (int)((k_size + kGemmTileK - 1) / kGemmTileK);
-  const int group = threadIdx.x / 128, t = threadIdx.x % 128;
+  const int group = threadIdx.x / kWarpGroup, t = threadIdx.x % kWarpGroup;
   int s = 0;
   uint32_t phase = 0;
   if (group == 0) {
@@ -200,8 +200,8 @@ __device__ __forceinline__ uint4 load_group(const unsigned char *scratch, int la
 // The scratch of consumer warp `t / 32` of warp group `group` (gemm_bf16_tn's epilogue arguments), room for `Sets`
 // sets of four matrices: one array a shared memory for each Sets, the epilogues' only static shared memory.
 template <int Sets> __device__ __forceinline__ unsigned char *regroup_scratch(int group, int t) {
-  constexpr int warps = 128 / 32;
-  __shared__ alignas(16) unsigned char scratch[(kGemmThreads / 128 - 1) * warps][Sets * kRegroupBytes];
+  constexpr int warps = kWarpGroup / 32;
+  __shared__ alignas(16) unsigned char scratch[(kGemmThreads / kWarpGroup - 1) * warps][Sets * kRegroupBytes];
   return scratch[group * warps + t / 32];
 }
 
