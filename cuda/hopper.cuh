@@ -198,7 +198,7 @@ __device__ __forceinline__ uint4 load_group(const unsigned char *scratch, int la
   return *reinterpret_cast<const uint4 *>(scratch + lane / 4 * kRegroupRow + lane % 4 * 16);
 }
 // The scratch of consumer warp `t / 32` of warp group `group` (gemm_bf16_tn's epilogue arguments), room for `Sets`
-// sets of four matrices: one array a shared memory for each Sets, the epilogues' only static shared memory.
+// sets of four matrices: a static array for each Sets, in the kernels whose epilogue asks for it.
 template <int Sets> __device__ __forceinline__ unsigned char *regroup_scratch(int group, int t) {
   constexpr int warps = kWarpGroup / 32;
   __shared__ alignas(16) unsigned char scratch[(kGemmThreads / kWarpGroup - 1) * warps][Sets * kRegroupBytes];
