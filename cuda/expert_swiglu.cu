@@ -4,6 +4,7 @@
 // gate_up and h from the accumulators, and nothing reads gate_up back. Elsewhere on CUDA, the rows kernel.
 #include "elementwise.cuh"
 #include "expert_swiglu.h"
+#include "expert_tiles.cuh"
 #include "hopper.cuh"
 #include "swiglu.h"
 
@@ -15,91 +16,10 @@ namespace {
 constexpr int kCols = EXPERT_SWIGLU_TILE_COLS;
 static_assert(2 * kCols == kGemmTileN, "a tile is 128 gate and 128 up columns");
 
-// The walk over the experts' tiles: expert e's rows are ends[e - 1] .. ends[e] (0 before the first), its tiles
-// first[e] .. first[e + 1], column tiles outer, row tiles inner (the blocks in flight share a weight tile; the
-// expert's rows of x stay in L2 across its columns).
-struct ExpertTiles {
-  const int32_t *first, *ends;
-  int experts;
-  int64_t inter, count;
-
-  __device__ bool none() const { return count == 0; }
-  __device__ bool skip(int64_t) const { return false; }
-  __device__ int64_t start(int e) const { return e == 0 ? 0 : ends[e - 1]; }
-  // The expert of a tile: the last e with first[e] <= tile (experts without rows have first[e] == first[e + 1]).
-  __device__ int expert(int64_t tile) const {
-    int lo = 0, hi = experts - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (first[mid] <= tile) lo = mid;
-      else hi = mid - 1;
-    }
-    return lo;
-  }
-  struct Place {
-    int e;
-    int64_t row, col;  // the tile's first row of x, and its first column of gate (and of up, past inter)
-    int64_t end;       // the expert's end
-  };
-  __device__ Place place(int64_t tile) const {
-    const int e = expert(tile);
-    const int64_t s = start(e), row_tiles = (ends[e] - s + kGemmTileM - 1) / kGemmTileM, local = tile - first[e];
-    return {e, s + local % row_tiles * kGemmTileM, local / row_tiles * kCols, ends[e]};
-  }
-  __device__ int32_t a_row(int64_t tile) const { return (int32_t)place(tile).row; }
-  __device__ int32_t b_row(int64_t tile, int half) const {
-    const Place at = place(tile);
-    return (int32_t)(at.e * 2 * inter + half * inter + at.col);
-  }
-};
-
-__device__ __forceinline__ int64_t clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
-
-// ends[e], the running maximum of the offsets clamped to 0..pairs, and first[e] for every expert and
-// first[experts] (the tiles' count): scans by the block's first warp in chunks of 32 experts.
-__device__ void groups(const ExpertSwiglu &p, int32_t *first, int32_t *ends, int col_tiles) {
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  int32_t top = 0, tiles = 0;
-  if (lane == 0) first[0] = 0;
-  for (int base = 0; base < p.experts; base += 32) {
-    const int e = base + lane;
-    int32_t end = e < p.experts ? (int32_t)clamp(p.offsets[e], 0, p.pairs) : 0;
-    int32_t v = 0;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int32_t u = __shfl_up_sync(0xffffffffu, end, o);
-      if (lane >= o) end = max(end, u);
-    }
-    end = max(end, top);
-    const int32_t before = __shfl_up_sync(0xffffffffu, end, 1), start = lane == 0 ? top : before;
-    if (e < p.experts) v = (end - start + kGemmTileM - 1) / kGemmTileM * col_tiles;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += u;
-    }
-    if (e < p.experts) first[e + 1] = tiles + v, ends[e] = end;
-    top = __shfl_sync(0xffffffffu, end, 31);
-    tiles += __shfl_sync(0xffffffffu, v, 31);
-  }
-}
-
-// Rows past the last end belong to no expert: zeros, by the blocks in turn (none where the offsets end at pairs).
-__device__ void zero_rest(const ExpertSwiglu &p, int64_t from) {
-  bf16 *gate_up = static_cast<bf16 *>(p.gate_up), *h = static_cast<bf16 *>(p.h);
-  const bf16 zero = from_f32<bf16>(0.f);
-  for (int64_t r = from + blockIdx.x; r < p.pairs; r += gridDim.x)
-    for (int64_t c = threadIdx.x; c < 3 * p.inter; c += blockDim.x) {
-      if (c < 2 * p.inter) gate_up[r * 2 * p.inter + c] = zero;
-      else h[r * p.inter + c - 2 * p.inter] = zero;
-    }
-}
-
 // One warp group's 64 rows of a tile: gate_up and h as bf16, 16-byte stores (columns 8 j + 2 q of the
 // accumulators' layout, gathered per thread through the warp's scratch by stmatrix).
 template <int Act>
-__device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128], const ExpertTiles::Place &at,
+__device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128], const ExpertTiles<kCols>::Place &at,
                                          int group, int t) {
   const int warp = t / 32, lane = t % 32, q = lane % 4;
   constexpr bool gelu = Act == SWIGLU_GELU_TANH;
@@ -139,10 +59,12 @@ __device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128
 
 template <int Act> __device__ __forceinline__ void run(const ExpertSwiglu &p) {
   __shared__ int32_t first[EXPERT_SWIGLU_MAX_EXPERTS + 1], ends[EXPERT_SWIGLU_MAX_EXPERTS];
-  groups(p, first, ends, (int)(p.inter / kCols));
+  expert_groups(p.offsets, p.experts, p.pairs, (int)(p.inter / kCols), first, ends);
   __syncthreads();
-  zero_rest(p, ends[p.experts - 1]);
-  const ExpertTiles walk{first, ends, p.experts, p.inter, first[p.experts]};
+  zero_rows(static_cast<bf16 *>(p.gate_up), 2 * p.inter, ends[p.experts - 1], p.pairs);
+  zero_rows(static_cast<bf16 *>(p.h), p.inter, ends[p.experts - 1], p.pairs);
+  // a tile's 256 columns of B: 128 of gate, the same 128 of up
+  const ExpertTiles<kCols> walk{first, ends, p.experts, 2 * p.inter, p.inter, first[p.experts]};
   gemm_bf16_tn<EXPERT_SWIGLU_MAX_STAGES>(&p.x_map, &p.weight_map, p.in, p.stages, walk,
                                          [&](float (&acc)[128], int64_t tile, int group, int t) {
                                            epilogue<Act>(p, acc, walk.place(tile), group, t);
@@ -158,11 +80,7 @@ template <class T> __device__ __forceinline__ void rows(const ExpertSwiglu &p) {
   const int64_t n = p.pairs * p.inter, step = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
     const int64_t r = i / p.inter, c = i % p.inter;
-    int e = 0;
-    for (int64_t top = 0; e < p.experts; ++e) {
-      top = clamp(p.offsets[e], top, p.pairs);
-      if (top > r) break;
-    }
+    const int e = expert_of(p.offsets, p.experts, p.pairs, r);
     if (e == p.experts) {
       gate_up[r * 2 * p.inter + c] = gate_up[r * 2 * p.inter + p.inter + c] = h[r * p.inter + c] = from_f32<T>(0.f);
       continue;

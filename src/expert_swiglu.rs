@@ -3,15 +3,15 @@
 //! is tested against (sums in f64, each result rounded once, h from the rounded halves as `swiglu` makes it).
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
+use crate::experts::{self, Gemm};
 use crate::kernels::{self, Decide, Launch, Plan, Tag};
 use crate::params::{
-    BastileDType, ExpertSwiglu, ExpertSwigluPlan, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M,
-    BASTILE_GEMM_TILE_N, EXPERT_SWIGLU_MAX_EXPERTS, EXPERT_SWIGLU_MAX_STAGES, EXPERT_SWIGLU_ROWS_BLOCK,
-    EXPERT_SWIGLU_TILE_COLS,
+    BastileDType, ExpertSwiglu, ExpertSwigluPlan, BASTILE_GEMM_THREADS, EXPERT_SWIGLU_MAX_EXPERTS,
+    EXPERT_SWIGLU_MAX_STAGES, EXPERT_SWIGLU_ROWS_BLOCK, EXPERT_SWIGLU_TILE_COLS,
 };
 use crate::swiglu::Activation;
 
-const OP: &str = "bastile.expert_swiglu";
+const OP: &str = "expert_swiglu";
 
 impl Decide for ExpertSwigluPlan {
     fn decide(&mut self) -> Result<()> {
@@ -37,54 +37,33 @@ impl Launch for ExpertSwiglu {
             return Ok(Plan::single(kernel, cfg, *self));
         }
         if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
-            return Err(format!("{OP}: the GEMM kernel takes bf16 on compute capability 9.0"));
+            return Err(format!("bastile.{OP}: the GEMM kernel takes bf16 on compute capability 9.0"));
         }
-        let (m, n, k, cols) = (BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N, BASTILE_GEMM_TILE_K, EXPERT_SWIGLU_TILE_COLS);
-        // The walk's tile indices and TMA's row coordinates are 32-bit.
-        let tiles = (crate::geometry::ceil_div(self.pairs, m as i64) + self.experts as i64) * (self.inter / cols as i64);
-        let weight_rows = self.experts as i64 * 2 * self.inter;
-        if tiles > i32::MAX as i64 || weight_rows > i32::MAX as i64 || self.pairs > i32::MAX as i64 {
-            return Err(format!("{OP}: {} pairs of {} experts are more than 32-bit tile indices reach", self.pairs, self.experts));
-        }
-        let mut p = *self;
-        p.x_map = crate::driver::tensor_map_bf16(p.x, p.pairs, p.in_, k, m)?;
-        p.weight_map = crate::driver::tensor_map_bf16(p.weight, weight_rows, p.in_, k, n / 2)?;
         let act = Activation::of(self.activation)?;
         let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16, act.tag()], BASTILE_GEMM_THREADS, 1)?;
-        let (stages, shared) = crate::geometry::gemm_stages(gemm.shared, EXPERT_SWIGLU_MAX_STAGES)
-            .ok_or_else(|| format!("{OP}: {} bytes of shared memory hold no GEMM pipeline", gemm.shared))?;
-        p.stages = stages as i32;
-        let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;
-        let cfg = LaunchConfig { grid: (grid, 1), block: (BASTILE_GEMM_THREADS, 1), shared };
-        Ok(Plan::single(gemm, cfg, p))
+        let at = Gemm {
+            x: self.x,
+            weight: self.weight,
+            pairs: self.pairs,
+            in_: self.in_,
+            weight_rows: self.experts as i64 * 2 * self.inter,
+            experts: self.experts,
+            col_tiles: self.inter / EXPERT_SWIGLU_TILE_COLS as i64,
+        }
+        .launch(OP, dev, &gemm, EXPERT_SWIGLU_MAX_STAGES)?;
+        let p = ExpertSwiglu { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, ..*self };
+        Ok(Plan::single(gemm, at.cfg, p))
     }
 
     fn cpu(&self) -> Result<()> {
         let dt = BastileDType::from_raw(self.dtype)?;
         let act = Activation::of(self.activation)?;
-        let ends = offsets(self)?;
+        // SAFETY: offsets holds `experts` int32 (checked by the C++ layer).
+        let ends = unsafe { experts::ends(OP, self.offsets, self.experts, self.pairs)? };
         // SAFETY: the C++ layer checked every pointer of the block against its tensor's shape and dtype.
         crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu::<T>(self, act, &ends) });
         Ok(())
     }
-}
-
-/// Each expert's end, checked: non-decreasing within 0..pairs, the last at pairs (every row has an expert).
-fn offsets(p: &ExpertSwiglu) -> Result<Vec<usize>> {
-    // SAFETY: offsets holds `experts` int32 (checked by the C++ layer).
-    let raw = unsafe { cpu::slice::<i32>(p.offsets.cast(), p.experts as usize) };
-    let mut last = 0i64;
-    for (e, &end) in raw.iter().enumerate() {
-        let end = end as i64;
-        if end < last || end > p.pairs {
-            return Err(format!("{OP}: offsets[{e}] = {end} must lie in {last}..={} (non-decreasing, within the pairs)", p.pairs));
-        }
-        last = end;
-    }
-    if last != p.pairs {
-        return Err(format!("{OP}: the last offset is {last}, but x has {} rows", p.pairs));
-    }
-    Ok(raw.iter().map(|&e| e as usize).collect())
 }
 
 unsafe fn forward_cpu<T: Element>(p: &ExpertSwiglu, act: Activation, ends: &[usize]) {

@@ -4,11 +4,13 @@
 //! lists), `src/<op>.rs` (launch plans and CPU kernels, a module of this crate declared by build.rs) and
 //! `src/torch/<op>.cpp` (its ops' specs, registered by `src/torch/op.h`). The shared runtime: `kernels`
 //! (kernel tables, the `Launch` interface), `ffi` (the one bridge to C++), `driver` (CUDA through
-//! cudarc), `geometry` and `elementwise` (launch geometry), `cpu` (the CPU kernels' element types). `packing`
-//! is the data pipeline's: best-fit-decreasing packing of sequences into rows, a C entry point.
+//! cudarc), `geometry` and `elementwise` (launch geometry), `cpu` (the CPU kernels' element types), `experts`
+//! (what the experts' grouped GEMMs share). `packing` is the data pipeline's: best-fit-decreasing packing of
+//! sequences into rows, a C entry point.
 pub mod cpu;
 pub mod driver;
 pub mod elementwise;
+pub mod experts;
 mod ffi;
 pub mod geometry;
 pub mod kernels;

@@ -1,0 +1,64 @@
+//! What the experts' grouped GEMMs (`expert_swiglu`, `expert_linear`) share on the host: the offsets checked for
+//! the CPU kernels, and the Hopper launch of cuda/expert_tiles.cuh's walk over gemm_bf16_tn.
+use crate::driver::{Device, Kernel, LaunchConfig, Result};
+use crate::params::{BastileTensorMap, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N};
+
+/// Each expert's end, checked: non-decreasing within 0..pairs, the last at pairs (every row has an expert).
+///
+/// # Safety
+/// `offsets` must point to `experts` int32.
+pub unsafe fn ends(op: &str, offsets: *const i32, experts: i32, pairs: i64) -> Result<Vec<usize>> {
+    let raw = crate::cpu::slice::<i32>(offsets.cast(), experts as usize);
+    let mut last = 0i64;
+    for (e, &end) in raw.iter().enumerate() {
+        let end = end as i64;
+        if end < last || end > pairs {
+            return Err(format!("bastile.{op}: offsets[{e}] = {end} must lie in {last}..={pairs} (non-decreasing, within the pairs)"));
+        }
+        last = end;
+    }
+    if last != pairs {
+        return Err(format!("bastile.{op}: the last offset is {last}, but x has {pairs} rows"));
+    }
+    Ok(raw.iter().map(|&e| e as usize).collect())
+}
+
+/// A grouped GEMM's launch: x [pairs, in] times `weight_rows` rows of [.., in], tiles of BASTILE_GEMM_TILE_M rows
+/// of one expert by `col_tiles` column tiles an expert.
+pub struct Gemm {
+    pub x: *const std::ffi::c_void,
+    pub weight: *const std::ffi::c_void,
+    pub pairs: i64,
+    pub in_: i64,
+    pub weight_rows: i64,
+    pub experts: i32,
+    pub col_tiles: i64,
+}
+
+/// What the kernel's block takes from Rust: its TMA maps and stages, and the launch.
+pub struct GemmLaunch {
+    pub x_map: BastileTensorMap,
+    pub weight_map: BastileTensorMap,
+    pub stages: i32,
+    pub cfg: LaunchConfig,
+}
+
+impl Gemm {
+    /// `kernel` (gemm_bf16_tn's) with as many stages as its shared memory holds, up to `max_stages`; a block an SM
+    /// up to the tiles' bound (each expert's row tiles rounded up).
+    pub fn launch(&self, op: &str, dev: &Device, kernel: &Kernel, max_stages: u32) -> Result<GemmLaunch> {
+        let (m, k) = (BASTILE_GEMM_TILE_M as i64, BASTILE_GEMM_TILE_K);
+        // The walk's tile indices and TMA's row coordinates are 32-bit.
+        let tiles = (crate::geometry::ceil_div(self.pairs, m) + self.experts as i64) * self.col_tiles;
+        if tiles > i32::MAX as i64 || self.weight_rows > i32::MAX as i64 || self.pairs > i32::MAX as i64 {
+            return Err(format!("bastile.{op}: {} pairs of {} experts are more than 32-bit tile indices reach", self.pairs, self.experts));
+        }
+        let x_map = crate::driver::tensor_map_bf16(self.x, self.pairs, self.in_, k, m as u32)?;
+        let weight_map = crate::driver::tensor_map_bf16(self.weight, self.weight_rows, self.in_, k, BASTILE_GEMM_TILE_N / 2)?;
+        let (stages, shared) = crate::geometry::gemm_stages(kernel.shared, max_stages)
+            .ok_or_else(|| format!("bastile.{op}: {} bytes of shared memory hold no GEMM pipeline", kernel.shared))?;
+        let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;
+        let cfg = LaunchConfig { grid: (grid, 1), block: (BASTILE_GEMM_THREADS, 1), shared };
+        Ok(GemmLaunch { x_map, weight_map, stages: stages as i32, cfg })
+    }
+}
