@@ -1,0 +1,86 @@
+// The experts' grouped product of rows with their expert's weight (include/expert_linear.h). On Hopper (the gemm
+// kernel): gemm_bf16_tn over tiles of 128 of one expert's rows by 256 columns, its two warp groups writing the
+// tile's y from the accumulators. Elsewhere on CUDA, the rows kernel.
+#include "elementwise.cuh"
+#include "expert_linear.h"
+#include "expert_tiles.cuh"
+#include "hopper.cuh"
+
+using namespace bastile;
+using namespace bastile::sm90;
+
+namespace {
+
+constexpr int kCols = EXPERT_LINEAR_TILE_COLS;
+static_assert(kCols == kGemmTileN, "a tile is gemm_bf16_tn's");
+
+// One warp group's 64 rows of a tile as bf16, 16-byte stores (columns 8 j + 2 q of the accumulators' layout,
+// gathered per thread through the warp's scratch by stmatrix).
+__device__ __forceinline__ void epilogue(const ExpertLinear &p, float (&acc)[128], const ExpertTiles<kCols>::Place &at,
+                                         int group, int t) {
+  const int warp = t / 32, lane = t % 32, q = lane % 4;
+  unsigned char *mine = regroup_scratch<1>(group, t);
+  bf16 *y = static_cast<bf16 *>(p.y);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = at.row + group * 64 + warp * 16 + lane / 4 + half * 8;
+    const bool in = row < at.end;
+    bf16 *out = y + row * p.out + at.col;
+#pragma unroll
+    for (int j = 0; j < kCols / 8; j += 4) {
+      uint32_t v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int a = 4 * (j + i) + 2 * half;
+        v[i] = bits(__floats2bfloat162_rn(acc[a], acc[a + 1]));
+      }
+      store_matrices(mine, lane, v);
+      __syncwarp();
+      const uint4 w = load_group(mine, lane);
+      __syncwarp();  // read before the next j's matrices overwrite them
+      if (in) *reinterpret_cast<uint4 *>(out + 8 * (j + q)) = w;
+    }
+  }
+}
+
+__device__ __forceinline__ void run(const ExpertLinear &p) {
+  __shared__ int32_t first[EXPERT_LINEAR_MAX_EXPERTS + 1], ends[EXPERT_LINEAR_MAX_EXPERTS];
+  expert_groups(p.offsets, p.experts, p.pairs, (int)(p.out / kCols), first, ends);
+  __syncthreads();
+  zero_rows(static_cast<bf16 *>(p.y), p.out, ends[p.experts - 1], p.pairs);
+  const ExpertTiles<kCols> walk{first, ends, p.experts, p.out, kCols / 2, first[p.experts]};
+  gemm_bf16_tn<EXPERT_LINEAR_MAX_STAGES>(&p.x_map, &p.weight_map, p.in, p.stages, walk,
+                                         [&](float (&acc)[128], int64_t tile, int group, int t) {
+                                           epilogue(p, acc, walk.place(tile), group, t);
+                                         });
+}
+
+// The fallback: a thread an element (r, c) of y; rows past the last end are zeros.
+template <class T> __device__ __forceinline__ void rows(const ExpertLinear &p) {
+  const T *x = static_cast<const T *>(p.x), *w = static_cast<const T *>(p.weight);
+  T *y = static_cast<T *>(p.y);
+  const int64_t n = p.pairs * p.out, step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t r = i / p.out, c = i % p.out;
+    const int e = expert_of(p.offsets, p.experts, p.pairs, r);
+    float sum = 0.f;
+    if (e < p.experts) {
+      const T *xr = x + r * p.in, *wr = w + ((int64_t)e * p.out + c) * p.in;
+      for (int64_t k = 0; k < p.in; ++k) sum = fmaf(to_f32(xr[k]), to_f32(wr[k]), sum);
+    }
+    y[i] = from_f32<T>(sum);
+  }
+}
+
+}  // namespace
+
+#define EXPERT_LINEAR_gemm(dt)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(kGemmThreads, 1) expert_linear_gemm_##dt(const __grid_constant__ ExpertLinear p) { \
+    run(p);                                                                                                        \
+  }
+#define EXPERT_LINEAR_rows(dt)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(EXPERT_LINEAR_ROWS_BLOCK) expert_linear_rows_##dt(const __grid_constant__ ExpertLinear p) { \
+    rows<BASTILE_TYPE_##dt>(p);                                                                                    \
+  }
+#define KERNEL(kind, ...) EXPERT_LINEAR_##kind(__VA_ARGS__)
+EXPERT_LINEAR_KERNELS(KERNEL)

@@ -1,0 +1,52 @@
+/* Parameter blocks of cuda/expert_linear.cu: a mixture of experts' grouped product of rows with each row's expert's
+ * weight, as torch.nn.functional.linear takes it. The rows of x [pairs, in] are grouped by expert, expert e's rows
+ * ending at offsets[e] (int32, non-decreasing, the last pairs); weight [experts, out, in] (transformers' stored
+ * down_proj, or gate_up_proj). For row r of expert e, in the inputs' dtype T:
+ *   y[r] = T(x[r] @ weight[e]^T)                  (f32 sums; f64 on the CPU)
+ * The CPU refuses other offsets than the experts' path makes (non-decreasing, the last pairs); the CUDA kernels,
+ * which cannot check them without a host sync, read each end as the running maximum of the offsets clamped to
+ * 0..pairs and write zeros in rows past the last end, as expert_swiglu does. */
+#pragma once
+#include "bastile.h"
+
+/* The Hopper path (bf16, compute capability 9.0): cuda/hopper.cuh's gemm_bf16_tn with tiles of 128 rows of one
+ * expert by 256 columns (expert_tiles.cuh's walk), its two warp groups writing the tile's rows of y. out a multiple
+ * of EXPERT_LINEAR_TILE_COLS; at most EXPERT_LINEAR_MAX_EXPERTS experts. */
+#define EXPERT_LINEAR_TILE_COLS 256
+#define EXPERT_LINEAR_MAX_EXPERTS 1024
+#define EXPERT_LINEAR_MAX_STAGES 8
+
+/* Elsewhere on CUDA (other dtypes, shapes torch's grouped GEMM does not take), a thread an element of y: its sum
+ * in f32 over the row, a plain correct fallback. */
+#define EXPERT_LINEAR_ROWS_BLOCK 256
+
+#define EXPERT_LINEAR_KERNELS(K) K(gemm, bf16) K(rows, f32) K(rows, f16) K(rows, bf16)
+
+typedef struct ExpertLinear {
+  const void *x;          /* [pairs, in] */
+  const void *weight;     /* [experts, out, in] */
+  const int32_t *offsets; /* [experts] */
+  void *y;                /* [pairs, out] */
+  int64_t pairs;
+  int64_t in;
+  int64_t out;
+  int32_t experts;
+  int32_t dtype;
+  int32_t gemm;           /* the Hopper kernel (ExpertLinearPlan's answer), else the rows kernel */
+  /* Chosen by Rust: */
+  int32_t stages;         /* pipeline stages in shared memory */
+  BastileTensorMap x_map;      /* TMA: x [pairs, in], boxes of 64 x 128 */
+  BastileTensorMap weight_map; /* TMA: weight [experts * out, in], boxes of 64 x 128 */
+} ExpertLinear;
+
+/* Whether the Hopper path takes a call: the C++ layer asks before it allocates anything, and computes the
+ * other bf16 calls that torch's grouped GEMM takes with it. */
+typedef struct ExpertLinearPlan {
+  int64_t out;
+  int32_t experts;
+  int32_t device;  /* CUDA device index; -1: CPU */
+  int32_t fits;    /* bf16 x and weight, 16-byte aligned, in a multiple of 8 */
+  /* Chosen by Rust: */
+  int32_t hopper;
+} ExpertLinearPlan;
+#define EXPERT_LINEAR_PLAN_DECISION

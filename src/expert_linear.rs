@@ -1,0 +1,126 @@
+//! The experts' grouped product of rows with their expert's weight (formulas in `include/expert_linear.h`): the
+//! launches of `cuda/expert_linear.cu` (the Hopper GEMM, the rows fallback), which path a call takes, and the CPU
+//! kernel, the reference the GPU is tested against (sums in f64, each result rounded once).
+use crate::cpu::{self, Disjoint, Element};
+use crate::driver::{Device, LaunchConfig, Result};
+use crate::experts::{self, Gemm};
+use crate::kernels::{self, Decide, Launch, Plan, Tag};
+use crate::params::{
+    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_THREADS, EXPERT_LINEAR_MAX_EXPERTS,
+    EXPERT_LINEAR_MAX_STAGES, EXPERT_LINEAR_ROWS_BLOCK, EXPERT_LINEAR_TILE_COLS,
+};
+
+const OP: &str = "expert_linear";
+
+impl Decide for ExpertLinearPlan {
+    fn decide(&mut self) -> Result<()> {
+        self.hopper = (self.fits != 0
+            && self.device >= 0
+            && self.out > 0
+            && self.out % EXPERT_LINEAR_TILE_COLS as i64 == 0
+            && self.experts as u32 <= EXPERT_LINEAR_MAX_EXPERTS
+            && crate::driver::device(self.device).is_ok_and(|d| d.capability() == (9, 0)))
+        .into();
+        Ok(())
+    }
+}
+
+impl Launch for ExpertLinear {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        let dtype = BastileDType::from_raw(self.dtype)?;
+        if self.gemm == 0 {
+            let kernel = kernels::kernel::<Self>(dev, &[Tag::Rows, dtype.tag()], EXPERT_LINEAR_ROWS_BLOCK)?;
+            let blocks = crate::geometry::ceil_div(self.pairs * self.out, EXPERT_LINEAR_ROWS_BLOCK as i64);
+            let grid = blocks.clamp(1, 32 * dev.sm_count() as i64) as u32;
+            let cfg = LaunchConfig { grid: (grid, 1), block: (EXPERT_LINEAR_ROWS_BLOCK, 1), shared: 0 };
+            return Ok(Plan::single(kernel, cfg, *self));
+        }
+        if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
+            return Err(format!("bastile.{OP}: the GEMM kernel takes bf16 on compute capability 9.0"));
+        }
+        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16], BASTILE_GEMM_THREADS, 1)?;
+        let at = Gemm {
+            x: self.x,
+            weight: self.weight,
+            pairs: self.pairs,
+            in_: self.in_,
+            weight_rows: self.experts as i64 * self.out,
+            experts: self.experts,
+            col_tiles: self.out / EXPERT_LINEAR_TILE_COLS as i64,
+        }
+        .launch(OP, dev, &gemm, EXPERT_LINEAR_MAX_STAGES)?;
+        let p = ExpertLinear { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, ..*self };
+        Ok(Plan::single(gemm, at.cfg, p))
+    }
+
+    fn cpu(&self) -> Result<()> {
+        let dt = BastileDType::from_raw(self.dtype)?;
+        // SAFETY: offsets holds `experts` int32 (checked by the C++ layer).
+        let ends = unsafe { experts::ends(OP, self.offsets, self.experts, self.pairs)? };
+        // SAFETY: the C++ layer checked every pointer of the block against its tensor's shape and dtype.
+        crate::with_dtypes!(dt, dt, |T, _W, _Y| unsafe { forward_cpu::<T>(self, &ends) });
+        Ok(())
+    }
+}
+
+unsafe fn forward_cpu<T: Element>(p: &ExpertLinear, ends: &[usize]) {
+    let (pairs, k, out) = (p.pairs as usize, p.in_ as usize, p.out as usize);
+    let x = cpu::slice::<T>(p.x, pairs * k);
+    let w = cpu::slice::<T>(p.weight, ends.len() * out * k);
+    let y = Disjoint::new(cpu::slice_mut::<T>(p.y, pairs * out));
+    cpu::parallel_for(pairs, (cpu::GRAIN / (out * k).max(1)).max(1), |rows| {
+        for r in rows {
+            let e = ends.partition_point(|&end| end <= r);
+            let xr = &x[r * k..(r + 1) * k];
+            // SAFETY: the ranges of parallel_for do not overlap.
+            for (c, o) in y.part(r * out..(r + 1) * out).iter_mut().enumerate() {
+                let wr = &w[(e * out + c) * k..(e * out + c + 1) * k];
+                *o = T::from_f64(xr.iter().zip(wr).map(|(a, b)| a.to_f64() * b.to_f64()).sum());
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::BastileDType::*;
+
+    fn block(x: &[f64], w: &[f64], offsets: &[i32], y: &mut [f64], out: i64) -> ExpertLinear {
+        let pairs = y.len() as i64 / out;
+        ExpertLinear {
+            x: x.as_ptr().cast(),
+            weight: w.as_ptr().cast(),
+            offsets: offsets.as_ptr(),
+            y: y.as_mut_ptr().cast(),
+            pairs,
+            in_: x.len() as i64 / pairs,
+            out,
+            experts: offsets.len() as i32,
+            dtype: BASTILE_F64 as i32,
+            ..Default::default()
+        }
+    }
+
+    /// Rows of two experts (the first with none) against sums written out by hand.
+    #[test]
+    fn each_row_takes_its_experts_weight() {
+        // 3 rows of 2, experts 0 (no rows), 1 (rows 0-1), 2 (row 2); out 2: weight [3, 2, 2].
+        let x = [1.0, 2.0, 3.0, 4.0, -1.0, 0.5];
+        let w = [9.0, 9.0, 9.0, 9.0, 1.0, 0.0, 0.0, 1.0, 2.0, 1.0, 1.0, -1.0];
+        let mut y = [0.0; 6];
+        block(&x, &w, &[0, 2, 3], &mut y, 2).cpu().unwrap();
+        assert_eq!(y, [1.0, 2.0, 3.0, 4.0, -1.5, -1.5]);
+    }
+
+    #[test]
+    fn offsets_that_miss_rows_are_refused() {
+        let x = [1.0; 4];
+        let w = [1.0; 4];
+        let mut y = [0.0; 2];
+        for offsets in [[1, 1], [2, 1], [0, 3]] {
+            let err = block(&x, &w, &offsets, &mut y, 1).cpu().unwrap_err();
+            assert!(err.starts_with("bastile.expert_linear: "), "{err}");
+        }
+    }
+}

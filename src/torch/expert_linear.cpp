@@ -1,0 +1,54 @@
+// torch.ops.bastile.expert_linear (cuda/expert_linear.cu): a mixture of experts' grouped product. x [pairs, in]
+// grouped by expert, weight [experts, out, in] (transformers' stored down_proj), offsets [experts] (int32, each
+// expert's end; the last is pairs): returns y [pairs, out] with row r = x[r] @ weight[e]^T for its expert e. On
+// compute capability 9.0 (bf16, in a multiple of 8, out of 256) our grouped GEMM; elsewhere on CUDA torch's grouped
+// GEMM where it takes the operands (bf16), else a plain kernel; on the CPU the reference. A piece of the experts'
+// own autograd node (python_shim/bastile/experts.py): no backward of its own.
+#include "op.h"
+
+namespace bastile {
+namespace {
+
+struct ExpertLinearOp {
+  static constexpr const char* schema = "expert_linear(Tensor x, Tensor weight, Tensor offsets) -> Tensor";
+
+  static at::Tensor kernel(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& offsets_in) {
+    constexpr const char* op = "expert_linear";
+    const auto dt = dtype_code(op, {"x", x_in});
+    check_same_dtype(op, {"x", x_in}, {"weight", weight_in});
+    TORCH_CHECK(offsets_in.scalar_type() == at::kInt, "bastile.", op, ": offsets must be int32, got ",
+                offsets_in.scalar_type());
+    TORCH_CHECK(x_in.dim() == 2, "bastile.", op, ": x must be [pairs, in], got shape ", x_in.sym_sizes());
+    TORCH_CHECK(weight_in.dim() == 3 && weight_in.sym_size(2) == x_in.sym_size(1), "bastile.", op,
+                ": weight must be [experts, out, in] with in = ", x_in.sym_size(1), " (x's), got shape ",
+                weight_in.sym_sizes());
+    TORCH_CHECK(offsets_in.dim() == 1 && offsets_in.sym_size(0) == weight_in.sym_size(0), "bastile.", op,
+                ": offsets must be [experts] with experts = ", weight_in.sym_size(0), " (weight's), got shape ",
+                offsets_in.sym_sizes());
+    check_device(op, {"x", x_in}, {{"weight", weight_in}, {"offsets", offsets_in}});
+    const auto empty = [&] { return at::empty_symint({x_in.sym_size(0), weight_in.sym_size(1)}, x_in.options()); };
+    if (x_in.is_meta() || x_in.size(0) == 0 || weight_in.size(1) == 0) return empty();
+    TORCH_CHECK(weight_in.size(0) > 0, "bastile.", op, ": x has ", x_in.size(0), " rows but weight no experts");
+    TORCH_CHECK(weight_in.size(0) <= std::numeric_limits<int32_t>::max(), "bastile.", op, ": ", weight_in.size(0),
+                " experts are more than int32 counts");
+    if (x_in.size(1) == 0) return empty().zero_();  // sums over nothing
+    const auto x = x_in.contiguous(), weight = weight_in.contiguous(), offsets = offsets_in.contiguous();
+    const int64_t out = weight.size(1);
+    const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+    const bool fits = dt == BASTILE_BF16 && x.size(1) % 8 == 0 && aligned(x) && aligned(weight);
+    const auto plan = decide(ExpertLinearPlan{.out = out, .experts = int32_t(weight.size(0)),
+                                              .device = x.is_cuda() ? x.device().index() : -1, .fits = fits});
+    if (x.is_cuda() && !plan.hopper && dt == BASTILE_BF16 && x.size(1) % 8 == 0 && out % 8 == 0)
+      return at::_grouped_mm(x, weight.transpose(-2, -1), offsets);
+    auto y = empty();
+    launch(x, ExpertLinear{.x = x.data_ptr(), .weight = weight.data_ptr(), .offsets = offsets.data_ptr<int32_t>(),
+                           .y = y.data_ptr(), .pairs = x.size(0), .in = x.size(1), .out = out,
+                           .experts = int32_t(weight.size(0)), .dtype = dt, .gemm = plan.hopper});
+    return y;
+  }
+};
+
+}  // namespace
+}  // namespace bastile
+
+BASTILE_OPS(bastile::ExpertLinearOp)

@@ -1,0 +1,132 @@
+"""torch.ops.bastile.expert_linear against fp64 products per expert and torch's grouped GEMM.
+
+The reference is what bastile.experts computed before the op: each expert's rows of x times its stored weight
+(transformers' `[experts, out, in]`), as F.linear takes it. The rows are grouped by expert as the routing leaves
+them: experts of many rows, of one row, of none.
+"""
+import pytest
+import torch
+from torch.nn import functional as F
+
+from conftest import Contract, needs_cuda, poison_cuda_allocator
+
+op = torch.ops.bastile.expert_linear
+hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                            reason="the kernel runs on compute capability 9.0")
+
+
+def per_expert(x, weight, offsets):
+    """Each expert's rows times its weight, in fp64 on x's device: [pairs, out]."""
+    ends = offsets.cpu().tolist()
+    x, weight = x.double(), weight.double()
+    rows = [F.linear(x[a:b], weight[e]) for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))]
+    return torch.cat(rows) if rows else x.new_zeros(0, weight.shape[1])
+
+
+def reference(x, weight, offsets):
+    """Each expert's rows times its weight in fp64, rounded once."""
+    return per_expert(x, weight, offsets).to(x.dtype)
+
+
+def grouped(counts, k, out, seed=0, dtype=torch.float32, device="cpu"):
+    """(x, weight, offsets) for experts of `counts` rows each."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=g)
+    weight = torch.randn(len(counts), out, k, generator=g) / k ** 0.5
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).int()
+    return x.to(device, dtype), weight.to(device, dtype), offsets.to(device)
+
+
+def check(y, x, weight, offsets, sums):
+    """y within one rounding of the exact sums plus `sums` units of their terms per term summed."""
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], weight.shape[1]) and torch.isfinite(y).all()
+    exact, terms = per_expert(x, weight, offsets), per_expert(x.abs(), weight.abs(), offsets)
+    bound = torch.finfo(x.dtype).eps * exact.abs() + x.shape[1] * sums * terms + 1e-300
+    excess = ((y.double() - exact).abs() / bound).max() if exact.numel() else 0
+    assert excess <= 1, f"y: {excess} times its bound"
+
+
+# Experts of several row tiles, one row, none, and ones ending mid-tile: in the second 64 rows of a 128-row tile or
+# in the first (a warp group's rows all past the end), the last one at 64.
+COUNTS = [300, 1, 0, 129, 100, 0, 65, 64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_matches_fp64(dtype):
+    x, weight, offsets = grouped([5, 1, 0, 9, 0, 3], 24, 12, dtype=dtype)
+    check(op(x, weight, offsets), x, weight, offsets, torch.finfo(torch.float64).eps)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(COUNTS, 256, 512), ([5, 0, 40], 72, 256), ([33, 2], 64, 136), ([3, 4], 20, 6)],
+                         ids=["tiles", "narrow-in", "out-136", "odd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_matches_fp64(shape, dtype):
+    """Every element written (the allocator poisoned): the GEMM kernel on compute capability 9.0 (bf16, out a
+    multiple of 256), torch's grouped GEMM (out-136), the rows kernel (other dtypes, odd widths); f32 sums of the
+    rounded inputs."""
+    counts, k, out = shape
+    x, weight, offsets = grouped(counts, k, out, seed=2, dtype=dtype, device="cuda")
+    poison_cuda_allocator(1 << 26)
+    check(op(x, weight, offsets), x, weight, offsets, torch.finfo(torch.float32).eps)
+
+
+@hopper
+@pytest.mark.parametrize("shape", [(768, 2048), (2048, 1536)], ids=["down", "gate_up"])
+def test_kernel_at_qwen3_moe_shape(shape):
+    """Qwen3-30B-A3B's experts (128 experts, top-8 of 4096 tokens; down 768 -> 2048, and gate/up 2048 -> 1536 as a
+    LoRA'd gate/up runs it), routed unevenly: the kernel against fp64 and against torch's grouped GEMM (whose sums
+    may differ in order only)."""
+    k, out = shape
+    g = torch.Generator().manual_seed(3)
+    counts = torch.multinomial(torch.rand(128, generator=g) ** 4, 32768, replacement=True, generator=g).bincount(
+        minlength=128).tolist()
+    x, weight, offsets = grouped(counts, k, out, seed=4, dtype=torch.bfloat16, device="cuda")
+    y = op(x, weight, offsets)
+    check(y, x, weight, offsets, torch.finfo(torch.float32).eps)
+    theirs = F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets).float()
+    assert ((y.float() - theirs).abs() <= 2 * torch.finfo(torch.bfloat16).eps * theirs.abs() + 1e-2).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["gemm", "rows"])
+def test_cuda_reads_offsets_as_their_running_maximum(dtype):
+    """Offsets the experts' path never makes, which CUDA cannot check without a host sync: each end is the running
+    maximum of the offsets clamped to the rows, and rows past the last end are zeros (the allocator poisoned)."""
+    x, weight, _ = grouped([130, 70], 64, 256, seed=5, dtype=dtype, device="cuda")
+    offsets = lambda *o: torch.tensor(o, dtype=torch.int32, device="cuda")
+    poison_cuda_allocator(1 << 26)
+    want = op(x, weight, offsets(150, 200))
+    for bad in (offsets(150, 10_000), offsets(150, 400)):
+        assert torch.equal(op(x, weight, bad), want)
+    y = op(x, weight, offsets(150, 100))  # the second expert has no rows
+    assert not y[150:].any()
+    assert torch.equal(y[:150], op(x[:150], weight, offsets(150, 150)))
+
+
+def samples(device):
+    # The first two differ in every size, and no two sizes of a call are equal (torch.compile would tie them).
+    return [((*grouped([3, 0, 2], 12, 7, device=device),), {}), ((*grouped([1, 4, 0, 2], 14, 6, seed=1, device=device),), {}),
+            ((*grouped([2, 3], 7, 3, seed=2, device=device),), {})]
+
+
+def empty(device):
+    return [((*grouped([0, 0], 8, 4, device=device),), {}), ((*grouped([2, 1], 8, 0, device=device),), {}),
+            ((*grouped([2, 1], 0, 4, device=device),), {})]
+
+
+x_, w_, o_ = grouped([2, 1], 8, 4)
+BAD = [
+    (lambda: op(x_, w_.double(), o_), "expert_linear: x and weight must have the same dtype"),
+    (lambda: op(x_, w_, o_.long()), "expert_linear: offsets must be int32"),
+    (lambda: op(x_[0], w_, o_), r"expert_linear: x must be \[pairs, in\]"),
+    (lambda: op(x_, w_[:, :, :4], o_), r"expert_linear: weight must be \[experts, out, in\] with in = 8"),
+    (lambda: op(x_, w_[0], o_), r"expert_linear: weight must be \[experts, out, in\]"),
+    (lambda: op(x_, w_, o_[:1]), r"expert_linear: offsets must be \[experts\] with experts = 2"),
+    (lambda: op(x_, w_, torch.tensor([2, 2], dtype=torch.int32)), "expert_linear: the last offset is 2, but x has 3 rows"),
+    (lambda: op(x_, w_, torch.tensor([2, 1], dtype=torch.int32)), r"expert_linear: offsets\[1\] = 1 must lie in 2..=3"),
+    (lambda: op(x_, w_[:0], o_[:0]), "expert_linear: x has 3 rows but weight no experts"),
+    (lambda: op(x_.int(), w_.int(), o_), "expert_linear: x must be float32"),
+]
+
+CONTRACT = Contract(op=op, samples=samples, empty=empty, reference=reference, bad=BAD, differentiable=False)
