@@ -19,8 +19,9 @@ where PEFT forms W + delta itself, the router's own forward gets W + delta witho
 of wrappers that is not plain LoRA (several or disabled adapters, merged weights, a low-precision weight) runs
 PEFT's way.
 
-On CUDA, bf16 products run as torch's grouped GEMM, gate/up's with a SwiGLU family's activation as the
-`expert_swiglu` op where no adapter or bias joins them (one kernel on Hopper); elsewhere (the CPU, other dtypes)
+On CUDA, bf16 products run as grouped GEMMs: gate/up's with a SwiGLU family's activation as the `expert_swiglu`
+op where no adapter or bias joins them, the others of a stored [experts, out, in] weight (the forward's) as the
+`expert_linear` op (each one kernel of ours on Hopper), the rest as torch's; elsewhere (the CPU, other dtypes)
 expert by expert, which reads the per-expert counts on the host.
 """
 import sys
@@ -162,8 +163,13 @@ def _bounds(offsets: torch.Tensor):
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x [pairs, in] ordered by expert times each expert's w [experts, in, out]: [pairs, out]."""
+    """x [pairs, in] ordered by expert times each expert's w [experts, in, out]: [pairs, out]. A w whose transpose
+    is contiguous (transformers' stored [experts, out, in]) through the `expert_linear` op: both operands K-major,
+    our grouped GEMM on Hopper."""
     if _grouped_kernel(x, w):
+        stored = w.transpose(-2, -1)
+        if stored.is_contiguous():
+            return torch.ops.bastile.expert_linear(x, stored, offsets)
         return F.grouped_mm(x, w, offs=offsets)
     return torch.cat([x[a:b] @ we for (a, b), we in zip(_bounds(offsets), w.unbind(0))])
 
