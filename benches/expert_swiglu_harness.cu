@@ -1,7 +1,7 @@
 // expert_swiglu's Hopper kernel alone, launched as Rust launches it (the same parameter block, TMA maps, grid and
-// stages), for trying changes to cuda/expert_swiglu.cu or cuda/hopper.cuh without a Rust build: the GPU machine
-// has nvcc but no cargo. A changed copy of the two files goes in a folder of its own, named first on -I (the
-// kernel file's quoted includes look beside it first):
+// stages), for trying changes to cuda/expert_swiglu.cu, expert_tiles.cuh or hopper.cuh without a Rust build: the
+// GPU machine has nvcc but no cargo. A changed copy of those files goes in a folder of its own, named first on -I
+// (the kernel file's quoted includes look beside it first):
 //
 //   nvcc -O3 -std=c++17 -I<copy> -Iinclude -Icuda -gencode=arch=compute_90a,code=sm_90a \
 //        benches/expert_swiglu_harness.cu -lcuda -o harness
