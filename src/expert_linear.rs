@@ -71,12 +71,8 @@ unsafe fn forward_cpu<T: Element>(p: &ExpertLinear, ends: &[usize]) {
     cpu::parallel_for(pairs, (cpu::GRAIN / (out * k).max(1)).max(1), |rows| {
         for r in rows {
             let e = ends.partition_point(|&end| end <= r);
-            let xr = &x[r * k..(r + 1) * k];
             // SAFETY: the ranges of parallel_for do not overlap.
-            for (c, o) in y.part(r * out..(r + 1) * out).iter_mut().enumerate() {
-                let wr = &w[(e * out + c) * k..(e * out + c + 1) * k];
-                *o = T::from_f64(xr.iter().zip(wr).map(|(a, b)| a.to_f64() * b.to_f64()).sum());
-            }
+            experts::row_products(&x[r * k..(r + 1) * k], &w[e * out * k..(e + 1) * out * k], y.part(r * out..(r + 1) * out));
         }
     });
 }

@@ -76,13 +76,9 @@ unsafe fn forward_cpu<T: Element>(p: &ExpertSwiglu, act: Activation, ends: &[usi
     cpu::parallel_for(pairs, (cpu::GRAIN / (2 * inter * k).max(1)).max(1), |rows| {
         for r in rows {
             let e = ends.partition_point(|&end| end <= r);
-            let xr = &x[r * k..(r + 1) * k];
             // SAFETY: the ranges of parallel_for do not overlap.
             let out = gate_up.part(r * 2 * inter..(r + 1) * 2 * inter);
-            for (c, o) in out.iter_mut().enumerate() {
-                let wr = &w[(e * 2 * inter + c) * k..(e * 2 * inter + c + 1) * k];
-                *o = T::from_f64(xr.iter().zip(wr).map(|(a, b)| a.to_f64() * b.to_f64()).sum());
-            }
+            experts::row_products(&x[r * k..(r + 1) * k], &w[e * 2 * inter * k..(e + 1) * 2 * inter * k], out);
             let (g, u) = out.split_at(inter);
             for ((y, g), u) in h.part(r * inter..(r + 1) * inter).iter_mut().zip(g).zip(u) {
                 *y = T::from_f64(T::round(act.value(g.to_f64(), wide)) * u.to_f64());

@@ -1,5 +1,7 @@
 //! What the experts' grouped GEMMs (`expert_swiglu`, `expert_linear`) share on the host: the offsets checked for
-//! the CPU kernels, and the Hopper launch of cuda/expert_tiles.cuh's walk over gemm_bf16_tn.
+//! the CPU kernels and a row's products there, and the Hopper launch of cuda/expert_tiles.cuh's walk over
+//! gemm_bf16_tn.
+use crate::cpu::Element;
 use crate::driver::{Device, Kernel, LaunchConfig, Result};
 use crate::params::{BastileTensorMap, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N};
 
@@ -21,6 +23,15 @@ pub unsafe fn ends(op: &str, offsets: *const i32, experts: i32, pairs: i64) -> R
         return Err(format!("bastile.{op}: the last offset is {last}, but x has {pairs} rows"));
     }
     Ok(raw.iter().map(|&e| e as usize).collect())
+}
+
+/// The CPU kernels' products of one row `x` with its expert's weight rows ([out.len(), x.len()]): each summed in
+/// f64 and rounded once.
+pub fn row_products<T: Element>(x: &[T], weight: &[T], out: &mut [T]) {
+    let k = x.len();
+    for (c, o) in out.iter_mut().enumerate() {
+        *o = T::from_f64(x.iter().zip(&weight[c * k..(c + 1) * k]).map(|(a, b)| a.to_f64() * b.to_f64()).sum());
+    }
 }
 
 /// A grouped GEMM's launch: x [pairs, in] times `weight_rows` rows of [.., in], tiles of BASTILE_GEMM_TILE_M rows
