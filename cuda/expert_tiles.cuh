@@ -47,6 +47,9 @@ template <int Cols> struct ExpertTiles {
     const Place at = place(tile);
     return (int32_t)(at.e * rows + h * half + at.col);
   }
+  // An N-major weight [experts * rows, out]: the tile's first column, and its expert's first row.
+  __device__ int32_t b_col(int64_t tile) const { return (int32_t)place(tile).col; }
+  __device__ int32_t b_k(int64_t tile) const { return (int32_t)(place(tile).e * rows); }
 };
 
 // ends[e], the running maximum of the offsets clamped to 0..pairs, and first[e] for every expert and

@@ -81,12 +81,21 @@ template <int N> __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 // d[64x256] += a[64x16] b[256x16]^T, bf16 operands from shared memory, f32 accumulators in the
 // m64nNk16 register layout: thread t of the warp group holds rows 16 (t / 32) + (t % 32) / 4 (+ 8) and
 // columns 8 j + 2 (t % 4) (+ 1), element d[4 j + 2 (row half) + column].
-__device__ __forceinline__ void mma_bf16_m64n256k16(float (&d)[128], uint64_t a, uint64_t b) {
+// TransB 1: b is N-major (descriptor_n_major's layout).
+template <int TransB = 0> __device__ __forceinline__ void mma_bf16_m64n256k16(float (&d)[128], uint64_t a, uint64_t b) {
   asm volatile(
       "{\n .reg .pred accumulate;\n setp.ne.b32 accumulate, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, accumulate, 1, 1, 0, 0;\n}"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, accumulate, 1, 1, 0, %131;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(1), "n"(TransB));
+}
+
+// Descriptor of an N-major operand tile as TMA writes it in boxes of 64 columns (128 bytes, swizzled) by the
+// stage's kGemmTileK rows: 8-row groups 1024 bytes apart (SBO), the next 64 columns a box (kGemmTileK * 128 bytes)
+// further (LBO); `p` the box's start plus the k-slice's rows (16 a slice, 2048 bytes).
+__device__ __forceinline__ uint64_t descriptor_n_major(const void *p) {
+  const uint64_t start = (shared_address(p) & 0x3FFFF) >> 4;
+  return start | (uint64_t(64 * 128 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
 }
 
 // gemm_bf16_tn's output tile, rows and columns, and the K step of one pipeline stage (64 bf16 are one
@@ -97,16 +106,22 @@ constexpr uint32_t kGemmBytesA = kGemmTileM * kGemmTileK * 2;
 constexpr uint32_t kGemmStageBytes = kGemmBytesA + kGemmTileN * kGemmTileK * 2;
 constexpr int kGemmThreads = BASTILE_GEMM_THREADS, kWarpGroup = 128;  // a warp group: WGMMA's threads
 
-// The persistent, warp-specialised GEMM A B^T of bf16 K-major operands, A [M, k] and B [N, k] (row-major,
-// through TMA maps with boxes of kGemmTileK x kGemmTileM and kGemmTileK x kGemmTileN / 2), by blocks of
-// kGemmThreads: warp group 0's first thread loads the stages of every tile of its block, groups 1 and 2 each
-// multiply 64 rows of the tile and hand their f32 accumulators (mma_bf16_m64n256k16's layout) to
+// How gemm_bf16_tn's B is stored: K-major, B [N, k] row-major (a weight as F.linear takes it), or N-major, B^T
+// [k, N] row-major (the same weight read for the input's gradient).
+enum class Major { K, N };
+
+// The persistent, warp-specialised GEMM A B^T of bf16 operands, A [M, k] K-major and B as `B` says (row-major,
+// through TMA maps with boxes of kGemmTileK x kGemmTileM for A, kGemmTileK x kGemmTileN / 2 for K-major B), by
+// blocks of kGemmThreads: warp group 0's first thread loads the stages of every tile of its block, groups 1 and 2
+// each multiply 64 rows of the tile and hand their f32 accumulators (mma_bf16_m64n256k16's layout) to
 // `epilogue(acc, tile, group (0 or 1), thread in group)`, while the producer runs on into the next tile.
 // `walk` says which output tiles a launch computes: tiles 0 to `count`, skipping `skip(tile)`, none at all where
-// `none()`; a tile's rows of A start at `a_row(tile)`, its two halves of B's at `b_row(tile, 0)` and
-// `b_row(tile, 1)`. Dynamic shared memory: `stages` (2 to MaxStages) stages of kGemmStageBytes, plus 1 KiB to
-// align them.
-template <int MaxStages, class Walk, class Epilogue>
+// `none()`; a tile's rows of A start at `a_row(tile)`, K-major B's two halves at rows `b_row(tile, 0)` and
+// `b_row(tile, 1)`. N-major B loads as four boxes of 64 columns (128 bytes) by kGemmTileK rows at
+// (`b_col(tile)` + 64 j, `b_k(tile)` + k), and k_size must be a multiple of kGemmTileK (a box past the end of an
+// expert's rows would read the next one's, not zeros). Dynamic shared memory: `stages` (2 to MaxStages) stages of
+// kGemmStageBytes, plus 1 KiB to align them.
+template <int MaxStages, Major B = Major::K, class Walk, class Epilogue>
 __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_map, int64_t k_size, int stages,
                                              const Walk &walk, Epilogue &&epilogue) {
 #if BASTILE_SM90
@@ -133,14 +148,23 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
     if (t != 0) return;
     for (int64_t tile = blockIdx.x; tile < walk.count; tile += gridDim.x) {
       if (walk.skip(tile)) continue;
-      const int32_t y_a = walk.a_row(tile), y_b0 = walk.b_row(tile, 0), y_b1 = walk.b_row(tile, 1);
+      const int32_t y_a = walk.a_row(tile);
+      int32_t b0, b1;  // K-major: B's two halves' rows; N-major: B's first column and row
+      if constexpr (B == Major::K) b0 = walk.b_row(tile, 0), b1 = walk.b_row(tile, 1);
+      else b0 = walk.b_col(tile), b1 = walk.b_k(tile);
       for (int k = 0; k < steps; ++k) {
         wait(&empty[s], phase ^ 1);
         unsigned char *stage = base + s * kGemmStageBytes;
         arrive_expect(&full[s], kGemmStageBytes);
         tma_load(stage, a_map, &full[s], k * kGemmTileK, y_a);
-        tma_load(stage + kGemmBytesA, b_map, &full[s], k * kGemmTileK, y_b0);
-        tma_load(stage + kGemmBytesA + kGemmBytesHalfB, b_map, &full[s], k * kGemmTileK, y_b1);
+        if constexpr (B == Major::K) {
+          tma_load(stage + kGemmBytesA, b_map, &full[s], k * kGemmTileK, b0);
+          tma_load(stage + kGemmBytesA + kGemmBytesHalfB, b_map, &full[s], k * kGemmTileK, b1);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kGemmTileN / 64; ++j)
+            tma_load(stage + kGemmBytesA + j * 64 * kGemmTileK * 2, b_map, &full[s], b0 + 64 * j, b1 + k * kGemmTileK);
+        }
         if (++s == stages) s = 0, phase ^= 1;
       }
     }
@@ -161,7 +185,11 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
       mma_fence();
 #pragma unroll
       for (int kk = 0; kk < kGemmTileK / 16; ++kk)
-        mma_bf16_m64n256k16(acc, descriptor(stage + me * 64 * 128 + kk * 32), descriptor(stage + kGemmBytesA + kk * 32));
+        if constexpr (B == Major::K)
+          mma_bf16_m64n256k16(acc, descriptor(stage + me * 64 * 128 + kk * 32), descriptor(stage + kGemmBytesA + kk * 32));
+        else
+          mma_bf16_m64n256k16<1>(acc, descriptor(stage + me * 64 * 128 + kk * 32),
+                                 descriptor_n_major(stage + kGemmBytesA + kk * 16 * 128));
       mma_commit();
       // The previous stage's products are done: its buffers go back to the producer.
       mma_wait<1>();
