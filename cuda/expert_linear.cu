@@ -1,6 +1,6 @@
 // The experts' grouped product of rows with their expert's weight (include/expert_linear.h). On Hopper (the gemm
-// kernel): gemm_bf16_tn over tiles of 128 of one expert's rows by 256 columns, its two warp groups writing the
-// tile's y from the accumulators. Elsewhere on CUDA, the rows kernel.
+// kernels, the weight K-major or N-major): gemm_bf16_tn over tiles of 128 of one expert's rows by 256 columns, its
+// two warp groups writing the tile's y from the accumulators. Elsewhere on CUDA, the rows kernel.
 #include "elementwise.cuh"
 #include "expert_linear.h"
 #include "expert_tiles.cuh"
@@ -15,7 +15,8 @@ constexpr int kCols = EXPERT_LINEAR_TILE_COLS;
 static_assert(kCols == kGemmTileN, "a tile is gemm_bf16_tn's");
 
 // One warp group's 64 rows of a tile as bf16, 16-byte stores (columns 8 j + 2 q of the accumulators' layout,
-// gathered per thread through the warp's scratch by stmatrix).
+// gathered per thread through the warp's scratch by stmatrix); in the last tile of an out that is not a multiple of
+// kCols, the columns up to out (a multiple of 8).
 __device__ __forceinline__ void epilogue(const ExpertLinear &p, float (&acc)[128], const ExpertTiles<kCols>::Place &at,
                                          int group, int t) {
   const int warp = t / 32, lane = t % 32, q = lane % 4;
@@ -26,6 +27,7 @@ __device__ __forceinline__ void epilogue(const ExpertLinear &p, float (&acc)[128
     const int64_t row = at.row + group * 64 + warp * 16 + lane / 4 + half * 8;
     const bool in = row < at.end;
     bf16 *out = y + row * p.out + at.col;
+    const int64_t width = p.out - at.col;
 #pragma unroll
     for (int j = 0; j < kCols / 8; j += 4) {
       uint32_t v[4];
@@ -38,18 +40,21 @@ __device__ __forceinline__ void epilogue(const ExpertLinear &p, float (&acc)[128
       __syncwarp();
       const uint4 w = load_group(mine, lane);
       __syncwarp();  // read before the next j's matrices overwrite them
-      if (in) *reinterpret_cast<uint4 *>(out + 8 * (j + q)) = w;
+      if (in && 8 * (j + q) < width) *reinterpret_cast<uint4 *>(out + 8 * (j + q)) = w;
     }
   }
 }
 
-__device__ __forceinline__ void run(const ExpertLinear &p) {
+template <Major B> __device__ __forceinline__ void run(const ExpertLinear &p) {
   __shared__ int32_t first[EXPERT_LINEAR_MAX_EXPERTS + 1], ends[EXPERT_LINEAR_MAX_EXPERTS];
-  expert_groups(p.offsets, p.experts, p.pairs, (int)(p.out / kCols), first, ends);
+  expert_groups(p.offsets, p.experts, p.pairs, (int)((p.out + kCols - 1) / kCols), first, ends);
   __syncthreads();
   zero_rows(static_cast<bf16 *>(p.y), p.out, ends[p.experts - 1], p.pairs);
-  const ExpertTiles<kCols> walk{first, ends, p.experts, p.out, kCols / 2, first[p.experts]};
-  gemm_bf16_tn<EXPERT_LINEAR_MAX_STAGES>(&p.x_map, &p.weight_map, p.in, p.stages, walk,
+  // An expert's rows of the weight as stored: out K-major, in N-major. A K-major tail tile reads the next
+  // expert's rows (or TMA's zeros past the last) for columns it drops; an N-major one, TMA's zeros.
+  const int64_t rows = B == Major::K ? p.out : p.in;
+  const ExpertTiles<kCols> walk{first, ends, p.experts, rows, kCols / 2, first[p.experts]};
+  gemm_bf16_tn<EXPERT_LINEAR_MAX_STAGES, B>(&p.x_map, &p.weight_map, p.in, p.stages, walk,
                                          [&](float (&acc)[128], int64_t tile, int group, int t) {
                                            epilogue(p, acc, walk.place(tile), group, t);
                                          });
@@ -74,9 +79,10 @@ template <class T> __device__ __forceinline__ void rows(const ExpertLinear &p) {
 
 }  // namespace
 
-#define EXPERT_LINEAR_gemm(dt)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(kGemmThreads, 1) expert_linear_gemm_##dt(const __grid_constant__ ExpertLinear p) { \
-    run(p);                                                                                                        \
+constexpr Major kMajor_kmajor = Major::K, kMajor_nmajor = Major::N;
+#define EXPERT_LINEAR_gemm(dt, major)                                                                              \
+  extern "C" __global__ void __launch_bounds__(kGemmThreads, 1) expert_linear_gemm_##dt##_##major(const __grid_constant__ ExpertLinear p) { \
+    run<kMajor_##major>(p);                                                                                        \
   }
 #define EXPERT_LINEAR_rows(dt)                                                                                     \
   extern "C" __global__ void __launch_bounds__(EXPERT_LINEAR_ROWS_BLOCK) expert_linear_rows_##dt(const __grid_constant__ ExpertLinear p) { \

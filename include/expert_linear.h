@@ -1,7 +1,8 @@
 /* Parameter blocks of cuda/expert_linear.cu: a mixture of experts' grouped product of rows with each row's expert's
  * weight, as torch.nn.functional.linear takes it. The rows of x [pairs, in] are grouped by expert, expert e's rows
  * ending at offsets[e] (int32, non-decreasing, the last pairs); weight [experts, out, in] (transformers' stored
- * down_proj, or gate_up_proj). For row r of expert e, in the inputs' dtype T:
+ * down_proj, or gate_up_proj), or its transpose contiguous (N-major: the stored weight read for the inputs'
+ * gradient, or GPT-OSS's stored [experts, in, out]). For row r of expert e, in the inputs' dtype T:
  *   y[r] = T(x[r] @ weight[e]^T)                  (f32 sums; f64 on the CPU)
  * The CPU refuses other offsets than the experts' path makes (non-decreasing, the last pairs); the CUDA kernels,
  * which cannot check them without a host sync, read each end as the running maximum of the offsets clamped to
@@ -10,8 +11,11 @@
 #include "bastile.h"
 
 /* The Hopper path (bf16, compute capability 9.0): cuda/hopper.cuh's gemm_bf16_tn with tiles of 128 rows of one
- * expert by 256 columns (expert_tiles.cuh's walk), its two warp groups writing the tile's rows of y. out a multiple
- * of EXPERT_LINEAR_TILE_COLS; at most EXPERT_LINEAR_MAX_EXPERTS experts. */
+ * expert by 256 columns (expert_tiles.cuh's walk), its two warp groups writing the tile's rows of y; the weight
+ * K-major or N-major (the nmajor kernel, in a multiple of BASTILE_GEMM_TILE_K: its boxes of the weight run
+ * along the experts' stacked rows, and one past an expert's last would read the next's). out a multiple of 8, the
+ * columns of its last tile past out (computed, not stored) at most an eighth of out (GPT-OSS's 2880: 192); at most
+ * EXPERT_LINEAR_MAX_EXPERTS experts. */
 #define EXPERT_LINEAR_TILE_COLS 256
 #define EXPERT_LINEAR_MAX_EXPERTS 1024
 #define EXPERT_LINEAR_MAX_STAGES 8
@@ -20,11 +24,11 @@
  * in f32 over the row, a plain correct fallback. */
 #define EXPERT_LINEAR_ROWS_BLOCK 256
 
-#define EXPERT_LINEAR_KERNELS(K) K(gemm, bf16) K(rows, f32) K(rows, f16) K(rows, bf16)
+#define EXPERT_LINEAR_KERNELS(K) K(gemm, bf16, kmajor) K(gemm, bf16, nmajor) K(rows, f32) K(rows, f16) K(rows, bf16)
 
 typedef struct ExpertLinear {
   const void *x;          /* [pairs, in] */
-  const void *weight;     /* [experts, out, in] */
+  const void *weight;     /* [experts, out, in]; N-major: [experts, in, out] */
   const int32_t *offsets; /* [experts] */
   void *y;                /* [pairs, out] */
   int64_t pairs;
@@ -33,19 +37,22 @@ typedef struct ExpertLinear {
   int32_t experts;
   int32_t dtype;
   int32_t gemm;           /* the Hopper kernel (ExpertLinearPlan's answer), else the rows kernel */
+  int32_t n_major;        /* the weight's layout, for the Hopper kernel (the others take it K-major) */
   /* Chosen by Rust: */
   int32_t stages;         /* pipeline stages in shared memory */
   BastileTensorMap x_map;      /* TMA: x [pairs, in], boxes of 64 x 128 */
-  BastileTensorMap weight_map; /* TMA: weight [experts * out, in], boxes of 64 x 128 */
+  BastileTensorMap weight_map; /* TMA: weight [experts * out, in], boxes of 64 x 128; N-major [experts * in, out], 64 x 64 */
 } ExpertLinear;
 
 /* Whether the Hopper path takes a call: the C++ layer asks before it allocates anything, and computes the
  * other bf16 calls that torch's grouped GEMM takes with it. */
 typedef struct ExpertLinearPlan {
+  int64_t in;
   int64_t out;
   int32_t experts;
   int32_t device;  /* CUDA device index; -1: CPU */
   int32_t fits;    /* bf16 x and weight, 16-byte aligned, in a multiple of 8 */
+  int32_t n_major; /* the weight's transpose is contiguous, not the weight */
   /* Chosen by Rust: */
   int32_t hopper;
 } ExpertLinearPlan;

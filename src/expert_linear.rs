@@ -3,10 +3,10 @@
 //! kernel, the reference the GPU is tested against (sums in f64, each result rounded once).
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
-use crate::experts::{self, Gemm};
+use crate::experts::{self, Gemm, Weight};
 use crate::kernels::{self, Decide, Launch, Plan, Tag};
 use crate::params::{
-    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_THREADS, EXPERT_LINEAR_MAX_EXPERTS,
+    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, EXPERT_LINEAR_MAX_EXPERTS,
     EXPERT_LINEAR_MAX_STAGES, EXPERT_LINEAR_ROWS_BLOCK, EXPERT_LINEAR_TILE_COLS,
 };
 
@@ -14,15 +14,23 @@ const OP: &str = "expert_linear";
 
 impl Decide for ExpertLinearPlan {
     fn decide(&mut self) -> Result<()> {
+        let padding = col_tiles(self.out) * EXPERT_LINEAR_TILE_COLS as i64 - self.out;
         self.hopper = (self.fits != 0
             && self.device >= 0
             && self.out > 0
-            && self.out % EXPERT_LINEAR_TILE_COLS as i64 == 0
+            && self.out % 8 == 0
+            && padding * 8 <= self.out
+            && (self.n_major == 0 || self.in_ % BASTILE_GEMM_TILE_K as i64 == 0)
             && self.experts as u32 <= EXPERT_LINEAR_MAX_EXPERTS
             && crate::driver::device(self.device).is_ok_and(|d| d.capability() == (9, 0)))
         .into();
         Ok(())
     }
+}
+
+/// The GEMM's column tiles of an expert, the last one's columns past `out` dropped.
+fn col_tiles(out: i64) -> i64 {
+    crate::geometry::ceil_div(out, EXPERT_LINEAR_TILE_COLS as i64)
 }
 
 impl Launch for ExpertLinear {
@@ -38,15 +46,19 @@ impl Launch for ExpertLinear {
         if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
             return Err(format!("bastile.{OP}: the GEMM kernel takes bf16 on compute capability 9.0"));
         }
-        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16], BASTILE_GEMM_THREADS, 1)?;
+        let (major, layout) = match self.n_major {
+            0 => (Tag::Kmajor, Weight::K { rows: self.experts as i64 * self.out }),
+            _ => (Tag::Nmajor, Weight::N { rows: self.experts as i64 * self.in_, cols: self.out }),
+        };
+        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16, major], BASTILE_GEMM_THREADS, 1)?;
         let at = Gemm {
             x: self.x,
             weight: self.weight,
             pairs: self.pairs,
             in_: self.in_,
-            weight_rows: self.experts as i64 * self.out,
+            layout,
             experts: self.experts,
-            col_tiles: self.out / EXPERT_LINEAR_TILE_COLS as i64,
+            col_tiles: col_tiles(self.out),
         }
         .launch(OP, dev, &gemm, EXPERT_LINEAR_MAX_STAGES)?;
         let p = ExpertLinear { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, ..*self };

@@ -3,7 +3,7 @@
 //! is tested against (sums in f64, each result rounded once, h from the rounded halves as `swiglu` makes it).
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, LaunchConfig, Result};
-use crate::experts::{self, Gemm};
+use crate::experts::{self, Gemm, Weight};
 use crate::kernels::{self, Decide, Launch, Plan, Tag};
 use crate::params::{
     BastileDType, ExpertSwiglu, ExpertSwigluPlan, BASTILE_GEMM_THREADS, EXPERT_SWIGLU_MAX_EXPERTS,
@@ -46,7 +46,7 @@ impl Launch for ExpertSwiglu {
             weight: self.weight,
             pairs: self.pairs,
             in_: self.in_,
-            weight_rows: self.experts as i64 * 2 * self.inter,
+            layout: Weight::K { rows: self.experts as i64 * 2 * self.inter },
             experts: self.experts,
             col_tiles: self.inter / EXPERT_SWIGLU_TILE_COLS as i64,
         }

@@ -34,14 +34,22 @@ pub fn row_products<T: Element>(x: &[T], weight: &[T], out: &mut [T]) {
     }
 }
 
-/// A grouped GEMM's launch: x [pairs, in] times `weight_rows` rows of [.., in], tiles of BASTILE_GEMM_TILE_M rows
-/// of one expert by `col_tiles` column tiles an expert.
+/// How a grouped GEMM's weight is stored, as its TMA map reads it: the experts' weights stacked as `rows` rows.
+pub enum Weight {
+    /// Rows of in (gemm_bf16_tn's Major::K): [experts * out, in].
+    K { rows: i64 },
+    /// Rows of out, `cols` (Major::N): [experts * in, out].
+    N { rows: i64, cols: i64 },
+}
+
+/// A grouped GEMM's launch: x [pairs, in] times `weight`, tiles of BASTILE_GEMM_TILE_M rows of one expert by
+/// `col_tiles` column tiles an expert.
 pub struct Gemm {
     pub x: *const std::ffi::c_void,
     pub weight: *const std::ffi::c_void,
     pub pairs: i64,
     pub in_: i64,
-    pub weight_rows: i64,
+    pub layout: Weight,
     pub experts: i32,
     pub col_tiles: i64,
 }
@@ -61,11 +69,19 @@ impl Gemm {
         let (m, k) = (BASTILE_GEMM_TILE_M as i64, BASTILE_GEMM_TILE_K);
         // The walk's tile indices and TMA's row coordinates are 32-bit.
         let tiles = (crate::geometry::ceil_div(self.pairs, m) + self.experts as i64) * self.col_tiles;
-        if tiles > i32::MAX as i64 || self.weight_rows > i32::MAX as i64 || self.pairs > i32::MAX as i64 {
+        let weight_rows = match self.layout {
+            Weight::K { rows } | Weight::N { rows, .. } => rows,
+        };
+        if tiles > i32::MAX as i64 || weight_rows > i32::MAX as i64 || self.pairs > i32::MAX as i64 {
             return Err(format!("bastile.{op}: {} pairs of {} experts are more than 32-bit tile indices reach", self.pairs, self.experts));
         }
         let x_map = crate::driver::tensor_map_bf16(self.x, self.pairs, self.in_, k, m as u32)?;
-        let weight_map = crate::driver::tensor_map_bf16(self.weight, self.weight_rows, self.in_, k, BASTILE_GEMM_TILE_N / 2)?;
+        // Boxes of 128-byte rows (k bf16), the span of the 128-byte swizzle: a stage's k by half the tile's columns
+        // K-major, by a quarter N-major.
+        let weight_map = match self.layout {
+            Weight::K { rows } => crate::driver::tensor_map_bf16(self.weight, rows, self.in_, k, BASTILE_GEMM_TILE_N / 2)?,
+            Weight::N { rows, cols } => crate::driver::tensor_map_bf16(self.weight, rows, cols, k, k)?,
+        };
         let (stages, shared) = crate::geometry::gemm_stages(kernel.shared, max_stages)
             .ok_or_else(|| format!("bastile.{op}: {} bytes of shared memory hold no GEMM pipeline", kernel.shared))?;
         let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;

@@ -2,7 +2,8 @@
 
 The reference is what bastile.experts computed before the op: each expert's rows of x times its stored weight
 (transformers' `[experts, out, in]`), as F.linear takes it. The rows are grouped by expert as the routing leaves
-them: experts of many rows, of one row, of none.
+them: experts of many rows, of one row, of none. The weight comes contiguous (K-major: the forward's) or with its
+transpose contiguous (N-major: the stored weight read for the inputs' gradient).
 """
 import pytest
 import torch
@@ -28,13 +29,18 @@ def reference(x, weight, offsets):
     return per_expert(x, weight, offsets).to(x.dtype)
 
 
-def grouped(counts, k, out, seed=0, dtype=torch.float32, device="cpu"):
-    """(x, weight, offsets) for experts of `counts` rows each."""
+def grouped(counts, k, out, seed=0, dtype=torch.float32, device="cpu", layout="k"):
+    """(x, weight, offsets) for experts of `counts` rows each; the weight K-major or N-major (`layout` "n")."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(counts), k, generator=g)
     weight = torch.randn(len(counts), out, k, generator=g) / k ** 0.5
     offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).int()
-    return x.to(device, dtype), weight.to(device, dtype), offsets.to(device)
+    weight = weight.to(device, dtype)
+    if layout == "n":
+        weight = weight.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return x.to(device, dtype), weight, offsets.to(device)
+
+LAYOUTS = pytest.mark.parametrize("layout", ["k", "n"])
 
 
 def check(y, x, weight, offsets, sums):
@@ -51,37 +57,46 @@ def check(y, x, weight, offsets, sums):
 COUNTS = [300, 1, 0, 129, 100, 0, 65, 64]
 
 
+@LAYOUTS
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-def test_cpu_matches_fp64(dtype):
-    x, weight, offsets = grouped([5, 1, 0, 9, 0, 3], 24, 12, dtype=dtype)
+def test_cpu_matches_fp64(dtype, layout):
+    x, weight, offsets = grouped([5, 1, 0, 9, 0, 3], 24, 12, dtype=dtype, layout=layout)
     check(op(x, weight, offsets), x, weight, offsets, torch.finfo(torch.float64).eps)
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape", [(COUNTS, 256, 512), ([5, 0, 40], 72, 256), ([33, 2], 64, 136), ([3, 4], 20, 6)],
-                         ids=["tiles", "narrow-in", "out-136", "odd"])
+@pytest.mark.parametrize("shape", [(COUNTS, 256, 512), ([5, 0, 40], 72, 256), ([70, 0, 140, 9], 128, 2112),
+                                   ([33, 2], 64, 136), ([3, 4], 20, 6)],
+                         ids=["tiles", "narrow-in", "tail", "out-136", "odd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_matches_fp64(shape, dtype):
-    """Every element written (the allocator poisoned): the GEMM kernel on compute capability 9.0 (bf16, out a
-    multiple of 256), torch's grouped GEMM (out-136), the rows kernel (other dtypes, odd widths); f32 sums of the
-    rounded inputs."""
+@LAYOUTS
+def test_cuda_matches_fp64(shape, dtype, layout):
+    """Every element written, none past out (the allocator poisoned): the GEMM kernels on compute capability 9.0
+    (bf16, out a multiple of 256 or of 8 with a short last tile (tail); N-major: in a multiple of 64, not
+    narrow-in), torch's grouped GEMM (out-136, N-major narrow-in), the rows kernel (other dtypes, odd widths); f32
+    sums of the rounded inputs."""
     counts, k, out = shape
-    x, weight, offsets = grouped(counts, k, out, seed=2, dtype=dtype, device="cuda")
+    x, weight, offsets = grouped(counts, k, out, seed=2, dtype=dtype, device="cuda", layout=layout)
     poison_cuda_allocator(1 << 26)
     check(op(x, weight, offsets), x, weight, offsets, torch.finfo(torch.float32).eps)
 
 
 @hopper
-@pytest.mark.parametrize("shape", [(768, 2048), (2048, 1536)], ids=["down", "gate_up"])
-def test_kernel_at_qwen3_moe_shape(shape):
-    """Qwen3-30B-A3B's experts (128 experts, top-8 of 4096 tokens; down 768 -> 2048, and gate/up 2048 -> 1536 as a
-    LoRA'd gate/up runs it), routed unevenly: the kernel against fp64 and against torch's grouped GEMM (whose sums
-    may differ in order only)."""
-    k, out = shape
+@pytest.mark.parametrize("shape", [(128, 8, 768, 2048, "k"), (128, 8, 2048, 1536, "k"), (128, 8, 2048, 768, "n"),
+                                   (128, 8, 1536, 2048, "n"), (32, 4, 2880, 5760, "n"), (32, 4, 2880, 2880, "n"),
+                                   (32, 4, 5760, 2880, "k")],
+                         ids=["qwen3-down", "qwen3-gate_up", "qwen3-down-dx", "qwen3-gate_up-dx", "gpt_oss-gate_up",
+                              "gpt_oss-down", "gpt_oss-gate_up-dx"])
+def test_kernel_at_moe_shapes(shape):
+    """Qwen3-30B-A3B's experts (128 experts, top-8 of 4096 tokens; down 768 -> 2048, gate/up 2048 -> 1536 as a
+    LoRA'd gate/up runs it, and the inputs' gradients through each, N-major) and GPT-OSS-20B's (32 experts, top-4,
+    stored [experts, in, out]: the forward N-major, the last column tile short), routed unevenly: the kernels
+    against fp64 and against torch's grouped GEMM (whose sums may differ in order only)."""
+    experts, top_k, k, out, layout = shape
     g = torch.Generator().manual_seed(3)
-    counts = torch.multinomial(torch.rand(128, generator=g) ** 4, 32768, replacement=True, generator=g).bincount(
-        minlength=128).tolist()
-    x, weight, offsets = grouped(counts, k, out, seed=4, dtype=torch.bfloat16, device="cuda")
+    counts = torch.multinomial(torch.rand(experts, generator=g) ** 4, 4096 * top_k, replacement=True,
+                               generator=g).bincount(minlength=experts).tolist()
+    x, weight, offsets = grouped(counts, k, out, seed=4, dtype=torch.bfloat16, device="cuda", layout=layout)
     y = op(x, weight, offsets)
     check(y, x, weight, offsets, torch.finfo(torch.float32).eps)
     theirs = F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets).float()
@@ -90,10 +105,11 @@ def test_kernel_at_qwen3_moe_shape(shape):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["gemm", "rows"])
-def test_cuda_reads_offsets_as_their_running_maximum(dtype):
+@LAYOUTS
+def test_cuda_reads_offsets_as_their_running_maximum(dtype, layout):
     """Offsets the experts' path never makes, which CUDA cannot check without a host sync: each end is the running
     maximum of the offsets clamped to the rows, and rows past the last end are zeros (the allocator poisoned)."""
-    x, weight, _ = grouped([130, 70], 64, 256, seed=5, dtype=dtype, device="cuda")
+    x, weight, _ = grouped([130, 70], 64, 256, seed=5, dtype=dtype, device="cuda", layout=layout)
     offsets = lambda *o: torch.tensor(o, dtype=torch.int32, device="cuda")
     poison_cuda_allocator(1 << 26)
     want = op(x, weight, offsets(150, 200))
@@ -105,9 +121,10 @@ def test_cuda_reads_offsets_as_their_running_maximum(dtype):
 
 
 def samples(device):
-    # The first two differ in every size, and no two sizes of a call are equal (torch.compile would tie them).
+    # The first two differ in every size, and no two sizes of a call are equal (torch.compile would tie them); the
+    # last weight N-major.
     return [((*grouped([3, 0, 2], 12, 7, device=device),), {}), ((*grouped([1, 4, 0, 2], 14, 6, seed=1, device=device),), {}),
-            ((*grouped([2, 3], 7, 3, seed=2, device=device),), {})]
+            ((*grouped([2, 3], 7, 3, seed=2, device=device, layout="n"),), {})]
 
 
 def empty(device):
