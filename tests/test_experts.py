@@ -236,11 +236,12 @@ def test_frozen_experts_backward_sends_the_gradient_only(family, monkeypatch):
 @pytest.mark.parametrize("family", [f for f in FAMILIES if TRAITS[f].mlp.experts == "swiglu" and f not in WRAPPED])
 def test_bf16_cuda_gate_up_and_swiglu_run_as_one_op(family):
     """bf16 experts on CUDA without an adapter on gate/up: the forward runs gate/up's products and the SwiGLU (Gemma
-    4's GELU-tanh) as `expert_swiglu` and down's as `expert_linear` (each the GEMM kernel on compute capability 9.0
-    at these widths, 128 and 256), and the output and the hidden states', routing weights' and experts' gradients are as far from
-    HF's fp32 experts as HF's bf16 ones are (or within 1e-2 in norm)."""
+    4's GELU-tanh) as `expert_swiglu` and down's as `expert_linear`, the backward the inputs' gradients through
+    down and gate/up as `expert_linear` (each the GEMM kernel on compute capability 9.0 at these widths, 256 and
+    256), and the output and the hidden states', routing weights' and experts' gradients are as far from HF's fp32
+    experts as HF's bf16 ones are (or within 1e-2 in norm)."""
     inter = "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size"
-    model = mini(family, "cuda", torch.bfloat16, **{**OVERRIDES.get(family, {}), inter: 128, "hidden_size": 256})
+    model = mini(family, "cuda", torch.bfloat16, **{**OVERRIDES.get(family, {}), inter: 256, "hidden_size": 256})
     ex = next(m for m in model.modules() if type(m).__name__ == TRAITS[family].name("Experts"))
     torch.manual_seed(0)
     x = torch.randn(300, ex.gate_up_proj.shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -260,6 +261,7 @@ def test_bf16_cuda_gate_up_and_swiglu_run_as_one_op(family):
     with Dispatched() as seen:
         ours = run(ex)
     assert seen.calls[:4] == ["expert_dispatch", "expert_swiglu", "expert_linear", "expert_combine"]
+    assert seen.calls[4:].count("expert_linear") == 2
     for name, got, hf, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), ours, hf_bf16, hf_fp32):
         err, hf_err = rel_err(got, want), rel_err(hf, want)
         assert err <= max(2 * hf_err, 1e-2), f"{name}: {err:.2e} from fp32 (HF bf16: {hf_err:.2e})"

@@ -20,9 +20,9 @@ of wrappers that is not plain LoRA (several or disabled adapters, merged weights
 PEFT's way.
 
 On CUDA, bf16 products run as grouped GEMMs: gate/up's with a SwiGLU family's activation as the `expert_swiglu`
-op where no adapter or bias joins them, the others of a stored [experts, out, in] weight (the forward's) as the
-`expert_linear` op (each one kernel of ours on Hopper), the rest as torch's; elsewhere (the CPU, other dtypes)
-expert by expert, which reads the per-expert counts on the host.
+op where no adapter or bias joins them, the others of a stored weight (the forward's and the inputs' gradients',
+in either layout) as the `expert_linear` op (each one kernel of ours on Hopper), the weights' gradients as
+torch's; elsewhere (the CPU, other dtypes) expert by expert, which reads the per-expert counts on the host.
 """
 import sys
 from functools import partial
@@ -163,13 +163,12 @@ def _bounds(offsets: torch.Tensor):
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x [pairs, in] ordered by expert times each expert's w [experts, in, out]: [pairs, out]. A w whose transpose
-    is contiguous (transformers' stored [experts, out, in]) through the `expert_linear` op: both operands K-major,
-    our grouped GEMM on Hopper."""
+    """x [pairs, in] ordered by expert times each expert's w [experts, in, out]: [pairs, out]. A w stored whole
+    (contiguous, or its transpose: a view of transformers' stored weight either way) through the `expert_linear`
+    op, our grouped GEMM on Hopper in either layout."""
     if _grouped_kernel(x, w):
-        stored = w.transpose(-2, -1)
-        if stored.is_contiguous():
-            return torch.ops.bastile.expert_linear(x, stored, offsets)
+        if w.is_contiguous() or w.transpose(-2, -1).is_contiguous():
+            return torch.ops.bastile.expert_linear(x, w.transpose(-2, -1), offsets)
         return F.grouped_mm(x, w, offs=offsets)
     return torch.cat([x[a:b] @ we for (a, b), we in zip(_bounds(offsets), w.unbind(0))])
 
