@@ -15,31 +15,18 @@ struct ExpertLinearOp {
 
   static at::Tensor kernel(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& offsets_in) {
     constexpr const char* op = "expert_linear";
-    const auto dt = dtype_code(op, {"x", x_in});
-    check_same_dtype(op, {"x", x_in}, {"weight", weight_in});
-    TORCH_CHECK(offsets_in.scalar_type() == at::kInt, "bastile.", op, ": offsets must be int32, got ",
-                offsets_in.scalar_type());
-    TORCH_CHECK(x_in.dim() == 2, "bastile.", op, ": x must be [pairs, in], got shape ", x_in.sym_sizes());
-    TORCH_CHECK(weight_in.dim() == 3 && weight_in.sym_size(2) == x_in.sym_size(1), "bastile.", op,
-                ": weight must be [experts, out, in] with in = ", x_in.sym_size(1), " (x's), got shape ",
-                weight_in.sym_sizes());
-    TORCH_CHECK(offsets_in.dim() == 1 && offsets_in.sym_size(0) == weight_in.sym_size(0), "bastile.", op,
-                ": offsets must be [experts] with experts = ", weight_in.sym_size(0), " (weight's), got shape ",
-                offsets_in.sym_sizes());
-    check_device(op, {"x", x_in}, {{"weight", weight_in}, {"offsets", offsets_in}});
+    const auto dt = check_grouped(op, x_in, weight_in, offsets_in, "[experts, out, in]",
+                                  [](const c10::SymInt&) { return true; });
     const auto empty = [&] { return at::empty_symint({x_in.sym_size(0), weight_in.sym_size(1)}, x_in.options()); };
     if (x_in.is_meta() || x_in.size(0) == 0 || weight_in.size(1) == 0) return empty();
-    TORCH_CHECK(weight_in.size(0) > 0, "bastile.", op, ": x has ", x_in.size(0), " rows but weight no experts");
-    TORCH_CHECK(weight_in.size(0) <= std::numeric_limits<int32_t>::max(), "bastile.", op, ": ", weight_in.size(0),
-                " experts are more than int32 counts");
+    check_experts(op, x_in, weight_in);
     if (x_in.size(1) == 0) return empty().zero_();  // sums over nothing
     const auto x = x_in.contiguous(), offsets = offsets_in.contiguous();
     // N-major: the weight's transpose is contiguous (where both are, K-major).
     const bool n_major = !weight_in.is_contiguous() && weight_in.transpose(-2, -1).is_contiguous();
     const auto weight = n_major ? weight_in : weight_in.contiguous();
     const int64_t in = x.size(1), out = weight.size(1);
-    const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
-    const bool fits = dt == BASTILE_BF16 && in % 8 == 0 && aligned(x) && aligned(weight);
+    const bool fits = dt == BASTILE_BF16 && in % 8 == 0 && aligned16(x) && aligned16(weight);
     const auto plan = decide(ExpertLinearPlan{.in = in, .out = out, .experts = int32_t(weight.size(0)),
                                               .device = x.is_cuda() ? x.device().index() : -1, .fits = fits,
                                               .n_major = n_major});

@@ -24,31 +24,18 @@ struct ExpertSwigluOp {
   static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& x_in, const at::Tensor& weight_in,
                                                    const at::Tensor& offsets_in, c10::string_view activation) {
     constexpr const char* op = "expert_swiglu";
-    const auto dt = dtype_code(op, {"x", x_in});
-    check_same_dtype(op, {"x", x_in}, {"weight", weight_in});
-    TORCH_CHECK(offsets_in.scalar_type() == at::kInt, "bastile.", op, ": offsets must be int32, got ",
-                offsets_in.scalar_type());
-    TORCH_CHECK(x_in.dim() == 2, "bastile.", op, ": x must be [pairs, in], got shape ", x_in.sym_sizes());
-    TORCH_CHECK(weight_in.dim() == 3 && weight_in.sym_size(2) == x_in.sym_size(1) && weight_in.sym_size(1) % 2 == 0,
-                "bastile.", op, ": weight must be [experts, 2 * inter, in] with in = ", x_in.sym_size(1),
-                " (x's), got shape ", weight_in.sym_sizes());
-    TORCH_CHECK(offsets_in.dim() == 1 && offsets_in.sym_size(0) == weight_in.sym_size(0), "bastile.", op,
-                ": offsets must be [experts] with experts = ", weight_in.sym_size(0), " (weight's), got shape ",
-                offsets_in.sym_sizes());
-    check_device(op, {"x", x_in}, {{"weight", weight_in}, {"offsets", offsets_in}});
+    const auto dt = check_grouped(op, x_in, weight_in, offsets_in, "[experts, 2 * inter, in]",
+                                  [](const c10::SymInt& rows) { return rows % 2 == 0; });
     const int32_t act = gate_activation(op, activation);
     const auto& pairs = x_in.sym_size(0);
     const auto inter = weight_in.sym_size(1) / 2;
     auto gate_up = at::empty_symint({pairs, 2 * inter}, x_in.options());
     auto h = at::empty_symint({pairs, inter}, x_in.options());
     if (x_in.is_meta() || gate_up.numel() == 0) return {gate_up, h};
-    TORCH_CHECK(weight_in.size(0) > 0, "bastile.", op, ": x has ", x_in.size(0), " rows but weight no experts");
-    TORCH_CHECK(weight_in.size(0) <= std::numeric_limits<int32_t>::max(), "bastile.", op, ": ", weight_in.size(0),
-                " experts are more than int32 counts");
+    check_experts(op, x_in, weight_in);
     if (x_in.size(1) == 0) return {gate_up.zero_(), h.zero_()};  // sums over nothing: act(0) * 0
     const auto x = x_in.contiguous(), weight = weight_in.contiguous(), offsets = offsets_in.contiguous();
-    const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
-    const bool fits = dt == BASTILE_BF16 && x.size(1) % 8 == 0 && aligned(x) && aligned(weight);
+    const bool fits = dt == BASTILE_BF16 && x.size(1) % 8 == 0 && aligned16(x) && aligned16(weight);
     const auto plan = decide(ExpertSwigluPlan{.inter = inter.expect_int(), .experts = int32_t(weight.size(0)),
                                               .device = x.is_cuda() ? x.device().index() : -1, .fits = fits});
     if (x.is_cuda() && !plan.hopper && dt == BASTILE_BF16 && x.size(1) % 8 == 0 && inter % 4 == 0) {

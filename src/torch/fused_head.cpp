@@ -166,9 +166,8 @@ Result run(const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::T
 
   // What the Hopper path's epilogue computes (bf16, no bias, statistics, label smoothing or entropy gradient),
   // and TMA reads 16-byte aligned rows.
-  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
   const bool gemm_fits = hidden.scalar_type() == at::kBFloat16 && !with_bias && !o.stats && o.label_smoothing == 0 &&
-                         !entropy_scale.defined() && aligned(hidden) && aligned(weight);
+                         !entropy_scale.defined() && aligned16(hidden) && aligned16(weight);
   const auto plan = decide(HeadPlan{
       .rows = rows, .cols = cols, .vocab = vocab, .element_bytes = hidden.element_size(),
       .cast_bytes = need_w && acc_w.scalar_type() != weight_in.scalar_type() ? vocab * cols * weight_in.element_size() : 0,

@@ -149,6 +149,35 @@ inline bool check_bias(const char* op, Named to, const std::optional<at::Tensor>
   return true;
 }
 
+// The arguments of the experts' grouped products (expert_swiglu, expert_linear): x [pairs, in] of a float dtype,
+// weight [experts, rows, in] of x's dtype with `rows_ok(rows)` (`shape` names the op's layout in the message),
+// offsets [experts] int32, all on x's device. Returns x's dtype code.
+template <class RowsOk>
+BastileDType check_grouped(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& offsets,
+                           const char* shape, RowsOk&& rows_ok) {
+  const auto dt = dtype_code(op, {"x", x});
+  check_same_dtype(op, {"x", x}, {"weight", weight});
+  TORCH_CHECK(offsets.scalar_type() == at::kInt, "bastile.", op, ": offsets must be int32, got ", offsets.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "bastile.", op, ": x must be [pairs, in], got shape ", x.sym_sizes());
+  TORCH_CHECK(weight.dim() == 3 && weight.sym_size(2) == x.sym_size(1) && rows_ok(weight.sym_size(1)), "bastile.", op,
+              ": weight must be ", shape, " with in = ", x.sym_size(1), " (x's), got shape ", weight.sym_sizes());
+  TORCH_CHECK(offsets.dim() == 1 && offsets.sym_size(0) == weight.sym_size(0), "bastile.", op,
+              ": offsets must be [experts] with experts = ", weight.sym_size(0), " (weight's), got shape ",
+              offsets.sym_sizes());
+  check_device(op, {"x", x}, {{"weight", weight}, {"offsets", offsets}});
+  return dt;
+}
+
+// A grouped product with rows to compute: experts for them, counted in int32.
+inline void check_experts(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.size(0) > 0, "bastile.", op, ": x has ", x.size(0), " rows but weight no experts");
+  TORCH_CHECK(weight.size(0) <= std::numeric_limits<int32_t>::max(), "bastile.", op, ": ", weight.size(0),
+              " experts are more than int32 counts");
+}
+
+// Whether t's data starts on 16 bytes, as TMA and 16-byte loads read it.
+inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
 // rows [n, dim] summed by their expert (expert: int64 [n], each in 0..experts): [experts, dim] in at least float32,
 // as the product of the rows' one-hot experts and the rows, the same on every run (index_add_'s atomics on CUDA sum
 // in any order).
