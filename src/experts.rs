@@ -76,8 +76,9 @@ impl Gemm {
             return Err(format!("bastile.{op}: {} pairs of {} experts are more than 32-bit tile indices reach", self.pairs, self.experts));
         }
         let x_map = crate::driver::tensor_map_bf16(self.x, self.pairs, self.in_, k, m as u32)?;
-        // Boxes of 128-byte rows (k bf16), the span of the 128-byte swizzle: a stage's k by half the tile's columns
-        // K-major, by a quarter N-major.
+        // Box rows of 128 bytes (64 bf16), the span of the 128-byte swizzle, which is also a stage's k: K-major, a
+        // stage's k columns by half the tile's rows of B; N-major, 64 of out's columns by a stage's k rows, four
+        // boxes a tile.
         let weight_map = match self.layout {
             Weight::K { rows } => crate::driver::tensor_map_bf16(self.weight, rows, self.in_, k, BASTILE_GEMM_TILE_N / 2)?,
             Weight::N { rows, cols } => crate::driver::tensor_map_bf16(self.weight, rows, cols, k, k)?,
