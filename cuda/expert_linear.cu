@@ -14,8 +14,8 @@ namespace {
 constexpr int kCols = EXPERT_LINEAR_TILE_COLS;
 static_assert(kCols == kGemmTileN, "a tile is gemm_bf16_tn's");
 
-// One warp group's 64 rows of a tile as bf16, 16-byte stores (columns 8 j + 2 q of the accumulators' layout,
-// gathered per thread through the warp's scratch by stmatrix); in the last tile of an out that is not a multiple of
+// One warp group's 64 rows of a tile as bf16, 16-byte stores (the accumulators' columns regrouped per thread by
+// hopper.cuh's regroup); in the last tile of an out that is not a multiple of
 // kCols, the columns up to out (a multiple of 8).
 __device__ __forceinline__ void epilogue(const ExpertLinear &p, float (&acc)[128], const ExpertTiles<kCols>::Place &at,
                                          int group, int t) {
@@ -36,10 +36,7 @@ __device__ __forceinline__ void epilogue(const ExpertLinear &p, float (&acc)[128
         const int a = 4 * (j + i) + 2 * half;
         v[i] = bits(__floats2bfloat162_rn(acc[a], acc[a + 1]));
       }
-      store_matrices(mine, lane, v);
-      __syncwarp();
-      const uint4 w = load_group(mine, lane);
-      __syncwarp();  // read before the next j's matrices overwrite them
+      const uint4 w = regroup(mine, lane, v);
       if (in && 8 * (j + q) < width) *reinterpret_cast<uint4 *>(out + 8 * (j + q)) = w;
     }
   }

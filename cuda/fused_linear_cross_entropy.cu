@@ -422,10 +422,7 @@ __device__ __forceinline__ void epilogue(const CrossEntropyGemm &p, float (&acc)
 #pragma unroll
       for (int j = 0; j < kTileN / 8; j += 4) {
         const uint32_t v[4] = {e[j], e[j + 1], e[j + 2], e[j + 3]};
-        store_matrices(mine, lane, v);
-        __syncwarp();
-        const uint4 w = load_group(mine, lane);
-        __syncwarp();  // read before the next j's matrices overwrite them
+        const uint4 w = regroup(mine, lane, v);
         if (in && (whole || n * kTileN + 8 * (j + q) < p.ld)) *reinterpret_cast<uint4 *>(out + 8 * (j + q)) = w;
       }
     }

@@ -211,8 +211,9 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
 // row's columns. The four threads of a row each hold columns 2q, 2q + 1 (q = lane % 4) of four 8-column groups
 // (v[i]: group i); stmatrix writes the warp's four 8 x 8 bf16 matrices to its scratch as 8 rows of 80 bytes (64
 // and 16 of padding, so that no phase of the writes meets a bank twice), and thread q of a row reads group q's 8
-// columns back (load_group, after a __syncwarp). Fewer instructions than a transpose over the quad by shuffles
-// (its selects and moves): 2-6% of the experts' gate/up GEMM (H200).
+// columns back (load_group, after a __syncwarp): `regroup`, or its steps for several sets of matrices at once
+// (expert_swiglu's three, each in its own scratch, one __syncwarp between). Fewer instructions than a transpose
+// over the quad by shuffles (its selects and moves): 2-6% of the experts' gate/up GEMM (H200).
 __device__ __forceinline__ uint32_t bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t *>(&v); }
 
 constexpr int kRegroupRow = 80, kRegroupBytes = 8 * kRegroupRow;
@@ -231,6 +232,15 @@ template <int Sets> __device__ __forceinline__ unsigned char *regroup_scratch(in
   constexpr int warps = kWarpGroup / 32;
   __shared__ alignas(16) unsigned char scratch[(kGemmThreads / kWarpGroup - 1) * warps][Sets * kRegroupBytes];
   return scratch[group * warps + t / 32];
+}
+// (A uint4 array or struct of the sets, returned or written through a reference, made nvcc 13.0 split some of the
+// callers' 16-byte stores in four: hence one set a call.)
+__device__ __forceinline__ uint4 regroup(unsigned char *scratch, int lane, const uint32_t (&v)[4]) {
+  store_matrices(scratch, lane, v);
+  __syncwarp();
+  const uint4 w = load_group(scratch, lane);
+  __syncwarp();  // read before the next call's matrices overwrite them
+  return w;
 }
 
 }  // namespace bastile::sm90
