@@ -5,7 +5,8 @@ first MoE layer of a bench_families model built from its published config.
     python benches/bench_moe_block.py --models gpt-oss-20b,qwen3-30b-a3b-attn,mixtral-8x7b-8l [--tokens 4096]
 
 Each mode runs in a child process (bastile.apply() patches classes). Work "frozen": the block's weights take no
-gradient (LoRA on the attention: the backward is the input's gradient only); "full": they take theirs too. Times are
+gradient (LoRA on the attention: the backward is the input's gradient only); "full": they take theirs too; "lora":
+PEFT's LoRA r16 all-linear (the experts' 3-D parameters and the router, as bench_families' all-linear rows). Times are
 medians of L2-flushed calls; "kernels ms" the GPU time of one forward + backward's kernels summed (the profiler's;
 without the gaps where the GPU waits on the host, which swing from run to run with the host); "model ms" is the
 block's forward + backward times the model's MoE layers (the full config, counted on the meta device), the block's
@@ -47,8 +48,19 @@ def child(args) -> dict:
         with torch.device(device):
             net = model_class(args.model)._from_config(model_config(args.model, args.smoke, **cut),
                                                        dtype=torch.bfloat16)
-        block = next(m for m in net.modules() if type(getattr(m, "experts", None)).__name__ == experts)
-        block.requires_grad_(args.work == "full")
+        if args.work == "lora":
+            from peft import LoraConfig, get_peft_model
+            net = get_peft_model(net, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+
+        def holds_experts(m):
+            inner = getattr(m, "experts", None)  # under PEFT, its ParamWrappers around the experts
+            while inner is not None and type(inner).__name__ != experts:
+                inner = getattr(inner, "base_layer", None)
+            return inner is not None
+
+        block = next(m for m in net.modules() if holds_experts(m))
+        if args.work != "lora":
+            block.requires_grad_(args.work == "full")
         hidden = full.get_text_config().hidden_size
         x = torch.randn(1, args.tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
@@ -90,7 +102,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt-oss-20b,qwen3-30b-a3b-attn,mixtral-8x7b-8l")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--work", default="frozen", choices=("frozen", "full"))
+    ap.add_argument("--work", default="frozen", choices=("frozen", "full", "lora"))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per child")
