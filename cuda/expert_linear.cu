@@ -44,7 +44,7 @@ __device__ __forceinline__ void epilogue(const ExpertLinear &p, float (&acc)[128
 
 template <Major B> __device__ __forceinline__ void run(const ExpertLinear &p) {
   __shared__ int32_t first[EXPERT_LINEAR_MAX_EXPERTS + 1], ends[EXPERT_LINEAR_MAX_EXPERTS];
-  expert_groups(p.offsets, p.experts, p.pairs, (int)((p.out + kCols - 1) / kCols), first, ends);
+  expert_groups(p.offsets, p.experts, p.pairs, p.col_tiles, first, ends);
   __syncthreads();
   zero_rows(static_cast<bf16 *>(p.y), p.out, ends[p.experts - 1], p.pairs);
   // An expert's rows of the weight as stored: out K-major, in N-major. A K-major tail tile reads the next

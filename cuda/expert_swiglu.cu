@@ -59,7 +59,7 @@ __device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128
 
 template <int Act> __device__ __forceinline__ void run(const ExpertSwiglu &p) {
   __shared__ int32_t first[EXPERT_SWIGLU_MAX_EXPERTS + 1], ends[EXPERT_SWIGLU_MAX_EXPERTS];
-  expert_groups(p.offsets, p.experts, p.pairs, (int)(p.inter / kCols), first, ends);
+  expert_groups(p.offsets, p.experts, p.pairs, p.col_tiles, first, ends);
   __syncthreads();
   zero_rows(static_cast<bf16 *>(p.gate_up), 2 * p.inter, ends[p.experts - 1], p.pairs);
   zero_rows(static_cast<bf16 *>(p.h), p.inter, ends[p.experts - 1], p.pairs);

@@ -40,6 +40,7 @@ typedef struct ExpertLinear {
   int32_t n_major;        /* the weight's layout, for the Hopper kernel (the others take it K-major) */
   /* Chosen by Rust: */
   int32_t stages;         /* pipeline stages in shared memory */
+  int32_t col_tiles;      /* the GEMM's column tiles of an expert */
   BastileTensorMap x_map;      /* TMA: x [pairs, in], boxes of 64 x 128 */
   BastileTensorMap weight_map; /* TMA: weight [experts * out, in], boxes of 64 x 128; N-major [experts * in, out], 64 x 64 */
 } ExpertLinear;

@@ -43,6 +43,7 @@ typedef struct ExpertSwiglu {
   int32_t gemm;           /* the Hopper kernel (ExpertSwigluPlan's answer), else the rows kernel */
   /* Chosen by Rust: */
   int32_t stages;         /* pipeline stages in shared memory */
+  int32_t col_tiles;      /* the GEMM's column tiles of an expert */
   BastileTensorMap x_map;      /* TMA: x [pairs, in], boxes of 64 x 128 */
   BastileTensorMap weight_map; /* TMA: weight [experts * 2 * inter, in], boxes of 64 x 128 */
 } ExpertSwiglu;

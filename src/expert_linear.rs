@@ -2,12 +2,12 @@
 //! launches of `cuda/expert_linear.cu` (the Hopper GEMM, the rows fallback), which path a call takes, and the CPU
 //! kernel, the reference the GPU is tested against (sums in f64, each result rounded once).
 use crate::cpu::{self, Disjoint, Element};
-use crate::driver::{Device, LaunchConfig, Result};
+use crate::driver::{Device, Result};
 use crate::experts::{self, Gemm, Weight};
-use crate::kernels::{self, Decide, Launch, Plan, Tag};
+use crate::kernels::{Decide, Launch, Plan, Tag};
 use crate::params::{
-    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, EXPERT_LINEAR_MAX_EXPERTS,
-    EXPERT_LINEAR_MAX_STAGES, EXPERT_LINEAR_ROWS_BLOCK, EXPERT_LINEAR_TILE_COLS,
+    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_TILE_K, EXPERT_LINEAR_MAX_EXPERTS, EXPERT_LINEAR_MAX_STAGES,
+    EXPERT_LINEAR_ROWS_BLOCK, EXPERT_LINEAR_TILE_COLS,
 };
 
 const OP: &str = "expert_linear";
@@ -15,15 +15,12 @@ const OP: &str = "expert_linear";
 impl Decide for ExpertLinearPlan {
     fn decide(&mut self) -> Result<()> {
         let padding = col_tiles(self.out) * EXPERT_LINEAR_TILE_COLS as i64 - self.out;
-        self.hopper = (self.fits != 0
-            && self.device >= 0
+        self.hopper = (experts::hopper(self.fits, self.device, self.experts, EXPERT_LINEAR_MAX_EXPERTS)
             && self.out > 0
             && self.out % 8 == 0
             && padding * 8 <= self.out
-            && (self.n_major == 0 || self.in_ % BASTILE_GEMM_TILE_K as i64 == 0)
-            && self.experts as u32 <= EXPERT_LINEAR_MAX_EXPERTS
-            && crate::driver::device(self.device).is_ok_and(|d| d.capability() == (9, 0)))
-        .into();
+            && (self.n_major == 0 || self.in_ % BASTILE_GEMM_TILE_K as i64 == 0))
+            .into();
         Ok(())
     }
 }
@@ -37,20 +34,14 @@ impl Launch for ExpertLinear {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let dtype = BastileDType::from_raw(self.dtype)?;
         if self.gemm == 0 {
-            let kernel = kernels::kernel::<Self>(dev, &[Tag::Rows, dtype.tag()], EXPERT_LINEAR_ROWS_BLOCK)?;
-            let blocks = crate::geometry::ceil_div(self.pairs * self.out, EXPERT_LINEAR_ROWS_BLOCK as i64);
-            let grid = blocks.clamp(1, 32 * dev.sm_count() as i64) as u32;
-            let cfg = LaunchConfig { grid: (grid, 1), block: (EXPERT_LINEAR_ROWS_BLOCK, 1), shared: 0 };
+            let (kernel, cfg) = experts::rows::<Self>(dev, dtype, self.pairs * self.out, EXPERT_LINEAR_ROWS_BLOCK)?;
             return Ok(Plan::single(kernel, cfg, *self));
-        }
-        if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
-            return Err(format!("bastile.{OP}: the GEMM kernel takes bf16 on compute capability 9.0"));
         }
         let (major, layout) = match self.n_major {
             0 => (Tag::Kmajor, Weight::K { rows: self.experts as i64 * self.out }),
             _ => (Tag::Nmajor, Weight::N { rows: self.experts as i64 * self.in_, cols: self.out }),
         };
-        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16, major], BASTILE_GEMM_THREADS, 1)?;
+        let gemm = experts::gemm_kernel::<Self>(OP, dev, dtype, major)?;
         let at = Gemm {
             x: self.x,
             weight: self.weight,
@@ -61,7 +52,7 @@ impl Launch for ExpertLinear {
             col_tiles: col_tiles(self.out),
         }
         .launch(OP, dev, &gemm, EXPERT_LINEAR_MAX_STAGES)?;
-        let p = ExpertLinear { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, ..*self };
+        let p = ExpertLinear { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, col_tiles: at.col_tiles, ..*self };
         Ok(Plan::single(gemm, at.cfg, p))
     }
 

@@ -2,12 +2,12 @@
 //! launches of `cuda/expert_swiglu.cu` (the Hopper GEMM, the rows fallback), which path a call takes, and the CPU kernel, the reference the GPU
 //! is tested against (sums in f64, each result rounded once, h from the rounded halves as `swiglu` makes it).
 use crate::cpu::{self, Disjoint, Element};
-use crate::driver::{Device, LaunchConfig, Result};
+use crate::driver::{Device, Result};
 use crate::experts::{self, Gemm, Weight};
-use crate::kernels::{self, Decide, Launch, Plan, Tag};
+use crate::kernels::{Decide, Launch, Plan};
 use crate::params::{
-    BastileDType, ExpertSwiglu, ExpertSwigluPlan, BASTILE_GEMM_THREADS, EXPERT_SWIGLU_MAX_EXPERTS,
-    EXPERT_SWIGLU_MAX_STAGES, EXPERT_SWIGLU_ROWS_BLOCK, EXPERT_SWIGLU_TILE_COLS,
+    BastileDType, ExpertSwiglu, ExpertSwigluPlan, EXPERT_SWIGLU_MAX_EXPERTS, EXPERT_SWIGLU_MAX_STAGES,
+    EXPERT_SWIGLU_ROWS_BLOCK, EXPERT_SWIGLU_TILE_COLS,
 };
 use crate::swiglu::Activation;
 
@@ -15,13 +15,10 @@ const OP: &str = "expert_swiglu";
 
 impl Decide for ExpertSwigluPlan {
     fn decide(&mut self) -> Result<()> {
-        self.hopper = (self.fits != 0
-            && self.device >= 0
+        self.hopper = (experts::hopper(self.fits, self.device, self.experts, EXPERT_SWIGLU_MAX_EXPERTS)
             && self.inter > 0
-            && self.inter % EXPERT_SWIGLU_TILE_COLS as i64 == 0
-            && self.experts as u32 <= EXPERT_SWIGLU_MAX_EXPERTS
-            && crate::driver::device(self.device).is_ok_and(|d| d.capability() == (9, 0)))
-        .into();
+            && self.inter % EXPERT_SWIGLU_TILE_COLS as i64 == 0)
+            .into();
         Ok(())
     }
 }
@@ -30,17 +27,10 @@ impl Launch for ExpertSwiglu {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let dtype = BastileDType::from_raw(self.dtype)?;
         if self.gemm == 0 {
-            let kernel = kernels::kernel::<Self>(dev, &[Tag::Rows, dtype.tag()], EXPERT_SWIGLU_ROWS_BLOCK)?;
-            let blocks = crate::geometry::ceil_div(self.pairs * self.inter, EXPERT_SWIGLU_ROWS_BLOCK as i64);
-            let grid = blocks.clamp(1, 32 * dev.sm_count() as i64) as u32;
-            let cfg = LaunchConfig { grid: (grid, 1), block: (EXPERT_SWIGLU_ROWS_BLOCK, 1), shared: 0 };
+            let (kernel, cfg) = experts::rows::<Self>(dev, dtype, self.pairs * self.inter, EXPERT_SWIGLU_ROWS_BLOCK)?;
             return Ok(Plan::single(kernel, cfg, *self));
         }
-        if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
-            return Err(format!("bastile.{OP}: the GEMM kernel takes bf16 on compute capability 9.0"));
-        }
-        let act = Activation::of(self.activation)?;
-        let gemm = kernels::kernel_sharing::<Self>(dev, &[Tag::Gemm, Tag::Bf16, act.tag()], BASTILE_GEMM_THREADS, 1)?;
+        let gemm = experts::gemm_kernel::<Self>(OP, dev, dtype, Activation::of(self.activation)?.tag())?;
         let at = Gemm {
             x: self.x,
             weight: self.weight,
@@ -51,7 +41,7 @@ impl Launch for ExpertSwiglu {
             col_tiles: self.inter / EXPERT_SWIGLU_TILE_COLS as i64,
         }
         .launch(OP, dev, &gemm, EXPERT_SWIGLU_MAX_STAGES)?;
-        let p = ExpertSwiglu { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, ..*self };
+        let p = ExpertSwiglu { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, col_tiles: at.col_tiles, ..*self };
         Ok(Plan::single(gemm, at.cfg, p))
     }
 

@@ -1,9 +1,37 @@
 //! What the experts' grouped GEMMs (`expert_swiglu`, `expert_linear`) share on the host: the offsets checked for
-//! the CPU kernels and a row's products there, and the Hopper launch of cuda/expert_tiles.cuh's walk over
-//! gemm_bf16_tn.
+//! the CPU kernels and a row's products there, which path a call may take, the fallback's launch, and the Hopper
+//! launch of cuda/expert_tiles.cuh's walk over gemm_bf16_tn.
 use crate::cpu::Element;
 use crate::driver::{Device, Kernel, LaunchConfig, Result};
-use crate::params::{BastileTensorMap, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N};
+use crate::kernels::{self, Kernels, Tag};
+use crate::params::{
+    BastileDType, BastileTensorMap, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N,
+};
+
+/// Whether a grouped GEMM's Hopper kernel may take a call, before its op's own shape conditions: operands that the
+/// C++ layer found to fit, on a CUDA device of compute capability 9.0, at most `max` experts.
+pub fn hopper(fits: i32, device: i32, experts: i32, max: u32) -> bool {
+    fits != 0
+        && device >= 0
+        && experts as u32 <= max
+        && crate::driver::device(device).is_ok_and(|d| d.capability() == (9, 0))
+}
+
+/// The fallback kernel of op `P` for `dtype` and its launch: a thread an element of `elements`, `block` threads a
+/// block, at most 32 blocks an SM (the kernel strides over the rest).
+pub fn rows<P: Kernels>(dev: &Device, dtype: BastileDType, elements: i64, block: u32) -> Result<(Kernel, LaunchConfig)> {
+    let kernel = kernels::kernel::<P>(dev, &[Tag::Rows, dtype.tag()], block)?;
+    let grid = crate::geometry::ceil_div(elements, block as i64).clamp(1, 32 * dev.sm_count() as i64) as u32;
+    Ok((kernel, LaunchConfig { grid: (grid, 1), block: (block, 1), shared: 0 }))
+}
+
+/// Op `P`'s Hopper GEMM kernel `variant`, which takes bf16 on compute capability 9.0 only.
+pub fn gemm_kernel<P: Kernels>(op: &str, dev: &Device, dtype: BastileDType, variant: Tag) -> Result<Kernel> {
+    if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
+        return Err(format!("bastile.{op}: the GEMM kernel takes bf16 on compute capability 9.0"));
+    }
+    kernels::kernel_sharing::<P>(dev, &[Tag::Gemm, Tag::Bf16, variant], BASTILE_GEMM_THREADS, 1)
+}
 
 /// Each expert's end, checked: non-decreasing within 0..pairs, the last at pairs (every row has an expert).
 ///
@@ -54,11 +82,12 @@ pub struct Gemm {
     pub col_tiles: i64,
 }
 
-/// What the kernel's block takes from Rust: its TMA maps and stages, and the launch.
+/// What the kernel's block takes from Rust: its TMA maps, stages and column tiles, and the launch.
 pub struct GemmLaunch {
     pub x_map: BastileTensorMap,
     pub weight_map: BastileTensorMap,
     pub stages: i32,
+    pub col_tiles: i32,
     pub cfg: LaunchConfig,
 }
 
@@ -87,6 +116,6 @@ impl Gemm {
             .ok_or_else(|| format!("bastile.{op}: {} bytes of shared memory hold no GEMM pipeline", kernel.shared))?;
         let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;
         let cfg = LaunchConfig { grid: (grid, 1), block: (BASTILE_GEMM_THREADS, 1), shared };
-        Ok(GemmLaunch { x_map, weight_map, stages: stages as i32, cfg })
+        Ok(GemmLaunch { x_map, weight_map, stages: stages as i32, col_tiles: self.col_tiles as i32, cfg })
     }
 }
