@@ -1,6 +1,7 @@
 // The experts' grouped product of rows with their expert's weight (include/expert_linear.h). On Hopper (the gemm
 // kernels, the weight K-major or N-major): gemm_bf16_tn over tiles of 128 of one expert's rows by 256 columns, its
-// two warp groups writing the tile's y from the accumulators. Elsewhere on CUDA, the rows kernel.
+// two warp groups writing the tile's y from the accumulators, a low-rank product as one more stage of its
+// pipeline. Elsewhere on CUDA, the rows kernel.
 #include "elementwise.cuh"
 #include "expert_linear.h"
 #include "expert_tiles.cuh"
@@ -47,17 +48,17 @@ template <Major B> __device__ __forceinline__ void run(const ExpertLinear &p) {
   expert_groups(p.offsets, p.experts, p.pairs, p.col_tiles, first, ends);
   __syncthreads();
   zero_rows(static_cast<bf16 *>(p.y), p.out, ends[p.experts - 1], p.pairs);
-  // An expert's rows of the weight as stored: out K-major, in N-major. A K-major tail tile reads the next
-  // expert's rows (or TMA's zeros past the last) for columns it drops; an N-major one, TMA's zeros.
-  const int64_t rows = B == Major::K ? p.out : p.in;
-  const ExpertTiles<kCols> walk{first, ends, p.experts, rows, kCols / 2, first[p.experts]};
-  gemm_bf16_tn<EXPERT_LINEAR_MAX_STAGES, B>(&p.x_map, &p.weight_map, p.in, p.stages, walk,
-                                         [&](float (&acc)[128], int64_t tile, int group, int t) {
-                                           epilogue(p, acc, walk.place(tile), group, t);
-                                         });
+  // An expert's rows of the weight as stored: out K-major, in N-major (rank of lora_weight, in the weight's layout).
+  // A K-major tail tile reads the next expert's rows (or TMA's zeros past the last) for columns it drops; an
+  // N-major one, TMA's zeros.
+  const ExpertTiles<kCols> walk{first, ends, p.experts, p.out, p.in, p.rank, kCols / 2, first[p.experts]};
+  const TailProduct lora = p.rank ? TailProduct{&p.lora_x_map, &p.lora_weight_map} : TailProduct{};
+  gemm_bf16_tn<EXPERT_LINEAR_MAX_STAGES, B, true>(
+      &p.x_map, &p.weight_map, p.in, p.stages, walk,
+      [&](float (&acc)[128], int64_t tile, int group, int t) { epilogue(p, acc, walk.place(tile), group, t); }, lora);
 }
 
-// The fallback: a thread an element (r, c) of y; rows past the last end are zeros.
+// The fallback: a thread an element (r, c) of y (with its low-rank product's); rows past the last end are zeros.
 template <class T> __device__ __forceinline__ void rows(const ExpertLinear &p) {
   const T *x = static_cast<const T *>(p.x), *w = static_cast<const T *>(p.weight);
   T *y = static_cast<T *>(p.y);
@@ -69,6 +70,9 @@ template <class T> __device__ __forceinline__ void rows(const ExpertLinear &p) {
     if (e < p.experts) {
       const T *xr = x + r * p.in, *wr = w + ((int64_t)e * p.out + c) * p.in;
       for (int64_t k = 0; k < p.in; ++k) sum = fmaf(to_f32(xr[k]), to_f32(wr[k]), sum);
+      const T *lr = static_cast<const T *>(p.lora_x) + r * p.rank;
+      const T *lw = static_cast<const T *>(p.lora_weight) + ((int64_t)e * p.out + c) * p.rank;
+      for (int64_t k = 0; k < p.rank; ++k) sum = fmaf(to_f32(lr[k]), to_f32(lw[k]), sum);
     }
     y[i] = from_f32<T>(sum);
   }

@@ -64,7 +64,7 @@ template <int Act> __device__ __forceinline__ void run(const ExpertSwiglu &p) {
   zero_rows(static_cast<bf16 *>(p.gate_up), 2 * p.inter, ends[p.experts - 1], p.pairs);
   zero_rows(static_cast<bf16 *>(p.h), p.inter, ends[p.experts - 1], p.pairs);
   // a tile's 256 columns of B: 128 of gate, the same 128 of up
-  const ExpertTiles<kCols> walk{first, ends, p.experts, 2 * p.inter, p.inter, first[p.experts]};
+  const ExpertTiles<kCols> walk{first, ends, p.experts, 2 * p.inter, p.in, 0, p.inter, first[p.experts]};
   gemm_bf16_tn<EXPERT_SWIGLU_MAX_STAGES>(&p.x_map, &p.weight_map, p.in, p.stages, walk,
                                          [&](float (&acc)[128], int64_t tile, int group, int t) {
                                            epilogue<Act>(p, acc, walk.place(tile), group, t);

@@ -12,12 +12,12 @@ __device__ __forceinline__ int64_t clamp(int64_t v, int64_t lo, int64_t hi) { re
 
 // Expert e's rows are ends[e - 1] .. ends[e] (0 before the first), its tiles first[e] .. first[e + 1], column tiles
 // outer, row tiles inner (the blocks in flight share a weight tile; the expert's rows of x stay in L2 across its
-// columns). An expert's weight has `rows` rows; a tile takes Cols of the output's columns, its two halves of B
-// `half` rows apart.
+// columns). A K-major weight has `rows` rows an expert, an N-major one `k_rows` (and a tail product's N-major B2
+// `tail_k_rows`); a tile takes Cols of the output's columns, its two halves of K-major B `half` rows apart.
 template <int Cols> struct ExpertTiles {
   const int32_t *first, *ends;
   int experts;
-  int64_t rows, half, count;
+  int64_t rows, k_rows, tail_k_rows, half, count;
 
   __device__ bool none() const { return count == 0; }
   __device__ bool skip(int64_t) const { return false; }
@@ -49,7 +49,8 @@ template <int Cols> struct ExpertTiles {
   }
   // An N-major weight [experts * rows, out]: the tile's first column, and its expert's first row.
   __device__ int32_t b_col(int64_t tile) const { return (int32_t)place(tile).col; }
-  __device__ int32_t b_k(int64_t tile) const { return (int32_t)(place(tile).e * rows); }
+  __device__ int32_t b_k(int64_t tile) const { return (int32_t)(place(tile).e * k_rows); }
+  __device__ int32_t b_tail_k(int64_t tile) const { return (int32_t)(place(tile).e * tail_k_rows); }
 };
 
 // ends[e], the running maximum of the offsets clamped to 0..pairs, and first[e] for every expert and

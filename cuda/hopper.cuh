@@ -110,6 +110,14 @@ constexpr int kGemmThreads = BASTILE_GEMM_THREADS, kWarpGroup = 128;  // a warp 
 // [k, N] row-major (the same weight read for the input's gradient).
 enum class Major { K, N };
 
+// A second product summed into each tile's, A2 B2^T, as one more stage after the k-steps (gemm_bf16_tn's Tail):
+// A2 [M, k2] K-major, k2 <= kGemmTileK, through a map with A's boxes, whose columns past k2 TMA fills with zeros;
+// B2 in B's layout and boxes, K-major at B's rows (`b_row(tile, h)`), N-major at `b_tail_k(tile)` (its rows past
+// k2 multiply A2's zeros). None where the maps are null.
+struct TailProduct {
+  const void *a_map = nullptr, *b_map = nullptr;
+};
+
 // The persistent, warp-specialised GEMM A B^T of bf16 operands, A [M, k] K-major and B as `B` says (row-major,
 // through TMA maps with boxes of kGemmTileK x kGemmTileM for A, kGemmTileK x kGemmTileN / 2 for K-major B), by
 // blocks of kGemmThreads: warp group 0's first thread loads the stages of every tile of its block, groups 1 and 2
@@ -119,11 +127,12 @@ enum class Major { K, N };
 // `none()`; a tile's rows of A start at `a_row(tile)`, K-major B's two halves at rows `b_row(tile, 0)` and
 // `b_row(tile, 1)`. N-major B loads as four boxes of 64 columns (128 bytes) by kGemmTileK rows at
 // (`b_col(tile)` + 64 j, `b_k(tile)` + k), and k_size must be a multiple of kGemmTileK (a box past the end of an
-// expert's rows would read the next one's, not zeros). Dynamic shared memory: `stages` (2 to MaxStages) stages of
-// kGemmStageBytes, plus 1 KiB to align them.
-template <int MaxStages, Major B = Major::K, class Walk, class Epilogue>
+// expert's rows would read the next one's, not zeros). Tail: the kernel takes `tail`, a second product
+// (TailProduct). Dynamic shared memory: `stages` (2 to MaxStages) stages of kGemmStageBytes, plus 1 KiB to align
+// them.
+template <int MaxStages, Major B = Major::K, bool Tail = false, class Walk, class Epilogue>
 __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_map, int64_t k_size, int stages,
-                                             const Walk &walk, Epilogue &&epilogue) {
+                                             const Walk &walk, Epilogue &&epilogue, TailProduct tail = {}) {
 #if BASTILE_SM90
   if (walk.none()) return;
   __shared__ uint64_t full[MaxStages], empty[MaxStages];
@@ -138,7 +147,7 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
     barrier_init_fence();
   }
   __syncthreads();
-  const int steps = (int)((k_size + kGemmTileK - 1) / kGemmTileK);
+  const int steps = (int)((k_size + kGemmTileK - 1) / kGemmTileK), loads = steps + (Tail && tail.a_map != nullptr);
   const int group = threadIdx.x / kWarpGroup, t = threadIdx.x % kWarpGroup;
   int s = 0;
   uint32_t phase = 0;
@@ -152,18 +161,22 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
       int32_t b0, b1;  // K-major: B's two halves' rows; N-major: B's first column and row
       if constexpr (B == Major::K) b0 = walk.b_row(tile, 0), b1 = walk.b_row(tile, 1);
       else b0 = walk.b_col(tile), b1 = walk.b_k(tile);
-      for (int k = 0; k < steps; ++k) {
+      for (int k = 0; k < loads; ++k) {
         wait(&empty[s], phase ^ 1);
         unsigned char *stage = base + s * kGemmStageBytes;
         arrive_expect(&full[s], kGemmStageBytes);
-        tma_load(stage, a_map, &full[s], k * kGemmTileK, y_a);
+        const bool second = Tail && k == steps;
+        const void *am = second ? tail.a_map : a_map, *bm = second ? tail.b_map : b_map;
+        const int32_t x = second ? 0 : k * kGemmTileK;
+        tma_load(stage, am, &full[s], x, y_a);
         if constexpr (B == Major::K) {
-          tma_load(stage + kGemmBytesA, b_map, &full[s], k * kGemmTileK, b0);
-          tma_load(stage + kGemmBytesA + kGemmBytesHalfB, b_map, &full[s], k * kGemmTileK, b1);
+          tma_load(stage + kGemmBytesA, bm, &full[s], x, b0);
+          tma_load(stage + kGemmBytesA + kGemmBytesHalfB, bm, &full[s], x, b1);
         } else {
+          const int32_t y = second ? walk.b_tail_k(tile) : b1 + x;
 #pragma unroll
           for (int j = 0; j < kGemmTileN / 64; ++j)
-            tma_load(stage + kGemmBytesA + j * 64 * kGemmTileK * 2, b_map, &full[s], b0 + 64 * j, b1 + k * kGemmTileK);
+            tma_load(stage + kGemmBytesA + j * 64 * kGemmTileK * 2, bm, &full[s], b0 + 64 * j, y);
         }
         if (++s == stages) s = 0, phase ^= 1;
       }
@@ -179,7 +192,7 @@ __device__ __forceinline__ void gemm_bf16_tn(const void *a_map, const void *b_ma
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     int last = -1;
-    for (int k = 0; k < steps; ++k) {
+    for (int k = 0; k < loads; ++k) {
       wait(&full[s], phase);
       const unsigned char *stage = base + s * kGemmStageBytes;
       mma_fence();

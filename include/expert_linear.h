@@ -2,8 +2,11 @@
  * weight, as torch.nn.functional.linear takes it. The rows of x [pairs, in] are grouped by expert, expert e's rows
  * ending at offsets[e] (int32, non-decreasing, the last pairs); weight [experts, out, in] (transformers' stored
  * down_proj, or gate_up_proj), or its transpose contiguous (N-major: the stored weight read for the inputs'
- * gradient, or GPT-OSS's stored [experts, in, out]). For row r of expert e, in the inputs' dtype T:
- *   y[r] = T(x[r] @ weight[e]^T)                  (f32 sums; f64 on the CPU)
+ * gradient, or GPT-OSS's stored [experts, in, out]). Optionally a low-rank product summed in (an expert LoRA's,
+ * no delta formed): lora_x [pairs, rank] and lora_weight [experts, out, rank]. For row r of expert e, in the inputs'
+ * dtype T:
+ *   y[r] = T(x[r] @ weight[e]^T + lora_x[r] @ lora_weight[e]^T)   (f32 sums; f64 on the CPU)
+ * (bf16 on CUDA off the Hopper kernel: each product rounded to T, then their sum).
  * The CPU refuses other offsets than the experts' path makes (non-decreasing, the last pairs); the CUDA kernels,
  * which cannot check them without a host sync, read each end as the running maximum of the offsets clamped to
  * 0..pairs and write zeros in rows past the last end, as expert_swiglu does. */
@@ -15,10 +18,12 @@
  * K-major or N-major (the nmajor kernel, in a multiple of BASTILE_GEMM_TILE_K: its boxes of the weight run
  * along the experts' stacked rows, and one past an expert's last would read the next's). out a multiple of 8, the
  * columns of its last tile past out (computed, not stored) at most an eighth of out (GPT-OSS's 2880: 192); at most
- * EXPERT_LINEAR_MAX_EXPERTS experts. */
+ * EXPERT_LINEAR_MAX_EXPERTS experts. The low-rank product as one more pipeline stage (hopper.cuh's TailProduct):
+ * rank a multiple of 8 up to EXPERT_LINEAR_MAX_RANK, both operands contiguous. */
 #define EXPERT_LINEAR_TILE_COLS 256
 #define EXPERT_LINEAR_MAX_EXPERTS 1024
 #define EXPERT_LINEAR_MAX_STAGES 8
+#define EXPERT_LINEAR_MAX_RANK 64 /* a stage's k */
 
 /* Elsewhere on CUDA (other dtypes, shapes torch's grouped GEMM does not take), a thread an element of y: its sum
  * in f32 over the row, a plain correct fallback. */
@@ -30,10 +35,13 @@ typedef struct ExpertLinear {
   const void *x;          /* [pairs, in] */
   const void *weight;     /* [experts, out, in]; N-major: [experts, in, out] */
   const int32_t *offsets; /* [experts] */
+  const void *lora_x;     /* [pairs, rank], or null */
+  const void *lora_weight; /* [experts, out, rank], or null */
   void *y;                /* [pairs, out] */
   int64_t pairs;
   int64_t in;
   int64_t out;
+  int64_t rank;           /* 0 without the low-rank product */
   int32_t experts;
   int32_t dtype;
   int32_t gemm;           /* the Hopper kernel (ExpertLinearPlan's answer), else the rows kernel */
@@ -43,6 +51,8 @@ typedef struct ExpertLinear {
   int32_t col_tiles;      /* the GEMM's column tiles of an expert */
   BastileTensorMap x_map;      /* TMA: x [pairs, in], boxes of 64 x 128 */
   BastileTensorMap weight_map; /* TMA: weight [experts * out, in], boxes of 64 x 128; N-major [experts * in, out], 64 x 64 */
+  BastileTensorMap lora_x_map;      /* TMA: lora_x [pairs, rank], boxes of 64 x 128 */
+  BastileTensorMap lora_weight_map; /* TMA: lora_weight [experts * out, rank], boxes of 64 x 128 */
 } ExpertLinear;
 
 /* Whether the Hopper path takes a call: the C++ layer asks before it allocates anything, and computes the
@@ -52,7 +62,8 @@ typedef struct ExpertLinearPlan {
   int64_t out;
   int32_t experts;
   int32_t device;  /* CUDA device index; -1: CPU */
-  int32_t fits;    /* bf16 x and weight, 16-byte aligned, in a multiple of 8 */
+  int64_t rank;    /* 0 without the low-rank product */
+  int32_t fits;    /* bf16 x and weight (and the low-rank operands, contiguous), 16-byte aligned, in a multiple of 8 */
   int32_t n_major; /* the weight's transpose is contiguous, not the weight */
   /* Chosen by Rust: */
   int32_t hopper;

@@ -3,11 +3,11 @@
 //! kernel, the reference the GPU is tested against (sums in f64, each result rounded once).
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, Result};
-use crate::experts::{self, Gemm, Weight};
+use crate::experts::{self, Gemm, Operands, Weight};
 use crate::kernels::{Decide, Launch, Plan, Tag};
 use crate::params::{
-    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_TILE_K, EXPERT_LINEAR_MAX_EXPERTS, EXPERT_LINEAR_MAX_STAGES,
-    EXPERT_LINEAR_ROWS_BLOCK, EXPERT_LINEAR_TILE_COLS,
+    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_TILE_K, EXPERT_LINEAR_MAX_EXPERTS, EXPERT_LINEAR_MAX_RANK,
+    EXPERT_LINEAR_MAX_STAGES, EXPERT_LINEAR_ROWS_BLOCK, EXPERT_LINEAR_TILE_COLS,
 };
 
 const OP: &str = "expert_linear";
@@ -19,7 +19,8 @@ impl Decide for ExpertLinearPlan {
             && self.out > 0
             && self.out % 8 == 0
             && padding * 8 <= self.out
-            && (self.n_major == 0 || self.in_ % BASTILE_GEMM_TILE_K as i64 == 0))
+            && (self.n_major == 0 || self.in_ % BASTILE_GEMM_TILE_K as i64 == 0)
+            && (self.rank == 0 || (self.rank % 8 == 0 && self.rank <= EXPERT_LINEAR_MAX_RANK as i64)))
             .into();
         Ok(())
     }
@@ -37,22 +38,35 @@ impl Launch for ExpertLinear {
             let (kernel, cfg) = experts::rows::<Self>(dev, dtype, self.pairs * self.out, EXPERT_LINEAR_ROWS_BLOCK)?;
             return Ok(Plan::single(kernel, cfg, *self));
         }
-        let (major, layout) = match self.n_major {
-            0 => (Tag::Kmajor, Weight::K { rows: self.experts as i64 * self.out }),
-            _ => (Tag::Nmajor, Weight::N { rows: self.experts as i64 * self.in_, cols: self.out }),
+        let experts = self.experts as i64;
+        // lora_weight comes in the weight's layout (the C++ layer's copy where it did not).
+        let (major, layout, tail_layout) = match self.n_major {
+            0 => (Tag::Kmajor, Weight::K { rows: experts * self.out }, Weight::K { rows: experts * self.out }),
+            _ => (
+                Tag::Nmajor,
+                Weight::N { rows: experts * self.in_, cols: self.out },
+                Weight::N { rows: experts * self.rank, cols: self.out },
+            ),
         };
         let gemm = experts::gemm_kernel::<Self>(OP, dev, dtype, major)?;
+        let tail = (self.rank > 0).then_some(Operands { x: self.lora_x, weight: self.lora_weight, k: self.rank, layout: tail_layout });
         let at = Gemm {
-            x: self.x,
-            weight: self.weight,
+            main: Operands { x: self.x, weight: self.weight, k: self.in_, layout },
+            tail,
             pairs: self.pairs,
-            in_: self.in_,
-            layout,
             experts: self.experts,
             col_tiles: col_tiles(self.out),
         }
         .launch(OP, dev, &gemm, EXPERT_LINEAR_MAX_STAGES)?;
-        let p = ExpertLinear { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, col_tiles: at.col_tiles, ..*self };
+        let p = ExpertLinear {
+            x_map: at.x_map,
+            weight_map: at.weight_map,
+            lora_x_map: at.tail_maps.0,
+            lora_weight_map: at.tail_maps.1,
+            stages: at.stages,
+            col_tiles: at.col_tiles,
+            ..*self
+        };
         Ok(Plan::single(gemm, at.cfg, p))
     }
 
@@ -67,15 +81,24 @@ impl Launch for ExpertLinear {
 }
 
 unsafe fn forward_cpu<T: Element>(p: &ExpertLinear, ends: &[usize]) {
-    let (pairs, k, out) = (p.pairs as usize, p.in_ as usize, p.out as usize);
+    let (pairs, k, out, rank) = (p.pairs as usize, p.in_ as usize, p.out as usize, p.rank as usize);
+    // x and lora_x side by side, as one product with the weights side by side
     let x = cpu::slice::<T>(p.x, pairs * k);
     let w = cpu::slice::<T>(p.weight, ends.len() * out * k);
+    let (lx, lw) = match rank {
+        0 => (&[][..], &[][..]),
+        _ => (cpu::slice::<T>(p.lora_x, pairs * rank), cpu::slice::<T>(p.lora_weight, ends.len() * out * rank)),
+    };
     let y = Disjoint::new(cpu::slice_mut::<T>(p.y, pairs * out));
-    cpu::parallel_for(pairs, (cpu::GRAIN / (out * k).max(1)).max(1), |rows| {
+    cpu::parallel_for(pairs, (cpu::GRAIN / (out * (k + rank)).max(1)).max(1), |rows| {
         for r in rows {
             let e = ends.partition_point(|&end| end <= r);
+            let (x, lx) = (&x[r * k..(r + 1) * k], &lx[r * rank..(r + 1) * rank]);
             // SAFETY: the ranges of parallel_for do not overlap.
-            experts::row_products(&x[r * k..(r + 1) * k], &w[e * out * k..(e + 1) * out * k], y.part(r * out..(r + 1) * out));
+            for (c, o) in y.part(r * out..(r + 1) * out).iter_mut().enumerate() {
+                let (wr, lr) = (&w[(e * out + c) * k..][..k], &lw[(e * out + c) * rank..][..rank]);
+                *o = T::from_f64(experts::dot(x, wr) + experts::dot(lx, lr));
+            }
         }
     });
 }

@@ -3,7 +3,7 @@
 //! is tested against (sums in f64, each result rounded once, h from the rounded halves as `swiglu` makes it).
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, Result};
-use crate::experts::{self, Gemm, Weight};
+use crate::experts::{self, Gemm, Operands, Weight};
 use crate::kernels::{Decide, Launch, Plan};
 use crate::params::{
     BastileDType, ExpertSwiglu, ExpertSwigluPlan, EXPERT_SWIGLU_MAX_EXPERTS, EXPERT_SWIGLU_MAX_STAGES,
@@ -32,11 +32,14 @@ impl Launch for ExpertSwiglu {
         }
         let gemm = experts::gemm_kernel::<Self>(OP, dev, dtype, Activation::of(self.activation)?.tag())?;
         let at = Gemm {
-            x: self.x,
-            weight: self.weight,
+            main: Operands {
+                x: self.x,
+                weight: self.weight,
+                k: self.in_,
+                layout: Weight::K { rows: self.experts as i64 * 2 * self.inter },
+            },
+            tail: None,
             pairs: self.pairs,
-            in_: self.in_,
-            layout: Weight::K { rows: self.experts as i64 * 2 * self.inter },
             experts: self.experts,
             col_tiles: self.inter / EXPERT_SWIGLU_TILE_COLS as i64,
         }

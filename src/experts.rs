@@ -58,34 +58,68 @@ pub unsafe fn ends(op: &str, offsets: *const i32, experts: i32, pairs: i64) -> R
 pub fn row_products<T: Element>(x: &[T], weight: &[T], out: &mut [T]) {
     let k = x.len();
     for (c, o) in out.iter_mut().enumerate() {
-        *o = T::from_f64(x.iter().zip(&weight[c * k..(c + 1) * k]).map(|(a, b)| a.to_f64() * b.to_f64()).sum());
+        *o = T::from_f64(dot(x, &weight[c * k..(c + 1) * k]));
     }
+}
+
+/// The f64 sum of the products of a and b.
+pub fn dot<T: Element>(a: &[T], b: &[T]) -> f64 {
+    a.iter().zip(b).map(|(a, b)| a.to_f64() * b.to_f64()).sum()
 }
 
 /// How a grouped GEMM's weight is stored, as its TMA map reads it: the experts' weights stacked as `rows` rows.
 pub enum Weight {
-    /// Rows of in (gemm_bf16_tn's Major::K): [experts * out, in].
+    /// Rows of the product's k (gemm_bf16_tn's Major::K): [experts * out, k].
     K { rows: i64 },
-    /// Rows of out, `cols` (Major::N): [experts * in, out].
+    /// Rows of out, `cols` (Major::N): [experts * k, out].
     N { rows: i64, cols: i64 },
 }
 
-/// A grouped GEMM's launch: x [pairs, in] times `weight`, tiles of BASTILE_GEMM_TILE_M rows of one expert by
-/// `col_tiles` column tiles an expert.
-pub struct Gemm {
+/// One product's operands: rows of x `k` wide ([pairs, k]) and the experts' weights as `layout` stores them.
+pub struct Operands {
     pub x: *const std::ffi::c_void,
     pub weight: *const std::ffi::c_void,
-    pub pairs: i64,
-    pub in_: i64,
+    pub k: i64,
     pub layout: Weight,
+}
+
+impl Operands {
+    /// The TMA maps of x and the weight. Box rows of 128 bytes (64 bf16), the span of the 128-byte swizzle, which
+    /// is also a stage's k (columns past k read as TMA's zeros): x, a stage's k by the tile's rows; K-major, a
+    /// stage's k by half the tile's rows of B; N-major, 64 of out's columns by a stage's k rows, four boxes a tile.
+    fn maps(&self, pairs: i64) -> Result<(BastileTensorMap, BastileTensorMap)> {
+        let k = BASTILE_GEMM_TILE_K;
+        let x = crate::driver::tensor_map_bf16(self.x, pairs, self.k, k, BASTILE_GEMM_TILE_M)?;
+        let weight = match self.layout {
+            Weight::K { rows } => crate::driver::tensor_map_bf16(self.weight, rows, self.k, k, BASTILE_GEMM_TILE_N / 2)?,
+            Weight::N { rows, cols } => crate::driver::tensor_map_bf16(self.weight, rows, cols, k, k)?,
+        };
+        Ok((x, weight))
+    }
+
+    fn rows(&self) -> i64 {
+        match self.layout {
+            Weight::K { rows } | Weight::N { rows, .. } => rows,
+        }
+    }
+}
+
+/// A grouped GEMM's launch: `main`'s product plus `tail`'s (gemm_bf16_tn's TailProduct, in main's layout), tiles of
+/// BASTILE_GEMM_TILE_M rows of one expert by `col_tiles` column tiles an expert.
+pub struct Gemm {
+    pub main: Operands,
+    pub tail: Option<Operands>,
+    pub pairs: i64,
     pub experts: i32,
     pub col_tiles: i64,
 }
 
-/// What the kernel's block takes from Rust: its TMA maps, stages and column tiles, and the launch.
+/// What the kernel's block takes from Rust: its TMA maps (the tail's, zeros without one), stages and column tiles,
+/// and the launch.
 pub struct GemmLaunch {
     pub x_map: BastileTensorMap,
     pub weight_map: BastileTensorMap,
+    pub tail_maps: (BastileTensorMap, BastileTensorMap),
     pub stages: i32,
     pub col_tiles: i32,
     pub cfg: LaunchConfig,
@@ -95,27 +129,21 @@ impl Gemm {
     /// `kernel` (gemm_bf16_tn's) with as many stages as its shared memory holds, up to `max_stages`; a block an SM
     /// up to the tiles' bound (each expert's row tiles rounded up).
     pub fn launch(&self, op: &str, dev: &Device, kernel: &Kernel, max_stages: u32) -> Result<GemmLaunch> {
-        let (m, k) = (BASTILE_GEMM_TILE_M as i64, BASTILE_GEMM_TILE_K);
         // The walk's tile indices and TMA's row coordinates are 32-bit.
-        let tiles = (crate::geometry::ceil_div(self.pairs, m) + self.experts as i64) * self.col_tiles;
-        let weight_rows = match self.layout {
-            Weight::K { rows } | Weight::N { rows, .. } => rows,
-        };
-        if tiles > i32::MAX as i64 || weight_rows > i32::MAX as i64 || self.pairs > i32::MAX as i64 {
+        let tiles = (crate::geometry::ceil_div(self.pairs, BASTILE_GEMM_TILE_M as i64) + self.experts as i64) * self.col_tiles;
+        let rows = self.main.rows().max(self.tail.as_ref().map_or(0, Operands::rows));
+        if tiles > i32::MAX as i64 || rows > i32::MAX as i64 || self.pairs > i32::MAX as i64 {
             return Err(format!("bastile.{op}: {} pairs of {} experts are more than 32-bit tile indices reach", self.pairs, self.experts));
         }
-        let x_map = crate::driver::tensor_map_bf16(self.x, self.pairs, self.in_, k, m as u32)?;
-        // Box rows of 128 bytes (64 bf16), the span of the 128-byte swizzle, which is also a stage's k: K-major, a
-        // stage's k columns by half the tile's rows of B; N-major, 64 of out's columns by a stage's k rows, four
-        // boxes a tile.
-        let weight_map = match self.layout {
-            Weight::K { rows } => crate::driver::tensor_map_bf16(self.weight, rows, self.in_, k, BASTILE_GEMM_TILE_N / 2)?,
-            Weight::N { rows, cols } => crate::driver::tensor_map_bf16(self.weight, rows, cols, k, k)?,
+        let (x_map, weight_map) = self.main.maps(self.pairs)?;
+        let tail_maps = match &self.tail {
+            Some(tail) => tail.maps(self.pairs)?,
+            None => Default::default(),
         };
         let (stages, shared) = crate::geometry::gemm_stages(kernel.shared, max_stages)
             .ok_or_else(|| format!("bastile.{op}: {} bytes of shared memory hold no GEMM pipeline", kernel.shared))?;
         let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;
         let cfg = LaunchConfig { grid: (grid, 1), block: (BASTILE_GEMM_THREADS, 1), shared };
-        Ok(GemmLaunch { x_map, weight_map, stages: stages as i32, col_tiles: self.col_tiles as i32, cfg })
+        Ok(GemmLaunch { x_map, weight_map, tail_maps, stages: stages as i32, col_tiles: self.col_tiles as i32, cfg })
     }
 }

@@ -1,45 +1,86 @@
 // torch.ops.bastile.expert_linear (cuda/expert_linear.cu): a mixture of experts' grouped product. x [pairs, in]
 // grouped by expert, weight [experts, out, in] (transformers' stored down_proj; contiguous, or its transpose
-// contiguous), offsets [experts] (int32, each expert's end; the last is pairs): returns y [pairs, out] with row
-// r = x[r] @ weight[e]^T for its expert e. On compute capability 9.0 (bf16, the widths include/expert_linear.h
-// names) our grouped GEMM, reading the weight in the layout it comes in; elsewhere on CUDA torch's grouped GEMM
-// where it takes the operands (bf16), else a plain kernel; on the CPU the reference. A piece of the experts' own
-// autograd node (python_shim/bastile/experts.py): no backward of its own.
+// contiguous), offsets [experts] (int32, each expert's end; the last is pairs), and optionally a low-rank product
+// summed in, lora_x [pairs, rank] with lora_weight [experts, out, rank] (an expert LoRA's factors): returns y
+// [pairs, out] with row r = x[r] @ weight[e]^T + lora_x[r] @ lora_weight[e]^T for its expert e. On compute
+// capability 9.0 (bf16, the widths include/expert_linear.h names) our grouped GEMM, reading the weight in the layout
+// it comes in, the low-rank product as one more stage; elsewhere on CUDA torch's grouped GEMM where it takes the
+// operands (bf16; the low-rank product apart), else a plain kernel; on the CPU the reference. A piece of the experts' own autograd node
+// (python_shim/bastile/experts.py): no backward of its own.
 #include "op.h"
 
 namespace bastile {
 namespace {
 
 struct ExpertLinearOp {
-  static constexpr const char* schema = "expert_linear(Tensor x, Tensor weight, Tensor offsets) -> Tensor";
+  static constexpr const char* schema =
+      "expert_linear(Tensor x, Tensor weight, Tensor offsets, Tensor? lora_x=None, Tensor? lora_weight=None) -> Tensor";
 
-  static at::Tensor kernel(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& offsets_in) {
+  static at::Tensor kernel(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& offsets_in,
+                           const std::optional<at::Tensor>& lora_x_in, const std::optional<at::Tensor>& lora_weight_in) {
     constexpr const char* op = "expert_linear";
     const auto dt = check_grouped(op, x_in, weight_in, offsets_in, "[experts, out, in]",
                                   [](const c10::SymInt&) { return true; });
+    const bool lora = check_lora(op, x_in, weight_in, lora_x_in, lora_weight_in);
     const auto empty = [&] { return at::empty_symint({x_in.sym_size(0), weight_in.sym_size(1)}, x_in.options()); };
     if (x_in.is_meta() || x_in.size(0) == 0 || weight_in.size(1) == 0) return empty();
     check_experts(op, x_in, weight_in);
-    if (x_in.size(1) == 0) return empty().zero_();  // sums over nothing
+    const int64_t rank = lora ? lora_x_in->size(1) : 0;
+    if (x_in.size(1) == 0)  // sums over nothing but the low-rank product's
+      return rank ? kernel(*lora_x_in, *lora_weight_in, offsets_in, {}, {}) : empty().zero_();
     const auto x = x_in.contiguous(), offsets = offsets_in.contiguous();
-    // N-major: the weight's transpose is contiguous (where both are, K-major).
+    // N-major: the weight's transpose is contiguous (where both are, K-major); lora_weight goes in its layout.
     const bool n_major = !weight_in.is_contiguous() && weight_in.transpose(-2, -1).is_contiguous();
     const auto weight = n_major ? weight_in : weight_in.contiguous();
     const int64_t in = x.size(1), out = weight.size(1);
-    const bool fits = dt == BASTILE_BF16 && in % 8 == 0 && aligned16(x) && aligned16(weight);
+    at::Tensor lx, lw;
+    if (rank) lx = lora_x_in->contiguous(), lw = in_layout(*lora_weight_in, n_major);
+    const bool fits = dt == BASTILE_BF16 && in % 8 == 0 && aligned16(x) && aligned16(weight) &&
+                      (!rank || (aligned16(lx) && aligned16(lw)));
     const auto plan = decide(ExpertLinearPlan{.in = in, .out = out, .experts = int32_t(weight.size(0)),
-                                              .device = x.is_cuda() ? x.device().index() : -1, .fits = fits,
-                                              .n_major = n_major});
+                                              .device = x.is_cuda() ? x.device().index() : -1, .rank = rank,
+                                              .fits = fits, .n_major = n_major});
+    // bf16 on CUDA but not one Hopper kernel: each product by its fastest path, rounded, then their sum.
+    if (rank && x.is_cuda() && !plan.hopper && dt == BASTILE_BF16)
+      return kernel(x_in, weight_in, offsets_in, {}, {}).add_(kernel(*lora_x_in, *lora_weight_in, offsets_in, {}, {}));
     if (x.is_cuda() && !plan.hopper && dt == BASTILE_BF16 && in % 8 == 0 && out % 8 == 0)
       return at::_grouped_mm(x, weight.transpose(-2, -1), offsets);
-    // The other kernels read the weight K-major.
+    // The other kernels read the weights K-major.
     const auto read = plan.hopper ? weight : weight.contiguous();
+    if (rank && !plan.hopper) lw = lw.contiguous();
     auto y = empty();
     launch(x, ExpertLinear{.x = x.data_ptr(), .weight = read.data_ptr(), .offsets = offsets.data_ptr<int32_t>(),
-                           .y = y.data_ptr(), .pairs = x.size(0), .in = in, .out = out,
+                           .lora_x = rank ? lx.data_ptr() : nullptr, .lora_weight = rank ? lw.data_ptr() : nullptr,
+                           .y = y.data_ptr(), .pairs = x.size(0), .in = in, .out = out, .rank = rank,
                            .experts = int32_t(weight.size(0)), .dtype = dt, .gemm = plan.hopper,
                            .n_major = plan.hopper && n_major});
     return y;
+  }
+
+  // lora_x [pairs, rank] and lora_weight [experts, out, rank] of x's dtype and device, both or neither; whether
+  // they are given.
+  static bool check_lora(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& lora_x, const std::optional<at::Tensor>& lora_weight) {
+    TORCH_CHECK(lora_x.has_value() == lora_weight.has_value(), "bastile.", op,
+                ": lora_x and lora_weight go together, got ", lora_x ? "lora_x without lora_weight" : "lora_weight without lora_x");
+    if (!lora_x) return false;
+    check_same_dtype(op, {"x", x}, {"lora_x", *lora_x});
+    check_same_dtype(op, {"x", x}, {"lora_weight", *lora_weight});
+    TORCH_CHECK(lora_x->dim() == 2 && lora_x->sym_size(0) == x.sym_size(0), "bastile.", op,
+                ": lora_x must be [pairs, rank] with pairs = ", x.sym_size(0), " (x's), got shape ", lora_x->sym_sizes());
+    TORCH_CHECK(lora_weight->dim() == 3 && lora_weight->sym_size(0) == weight.sym_size(0) &&
+                    lora_weight->sym_size(1) == weight.sym_size(1) && lora_weight->sym_size(2) == lora_x->sym_size(1),
+                "bastile.", op, ": lora_weight must be [experts, out, rank] = [", weight.sym_size(0), ", ",
+                weight.sym_size(1), ", ", lora_x->sym_size(1), "] (weight's and lora_x's), got shape ",
+                lora_weight->sym_sizes());
+    check_device(op, {"x", x}, {{"lora_x", *lora_x}, {"lora_weight", *lora_weight}});
+    return true;
+  }
+
+  // t [experts, out, rank] contiguous (K-major) or with its transpose contiguous (N-major): itself where it is.
+  static at::Tensor in_layout(const at::Tensor& t, bool n_major) {
+    if (!n_major) return t.contiguous();
+    return t.transpose(-2, -1).is_contiguous() ? t : t.transpose(-2, -1).contiguous().transpose(-2, -1);
   }
 };
 
