@@ -21,8 +21,9 @@ PEFT's way.
 
 On CUDA, bf16 products run as grouped GEMMs: gate/up's with a SwiGLU family's activation as the `expert_swiglu`
 op where no adapter or bias joins them, the others of a stored weight (the forward's and the inputs' gradients',
-in either layout) as the `expert_linear` op (each one kernel of ours on Hopper), the weights' gradients as
-torch's; elsewhere (the CPU, other dtypes) expert by expert, which reads the per-expert counts on the host.
+in either layout) as the `expert_linear` op (each one kernel of ours on Hopper, with an adapter's second product
+(x A_e)(s B_e) in the same kernel: the factors are made in the weight's layout, B times the scale), the weights'
+gradients as torch's; elsewhere (the CPU, other dtypes) expert by expert, which reads the per-expert counts on the host.
 """
 import sys
 from functools import partial
@@ -44,7 +45,8 @@ class Adapter(NamedTuple):
 
 class Projection(NamedTuple):
     """An expert parameter as the grouped products read it: w [experts, in, out] (a view of the stored one), its
-    bias [experts, out], and one LoRA adapter's A [experts, in, rank] and B [experts, rank, out] (None without)."""
+    bias [experts, out], and one LoRA adapter's A [experts, in, rank] and B [experts, rank, out] times its scale
+    (None without)."""
     w: torch.Tensor
     bias: Optional[torch.Tensor]
     a: Optional[torch.Tensor]
@@ -60,21 +62,21 @@ def stored(experts, name: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
 
 
 @torch.library.custom_op("bastile_experts::contiguous", mutates_args=())
-def _contiguous_op(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.new_empty(t.shape, dtype=dtype).copy_(t)
+def _contiguous_op(t: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    return torch.mul(t, scale, out=t.new_empty(t.shape, dtype=dtype))
 
 
 @_contiguous_op.register_fake
-def _(t, dtype):
+def _(t, dtype, scale):
     return t.new_empty(t.shape, dtype=dtype)
 
 
-def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in `dtype`, contiguous, in one copy. Under torch.compile (2.11) through an opaque op: Inductor lays a copy
-    of a permuted view out in the view's strides, which grouped_mm refuses."""
+def _contiguous(t: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """scale t in `dtype`, contiguous, in one pass. Under torch.compile (2.11) through an opaque op: Inductor lays a
+    copy of a permuted view out in the view's strides, which grouped_mm refuses."""
     if torch.compiler.is_compiling():
-        return _contiguous_op(t, dtype)
-    return t.new_empty(t.shape, dtype=dtype).copy_(t)
+        return _contiguous_op(t, dtype, scale)
+    return torch.mul(t, scale, out=t.new_empty(t.shape, dtype=dtype))
 
 
 class _Factors(NamedTuple):
@@ -89,8 +91,14 @@ class _Factors(NamedTuple):
         return (lhs, rhs) if self.transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
 
     def made(self, w: torch.Tensor, *sources):
-        """In w's dtype, contiguous, for the grouped products."""
-        return tuple(_contiguous(t, w.dtype) for t in self.views(*sources))
+        """In w's dtype, each laid out as w ([experts, in, out] contiguous, or its transpose) so that the grouped
+        GEMM reads the low-rank product's factor in its weight's layout; b times the adapter's scale."""
+        def laid_out(t, scale=1.0):
+            if w.is_contiguous():
+                return _contiguous(t, w.dtype, scale)
+            return _contiguous(t.transpose(-2, -1), w.dtype, scale).transpose(-2, -1)
+        a, b = self.views(*sources)
+        return laid_out(a), laid_out(b, self.adapter.scale)
 
     def source_grads(self, sources, need, da, db):
         """The sources' gradients (None where `need` says no) from the factors': written through the views."""
@@ -162,15 +170,19 @@ def _bounds(offsets: torch.Tensor):
     return zip([0] + ends[:-1], ends)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x [pairs, in] ordered by expert times each expert's w [experts, in, out]: [pairs, out]. A w stored whole
-    (contiguous, or its transpose: a view of transformers' stored weight either way) through the `expert_linear`
-    op, our grouped GEMM on Hopper in either layout."""
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, lora=()) -> torch.Tensor:
+    """x [pairs, in] ordered by expert times each expert's w [experts, in, out], plus lora_x [pairs, rank] times
+    each expert's lora_w [experts, rank, out] where `lora` gives them: [pairs, out]. A w stored whole (contiguous,
+    or its transpose: a view of transformers' stored weight either way) through the `expert_linear` op, our grouped
+    GEMM on Hopper in either layout with the low-rank product in the same kernel."""
     if _grouped_kernel(x, w):
         if w.is_contiguous() or w.transpose(-2, -1).is_contiguous():
-            return torch.ops.bastile.expert_linear(x, w.transpose(-2, -1), offsets)
-        return F.grouped_mm(x, w, offs=offsets)
-    return torch.cat([x[a:b] @ we for (a, b), we in zip(_bounds(offsets), w.unbind(0))])
+            return torch.ops.bastile.expert_linear(x, w.transpose(-2, -1), offsets,
+                                                   *(t.transpose(-2, -1) if t.dim() == 3 else t for t in lora))
+        y = F.grouped_mm(x, w, offs=offsets)
+        return y + grouped_mm(*lora, offsets) if lora else y
+    y = torch.cat([x[a:b] @ we for (a, b), we in zip(_bounds(offsets), w.unbind(0))])
+    return y + grouped_mm(*lora, offsets) if lora else y
 
 
 def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -186,14 +198,11 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like
     return torch.stack([x[a:b].to(acc).t() @ dy[a:b].to(acc) for a, b in _bounds(offsets)])
 
 
-def _forward(x, groups: Groups, p: Projection, scale: float, taken: bool = False):
-    """x w + s (x a) b + bias of each pair's expert, x a (the backward's), and whether the op after the product adds
-    the bias itself (`taken`, _takes_bias): then y is without it."""
-    y = grouped_mm(x, p.w, groups.offsets)
-    xa = None
-    if p.a is not None:
-        xa = grouped_mm(x, p.a, groups.offsets)
-        y = y + scale * grouped_mm(xa, p.b, groups.offsets)
+def _forward(x, groups: Groups, p: Projection, taken: bool = False):
+    """x w + (x a) b + bias of each pair's expert (b scaled), x a (the backward's), and whether the op after the
+    product adds the bias itself (`taken`, _takes_bias): then y is without it."""
+    xa = grouped_mm(x, p.a, groups.offsets) if p.a is not None else None
+    y = grouped_mm(x, p.w, groups.offsets, (xa, p.b) if xa is not None else ())
     if _takes_bias(taken, p.bias, y):
         return y, xa, True
     if p.bias is not None:
@@ -224,14 +233,13 @@ def _one_hot(expert: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Te
 
 def _backward(dy, x, xa, groups: Groups, p: Projection, scale: float, need, rows=None, wx=None):
     """The gradients of _forward's y for the pairs' dy: (dx, dw, dbias, da, db), `need` saying which of w, bias,
-    a, b. `rows` (each row's routing weight): the parameters' gradients are those of dy scaled by it, dx that of
-    dy; the scale goes on the narrower operand of each product (x, x a, or dy (B^T)), not on dy. `wx`: x's rows
-    already scaled by theirs (then x, which only dw would read, may be None)."""
+    a, b; db that of the adapter's B, p.b divided by `scale`. `rows` (each row's routing weight): the parameters'
+    gradients are those of dy scaled by it, dx that of dy; the scale goes on the narrower operand of each product
+    (x, x a, or dy (B^T)), not on dy. `wx`: x's rows already scaled by theirs (then x, which only dw would read, may
+    be None)."""
     need_w, need_bias, need_a, need_b = need
-    t = scale * grouped_mm(dy, p.b.transpose(-2, -1), groups.offsets) if p.a is not None else None
-    dx = grouped_mm(dy, p.w.transpose(-2, -1), groups.offsets)
-    if t is not None:
-        dx = dx + grouped_mm(t, p.a.transpose(-2, -1), groups.offsets)
+    t = grouped_mm(dy, p.b.transpose(-2, -1), groups.offsets) if p.a is not None else None
+    dx = grouped_mm(dy, p.w.transpose(-2, -1), groups.offsets, (t, p.a.transpose(-2, -1)) if t is not None else ())
     scaled = (lambda v: _weighted(v, rows, v.dtype)) if rows is not None else (lambda v: v)
     dw = grouped_wgrad(scaled(x) if wx is None else wx, dy, groups.offsets, p.w).to(p.w.dtype) if need_w else None
     dbias = None
@@ -306,22 +314,22 @@ class _Experts(torch.autograd.Function):
     """The experts of the pairs of a batch: sum over a token's k experts of weight * down(gate(gate_up(x))).
     Saved for the backward: the gate's input (gate_up), the rank-sized LoRA products and the adapters' sources;
     the pairs' rows of x, the gate's output, the down products (and so the routing weights' gradient) and the
-    adapters' factors are made again from them. `lora`: each projection's (_Factors or None, scale)."""
+    adapters' factors are made again from them. `lora`: each projection's _Factors, or None."""
 
     @staticmethod
     def forward(ctx, gate, lora, hidden, weights, order, offsets, expert, position, chosen, *params):
         groups = Groups(order, offsets, expert, position, chosen)
-        (make1, s1), (make2, s2) = lora
+        make1, make2 = lora
         p1, p2 = _projection(params[:4], make1), _projection(params[4:], make2)
         x = _dispatch(hidden, order, p1.w.dtype)
         both = _gate_up_fused(gate, x, groups, p1, make1)
         if both is not None:
             (gate_up, h), xa = both, None
         else:
-            gate_up, xa, folded = _forward(x, groups, p1, s1, gate.bias)
+            gate_up, xa, folded = _forward(x, groups, p1, gate.bias)
             h = gate.forward(gate_up, *((p1.bias, expert) if folded else ()))
         del x  # [pairs, hidden], freed before down's output of that size is made
-        out, ha, folded = _forward(h, groups, p2, s2, True)
+        out, ha, folded = _forward(h, groups, p2, True)
         # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32; an fp32
         # model's bf16 under autocast)
         combined = torch.ops.bastile.expert_combine(out, position, weights, *((p2.bias, chosen) if folded else ()))
@@ -336,7 +344,8 @@ class _Experts(torch.autograd.Function):
         hidden, weights, *saved = ctx.saved_tensors
         groups, (gate_up, xa, ha, *params) = Groups(*saved[:5]), saved[5:]
         order, expert, position, needs = groups.order, groups.expert, groups.position, ctx.needs_input_grad
-        (make1, s1), (make2, s2) = ctx.lora
+        make1, make2 = ctx.lora
+        s1, s2 = (make.adapter.scale if make else 0.0 for make in ctx.lora)
         # an adapter's factors both, where either source needs a gradient
         need1, need2 = (needs[i:i + 2] + (any(needs[i + 2:i + 4]),) * 2 for i in (9, 13))
         p2 = _projection(params[4:], make2)
@@ -384,7 +393,7 @@ def experts_forward(gate: Gate, concatenated: bool) -> Callable:
         for name in ("gate_up_proj", "down_proj"):
             adapter = lora.get(name)
             params += [*stored(self, name), *(adapter.sources if adapter else (None, None))]
-            makers.append((_Factors(adapter, self.is_transposed), adapter.scale) if adapter else (None, 0.0))
+            makers.append(_Factors(adapter, self.is_transposed) if adapter else None)
         bound = Gate(partial(gate.forward, self), partial(gate.backward, self),
                      gate.grouped and partial(gate.grouped, self), gate.bias)
         return _Experts.apply(bound, tuple(makers), hidden_states, top_k_weights, *groups, *params)
