@@ -23,7 +23,8 @@ On CUDA, bf16 products run as grouped GEMMs: gate/up's with a SwiGLU family's ac
 op where no adapter or bias joins them, the others of a stored weight (the forward's and the inputs' gradients',
 in either layout) as the `expert_linear` op (each one kernel of ours on Hopper, with an adapter's second product
 (x A_e)(s B_e) in the same kernel: the factors are made in the weight's layout, B times the scale), the weights'
-gradients as torch's; elsewhere (the CPU, other dtypes) expert by expert, which reads the per-expert counts on the host.
+gradients as torch's; elsewhere (the CPU, other dtypes) expert by expert, which reads the per-expert counts on the
+host.
 """
 import sys
 from functools import partial
@@ -177,8 +178,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, lora=())
     GEMM on Hopper in either layout with the low-rank product in the same kernel."""
     if _grouped_kernel(x, w):
         if w.is_contiguous() or w.transpose(-2, -1).is_contiguous():
-            return torch.ops.bastile.expert_linear(x, w.transpose(-2, -1), offsets,
-                                                   *(t.transpose(-2, -1) if t.dim() == 3 else t for t in lora))
+            low_rank = (lora[0], lora[1].transpose(-2, -1)) if lora else ()
+            return torch.ops.bastile.expert_linear(x, w.transpose(-2, -1), offsets, *low_rank)
         y = F.grouped_mm(x, w, offs=offsets)
         return y + grouped_mm(*lora, offsets) if lora else y
     y = torch.cat([x[a:b] @ we for (a, b), we in zip(_bounds(offsets), w.unbind(0))])
