@@ -45,9 +45,9 @@ struct ExpertLinearOp {
       return kernel(x_in, weight_in, offsets_in, {}, {}).add_(kernel(*lora_x_in, *lora_weight_in, offsets_in, {}, {}));
     if (x.is_cuda() && !plan.hopper && dt == BASTILE_BF16 && in % 8 == 0 && out % 8 == 0)
       return at::_grouped_mm(x, weight.transpose(-2, -1), offsets);
-    // The other kernels read the weights K-major.
+    // The other kernels read the weights K-major (lora_weight from the input: lw may be its N-major copy).
     const auto read = plan.hopper ? weight : weight.contiguous();
-    if (rank && !plan.hopper) lw = lw.contiguous();
+    if (rank && !plan.hopper) lw = lora_weight_in->contiguous();
     auto y = empty();
     launch(x, ExpertLinear{.x = x.data_ptr(), .weight = read.data_ptr(), .offsets = offsets.data_ptr<int32_t>(),
                            .lora_x = rank ? lx.data_ptr() : nullptr, .lora_weight = rank ? lw.data_ptr() : nullptr,
