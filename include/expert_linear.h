@@ -19,11 +19,10 @@
  * along the experts' stacked rows, and one past an expert's last would read the next's). out a multiple of 8, the
  * columns of its last tile past out (computed, not stored) at most an eighth of out (GPT-OSS's 2880: 192); at most
  * EXPERT_LINEAR_MAX_EXPERTS experts. The low-rank product as one more pipeline stage (hopper.cuh's TailProduct):
- * rank a multiple of 8 up to EXPERT_LINEAR_MAX_RANK, both operands contiguous. */
+ * rank a multiple of 8 up to BASTILE_GEMM_TILE_K (a stage's k), both operands contiguous. */
 #define EXPERT_LINEAR_TILE_COLS 256
 #define EXPERT_LINEAR_MAX_EXPERTS 1024
 #define EXPERT_LINEAR_MAX_STAGES 8
-#define EXPERT_LINEAR_MAX_RANK 64 /* a stage's k */
 
 /* Elsewhere on CUDA (other dtypes, shapes torch's grouped GEMM does not take), a thread an element of y: its sum
  * in f32 over the row, a plain correct fallback. */
@@ -63,7 +62,7 @@ typedef struct ExpertLinearPlan {
   int32_t experts;
   int32_t device;  /* CUDA device index; -1: CPU */
   int64_t rank;    /* 0 without the low-rank product */
-  int32_t fits;    /* bf16 x and weight (and the low-rank operands, contiguous), 16-byte aligned, in a multiple of 8 */
+  int32_t fits;    /* bf16 x and weight, 16-byte aligned, in a multiple of 8 */
   int32_t n_major; /* the weight's transpose is contiguous, not the weight */
   /* Chosen by Rust: */
   int32_t hopper;

@@ -6,8 +6,8 @@ use crate::driver::{Device, Result};
 use crate::experts::{self, Gemm, Operands, Weight};
 use crate::kernels::{Decide, Launch, Plan, Tag};
 use crate::params::{
-    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_TILE_K, EXPERT_LINEAR_MAX_EXPERTS, EXPERT_LINEAR_MAX_RANK,
-    EXPERT_LINEAR_MAX_STAGES, EXPERT_LINEAR_ROWS_BLOCK, EXPERT_LINEAR_TILE_COLS,
+    BastileDType, ExpertLinear, ExpertLinearPlan, BASTILE_GEMM_TILE_K, EXPERT_LINEAR_MAX_EXPERTS, EXPERT_LINEAR_MAX_STAGES,
+    EXPERT_LINEAR_ROWS_BLOCK, EXPERT_LINEAR_TILE_COLS,
 };
 
 const OP: &str = "expert_linear";
@@ -20,7 +20,7 @@ impl Decide for ExpertLinearPlan {
             && self.out % 8 == 0
             && padding * 8 <= self.out
             && (self.n_major == 0 || self.in_ % BASTILE_GEMM_TILE_K as i64 == 0)
-            && (self.rank == 0 || (self.rank % 8 == 0 && self.rank <= EXPERT_LINEAR_MAX_RANK as i64)))
+            && experts::tail_fits(self.rank))
             .into();
         Ok(())
     }
@@ -82,23 +82,16 @@ impl Launch for ExpertLinear {
 
 unsafe fn forward_cpu<T: Element>(p: &ExpertLinear, ends: &[usize]) {
     let (pairs, k, out, rank) = (p.pairs as usize, p.in_ as usize, p.out as usize, p.rank as usize);
-    // x and lora_x side by side, as one product with the weights side by side
     let x = cpu::slice::<T>(p.x, pairs * k);
     let w = cpu::slice::<T>(p.weight, ends.len() * out * k);
-    let (lx, lw) = match rank {
-        0 => (&[][..], &[][..]),
-        _ => (cpu::slice::<T>(p.lora_x, pairs * rank), cpu::slice::<T>(p.lora_weight, ends.len() * out * rank)),
-    };
+    let (lx, lw) = (experts::low_rank::<T>(p.lora_x, pairs, rank), experts::low_rank::<T>(p.lora_weight, ends.len() * out, rank));
     let y = Disjoint::new(cpu::slice_mut::<T>(p.y, pairs * out));
     cpu::parallel_for(pairs, (cpu::GRAIN / (out * (k + rank)).max(1)).max(1), |rows| {
         for r in rows {
             let e = ends.partition_point(|&end| end <= r);
-            let (x, lx) = (&x[r * k..(r + 1) * k], &lx[r * rank..(r + 1) * rank]);
+            let (w, lw) = (&w[e * out * k..][..out * k], &lw[e * out * rank..][..out * rank]);
             // SAFETY: the ranges of parallel_for do not overlap.
-            for (c, o) in y.part(r * out..(r + 1) * out).iter_mut().enumerate() {
-                let (wr, lr) = (&w[(e * out + c) * k..][..k], &lw[(e * out + c) * rank..][..rank]);
-                *o = T::from_f64(experts::dot(x, wr) + experts::dot(lx, lr));
-            }
+            experts::row_products(&x[r * k..][..k], w, &lx[r * rank..][..rank], lw, y.part(r * out..(r + 1) * out));
         }
     });
 }

@@ -71,7 +71,7 @@ unsafe fn forward_cpu<T: Element>(p: &ExpertSwiglu, act: Activation, ends: &[usi
             let e = ends.partition_point(|&end| end <= r);
             // SAFETY: the ranges of parallel_for do not overlap.
             let out = gate_up.part(r * 2 * inter..(r + 1) * 2 * inter);
-            experts::row_products(&x[r * k..(r + 1) * k], &w[e * 2 * inter * k..(e + 1) * 2 * inter * k], out);
+            experts::row_products(&x[r * k..(r + 1) * k], &w[e * 2 * inter * k..(e + 1) * 2 * inter * k], &[], &[], out);
             let (g, u) = out.split_at(inter);
             for ((y, g), u) in h.part(r * inter..(r + 1) * inter).iter_mut().zip(g).zip(u) {
                 *y = T::from_f64(T::round(act.value(g.to_f64(), wide)) * u.to_f64());

@@ -25,6 +25,12 @@ pub fn rows<P: Kernels>(dev: &Device, dtype: BastileDType, elements: i64, block:
     Ok((kernel, LaunchConfig { grid: (grid, 1), block: (block, 1), shared: 0 }))
 }
 
+/// Whether the Hopper kernels' tail stage takes a low-rank product of `rank` (0: none): rows of 16-byte multiples,
+/// at most a stage's k.
+pub fn tail_fits(rank: i64) -> bool {
+    rank == 0 || (rank % 8 == 0 && rank <= BASTILE_GEMM_TILE_K as i64)
+}
+
 /// Op `P`'s Hopper GEMM kernel `variant`, which takes bf16 on compute capability 9.0 only.
 pub fn gemm_kernel<P: Kernels>(op: &str, dev: &Device, dtype: BastileDType, variant: Tag) -> Result<Kernel> {
     if dev.capability() != (9, 0) || dtype != BastileDType::BASTILE_BF16 {
@@ -53,13 +59,25 @@ pub unsafe fn ends(op: &str, offsets: *const i32, experts: i32, pairs: i64) -> R
     Ok(raw.iter().map(|&e| e as usize).collect())
 }
 
-/// The CPU kernels' products of one row `x` with its expert's weight rows ([out.len(), x.len()]): each summed in
-/// f64 and rounded once.
-pub fn row_products<T: Element>(x: &[T], weight: &[T], out: &mut [T]) {
-    let k = x.len();
+/// The CPU kernels' products of one row `x` with its expert's weight rows ([out.len(), x.len()]), plus those of
+/// its low-rank row `lora_x` with the expert's lora_weight rows ([out.len(), lora_x.len()]; both empty without):
+/// each summed in f64 and rounded once.
+pub fn row_products<T: Element>(x: &[T], weight: &[T], lora_x: &[T], lora_weight: &[T], out: &mut [T]) {
+    let (k, rank) = (x.len(), lora_x.len());
     for (c, o) in out.iter_mut().enumerate() {
-        *o = T::from_f64(dot(x, &weight[c * k..(c + 1) * k]));
+        *o = T::from_f64(dot(x, &weight[c * k..][..k]) + dot(lora_x, &lora_weight[c * rank..][..rank]));
     }
+}
+
+/// The rows `rows` of a low-rank operand `width` wide, or nothing without one (`width` 0).
+///
+/// # Safety
+/// Where `width` > 0, `ptr` must point to `rows * width` elements of T.
+pub unsafe fn low_rank<'a, T: Element>(ptr: *const std::ffi::c_void, rows: usize, width: usize) -> &'a [T] {
+    if width == 0 {
+        return &[];
+    }
+    crate::cpu::slice::<T>(ptr, rows * width)
 }
 
 /// The f64 sum of the products of a and b.

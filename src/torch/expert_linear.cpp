@@ -21,7 +21,7 @@ struct ExpertLinearOp {
     constexpr const char* op = "expert_linear";
     const auto dt = check_grouped(op, x_in, weight_in, offsets_in, "[experts, out, in]",
                                   [](const c10::SymInt&) { return true; });
-    const bool lora = check_lora(op, x_in, weight_in, lora_x_in, lora_weight_in);
+    const bool lora = check_lora(op, x_in, weight_in, "out", lora_x_in, lora_weight_in);
     const auto empty = [&] { return at::empty_symint({x_in.sym_size(0), weight_in.sym_size(1)}, x_in.options()); };
     if (x_in.is_meta() || x_in.size(0) == 0 || weight_in.size(1) == 0) return empty();
     check_experts(op, x_in, weight_in);
@@ -29,14 +29,11 @@ struct ExpertLinearOp {
     if (x_in.size(1) == 0)  // sums over nothing but the low-rank product's
       return rank ? kernel(*lora_x_in, *lora_weight_in, offsets_in, {}, {}) : empty().zero_();
     const auto x = x_in.contiguous(), offsets = offsets_in.contiguous();
-    // N-major: the weight's transpose is contiguous (where both are, K-major); lora_weight goes in its layout.
+    // N-major: the weight's transpose is contiguous (where both are, K-major).
     const bool n_major = !weight_in.is_contiguous() && weight_in.transpose(-2, -1).is_contiguous();
     const auto weight = n_major ? weight_in : weight_in.contiguous();
     const int64_t in = x.size(1), out = weight.size(1);
-    at::Tensor lx, lw;
-    if (rank) lx = lora_x_in->contiguous(), lw = in_layout(*lora_weight_in, n_major);
-    const bool fits = dt == BASTILE_BF16 && in % 8 == 0 && aligned16(x) && aligned16(weight) &&
-                      (!rank || (aligned16(lx) && aligned16(lw)));
+    const bool fits = dt == BASTILE_BF16 && in % 8 == 0 && aligned16(x) && aligned16(weight);
     const auto plan = decide(ExpertLinearPlan{.in = in, .out = out, .experts = int32_t(weight.size(0)),
                                               .device = x.is_cuda() ? x.device().index() : -1, .rank = rank,
                                               .fits = fits, .n_major = n_major});
@@ -45,9 +42,10 @@ struct ExpertLinearOp {
       return kernel(x_in, weight_in, offsets_in, {}, {}).add_(kernel(*lora_x_in, *lora_weight_in, offsets_in, {}, {}));
     if (x.is_cuda() && !plan.hopper && dt == BASTILE_BF16 && in % 8 == 0 && out % 8 == 0)
       return at::_grouped_mm(x, weight.transpose(-2, -1), offsets);
-    // The other kernels read the weights K-major (lora_weight from the input: lw may be its N-major copy).
+    // The Hopper kernel reads lora_weight in the weight's layout, the rows kernel both K-major.
     const auto read = plan.hopper ? weight : weight.contiguous();
-    if (rank && !plan.hopper) lw = lora_weight_in->contiguous();
+    at::Tensor lx, lw;
+    if (rank) lx = contiguous16(*lora_x_in), lw = plan.hopper ? in_layout(*lora_weight_in, n_major) : lora_weight_in->contiguous();
     auto y = empty();
     launch(x, ExpertLinear{.x = x.data_ptr(), .weight = read.data_ptr(), .offsets = offsets.data_ptr<int32_t>(),
                            .lora_x = rank ? lx.data_ptr() : nullptr, .lora_weight = rank ? lw.data_ptr() : nullptr,
@@ -57,30 +55,10 @@ struct ExpertLinearOp {
     return y;
   }
 
-  // lora_x [pairs, rank] and lora_weight [experts, out, rank] of x's dtype and device, both or neither; whether
-  // they are given.
-  static bool check_lora(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& lora_x, const std::optional<at::Tensor>& lora_weight) {
-    TORCH_CHECK(lora_x.has_value() == lora_weight.has_value(), "bastile.", op,
-                ": lora_x and lora_weight go together, got ", lora_x ? "lora_x without lora_weight" : "lora_weight without lora_x");
-    if (!lora_x) return false;
-    check_same_dtype(op, {"x", x}, {"lora_x", *lora_x});
-    check_same_dtype(op, {"x", x}, {"lora_weight", *lora_weight});
-    TORCH_CHECK(lora_x->dim() == 2 && lora_x->sym_size(0) == x.sym_size(0), "bastile.", op,
-                ": lora_x must be [pairs, rank] with pairs = ", x.sym_size(0), " (x's), got shape ", lora_x->sym_sizes());
-    TORCH_CHECK(lora_weight->dim() == 3 && lora_weight->sym_size(0) == weight.sym_size(0) &&
-                    lora_weight->sym_size(1) == weight.sym_size(1) && lora_weight->sym_size(2) == lora_x->sym_size(1),
-                "bastile.", op, ": lora_weight must be [experts, out, rank] = [", weight.sym_size(0), ", ",
-                weight.sym_size(1), ", ", lora_x->sym_size(1), "] (weight's and lora_x's), got shape ",
-                lora_weight->sym_sizes());
-    check_device(op, {"x", x}, {{"lora_x", *lora_x}, {"lora_weight", *lora_weight}});
-    return true;
-  }
-
-  // t [experts, out, rank] contiguous (K-major) or with its transpose contiguous (N-major): itself where it is.
+  // t [experts, out, rank] in the weight's layout, as TMA reads it: contiguous (K-major) or its transpose
+  // contiguous (N-major), starting on 16 bytes; itself where it is.
   static at::Tensor in_layout(const at::Tensor& t, bool n_major) {
-    if (!n_major) return t.contiguous();
-    return t.transpose(-2, -1).is_contiguous() ? t : t.transpose(-2, -1).contiguous().transpose(-2, -1);
+    return n_major ? contiguous16(t.transpose(-2, -1)).transpose(-2, -1) : contiguous16(t);
   }
 };
 

@@ -178,6 +178,33 @@ inline void check_experts(const char* op, const at::Tensor& x, const at::Tensor&
 // Whether t's data starts on 16 bytes, as TMA and 16-byte loads read it.
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+// t contiguous, its data starting on 16 bytes as TMA reads it (a copy where it does not).
+inline at::Tensor contiguous16(const at::Tensor& t) {
+  const auto c = t.contiguous();
+  return aligned16(c) ? c : c.clone();
+}
+
+// A grouped product's low-rank operands (an expert LoRA's factors): lora_x [pairs, rank] and lora_weight [experts,
+// rows, rank] (`rows` naming weight's second size in the message) of x's dtype and device, both or neither; whether
+// they are given.
+inline bool check_lora(const char* op, const at::Tensor& x, const at::Tensor& weight, const char* rows,
+                       const std::optional<at::Tensor>& lora_x, const std::optional<at::Tensor>& lora_weight) {
+  TORCH_CHECK(lora_x.has_value() == lora_weight.has_value(), "bastile.", op, ": lora_x and lora_weight go together, got ",
+              lora_x ? "lora_x without lora_weight" : "lora_weight without lora_x");
+  if (!lora_x) return false;
+  check_same_dtype(op, {"x", x}, {"lora_x", *lora_x});
+  check_same_dtype(op, {"x", x}, {"lora_weight", *lora_weight});
+  TORCH_CHECK(lora_x->dim() == 2 && lora_x->sym_size(0) == x.sym_size(0), "bastile.", op,
+              ": lora_x must be [pairs, rank] with pairs = ", x.sym_size(0), " (x's), got shape ", lora_x->sym_sizes());
+  TORCH_CHECK(lora_weight->dim() == 3 && lora_weight->sym_size(0) == weight.sym_size(0) &&
+                  lora_weight->sym_size(1) == weight.sym_size(1) && lora_weight->sym_size(2) == lora_x->sym_size(1),
+              "bastile.", op, ": lora_weight must be [experts, ", rows, ", rank] = [", weight.sym_size(0), ", ",
+              weight.sym_size(1), ", ", lora_x->sym_size(1), "] (weight's and lora_x's), got shape ",
+              lora_weight->sym_sizes());
+  check_device(op, {"x", x}, {{"lora_x", *lora_x}, {"lora_weight", *lora_weight}});
+  return true;
+}
+
 // rows [n, dim] summed by their expert (expert: int64 [n], each in 0..experts): [experts, dim] in at least float32,
 // as the product of the rows' one-hot experts and the rows, the same on every run (index_add_'s atomics on CUDA sum
 // in any order).
