@@ -1,7 +1,8 @@
 // The experts' gate/up grouped GEMM with the gated activation in its epilogue (include/expert_swiglu.h). On
 // Hopper (the gemm kernel): gemm_bf16_tn over tiles of one expert's rows, whose 256 columns are 128 of gate and
 // the same 128 of up, so that each thread holds both halves of its h elements; its two warp groups write a tile's
-// gate_up and h from the accumulators, and nothing reads gate_up back. Elsewhere on CUDA, the rows kernel.
+// gate_up and h from the accumulators, and nothing reads gate_up back; a low-rank product as one more stage of its
+// pipeline. Elsewhere on CUDA (f32, f16), the rows kernel.
 #include "elementwise.cuh"
 #include "expert_swiglu.h"
 #include "expert_tiles.cuh"
@@ -63,16 +64,17 @@ template <int Act> __device__ __forceinline__ void run(const ExpertSwiglu &p) {
   __syncthreads();
   zero_rows(static_cast<bf16 *>(p.gate_up), 2 * p.inter, ends[p.experts - 1], p.pairs);
   zero_rows(static_cast<bf16 *>(p.h), p.inter, ends[p.experts - 1], p.pairs);
-  // a tile's 256 columns of B: 128 of gate, the same 128 of up
+  // a tile's 256 columns of B: 128 of gate, the same 128 of up (of lora_weight too: it has the weight's rows)
   const ExpertTiles<kCols> walk{first, ends, p.experts, 2 * p.inter, p.in, 0, p.inter, first[p.experts]};
-  gemm_bf16_tn<EXPERT_SWIGLU_MAX_STAGES>(&p.x_map, &p.weight_map, p.in, p.stages, walk,
-                                         [&](float (&acc)[128], int64_t tile, int group, int t) {
-                                           epilogue<Act>(p, acc, walk.place(tile), group, t);
-                                         });
+  const TailProduct lora = p.rank ? TailProduct{&p.lora_x_map, &p.lora_weight_map} : TailProduct{};
+  gemm_bf16_tn<EXPERT_SWIGLU_MAX_STAGES, Major::K, true>(
+      &p.x_map, &p.weight_map, p.in, p.stages, walk,
+      [&](float (&acc)[128], int64_t tile, int group, int t) { epilogue<Act>(p, acc, walk.place(tile), group, t); },
+      lora);
 }
 
-// The fallback: a thread an element (r, c) of h, r's expert the first whose end (as the GEMM's walk reads the
-// offsets) passes r; rows past the last end are zeros.
+// The fallback: a thread an element (r, c) of h (gate and up with their low-rank products'), r's expert the first
+// whose end (as the GEMM's walk reads the offsets) passes r; rows past the last end are zeros.
 template <class T> __device__ __forceinline__ void rows(const ExpertSwiglu &p) {
   const T *x = static_cast<const T *>(p.x), *w = static_cast<const T *>(p.weight);
   T *gate_up = static_cast<T *>(p.gate_up), *h = static_cast<T *>(p.h);
@@ -91,6 +93,13 @@ template <class T> __device__ __forceinline__ void rows(const ExpertSwiglu &p) {
       const float a = to_f32(xr[k]);
       g = fmaf(a, to_f32(wg[k]), g);
       u = fmaf(a, to_f32(wu[k]), u);
+    }
+    const T *lr = static_cast<const T *>(p.lora_x) + r * p.rank;
+    const T *lg = static_cast<const T *>(p.lora_weight) + ((int64_t)e * 2 * p.inter + c) * p.rank, *lu = lg + p.inter * p.rank;
+    for (int64_t k = 0; k < p.rank; ++k) {
+      const float a = to_f32(lr[k]);
+      g = fmaf(a, to_f32(lg[k]), g);
+      u = fmaf(a, to_f32(lu[k]), u);
     }
     const T gt = from_f32<T>(g), ut = from_f32<T>(u);
     gate_up[r * 2 * p.inter + c] = gt;

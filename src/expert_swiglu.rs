@@ -17,7 +17,8 @@ impl Decide for ExpertSwigluPlan {
     fn decide(&mut self) -> Result<()> {
         self.hopper = (experts::hopper(self.fits, self.device, self.experts, EXPERT_SWIGLU_MAX_EXPERTS)
             && self.inter > 0
-            && self.inter % EXPERT_SWIGLU_TILE_COLS as i64 == 0)
+            && self.inter % EXPERT_SWIGLU_TILE_COLS as i64 == 0
+            && experts::tail_fits(self.rank))
             .into();
         Ok(())
     }
@@ -31,20 +32,26 @@ impl Launch for ExpertSwiglu {
             return Ok(Plan::single(kernel, cfg, *self));
         }
         let gemm = experts::gemm_kernel::<Self>(OP, dev, dtype, Activation::of(self.activation)?.tag())?;
+        // lora_weight has the weight's rows, K-major
+        let rows = self.experts as i64 * 2 * self.inter;
+        let tail = (self.rank > 0).then_some(Operands { x: self.lora_x, weight: self.lora_weight, k: self.rank, layout: Weight::K { rows } });
         let at = Gemm {
-            main: Operands {
-                x: self.x,
-                weight: self.weight,
-                k: self.in_,
-                layout: Weight::K { rows: self.experts as i64 * 2 * self.inter },
-            },
-            tail: None,
+            main: Operands { x: self.x, weight: self.weight, k: self.in_, layout: Weight::K { rows } },
+            tail,
             pairs: self.pairs,
             experts: self.experts,
             col_tiles: self.inter / EXPERT_SWIGLU_TILE_COLS as i64,
         }
         .launch(OP, dev, &gemm, EXPERT_SWIGLU_MAX_STAGES)?;
-        let p = ExpertSwiglu { x_map: at.x_map, weight_map: at.weight_map, stages: at.stages, col_tiles: at.col_tiles, ..*self };
+        let p = ExpertSwiglu {
+            x_map: at.x_map,
+            weight_map: at.weight_map,
+            lora_x_map: at.tail_maps.0,
+            lora_weight_map: at.tail_maps.1,
+            stages: at.stages,
+            col_tiles: at.col_tiles,
+            ..*self
+        };
         Ok(Plan::single(gemm, at.cfg, p))
     }
 
@@ -60,18 +67,20 @@ impl Launch for ExpertSwiglu {
 }
 
 unsafe fn forward_cpu<T: Element>(p: &ExpertSwiglu, act: Activation, ends: &[usize]) {
-    let (pairs, k, inter) = (p.pairs as usize, p.in_ as usize, p.inter as usize);
-    let wide = T::DTYPE == BastileDType::BASTILE_F64;
+    let (pairs, k, inter, rank) = (p.pairs as usize, p.in_ as usize, p.inter as usize, p.rank as usize);
+    let (wide, rows) = (T::DTYPE == BastileDType::BASTILE_F64, 2 * inter);
     let x = cpu::slice::<T>(p.x, pairs * k);
-    let w = cpu::slice::<T>(p.weight, ends.len() * 2 * inter * k);
-    let gate_up = Disjoint::new(cpu::slice_mut::<T>(p.gate_up, pairs * 2 * inter));
+    let w = cpu::slice::<T>(p.weight, ends.len() * rows * k);
+    let (lx, lw) = (experts::low_rank::<T>(p.lora_x, pairs, rank), experts::low_rank::<T>(p.lora_weight, ends.len() * rows, rank));
+    let gate_up = Disjoint::new(cpu::slice_mut::<T>(p.gate_up, pairs * rows));
     let h = Disjoint::new(cpu::slice_mut::<T>(p.h, pairs * inter));
-    cpu::parallel_for(pairs, (cpu::GRAIN / (2 * inter * k).max(1)).max(1), |rows| {
-        for r in rows {
+    cpu::parallel_for(pairs, (cpu::GRAIN / (rows * (k + rank)).max(1)).max(1), |range| {
+        for r in range {
             let e = ends.partition_point(|&end| end <= r);
+            let (w, lw) = (&w[e * rows * k..][..rows * k], &lw[e * rows * rank..][..rows * rank]);
             // SAFETY: the ranges of parallel_for do not overlap.
-            let out = gate_up.part(r * 2 * inter..(r + 1) * 2 * inter);
-            experts::row_products(&x[r * k..(r + 1) * k], &w[e * 2 * inter * k..(e + 1) * 2 * inter * k], &[], &[], out);
+            let out = gate_up.part(r * rows..(r + 1) * rows);
+            experts::row_products(&x[r * k..][..k], w, &lx[r * rank..][..rank], lw, out);
             let (g, u) = out.split_at(inter);
             for ((y, g), u) in h.part(r * inter..(r + 1) * inter).iter_mut().zip(g).zip(u) {
                 *y = T::from_f64(T::round(act.value(g.to_f64(), wide)) * u.to_f64());
