@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from peft import LoraConfig, get_peft_model
 from transformers.integrations import moe
 
@@ -308,16 +309,37 @@ def test_gpt_oss_bias_gradients_are_the_same_on_every_run():
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
 
 
+class GroupedCalls(TorchDispatchMode):
+    """Each call of the experts' grouped ops, (name, tensors passed): 5 where the low-rank operands are given."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "bastile" and func._opname in ("expert_swiglu", "expert_linear"):
+            passed = [*args, *(kwargs or {}).values()]
+            self.calls.append((func._opname, sum(isinstance(a, torch.Tensor) for a in passed)))
+        return func(*args, **(kwargs or {}))
+
+
 @needs_cuda
-def test_expert_lora_bf16_cuda():
-    """bf16 on the GPU (torch's grouped GEMM: rank 8, rows of 16 bytes): the loss within 1e-2 of HF + PEFT's, and
-    the experts' adapters' gradients within 1e-1 of the fp32 ones in norm. The rank-8 products s (dy B) are
-    rounded to bf16 token by token before the sum over an expert's tokens, as the dense LoRA nodes round theirs
-    (lora.py), where PEFT sums x^T dy over tokens in fp32 first: at init (B random) those sums cancel, and the
-    gate/up adapters' A is 6e-2 off where PEFT's is 1.4e-2 (H200, this mini model)."""
+@pytest.mark.parametrize("rank, width", [(8, None), (16, 256)], ids=["mini", "kernel-widths"])
+def test_expert_lora_bf16_cuda(rank, width):
+    """bf16 on the GPU, the mini model (rank 8: the products apart, torch's grouped GEMM) and at widths the Hopper
+    kernels take (hidden and expert widths 256, rank 16: the adapters' second products inside our grouped GEMMs):
+    the adapters' products reach the ops as their low-rank operands, a layer's gate/up with its SwiGLU as one
+    `expert_swiglu`, down's and both inputs' gradients as `expert_linear` (no product with B of their own: the
+    only other grouped products are the four rank-sized ones, x A and dy B^T of both projections); the loss within
+    1e-2 of HF + PEFT's, and the experts' adapters' gradients within 1e-1 of the fp32 ones in norm. The rank-sized
+    products s (dy B) are rounded to bf16 token by token before the sum over an expert's tokens, as the dense LoRA
+    nodes round theirs (lora.py), where PEFT sums x^T dy over tokens in fp32 first: at init (B random) those sums
+    cancel, and the gate/up adapters' A is 6e-2 off where PEFT's is 1.4e-2 (H200, the mini model at rank 8)."""
     (ids, labels), = batches(1, 1, 2, 64, "cuda", ignore_fraction=0.1)[0]
-    config = LoraConfig(**{**EXPERT_LORA, "r": 8})
-    base = mini("qwen3_moe", "cuda", torch.bfloat16)
+    config = LoraConfig(**{**EXPERT_LORA, "r": rank})
+    base = mini("qwen3_moe", "cuda", torch.bfloat16,
+                **(dict(hidden_size=width, moe_intermediate_size=width) if width else {}))
+    layers = sum(type(m).__name__ == "Qwen3MoeExperts" for m in base.modules())
 
     def first(model):
         loss = model(input_ids=ids, labels=labels).loss
@@ -332,7 +354,10 @@ def test_expert_lora_bf16_cuda():
     bastile.apply(model=base, **NO_TRAINERS)
     ours = get_peft_model(base, copy.deepcopy(config))
     ours.load_state_dict(hf.state_dict())
-    loss, grads = first(ours)
+    with GroupedCalls() as seen:
+        loss, grads = first(ours)
+    assert sorted(seen.calls) == sorted([("expert_swiglu", 5)] * layers + [("expert_linear", 5)] * 3 * layers
+                                        + [("expert_linear", 3)] * 4 * layers)
     assert loss == pytest.approx(hf_loss, rel=1e-2)
     lora = [n for n in fp32_grads if "experts" in n and "lora_" in n]
     assert lora
@@ -551,7 +576,6 @@ def test_gpt_oss_biases_are_added_by_the_ops_after_their_products(dtype):
     """GPT-OSS's expert biases join the ops that read their products (gate/up's the geglu op, in the forward and the
     backward's recompute; down's the forward's expert_combine): no pass of their own over the pairs' rows (the
     one-hot product into them, addmm_). The values are test_experts_train_as_hf's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
         def __init__(self):
@@ -580,7 +604,6 @@ def test_gpt_oss_biases_are_added_by_the_ops_after_their_products(dtype):
 def test_fp32_routing_weights_make_no_fp32_intermediate_rows():
     """Mixtral's routing weights are fp32 over a bf16 model: no fp32 [pairs, intermediate] tensor is formed in the
     experts' backward (the weights scale the inputs' gradient rows where each token's k rows are summed)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     model = mini("mixtral", "cpu", torch.bfloat16, intermediate_size=48)
     bastile.apply(model=model, **NO_TRAINERS)
     block = model.model.layers[0].mlp

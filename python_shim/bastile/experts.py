@@ -20,8 +20,8 @@ of wrappers that is not plain LoRA (several or disabled adapters, merged weights
 PEFT's way.
 
 On CUDA, bf16 products run as grouped GEMMs: gate/up's with a SwiGLU family's activation as the `expert_swiglu`
-op where no adapter or bias joins them, the others of a stored weight (the forward's and the inputs' gradients',
-in either layout) as the `expert_linear` op (each one kernel of ours on Hopper, with an adapter's second product
+op where no bias joins them, the others of a stored weight (the forward's and the inputs' gradients', in either
+layout) as the `expert_linear` op (each one kernel of ours on Hopper, with an adapter's second product
 (x A_e)(s B_e) in the same kernel: the factors are made in the weight's layout, B times the scale), the weights'
 gradients as torch's; elsewhere (the CPU, other dtypes) expert by expert, which reads the per-expert counts on the
 host.
@@ -113,9 +113,10 @@ class Gate(NamedTuple):
     """A family's gated activation of the experts' gate/up rows: `forward(experts, gate_up)`, and
     `backward(experts, gate_up, grad, dot=False)` (the gradient of gate_up for the output's `grad`, each row's
     <grad, output> in at least fp32 where `dot` asks and the stage sums it, else None), the forward made again from
-    gate_up: nothing of it is kept. `grouped(experts, x, weight, offsets)`, where the family has one: gate/up's
-    grouped products of the pairs' rows x with the stored [experts, 2 * inter, in] weight and the activation in one
-    op, (gate_up, the gate's output), or None where it does not take this activation. `bias`: forward and backward
+    gate_up: nothing of it is kept. `grouped(experts, x, weight, offsets, *lora)`, where the family has one: gate/up's
+    grouped products of the pairs' rows x with the stored [experts, 2 * inter, in] weight (plus lora's, (x A,
+    s B [experts, 2 * inter, rank]) where given) and the activation in one op, (gate_up, the gate's output), or
+    None where it does not take this activation. `bias`: forward and backward
     take gate/up's bias and each row's expert after their other arguments, and add it to gate_up first, rounded to
     its dtype."""
     forward: Callable
@@ -199,16 +200,20 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, like
     return torch.stack([x[a:b].to(acc).t() @ dy[a:b].to(acc) for a, b in _bounds(offsets)])
 
 
-def _forward(x, groups: Groups, p: Projection, taken: bool = False):
-    """x w + (x a) b + bias of each pair's expert (b scaled), x a (the backward's), and whether the op after the
-    product adds the bias itself (`taken`, _takes_bias): then y is without it."""
-    xa = grouped_mm(x, p.a, groups.offsets) if p.a is not None else None
+def _low_rank(x, groups: Groups, p: Projection) -> Optional[torch.Tensor]:
+    """x a, an adapter's first product (kept for the backward), or None without an adapter."""
+    return grouped_mm(x, p.a, groups.offsets) if p.a is not None else None
+
+
+def _forward(x, xa, groups: Groups, p: Projection, taken: bool = False):
+    """x w + xa b + bias of each pair's expert (xa = x a, b scaled), and whether the op after the product adds the
+    bias itself (`taken`, _takes_bias): then y is without it."""
     y = grouped_mm(x, p.w, groups.offsets, (xa, p.b) if xa is not None else ())
     if _takes_bias(taken, p.bias, y):
-        return y, xa, True
+        return y, True
     if p.bias is not None:
         y = _add_bias(y, p.bias, groups.expert)
-    return y, xa, False
+    return y, False
 
 
 def _takes_bias(taken: bool, bias: Optional[torch.Tensor], y: torch.Tensor) -> bool:
@@ -294,13 +299,16 @@ def _down_backward(gate: Gate, bias1: tuple, grad, w, gate_up, ha, groups: Group
     return dgate_up, dweight, grads
 
 
-def _gate_up_fused(gate: Gate, x, groups: Groups, p: Projection, factors: Optional[_Factors]):
-    """gate/up's products and the gate in the family's grouped op, (gate_up, h), where it has one and they are
-    plain: no adapter or bias, the grouped GEMM's operands, the weight stored [experts, out, in]; else None."""
-    if gate.grouped is None or factors is not None or p.bias is not None or not _grouped_kernel(x, p.w):
+def _gate_up_fused(gate: Gate, x, xa, groups: Groups, p: Projection):
+    """gate/up's products (an adapter's with xa = x a) and the gate in the family's grouped op, (gate_up, h), where
+    it has one and they are plain: no bias, the grouped GEMM's operands, the weight stored [experts, out, in] (and
+    so the adapter's s B made in its layout, _Factors.made); else None."""
+    if gate.grouped is None or p.bias is not None or not _grouped_kernel(x, p.w):
         return None
     stored_w = p.w.transpose(-2, -1)
-    return gate.grouped(x, stored_w, groups.offsets) if stored_w.is_contiguous() else None
+    if not stored_w.is_contiguous():
+        return None
+    return gate.grouped(x, stored_w, groups.offsets, *((xa, p.b.transpose(-2, -1)) if xa is not None else ()))
 
 
 def _projection(params, factors: Optional[_Factors]) -> Projection:
@@ -323,14 +331,16 @@ class _Experts(torch.autograd.Function):
         make1, make2 = lora
         p1, p2 = _projection(params[:4], make1), _projection(params[4:], make2)
         x = _dispatch(hidden, order, p1.w.dtype)
-        both = _gate_up_fused(gate, x, groups, p1, make1)
+        xa = _low_rank(x, groups, p1)
+        both = _gate_up_fused(gate, x, xa, groups, p1)
         if both is not None:
-            (gate_up, h), xa = both, None
+            gate_up, h = both
         else:
-            gate_up, xa, folded = _forward(x, groups, p1, gate.bias)
+            gate_up, folded = _forward(x, xa, groups, p1, gate.bias)
             h = gate.forward(gate_up, *((p1.bias, expert) if folded else ()))
         del x  # [pairs, hidden], freed before down's output of that size is made
-        out, ha, folded = _forward(h, groups, p2, True)
+        ha = _low_rank(h, groups, p2)
+        out, folded = _forward(h, ha, groups, p2, True)
         # The weights' products rounded as HF's `out * weights` (promoted: Mixtral's and GLM's are fp32; an fp32
         # model's bf16 under autocast)
         combined = torch.ops.bastile.expert_combine(out, position, weights, *((p2.bias, chosen) if folded else ()))

@@ -126,9 +126,9 @@ def swiglu_gate(traits: Mlp) -> Gate:
         grad_gate_up, _, dots = torch.ops.bastile.swiglu_backward(grad, gate_up, None, activation, dot)
         return grad_gate_up, dots if dot else None
 
-    def swiglu_grouped(self, x, weight, offsets):
+    def swiglu_grouped(self, x, weight, offsets, *lora):
         activation = gated_activation(act(self))
-        return None if activation is None else expert_swiglu(x, weight, offsets, activation)
+        return None if activation is None else expert_swiglu(x, weight, offsets, activation, *lora)
     return Gate(swiglu_gate, swiglu_gate_backward, swiglu_grouped)
 
 
