@@ -117,6 +117,21 @@ def test_cuda_low_rank_matches_fp64(shape, dtype, layouts):
     check(op(x, weight, offsets, *lora), x, weight, offsets, torch.finfo(torch.float32).eps, lora, 2 * apart)
 
 
+def unaligned(t):
+    """t's values in storage that starts one element (2 bytes in bf16) past a 16-byte boundary."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
+@needs_cuda
+@LAYOUTS
+def test_cuda_low_rank_operands_need_no_alignment(layout):
+    """lora_x and lora_weight whose data starts off 16 bytes (a direct caller's views): the op copies them to
+    aligned storage and runs the same kernel (on compute capability 9.0, the low-rank stage's), bit for bit."""
+    x, weight, offsets = grouped(COUNTS, 128, 256, seed=7, dtype=torch.bfloat16, device="cuda", layout=layout)
+    lora = low_rank(sum(COUNTS), len(COUNTS), 256, 16, seed=7, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(op(x, weight, offsets, *map(unaligned, lora)), op(x, weight, offsets, *lora))
+
+
 @needs_cuda
 @pytest.mark.parametrize("shape", [(COUNTS, 256, 512), ([5, 0, 40], 72, 256), ([70, 0, 140, 9], 128, 2112),
                                    ([33, 2], 64, 136), ([3, 4], 20, 6)],
