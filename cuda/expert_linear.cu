@@ -45,16 +45,16 @@ __device__ __forceinline__ void epilogue(const ExpertLinear &p, float (&acc)[128
 
 template <Major B> __device__ __forceinline__ void run(const ExpertLinear &p) {
   __shared__ int32_t first[EXPERT_LINEAR_MAX_EXPERTS + 1], ends[EXPERT_LINEAR_MAX_EXPERTS];
-  expert_groups(p.offsets, p.experts, p.pairs, p.col_tiles, first, ends);
+  expert_groups(p.offsets, p.experts, p.pairs, p.gemm.col_tiles, first, ends);
   __syncthreads();
   zero_rows(static_cast<bf16 *>(p.y), p.out, ends[p.experts - 1], p.pairs);
   // An expert's rows of the weight as stored: out K-major, in N-major (rank of lora_weight, in the weight's layout).
   // A K-major tail tile reads the next expert's rows (or TMA's zeros past the last) for columns it drops; an
   // N-major one, TMA's zeros.
   const ExpertTiles<kCols> walk{first, ends, p.experts, p.out, p.in, p.rank, kCols / 2, first[p.experts]};
-  const TailProduct lora = p.rank ? TailProduct{&p.lora_x_map, &p.lora_weight_map} : TailProduct{};
+  const TailProduct lora = p.rank ? TailProduct{&p.gemm.lora_x_map, &p.gemm.lora_weight_map} : TailProduct{};
   gemm_bf16_tn<EXPERT_LINEAR_MAX_STAGES, B, true>(
-      &p.x_map, &p.weight_map, p.in, p.stages, walk,
+      &p.gemm.x_map, &p.gemm.weight_map, p.in, p.gemm.stages, walk,
       [&](float (&acc)[128], int64_t tile, int group, int t) { epilogue(p, acc, walk.place(tile), group, t); }, lora);
 }
 

@@ -60,15 +60,15 @@ __device__ __forceinline__ void epilogue(const ExpertSwiglu &p, float (&acc)[128
 
 template <int Act> __device__ __forceinline__ void run(const ExpertSwiglu &p) {
   __shared__ int32_t first[EXPERT_SWIGLU_MAX_EXPERTS + 1], ends[EXPERT_SWIGLU_MAX_EXPERTS];
-  expert_groups(p.offsets, p.experts, p.pairs, p.col_tiles, first, ends);
+  expert_groups(p.offsets, p.experts, p.pairs, p.gemm.col_tiles, first, ends);
   __syncthreads();
   zero_rows(static_cast<bf16 *>(p.gate_up), 2 * p.inter, ends[p.experts - 1], p.pairs);
   zero_rows(static_cast<bf16 *>(p.h), p.inter, ends[p.experts - 1], p.pairs);
   // a tile's 256 columns of B: 128 of gate, the same 128 of up (of lora_weight too: it has the weight's rows)
   const ExpertTiles<kCols> walk{first, ends, p.experts, 2 * p.inter, p.in, 0, p.inter, first[p.experts]};
-  const TailProduct lora = p.rank ? TailProduct{&p.lora_x_map, &p.lora_weight_map} : TailProduct{};
+  const TailProduct lora = p.rank ? TailProduct{&p.gemm.lora_x_map, &p.gemm.lora_weight_map} : TailProduct{};
   gemm_bf16_tn<EXPERT_SWIGLU_MAX_STAGES, Major::K, true>(
-      &p.x_map, &p.weight_map, p.in, p.stages, walk,
+      &p.gemm.x_map, &p.gemm.weight_map, p.in, p.gemm.stages, walk,
       [&](float (&acc)[128], int64_t tile, int group, int t) { epilogue<Act>(p, acc, walk.place(tile), group, t); },
       lora);
 }

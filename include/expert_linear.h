@@ -12,6 +12,7 @@
  * 0..pairs and write zeros in rows past the last end, as expert_swiglu does. */
 #pragma once
 #include "bastile.h"
+#include "expert_gemm.h"
 
 /* The Hopper path (bf16, compute capability 9.0): cuda/hopper.cuh's gemm_bf16_tn with tiles of 128 rows of one
  * expert by 256 columns (expert_tiles.cuh's walk), its two warp groups writing the tile's rows of y; the weight
@@ -43,15 +44,9 @@ typedef struct ExpertLinear {
   int64_t rank;           /* 0 without the low-rank product */
   int32_t experts;
   int32_t dtype;
-  int32_t gemm;           /* the Hopper kernel (ExpertLinearPlan's answer), else the rows kernel */
+  int32_t hopper;         /* the Hopper kernel (ExpertLinearPlan's answer), else the rows kernel */
   int32_t n_major;        /* the weight's layout, for the Hopper kernel (the others take it K-major) */
-  /* Chosen by Rust: */
-  int32_t stages;         /* pipeline stages in shared memory */
-  int32_t col_tiles;      /* the GEMM's column tiles of an expert */
-  BastileTensorMap x_map;      /* TMA: x [pairs, in], boxes of 64 x 128 */
-  BastileTensorMap weight_map; /* TMA: weight [experts * out, in], boxes of 64 x 128; N-major [experts * in, out], 64 x 64 */
-  BastileTensorMap lora_x_map;      /* TMA: lora_x [pairs, rank], boxes of 64 x 128 */
-  BastileTensorMap lora_weight_map; /* TMA: lora_weight [experts * out, rank], boxes of 64 x 128 */
+  ExpertGemm gemm;        /* the Hopper kernel's launch, chosen by Rust */
 } ExpertLinear;
 
 /* Whether the Hopper path takes a call: the C++ layer asks before it allocates anything, and computes the

@@ -11,6 +11,7 @@
  * each end as the running maximum of the offsets clamped to 0..pairs and write zeros in rows past the last end. */
 #pragma once
 #include "bastile.h"
+#include "expert_gemm.h"
 
 /* The Hopper path (bf16, compute capability 9.0): cuda/hopper.cuh's gemm_bf16_tn with tiles of 128 rows of one
  * expert by 128 gate and the same 128 up columns (one 128 x 256 tile), the activation in its epilogue. A block
@@ -45,14 +46,8 @@ typedef struct ExpertSwiglu {
   int32_t experts;
   int32_t dtype;
   int32_t activation;     /* SWIGLU_SILU or SWIGLU_GELU_TANH */
-  int32_t gemm;           /* the Hopper kernel (ExpertSwigluPlan's answer), else the rows kernel */
-  /* Chosen by Rust: */
-  int32_t stages;         /* pipeline stages in shared memory */
-  int32_t col_tiles;      /* the GEMM's column tiles of an expert */
-  BastileTensorMap x_map;      /* TMA: x [pairs, in], boxes of 64 x 128 */
-  BastileTensorMap weight_map; /* TMA: weight [experts * 2 * inter, in], boxes of 64 x 128 */
-  BastileTensorMap lora_x_map;      /* TMA: lora_x [pairs, rank], boxes of 64 x 128 */
-  BastileTensorMap lora_weight_map; /* TMA: lora_weight [experts * 2 * inter, rank], boxes of 64 x 128 */
+  int32_t hopper;         /* the Hopper kernel (ExpertSwigluPlan's answer), else the rows kernel */
+  ExpertGemm gemm;        /* the Hopper kernel's launch, chosen by Rust */
 } ExpertSwiglu;
 
 /* Whether the Hopper path takes a call: the C++ layer asks before it allocates anything, and computes the

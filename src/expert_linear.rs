@@ -34,7 +34,7 @@ fn col_tiles(out: i64) -> i64 {
 impl Launch for ExpertLinear {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let dtype = BastileDType::from_raw(self.dtype)?;
-        if self.gemm == 0 {
+        if self.hopper == 0 {
             let (kernel, cfg) = experts::rows::<Self>(dev, dtype, self.pairs * self.out, EXPERT_LINEAR_ROWS_BLOCK)?;
             return Ok(Plan::single(kernel, cfg, *self));
         }
@@ -48,26 +48,17 @@ impl Launch for ExpertLinear {
                 Weight::N { rows: experts * self.rank, cols: self.out },
             ),
         };
-        let gemm = experts::gemm_kernel::<Self>(OP, dev, dtype, major)?;
+        let kernel = experts::gemm_kernel::<Self>(OP, dev, dtype, major)?;
         let tail = (self.rank > 0).then_some(Operands { x: self.lora_x, weight: self.lora_weight, k: self.rank, layout: tail_layout });
-        let at = Gemm {
+        let (gemm, cfg) = Gemm {
             main: Operands { x: self.x, weight: self.weight, k: self.in_, layout },
             tail,
             pairs: self.pairs,
             experts: self.experts,
             col_tiles: col_tiles(self.out),
         }
-        .launch(OP, dev, &gemm, EXPERT_LINEAR_MAX_STAGES)?;
-        let p = ExpertLinear {
-            x_map: at.x_map,
-            weight_map: at.weight_map,
-            lora_x_map: at.tail_maps.0,
-            lora_weight_map: at.tail_maps.1,
-            stages: at.stages,
-            col_tiles: at.col_tiles,
-            ..*self
-        };
-        Ok(Plan::single(gemm, at.cfg, p))
+        .launch(OP, dev, &kernel, EXPERT_LINEAR_MAX_STAGES)?;
+        Ok(Plan::single(kernel, cfg, ExpertLinear { gemm, ..*self }))
     }
 
     fn cpu(&self) -> Result<()> {

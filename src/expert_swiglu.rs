@@ -27,32 +27,23 @@ impl Decide for ExpertSwigluPlan {
 impl Launch for ExpertSwiglu {
     fn plan(&self, dev: &'static Device) -> Result<Plan> {
         let dtype = BastileDType::from_raw(self.dtype)?;
-        if self.gemm == 0 {
+        if self.hopper == 0 {
             let (kernel, cfg) = experts::rows::<Self>(dev, dtype, self.pairs * self.inter, EXPERT_SWIGLU_ROWS_BLOCK)?;
             return Ok(Plan::single(kernel, cfg, *self));
         }
-        let gemm = experts::gemm_kernel::<Self>(OP, dev, dtype, Activation::of(self.activation)?.tag())?;
+        let kernel = experts::gemm_kernel::<Self>(OP, dev, dtype, Activation::of(self.activation)?.tag())?;
         // lora_weight has the weight's rows, K-major
         let rows = self.experts as i64 * 2 * self.inter;
         let tail = (self.rank > 0).then_some(Operands { x: self.lora_x, weight: self.lora_weight, k: self.rank, layout: Weight::K { rows } });
-        let at = Gemm {
+        let (gemm, cfg) = Gemm {
             main: Operands { x: self.x, weight: self.weight, k: self.in_, layout: Weight::K { rows } },
             tail,
             pairs: self.pairs,
             experts: self.experts,
             col_tiles: self.inter / EXPERT_SWIGLU_TILE_COLS as i64,
         }
-        .launch(OP, dev, &gemm, EXPERT_SWIGLU_MAX_STAGES)?;
-        let p = ExpertSwiglu {
-            x_map: at.x_map,
-            weight_map: at.weight_map,
-            lora_x_map: at.tail_maps.0,
-            lora_weight_map: at.tail_maps.1,
-            stages: at.stages,
-            col_tiles: at.col_tiles,
-            ..*self
-        };
-        Ok(Plan::single(gemm, at.cfg, p))
+        .launch(OP, dev, &kernel, EXPERT_SWIGLU_MAX_STAGES)?;
+        Ok(Plan::single(kernel, cfg, ExpertSwiglu { gemm, ..*self }))
     }
 
     fn cpu(&self) -> Result<()> {

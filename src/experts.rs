@@ -5,7 +5,7 @@ use crate::cpu::Element;
 use crate::driver::{Device, Kernel, LaunchConfig, Result};
 use crate::kernels::{self, Kernels, Tag};
 use crate::params::{
-    BastileDType, BastileTensorMap, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N,
+    BastileDType, BastileTensorMap, ExpertGemm, BASTILE_GEMM_THREADS, BASTILE_GEMM_TILE_K, BASTILE_GEMM_TILE_M, BASTILE_GEMM_TILE_N,
 };
 
 /// Whether a grouped GEMM's Hopper kernel may take a call, before its op's own shape conditions: operands that the
@@ -132,21 +132,11 @@ pub struct Gemm {
     pub col_tiles: i64,
 }
 
-/// What the kernel's block takes from Rust: its TMA maps (the tail's, zeros without one), stages and column tiles,
-/// and the launch.
-pub struct GemmLaunch {
-    pub x_map: BastileTensorMap,
-    pub weight_map: BastileTensorMap,
-    pub tail_maps: (BastileTensorMap, BastileTensorMap),
-    pub stages: i32,
-    pub col_tiles: i32,
-    pub cfg: LaunchConfig,
-}
-
 impl Gemm {
     /// `kernel` (gemm_bf16_tn's) with as many stages as its shared memory holds, up to `max_stages`; a block an SM
-    /// up to the tiles' bound (each expert's row tiles rounded up).
-    pub fn launch(&self, op: &str, dev: &Device, kernel: &Kernel, max_stages: u32) -> Result<GemmLaunch> {
+    /// up to the tiles' bound (each expert's row tiles rounded up). Returns what the op's block takes (its TMA maps,
+    /// the tail's zeros without one) and the launch.
+    pub fn launch(&self, op: &str, dev: &Device, kernel: &Kernel, max_stages: u32) -> Result<(ExpertGemm, LaunchConfig)> {
         // The walk's tile indices and TMA's row coordinates are 32-bit.
         let tiles = (crate::geometry::ceil_div(self.pairs, BASTILE_GEMM_TILE_M as i64) + self.experts as i64) * self.col_tiles;
         let rows = self.main.rows().max(self.tail.as_ref().map_or(0, Operands::rows));
@@ -154,7 +144,7 @@ impl Gemm {
             return Err(format!("bastile.{op}: {} pairs of {} experts are more than 32-bit tile indices reach", self.pairs, self.experts));
         }
         let (x_map, weight_map) = self.main.maps(self.pairs)?;
-        let tail_maps = match &self.tail {
+        let (lora_x_map, lora_weight_map) = match &self.tail {
             Some(tail) => tail.maps(self.pairs)?,
             None => Default::default(),
         };
@@ -162,6 +152,7 @@ impl Gemm {
             .ok_or_else(|| format!("bastile.{op}: {} bytes of shared memory hold no GEMM pipeline", kernel.shared))?;
         let grid = tiles.clamp(1, dev.sm_count() as i64) as u32;
         let cfg = LaunchConfig { grid: (grid, 1), block: (BASTILE_GEMM_THREADS, 1), shared };
-        Ok(GemmLaunch { x_map, weight_map, tail_maps, stages: stages as i32, col_tiles: self.col_tiles as i32, cfg })
+        let gemm = ExpertGemm { stages: stages as i32, col_tiles: self.col_tiles as i32, x_map, weight_map, lora_x_map, lora_weight_map };
+        Ok((gemm, cfg))
     }
 }

@@ -50,7 +50,7 @@ struct ExpertLinearOp {
     launch(x, ExpertLinear{.x = x.data_ptr(), .weight = read.data_ptr(), .offsets = offsets.data_ptr<int32_t>(),
                            .lora_x = rank ? lx.data_ptr() : nullptr, .lora_weight = rank ? lw.data_ptr() : nullptr,
                            .y = y.data_ptr(), .pairs = x.size(0), .in = in, .out = out, .rank = rank,
-                           .experts = int32_t(weight.size(0)), .dtype = dt, .gemm = plan.hopper,
+                           .experts = int32_t(weight.size(0)), .dtype = dt, .hopper = plan.hopper,
                            .n_major = plan.hopper && n_major});
     return y;
   }

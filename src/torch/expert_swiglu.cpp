@@ -68,7 +68,7 @@ struct ExpertSwigluOp {
                            .lora_x = rank ? lx.data_ptr() : nullptr, .lora_weight = rank ? lw.data_ptr() : nullptr,
                            .gate_up = gate_up.data_ptr(), .h = h.data_ptr(), .pairs = x.size(0), .in = x.size(1),
                            .inter = inter.expect_int(), .rank = rank, .experts = int32_t(weight.size(0)),
-                           .dtype = dt, .activation = act, .gemm = plan.hopper});
+                           .dtype = dt, .activation = act, .hopper = plan.hopper});
     return {gate_up, h};
   }
 };
