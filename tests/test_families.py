@@ -180,17 +180,19 @@ def mini(family, device, dtype, seed=0, **overrides):
 
 class Dispatched(TorchDispatchMode):
     """The names of the bastile ops a region runs, without the _forward/_backward of the pieces their
-    autograd nodes call."""
+    autograd nodes call; `calls` each call's op, `tensors` how many tensors it was passed."""
 
     def __init__(self):
         super().__init__()
         self.ops = set()
         self.calls = []
+        self.tensors = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "bastile":
             self.ops.add(func._opname.removesuffix("_forward").removesuffix("_backward"))
             self.calls.append(func._opname)
+            self.tensors.append(sum(isinstance(a, torch.Tensor) for a in (*args, *(kwargs or {}).values())))
         return func(*args, **(kwargs or {}))
 
 
