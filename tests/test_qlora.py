@@ -6,7 +6,8 @@ reloaded in 4 bits, NF4 and FP4, nested scales or not, LoRA r8 on the seven proj
 fused and PEFT's LoRA forward never called, adapter gradients of step 1 within 1e-3 and 6 AdamW steps'
 losses within 1e-4 of PEFT's. prepare_model_for_kbit_training with checkpointing, adapters saved and
 reloaded, TRL's SFTTrainer(peft_config=...) on a 4-bit model with packed rows, and LLM.int8 bases, which
-keep PEFT's path. CUDA (bf16): the same run within bf16's reach.
+keep PEFT's path. A mini Qwen3-MoE in 4 bits (its experts unquantized) with LoRA on the experts or all-linear.
+CUDA (bf16): the same run within bf16's reach.
 """
 import pytest
 import torch
@@ -17,7 +18,9 @@ from peft.tuners.lora import bnb as peft_bnb  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 import bastile  # noqa: E402
+from bastile.experts import WEIGHT_PLUS_DELTA  # noqa: E402
 from conftest import needs_cuda  # noqa: E402
+from test_experts import EXPERT_LORA  # noqa: E402
 from test_families import Dispatched, mini  # noqa: E402
 from test_lora import SEVEN, adapters, assert_losses_close  # noqa: E402
 from test_qwen3_training import assert_params_close, batches, train  # noqa: E402
@@ -144,6 +147,39 @@ def test_trl_sft_on_a_4bit_model_with_packing(tmp_path):
     want = logs()
     bastile.apply()
     assert_same_logs(logs(), want)
+
+
+@pytest.mark.parametrize("targets", ["experts", "all-linear"])
+def test_moe_training_matches_peft_cpu(targets, tmp_path, peft_forwards):
+    """QLoRA of a mixture of experts as users load one: bitsandbytes quantizes the Linear layers (the attention),
+    not the experts' 3-D parameters nor the router's, which stay in the model's dtype. The 4-bit projections run
+    in the fused nodes and the experts' adapters on the expert path (the router's, all-linear, as W + delta):
+    PEFT's 4-bit LoRA forward never runs, step 1's adapter gradients within 1e-3 and 4 AdamW steps' losses
+    within 1e-4 of PEFT's on the same quantized model."""
+    config = (dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False) if targets == "all-linear"
+              else EXPERT_LORA)
+
+    def peft_model():
+        model = quantized("qwen3_moe", tmp_path)
+        torch.manual_seed(1)
+        return get_peft_model(model, LoraConfig(**config))
+
+    ref, model = peft_model(), peft_model()
+    assert isinstance(model.base_model.model.model.layers[0].self_attn.q_proj, peft_bnb.Linear4bit)
+    data = batches(1, 1, 2, 48, "cpu", ignore_fraction=0.1) * 4
+    want = first_grads(ref, data)
+    ref_losses = train(ref, data, LR)
+    bastile.apply(model=model)
+    report = bastile.lora_modules(model)
+    assert any(n.endswith("mlp.experts") for n in report) and set(report.values()) <= {"fused", WEIGHT_PLUS_DELTA}
+    peft_forwards.clear()
+    assert_params_close(first_grads(model, data), want, 1e-3)
+    with Dispatched() as dispatched:
+        losses = train(model, data, LR)
+    assert not peft_forwards, "PEFT's LoRA forward ran"
+    assert {"dequantize_4bit", "expert_combine"} <= dispatched.ops
+    assert_losses_close(losses, ref_losses, 1e-4, f"qwen3_moe {targets}")
+    assert_params_close(adapters(model), adapters(ref), 1e-3)
 
 
 def test_int8_bases_keep_peft_path(tmp_path):
