@@ -72,6 +72,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
+def as_near_exact(ours, theirs, exact) -> bool:
+    """Whether our fp32 result is no farther from the fp64 one than the reference's fp32 result is, twice over:
+    both are roundings of the same sums, which a CPU's kernels can put farther apart than a fixed tolerance
+    (tensors, or floats such as losses)."""
+    if isinstance(exact, torch.Tensor):
+        return rel_err(ours, exact) <= 2 * rel_err(theirs, exact)
+    return abs(ours - exact) <= 2 * abs(theirs - exact)
+
+
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| elementwise, in units of a's dtype spacing in the binade of the larger of the two;
     computed on a's device."""
