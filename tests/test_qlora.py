@@ -6,8 +6,8 @@ reloaded in 4 bits, NF4 and FP4, nested scales or not, LoRA r8 on the seven proj
 fused and PEFT's LoRA forward never called, adapter gradients of step 1 within 1e-3 and 6 AdamW steps'
 losses within 1e-4 of PEFT's. prepare_model_for_kbit_training with checkpointing, adapters saved and
 reloaded, TRL's SFTTrainer(peft_config=...) on a 4-bit model with packed rows, and LLM.int8 bases, which
-keep PEFT's path. A mini Qwen3-MoE in 4 bits (its experts unquantized) with LoRA on the experts or all-linear.
-CUDA (bf16): the same run within bf16's reach.
+keep PEFT's path. Mini Qwen3-MoE, GPT-OSS and Mixtral in 4 bits (their experts unquantized), LoRA on the
+experts or all-linear. CUDA (bf16): the same run within bf16's reach.
 """
 import pytest
 import torch
@@ -150,17 +150,19 @@ def test_trl_sft_on_a_4bit_model_with_packing(tmp_path):
 
 
 @pytest.mark.parametrize("targets", ["experts", "all-linear"])
-def test_moe_training_matches_peft_cpu(targets, tmp_path, peft_forwards):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_moe_training_matches_peft_cpu(family, targets, tmp_path, peft_forwards):
     """QLoRA of a mixture of experts as users load one: bitsandbytes quantizes the Linear layers (the attention),
     not the experts' 3-D parameters nor the router's, which stay in the model's dtype. The 4-bit projections run
-    in the fused nodes and the experts' adapters on the expert path (the router's, all-linear, as W + delta):
+    in the fused nodes and the experts (with their adapters) on the expert path (the router's, all-linear, as W +
+    delta):
     PEFT's 4-bit LoRA forward never runs, step 1's adapter gradients within 1e-3 and 4 AdamW steps' losses
     within 1e-4 of PEFT's on the same quantized model."""
     config = (dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False) if targets == "all-linear"
               else EXPERT_LORA)
 
     def peft_model():
-        model = quantized("qwen3_moe", tmp_path)
+        model = quantized(family, tmp_path)
         torch.manual_seed(1)
         return get_peft_model(model, LoraConfig(**config))
 
@@ -171,14 +173,16 @@ def test_moe_training_matches_peft_cpu(targets, tmp_path, peft_forwards):
     ref_losses = train(ref, data, LR)
     bastile.apply(model=model)
     report = bastile.lora_modules(model)
-    assert any(n.endswith("mlp.experts") for n in report) and set(report.values()) <= {"fused", WEIGHT_PLUS_DELTA}
+    assert set(report.values()) <= {"fused", WEIGHT_PLUS_DELTA}, report
+    # (PEFT's all-linear wraps GPT-OSS's experts in no ParamWrapper)
+    assert any(n.endswith("mlp.experts") for n in report) == (targets == "experts" or family != "gpt_oss"), report
     peft_forwards.clear()
     assert_params_close(first_grads(model, data), want, 1e-3)
     with Dispatched() as dispatched:
         losses = train(model, data, LR)
     assert not peft_forwards, "PEFT's LoRA forward ran"
     assert {"dequantize_4bit", "expert_combine"} <= dispatched.ops
-    assert_losses_close(losses, ref_losses, 1e-4, f"qwen3_moe {targets}")
+    assert_losses_close(losses, ref_losses, 1e-4, f"{family} {targets}")
     assert_params_close(adapters(model), adapters(ref), 1e-3)
 
 
