@@ -154,10 +154,9 @@ def test_trl_sft_on_a_4bit_model_with_packing(tmp_path):
 def test_moe_training_matches_peft_cpu(family, targets, tmp_path, peft_forwards):
     """QLoRA of a mixture of experts as users load one: bitsandbytes quantizes the Linear layers (the attention),
     not the experts' 3-D parameters nor the router's, which stay in the model's dtype. The 4-bit projections run
-    in the fused nodes and the experts (with their adapters) on the expert path (the router's, all-linear, as W +
-    delta):
-    PEFT's 4-bit LoRA forward never runs, step 1's adapter gradients within 1e-3 and 4 AdamW steps' losses
-    within 1e-4 of PEFT's on the same quantized model."""
+    in the fused nodes and the experts (with their adapters) on the expert path (the router's, all-linear, as
+    W + delta): PEFT's 4-bit LoRA forward never runs, step 1's adapter gradients within 1e-3 and 4 AdamW steps'
+    losses within 1e-4 of PEFT's on the same quantized model."""
     config = (dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False) if targets == "all-linear"
               else EXPERT_LORA)
 
