@@ -1,6 +1,7 @@
 // A mixture of experts' pairs joined into their tokens and the gradient sent back (include/expert_combine.h):
 // memory-bound passes in which `group` threads share a row, each taking its vectors l, l + group, ...; a token's
-// k rows are summed side by side in registers, so the result is the same on every run.
+// k rows are summed side by side in registers, so the result is the same on every run. And the pairs grouped by
+// expert before: a counting sort of three launches, each expert's count in shared memory.
 #include "elementwise.cuh"
 #include "expert_combine.h"
 
@@ -123,7 +124,104 @@ template <class T, class W, int V> __device__ __forceinline__ void backward(cons
   }
 }
 
+// The grouping's per-expert counts and starts, in shared memory ([experts] int32).
+__device__ __forceinline__ int32_t *expert_slots() {
+  extern __shared__ int32_t expert_slots_raw[];
+  return expert_slots_raw;
+}
+
+__device__ __forceinline__ int64_t span_end(const ExpertGroup &p) { return min((blockIdx.x + 1) * p.span, p.pairs); }
+
+// Each block's count of each expert over its span of pairs.
+__device__ __forceinline__ void group_count(const ExpertGroup &p) {
+  int32_t *count = expert_slots();
+  for (int64_t e = threadIdx.x; e < p.experts; e += BLOCK) count[e] = 0;
+  __syncthreads();
+  for (int64_t i = blockIdx.x * p.span + threadIdx.x; i < span_end(p); i += BLOCK)
+    atomicAdd(&count[checked_index(p.chosen[i], p.experts, "expert_group", "chosen")], 1);
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < p.experts; e += BLOCK) p.counts[blockIdx.x * p.experts + e] = count[e];
+}
+
+// One block: each expert's total, their running sum (each thread a run of consecutive experts, the runs' sums
+// scanned across the block) for the offsets and each expert's first row, then each span's first row of each expert
+// in place of its count.
+__device__ __forceinline__ void group_scan(const ExpertGroup &p) {
+  int32_t *start = expert_slots();
+  __shared__ int32_t warp_total[BLOCK / 32];
+  for (int64_t e = threadIdx.x; e < p.experts; e += BLOCK) {
+    int32_t total = 0;
+#pragma unroll 8
+    for (int b = 0; b < p.blocks; ++b) total += p.counts[b * p.experts + e];
+    start[e] = total;
+  }
+  __syncthreads();
+  const int64_t run = (p.experts + BLOCK - 1) / BLOCK, first = threadIdx.x * run, last = min(first + run, p.experts);
+  int32_t mine = 0;
+  for (int64_t e = first; e < last; ++e) mine += start[e];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t upto = mine;  // the running sum over the warp's threads, this one's included
+  for (int d = 1; d < 32; d *= 2) {
+    const int32_t v = __shfl_up_sync(0xffffffffu, upto, d);
+    if (lane >= d) upto += v;
+  }
+  if (lane == 31) warp_total[warp] = upto;
+  __syncthreads();
+  int32_t row = upto - mine;
+  for (int w = 0; w < warp; ++w) row += warp_total[w];
+  for (int64_t e = first; e < last; ++e) {
+    const int32_t total = start[e];
+    start[e] = row;
+    row += total;
+    p.offsets[e] = row;
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < p.experts; e += BLOCK) {
+    int32_t next = start[e];
+    for (int b = 0; b < p.blocks; ++b) {
+      const int32_t count = p.counts[b * p.experts + e];
+      p.counts[b * p.experts + e] = next;
+      next += count;
+    }
+  }
+}
+
+// Each pair's row: its span's next row of its expert plus the pairs of that expert before it in its warp; the warps
+// of a block take their rows in turn, so the order within an expert is the pairs'.
+__device__ __forceinline__ void group_scatter(const ExpertGroup &p) {
+  int32_t *next = expert_slots();
+  for (int64_t e = threadIdx.x; e < p.experts; e += BLOCK) next[e] = p.counts[blockIdx.x * p.experts + e];
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t end = span_end(p);
+  for (int64_t i = blockIdx.x * p.span + threadIdx.x; i - threadIdx.x < end; i += BLOCK) {
+    const bool real = i < end;
+    const int64_t e = real ? p.chosen[i] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, static_cast<long long>(e));
+    const int rank = __popc(peers & ((1u << lane) - 1));
+    for (int w = 0; w < BLOCK / 32; ++w) {
+      if (warp == w) {
+        const int32_t row = real ? next[e] + rank : 0;
+        __syncwarp();
+        if (real) {
+          if (rank == __popc(peers) - 1) next[e] = row + 1;
+          p.order[row] = i;
+          p.expert[row] = e;
+          p.position[i] = row;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
 }  // namespace
+
+#define GROUP_KERNEL(group, step)                                                                          \
+  extern "C" __global__ void __launch_bounds__(BLOCK) expert_combine_group_##step(const ExpertGroup p) { \
+    group_##step(p);                                                                                      \
+  }
+EXPERT_GROUP_KERNELS(GROUP_KERNEL)
 
 // A kernel of the lists (include/expert_combine.h): the forward's held and bias tags pick its template arguments
 // and its blocks an SM. It holds its pairs' pointers and vectors in registers, and more blocks keep more loads in

@@ -12,7 +12,8 @@
 #pragma once
 #include "bastile.h"
 
-/* Threads per block; Rust chooses the threads a row shares (`group`, a power of two up to 32). */
+/* Threads per block; Rust chooses the threads a row shares (`group`, a power of two up to 32). The grouping's
+ * kernels take as many. */
 #define EXPERT_COMBINE_BLOCK 256
 
 /* expert_combine_<fwd|bwd>_<rows' dtype>_<weights' dtype>_<vec|scalar>: 16-byte vectors of the rows where every
@@ -59,3 +60,27 @@ typedef struct ExpertCombineBackward {
   int32_t weights_dtype;
   int32_t group;
 } ExpertCombineBackward;
+
+/* The grouping: the token-expert pairs ordered by expert, stably (a counting sort, no host sync). chosen [pairs]
+ * holds each pair's expert (the router's top-k indices, flattened; one outside 0..experts stops the kernel or is an
+ * error on the CPU); the results: order [pairs] (the pair of each row), expert [pairs] (each row's expert),
+ * position [pairs] (the row of each pair: order's inverse) and offsets [experts] (int32, each expert's end). The
+ * pairs are cut into `blocks` spans of `span`; `count` writes each span's count of each expert into `counts`
+ * [blocks, experts] (scratch), `scan` turns them into where each span's rows of each expert start (and writes
+ * offsets), `scatter` gives each pair its row: its span's start plus the pairs of its expert before it there. */
+#define EXPERT_GROUP_KERNELS(K) K(group, count) K(group, scan) K(group, scatter)
+/* The most experts the kernels count in shared memory (int32 each). */
+#define EXPERT_GROUP_MAX_EXPERTS 8192
+
+typedef struct ExpertGroup {
+  const int64_t *chosen;  /* [pairs] */
+  int64_t *order;         /* [pairs] */
+  int64_t *expert;        /* [pairs] */
+  int64_t *position;      /* [pairs] */
+  int32_t *offsets;       /* [experts] */
+  int32_t *counts;        /* [blocks, experts]: scratch, set by Rust */
+  int64_t pairs;
+  int64_t experts;
+  int64_t span;           /* pairs a block: chosen by Rust */
+  int32_t blocks;         /* chosen by Rust */
+} ExpertGroup;

@@ -1,12 +1,13 @@
 //! A mixture of experts' pairs joined into their tokens and the gradient sent back to the pairs (the formulas
-//! are in `include/expert_combine.h`): the launches of `cuda/expert_combine.cu` and the CPU kernels, the
-//! reference the GPU is tested against. The CPU computes in f64, rounds each weighted product to the promoted
-//! type (as torch rounds `rows * weights`) and each result once.
+//! are in `include/expert_combine.h`), and the pairs grouped by expert before: the launches of
+//! `cuda/expert_combine.cu` and the CPU kernels, the reference the GPU is tested against. The CPU computes in f64,
+//! rounds each weighted product to the promoted type (as torch rounds `rows * weights`) and each result once.
 use crate::cpu::{self, Disjoint, Element};
-use crate::driver::{Device, Result};
+use crate::driver::{self, Device, Result};
 use crate::geometry;
 use crate::kernels::{self, Kernels, Launch, Plan, Tag};
-use crate::params::{BastileDType, ExpertCombineBackward, ExpertCombineForward, EXPERT_COMBINE_BLOCK};
+use crate::params::{BastileDType, ExpertCombineBackward, ExpertCombineForward, ExpertGroup, EXPERT_COMBINE_BLOCK,
+                    EXPERT_GROUP_MAX_EXPERTS};
 use std::ffi::c_void;
 
 /// One launch over `rows` rows of `dim` elements: 16-byte vectors of the rows' dtype where `dim` and every
@@ -62,6 +63,69 @@ impl Launch for ExpertCombineBackward {
         // SAFETY: as in the forward.
         crate::with_dtypes!(dt, wt, |T, W, Y| unsafe { backward_cpu::<T, W, Y>(self) })
     }
+}
+
+/// Pairs a block of the grouping takes at least, and the most blocks (the scan reads each block's counts of an
+/// expert one after another).
+const GROUP_SPAN: i64 = 1024;
+const GROUP_BLOCKS: i64 = 256;
+
+impl Launch for ExpertGroup {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        if self.experts > EXPERT_GROUP_MAX_EXPERTS as i64 {
+            return Err(format!("bastile.expert_group: {} experts are more than the CUDA kernels count ({})",
+                               self.experts, EXPERT_GROUP_MAX_EXPERTS));
+        }
+        let blocks = geometry::ceil_div(self.pairs, GROUP_SPAN).clamp(1, GROUP_BLOCKS);
+        let mut p = ExpertGroup { blocks: blocks as i32, span: geometry::ceil_div(self.pairs, blocks), ..*self };
+        let step = |tag, grid: i64| -> Result<_> {
+            let kernel = kernels::kernel::<ExpertGroup>(dev, &[Tag::Group, tag], EXPERT_COMBINE_BLOCK)?;
+            let shared = (self.experts * 4) as u32;
+            Ok((kernel, driver::LaunchConfig { grid: (grid as u32, 1), block: (EXPERT_COMBINE_BLOCK, 1), shared }))
+        };
+        let launches = [step(Tag::Count, blocks)?, step(Tag::Scan, 1)?, step(Tag::Scatter, blocks)?];
+        Ok(Plan::new(blocks * self.experts * 4, move |memory, stream| {
+            p.counts = memory.cast();
+            for (kernel, cfg) in launches {
+                // SAFETY: the block the kernels were compiled for, checked by the C++ layer; the scratch holds the
+                // counts.
+                unsafe { driver::launch(kernel, cfg, stream, &p)? };
+            }
+            Ok(())
+        }))
+    }
+
+    fn cpu(&self) -> Result<()> {
+        // SAFETY: the C++ layer checked every pointer of the block against its tensor's shape and dtype.
+        unsafe { group_cpu(self) }
+    }
+}
+
+/// The counting sort, on one thread: each expert's end, then each pair's row in the pairs' order.
+unsafe fn group_cpu(p: &ExpertGroup) -> Result<()> {
+    let (pairs, experts) = (p.pairs as usize, p.experts as usize);
+    let chosen = cpu::slice::<i64>(p.chosen.cast(), pairs);
+    cpu::check_indices("expert_group", "chosen", chosen, experts, false)?;
+    let offsets = cpu::slice_mut::<i32>(p.offsets.cast(), experts);
+    offsets.fill(0);
+    for &e in chosen {
+        offsets[e as usize] += 1;
+    }
+    let mut next = vec![0i32; experts];
+    let mut end = 0;
+    for (start, offset) in next.iter_mut().zip(offsets.iter_mut()) {
+        *start = end;
+        end += *offset;
+        *offset = end;
+    }
+    let (order, expert) = (cpu::slice_mut::<i64>(p.order.cast(), pairs), cpu::slice_mut::<i64>(p.expert.cast(), pairs));
+    let position = cpu::slice_mut::<i64>(p.position.cast(), pairs);
+    for (pair, &e) in chosen.iter().enumerate() {
+        let row = next[e as usize] as usize;
+        next[e as usize] += 1;
+        (order[row], expert[row], position[pair]) = (pair as i64, e, row as i64);
+    }
+    Ok(())
 }
 
 /// Rows of `width` elements a CPU task takes at least.
@@ -266,5 +330,40 @@ mod tests {
             tokens: 1, k: 2, dim: 1, dtype: BASTILE_F32 as i32, weights_dtype: BASTILE_F32 as i32, ..Default::default() }
             .cpu().unwrap_err();
         assert_eq!(err, "bastile.expert_dispatch: order holds 1 twice; it must hold each of 0..2 once");
+    }
+
+    fn grouped(chosen: &[i64], experts: i64) -> Result<(Vec<i64>, Vec<i32>, Vec<i64>, Vec<i64>)> {
+        let n = chosen.len();
+        let (mut order, mut offsets, mut expert, mut position) = (vec![-1; n], vec![-1; experts as usize], vec![-1; n], vec![-1; n]);
+        ExpertGroup { chosen: chosen.as_ptr(), order: order.as_mut_ptr(), expert: expert.as_mut_ptr(),
+            position: position.as_mut_ptr(), offsets: offsets.as_mut_ptr(), counts: std::ptr::null_mut(), pairs: n as i64,
+            experts, span: 0, blocks: 0 }.cpu()?;
+        Ok((order, offsets, expert, position))
+    }
+
+    #[test]
+    fn grouping_is_a_stable_sort_by_expert() {
+        // 4 tokens, k = 2; expert 1 has no pair, expert 3 two of one token's... and a repeated expert
+        let chosen = [2i64, 0, 3, 3, 0, 2, 4, 0];
+        let (order, offsets, expert, position) = grouped(&chosen, 5).unwrap();
+        assert_eq!(order, [1, 4, 7, 0, 5, 2, 3, 6]);
+        assert_eq!(offsets, [3, 3, 5, 7, 8]);
+        assert_eq!(expert, [0, 0, 0, 2, 2, 3, 3, 4]);
+        for (row, &pair) in order.iter().enumerate() {
+            assert_eq!(position[pair as usize], row as i64);
+        }
+    }
+
+    #[test]
+    fn grouping_refuses_an_expert_outside_the_experts() {
+        assert_eq!(grouped(&[0, 5], 5).unwrap_err(), "bastile.expert_group: chosen holds 5, outside 0..5");
+        assert_eq!(grouped(&[-1], 5).unwrap_err(), "bastile.expert_group: chosen holds -1, outside 0..5");
+    }
+
+    #[test]
+    fn every_grouping_step_has_a_kernel() {
+        for step in [Tag::Count, Tag::Scan, Tag::Scatter] {
+            ExpertGroup::find(&[Tag::Group, step]).unwrap();
+        }
     }
 }

@@ -236,11 +236,11 @@ def test_frozen_experts_backward_sends_the_gradient_only(family, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("family", [f for f in FAMILIES if TRAITS[f].mlp.experts == "swiglu" and f not in WRAPPED])
 def test_bf16_cuda_gate_up_and_swiglu_run_as_one_op(family):
-    """bf16 experts on CUDA without an adapter on gate/up: the forward runs gate/up's products and the SwiGLU (Gemma
-    4's GELU-tanh) as `expert_swiglu` and down's as `expert_linear`, the backward the inputs' gradients through
-    down and gate/up as `expert_linear` (each the GEMM kernel on compute capability 9.0 at these widths, 256 and
-    256), and the output and the hidden states', routing weights' and experts' gradients are as far from HF's fp32
-    experts as HF's bf16 ones are (or within 1e-2 in norm)."""
+    """bf16 experts on CUDA without an adapter on gate/up: the forward groups the pairs (`expert_group`), runs gate/up's
+    products and the SwiGLU (Gemma 4's GELU-tanh) as `expert_swiglu` and down's as `expert_linear`, the backward the
+    inputs' gradients through down and gate/up as `expert_linear` (each the GEMM kernel on compute capability 9.0 at
+    these widths, 256 and 256), and the output and the hidden states', routing weights' and experts' gradients are as
+    far from HF's fp32 experts as HF's bf16 ones are (or within 1e-2 in norm)."""
     inter = "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size"
     model = mini(family, "cuda", torch.bfloat16, **{**OVERRIDES.get(family, {}), inter: 256, "hidden_size": 256})
     ex = next(m for m in model.modules() if type(m).__name__ == TRAITS[family].name("Experts"))
@@ -261,8 +261,8 @@ def test_bf16_cuda_gate_up_and_swiglu_run_as_one_op(family):
     bastile.apply(model=ex, **NO_TRAINERS)
     with Dispatched() as seen:
         ours = run(ex)
-    assert seen.calls[:4] == ["expert_dispatch", "expert_swiglu", "expert_linear", "expert_combine"]
-    assert seen.calls[4:].count("expert_linear") == 2
+    assert seen.calls[:5] == ["expert_group", "expert_dispatch", "expert_swiglu", "expert_linear", "expert_combine"]
+    assert seen.calls[5:].count("expert_linear") == 2
     for name, got, hf, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), ours, hf_bf16, hf_fp32):
         err, hf_err = rel_err(got, want), rel_err(hf, want)
         assert err <= max(2 * hf_err, 1e-2), f"{name}: {err:.2e} from fp32 (HF bf16: {hf_err:.2e})"
@@ -270,7 +270,7 @@ def test_bf16_cuda_gate_up_and_swiglu_run_as_one_op(family):
 
 def test_experts_holding_silu_as_a_function_run_the_fused_gate():
     """LFM2-MoE's experts hold F.silu, a function, as act_fn (Mlp.expert_activation None): their gate runs the
-    `swiglu` op (between the dispatch and the combine), and the experts compute what HF's eager experts do."""
+    `swiglu` op (between the grouping, the dispatch and the combine), and the experts compute what HF's eager experts do."""
     model = mini("lfm2_moe", "cpu", torch.float32)
     ex = model.model.layers[1].feed_forward.experts
     x = torch.randn(5, ex.hidden_dim)
@@ -279,7 +279,7 @@ def test_experts_holding_silu_as_a_function_run_the_fused_gate():
     bastile.apply(model=model, **NO_TRAINERS)
     with Dispatched() as seen:
         got = ex(x, index, weights)
-    assert seen.ops == {"swiglu", "expert_dispatch", "expert_combine"}
+    assert seen.ops == {"expert_group", "swiglu", "expert_dispatch", "expert_combine"}
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -201,7 +201,7 @@ def test_published_config_trains_as_hf(folder):
     with Dispatched() as seen:
         losses = train(model, ids)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=0)
-    expected = expected_ops(families.family_of(model).model_type) - UNFUSED.get(folder, set())
+    expected = expected_ops(families.family_of(model).model_type, model) - UNFUSED.get(folder, set())
     assert expected <= seen.ops, seen.ops
 
 

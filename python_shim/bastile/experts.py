@@ -1,6 +1,6 @@
 """The MoE families' experts on Bastile's path, in place of transformers' experts functions.
 
-The token-expert pairs are ordered by expert (a stable sort and per-expert counts: no host sync on CUDA), each
+The token-expert pairs are ordered by expert (a stable counting sort, the `expert_group` op: no host sync), each
 token's row is sent to its pairs (the `expert_dispatch` op), each expert's rows go through one grouped product for
 gate/up, the family's gated activation (the `swiglu` or `geglu` op), one grouped product for down, then the
 routing weights and the sum over a token's experts in one pass (the `expert_combine` op; the backward sends the
@@ -147,13 +147,7 @@ class Groups(NamedTuple):
 
 
 def group(top_k_index: torch.Tensor, experts: int) -> Groups:
-    ids = top_k_index.reshape(-1)
-    expert, order = torch.sort(ids, stable=True)
-    # each expert's end, the count of the sorted ids up to it (bincount would size its output by the largest
-    # id: a host sync on CUDA)
-    ends = torch.searchsorted(expert, torch.arange(experts, device=ids.device), right=True, out_int32=True)
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
-    return Groups(order, ends, expert, position.view(top_k_index.shape), top_k_index)
+    return Groups(*torch.ops.bastile.expert_group(top_k_index, experts), top_k_index)
 
 
 def grouped_operands(*operands: torch.Tensor) -> bool:

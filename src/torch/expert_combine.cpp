@@ -12,6 +12,10 @@
 // [tokens * k] (the inverse of position: the pair of each row), row r gets weights[p] * x[p / k] in `dtype`
 // (p = order[r]), and given rows the weights' gradient <x[p / k], rows[r]>; without weights it is the experts'
 // dispatch of each token to its pairs (python_shim/bastile/experts.py runs both directions in its own node).
+// expert_group(chosen, experts) orders the pairs by expert beforehand: chosen [tokens, k] (int64, each pair's
+// expert in 0..experts) gives (order [tokens * k], the pair of each row, stably sorted by expert; offsets [experts]
+// int32, each expert's end; expert [tokens * k], each row's expert; position [tokens, k], the row of each pair), in
+// one op of three launches and no host sync; an expert outside 0..experts stops the kernel (CUDA) or raises (CPU).
 // Autograd saves position, the weights, and the rows where the weights need a gradient; the backward inverts
 // position by a scatter over -1s, so a position that is not a permutation stops it (an index of -1) rather than
 // leave gradients unwritten. Autocast leaves the op alone.
@@ -36,6 +40,33 @@ std::pair<at::Tensor, BastileDType> kernel_weights(const char* op, const at::Ten
   const auto promoted = weights.to(w);
   return {promoted, dtype_code(op, {"weights", promoted})};
 }
+
+struct ExpertGroupOp {
+  static constexpr const char* schema = "expert_group(Tensor chosen, int experts) -> (Tensor, Tensor, Tensor, Tensor)";
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kernel(const at::Tensor& chosen_in,
+                                                                           int64_t experts) {
+    constexpr const char* op = "expert_group";
+    check_index(op, {"chosen", chosen_in});
+    const auto& pairs = chosen_in.sym_numel();
+    TORCH_CHECK(experts >= 0 && experts <= std::numeric_limits<int32_t>::max(), "bastile.", op,
+                ": experts must be in 0..2^31, got ", experts);
+    TORCH_CHECK(pairs <= std::numeric_limits<int32_t>::max(), "bastile.", op, ": ", pairs,
+                " pairs are more than the int32 offsets count");
+    TORCH_CHECK(experts > 0 || pairs == 0, "bastile.", op, ": chosen has ", pairs, " pairs but there are no experts");
+    const auto index = chosen_in.options();
+    auto order = at::empty_symint({pairs}, index), expert = at::empty_symint({pairs}, index);
+    auto position = at::empty_symint(chosen_in.sym_sizes(), index);
+    auto offsets = at::empty({experts}, index.dtype(at::kInt));
+    if (chosen_in.is_meta()) return {order, offsets, expert, position};
+    if (pairs == 0) return {order, offsets.zero_(), expert, position};
+    const auto chosen = chosen_in.contiguous();
+    launch(chosen, ExpertGroup{.chosen = chosen.data_ptr<int64_t>(), .order = order.data_ptr<int64_t>(),
+                               .expert = expert.data_ptr<int64_t>(), .position = position.data_ptr<int64_t>(),
+                               .offsets = offsets.data_ptr<int32_t>(), .pairs = chosen.numel(), .experts = experts});
+    return {order, offsets, expert, position};
+  }
+};
 
 struct ExpertDispatchOp {
   static constexpr const char* schema =
@@ -189,4 +220,4 @@ struct ExpertCombineOp {
 }  // namespace
 }  // namespace bastile
 
-BASTILE_OPS(bastile::ExpertCombineOp, bastile::ExpertDispatchOp)
+BASTILE_OPS(bastile::ExpertCombineOp, bastile::ExpertDispatchOp, bastile::ExpertGroupOp)
