@@ -21,5 +21,7 @@ def expert_combine(rows: torch.Tensor, position: torch.Tensor, weights: Optional
     `torch.ops.bastile.expert_dispatch(x, order, weights=None, rows=None, dtype=None)` is the other direction and
     its backward as a piece: with order the inverse of position (the pair t * k + j of each row), row r gets
     weights[p] * x[p // k] in `dtype` (p = order[r]; without weights the experts' dispatch of each token to its
-    pairs) and given rows the weights' gradient. bastile.experts runs both in the experts' own node."""
+    pairs) and given rows the weights' gradient. bastile.experts runs both in the experts' own node, after
+    `torch.ops.bastile.expert_group(chosen, experts)` has ordered the pairs by expert (order, offsets, each row's
+    expert, position: a stable counting sort with no host sync)."""
     return torch.ops.bastile.expert_combine(rows, position, weights, bias, expert)
