@@ -334,7 +334,8 @@ mod tests {
 
     fn grouped(chosen: &[i64], experts: i64) -> Result<(Vec<i64>, Vec<i32>, Vec<i64>, Vec<i64>)> {
         let n = chosen.len();
-        let (mut order, mut offsets, mut expert, mut position) = (vec![-1; n], vec![-1; experts as usize], vec![-1; n], vec![-1; n]);
+        let (mut order, mut expert, mut position) = (vec![-1; n], vec![-1; n], vec![-1; n]);
+        let mut offsets = vec![-1; experts as usize];
         ExpertGroup { chosen: chosen.as_ptr(), order: order.as_mut_ptr(), expert: expert.as_mut_ptr(),
             position: position.as_mut_ptr(), offsets: offsets.as_mut_ptr(), counts: std::ptr::null_mut(), pairs: n as i64,
             experts, span: 0, blocks: 0 }.cpu()?;
@@ -343,7 +344,7 @@ mod tests {
 
     #[test]
     fn grouping_is_a_stable_sort_by_expert() {
-        // 4 tokens, k = 2; expert 1 has no pair, expert 3 two of one token's... and a repeated expert
+        // 4 tokens, k = 2: expert 1 gets no pair, token 1 chose expert 3 twice
         let chosen = [2i64, 0, 3, 3, 0, 2, 4, 0];
         let (order, offsets, expert, position) = grouped(&chosen, 5).unwrap();
         assert_eq!(order, [1, 4, 7, 0, 5, 2, 3, 6]);
