@@ -205,7 +205,7 @@ def expected_ops(family, model):
     fused = t.attention.qk_norm.name == "PER_HEAD" and t.rotary.layout.name == "HALF_SPLIT" and not t.rotary.partial
     attention = "qk_norm_rope" if fused else "rope"
     mlp = {"geglu" if t.mlp.experts == "geglu" else "swiglu"}
-    if any(type(m).__name__.endswith("Experts") for m in model.modules()):
+    if t.mlp.experts and any(type(m).__name__ == t.name("Experts") for m in model.modules()):
         mlp |= {"expert_group", "expert_dispatch", "expert_combine"}
     delta_net = {"causal_conv1d", "gated_delta_rule", "rms_norm_gated"} if t.linear_attention else set()
     conv = {"causal_conv1d"} if t.short_conv else set()
