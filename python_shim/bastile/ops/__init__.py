@@ -5,6 +5,6 @@ it:
     from bastile.ops.rms_norm import BastileRMSNorm, rms_norm
     from bastile.ops.swiglu import BastileSwiGLUMLP, swiglu
 """
-from . import attention_sink, causal_conv1d, dequantize_4bit, expert_combine, expert_linear, expert_swiglu, fused_linear_cross_entropy, fused_linear_divergence, fused_linear_log_probs, gated_delta_rule, geglu, qk_norm_rope, rms_norm, rms_norm_gated, rope, swiglu
+from . import attention_sink, causal_conv1d, dequantize_4bit, expert_combine, expert_linear, expert_route, expert_swiglu, fused_linear_cross_entropy, fused_linear_divergence, fused_linear_log_probs, gated_delta_rule, geglu, qk_norm_rope, rms_norm, rms_norm_gated, rope, swiglu
 
-__all__ = ["attention_sink", "causal_conv1d", "dequantize_4bit", "expert_combine", "expert_linear", "expert_swiglu", "fused_linear_cross_entropy", "fused_linear_divergence", "fused_linear_log_probs", "gated_delta_rule", "geglu", "qk_norm_rope", "rms_norm", "rms_norm_gated", "rope", "swiglu"]
+__all__ = ["attention_sink", "causal_conv1d", "dequantize_4bit", "expert_combine", "expert_linear", "expert_route", "expert_swiglu", "fused_linear_cross_entropy", "fused_linear_divergence", "fused_linear_log_probs", "gated_delta_rule", "geglu", "qk_norm_rope", "rms_norm", "rms_norm_gated", "rope", "swiglu"]

@@ -1,0 +1,155 @@
+// A mixture of experts' router after its logits (include/expert_route.h): a warp a token. The forward picks the k
+// largest logits in k rounds, each the warp's largest key below the last pick's (so it keeps nothing but the last
+// key), the key ordering logits as torch.topk picks them; the logits are read again from L1 each round (a row of
+// Qwen3-MoE's 128 experts is 256 bytes). The backward finds the slots choosing each expert through the warp's
+// shuffles. Math in f32 with every sum reduced in one fixed order, each result rounded once.
+#include "common.cuh"
+#include "expert_route.h"
+
+using namespace bastile;
+
+namespace {
+
+constexpr int BLOCK = EXPERT_ROUTE_BLOCK;
+constexpr unsigned FULL = 0xffffffffu;
+
+// A logit's place in the picking order: larger values first (-0 as +0, NaN above everything), then the lower
+// index. Its high word orders the values as unsigned integers, its low word the indices, reversed.
+__device__ __forceinline__ uint64_t rank_key(float v, int64_t j) {
+  const uint32_t bits = __float_as_uint(v == 0.f ? 0.f : v);
+  const uint32_t ordered = isnan(v) ? FULL : (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  return (static_cast<uint64_t>(ordered) << 32) | (FULL - static_cast<uint32_t>(j));
+}
+
+__device__ __forceinline__ float key_value(uint64_t key) {
+  const uint32_t ordered = static_cast<uint32_t>(key >> 32);
+  if (ordered == FULL) return __uint_as_float(0x7fc00000u);
+  return __uint_as_float((ordered & 0x80000000u) ? ordered & 0x7fffffffu : ~ordered);
+}
+
+__device__ __forceinline__ int64_t key_index(uint64_t key) { return FULL - static_cast<uint32_t>(key); }
+
+__device__ __forceinline__ uint64_t warp_max(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    const uint64_t u = __shfl_xor_sync(FULL, v, o);
+    v = u > v ? u : v;
+  }
+  return v;
+}
+
+// The butterfly leaves every lane the same sum, whatever the row.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(FULL, v, o);
+  return v;
+}
+
+// The row's largest logit, as the forward's first pick has it.
+template <class T> __device__ __forceinline__ float row_max(const T *row, int64_t experts, int lane) {
+  uint64_t best = 0;  // below every key
+  for (int64_t j = lane; j < experts; j += 32) {
+    const uint64_t key = rank_key(to_f32(row[j]), j);
+    best = key > best ? key : best;
+  }
+  return key_value(warp_max(best));
+}
+
+template <class T> __device__ __forceinline__ float softmax_sum(const T *row, int64_t experts, float top, int lane) {
+  float sum = 0.f;
+  for (int64_t j = lane; j < experts; j += 32) sum += expf(to_f32(row[j]) - top);
+  return warp_sum(sum);
+}
+
+template <class T, class W> __device__ __forceinline__ void forward(const ExpertRouteForward &p) {
+  const T *__restrict__ logits = static_cast<const T *>(p.logits);
+  W *__restrict__ weights = static_cast<W *>(p.weights);
+  const int lane = threadIdx.x % 32;
+  FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / 32) {
+    const int64_t t = base + threadIdx.x / 32;
+    if (t >= p.tokens) continue;  // the warp's own row: uniform
+    const T *row = logits + t * p.experts;
+    int64_t *pick = p.chosen + t * p.k;
+    uint64_t last = ~0ull;
+    float top = 0.f, picked_sum = 0.f;
+    for (int64_t r = 0; r < p.k; ++r) {
+      uint64_t best = 0;
+      for (int64_t j = lane; j < p.experts; j += 32) {
+        const uint64_t key = rank_key(to_f32(row[j]), j);
+        if (key < last && key > best) best = key;
+      }
+      last = best = warp_max(best);
+      const float v = key_value(best);
+      if (r == 0) top = v;
+      picked_sum += expf(v - top);
+      if (r % 32 == lane) pick[r] = key_index(best);
+    }
+    const float sum = p.renorm ? picked_sum : softmax_sum(row, p.experts, top, lane);
+    // each lane reads back the picks it wrote
+    for (int64_t s = lane; s < p.k; s += 32) weights[t * p.k + s] = from_f32<W>(expf(to_f32(row[pick[s]]) - top) / sum);
+  }
+}
+
+template <class T, class W> __device__ __forceinline__ void backward(const ExpertRouteBackward &p) {
+  const T *__restrict__ logits = static_cast<const T *>(p.logits);
+  const W *__restrict__ grad = static_cast<const W *>(p.grad);
+  T *__restrict__ out = static_cast<T *>(p.grad_logits);
+  const int lane = threadIdx.x % 32;
+  FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / 32) {
+    const int64_t t = base + threadIdx.x / 32;
+    if (t >= p.tokens) continue;
+    const T *row = logits + t * p.experts;
+    const int64_t *pick = p.chosen + t * p.k;
+    const W *g = grad + t * p.k;
+    const float top = row_max(row, p.experts, lane);
+    const auto picked = [&](int64_t s) {
+      return expf(to_f32(row[checked_index(pick[s], p.experts, "expert_route", "chosen")]) - top);
+    };
+    float sum = 0.f;
+    if (p.renorm) {
+      for (int64_t s = lane; s < p.k; s += 32) sum += picked(s);
+      sum = warp_sum(sum);
+    } else {
+      sum = softmax_sum(row, p.experts, top, lane);
+    }
+    float dot = 0.f;
+    for (int64_t s = lane; s < p.k; s += 32) dot += to_f32(g[s]) * (picked(s) / sum);
+    dot = warp_sum(dot);
+    for (int64_t j0 = 0; j0 < p.experts; j0 += 32) {
+      const int64_t j = j0 + lane;
+      float chose = 0.f, times = 0.f;  // G_j and n_j
+      for (int64_t s0 = 0; s0 < p.k; s0 += 32) {
+        const int64_t s = s0 + lane;
+        const int64_t c = s < p.k ? pick[s] : -1;
+        const float gs = s < p.k ? to_f32(g[s]) : 0.f;
+        const int slots = static_cast<int>(p.k - s0 < 32 ? p.k - s0 : 32);
+        for (int i = 0; i < slots; ++i) {
+          const int64_t ci = __shfl_sync(FULL, c, i);
+          const float gi = __shfl_sync(FULL, gs, i);
+          if (ci == j) {
+            chose += gi;
+            times += 1.f;
+          }
+        }
+      }
+      if (j >= p.experts) continue;
+      const float pj = expf(to_f32(row[j]) - top) / sum;
+      const float value = p.renorm ? (times > 0.f ? pj * (chose - times * dot) : 0.f) : pj * (chose - dot);
+      out[t * p.experts + j] = from_f32<T>(value);
+    }
+  }
+}
+
+}  // namespace
+
+#define KERNEL(dir, t, w)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(BLOCK)                                                        \
+      expert_route_##dir##_##t##_##w(const BASTILE_CAT(ExpertRoute, DIR_##dir) p) {                          \
+    RUN_##dir<BASTILE_TYPE_##t, BASTILE_TYPE_##w>(p);                                                        \
+  }
+#define DIR_fwd Forward
+#define DIR_bwd Backward
+#define RUN_fwd forward
+#define RUN_bwd backward
+EXPERT_ROUTE_FORWARD_KERNELS(KERNEL)
+EXPERT_ROUTE_BACKWARD_KERNELS(KERNEL)
