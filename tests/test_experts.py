@@ -18,7 +18,7 @@ from transformers.integrations import moe
 import bastile
 from bastile import experts, long_context
 from bastile.families import FAMILIES as TRAITS
-from conftest import EXPERTS_PATCHES, NO_TRAINERS, needs_cuda, rel_err
+from conftest import DEVICES, EXPERTS_PATCHES, NO_TRAINERS, needs_cuda, rel_err
 from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, exact_delta_rule, exact_grads, mini
 from test_qwen3_training import batches
 
@@ -231,6 +231,47 @@ def test_frozen_experts_backward_sends_the_gradient_only(family, monkeypatch):
     assert [c for c in seen.calls if c != "expert_combine"] == ["expert_dispatch", f"{gate}_backward"]
     for g, w in zip((x.grad, weights.grad), want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+ROUTED = [f for f in FAMILIES if TRAITS[f].mlp.router]
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32)] + [("cuda", torch.float32), ("cuda", torch.bfloat16)]
+                         * ("cuda" in DEVICES))
+@pytest.mark.parametrize("family", ROUTED)
+def test_router_is_hf_router_in_one_op(family, device, dtype):
+    """The router's forward: HF's logits, the same experts and their weights in HF's dtype (within f32 roundings and
+    one of the dtype's units), and after the logits one op, `expert_route`, forward and backward. The hidden states'
+    and router's gradients through weights and logits (a load-balancing term): in fp32 as HF's; in bf16, where HF
+    rounds its softmax's output and backward in bf16 (GPT-OSS's softmax of the top-k) and Bastile once from f32, as
+    far from HF's fp32 router as HF's bf16 one is (or within 1e-2 in norm)."""
+    model = WRAPPED[family]().to(device, dtype) if family in WRAPPED else mini(family, device, dtype)
+    router = next(m for m in model.modules() if type(m).__name__ == TRAITS[family].name("TopKRouter"))
+    exact = copy.deepcopy(router).float()
+    x = torch.randn(64, router.weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    dy = torch.randn(64, router.top_k, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def run(module, cast=lambda t: t):
+        leaves = [cast(x).detach().requires_grad_(), module.weight]
+        logits, weights, chosen = module(leaves[0])
+        loss = (weights * dy.to(weights.dtype)).sum() + logits.float().softmax(-1).square().sum()
+        return (logits, weights, chosen), torch.autograd.grad(loss, leaves)
+
+    _, fp32_grads = run(exact, lambda t: t.float())
+    (hf_logits, hf_weights, hf_chosen), hf_grads = run(router)
+    bastile.apply(model=model, **NO_TRAINERS)
+    with Dispatched() as seen:
+        (logits, weights, chosen), grads = run(router)
+    assert seen.calls == ["expert_route", "expert_route_backward"]
+    assert torch.equal(logits, hf_logits) and torch.equal(chosen, hf_chosen)
+    assert weights.dtype == hf_weights.dtype
+    torch.testing.assert_close(weights, hf_weights, rtol=torch.finfo(weights.dtype).eps, atol=1e-6)
+    for name, got, hf, want in zip(("hidden", "weight"), grads, hf_grads, fp32_grads):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, hf, rtol=1e-5, atol=1e-6)
+        else:
+            err, hf_err = rel_err(got, want), rel_err(hf, want)
+            assert err <= max(2 * hf_err, 1e-2), f"{name}: {err:.2e} from fp32 (HF bf16: {hf_err:.2e})"
 
 
 @needs_cuda
@@ -534,11 +575,20 @@ def test_expert_parallelism_is_refused_before_patching():
     assert bastile.get_patched_ops() == []
 
 
+def lower_index_topk(x, k, dim=-1, largest=True, sorted=True):
+    """torch.topk (largest, sorted) with tied values in index order, as torch.topk picks them on CUDA and Bastile's
+    router everywhere; torch's CPU kernel leaves equal values in its partial sort's order."""
+    values, indices = torch.sort(x, dim=dim, descending=True, stable=True)
+    return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_fp32_model_under_bf16_autocast(family):
+def test_fp32_model_under_bf16_autocast(family, monkeypatch):
     """An fp32 model trained under bf16 autocast (HF's Trainer with bf16=True over fp32 weights): the forward's
-    products and Qwen3-MoE's routing weights are bf16, the backward runs without autocast. The loss as HF's under
-    the same autocast up to bf16 roundings, every gradient within a few bf16 units of HF's in norm."""
+    products and the routers' logits (so Qwen3-MoE's routing weights) are bf16, the backward runs without autocast.
+    The loss as HF's under the same autocast up to bf16 roundings, every gradient within a few bf16 units of HF's
+    in norm. bf16 logits tie: HF's top-k (its routers' and its load-balancing loss's) picks among tied values as on
+    CUDA (lower_index_topk)."""
     model = mini(family, "cpu", torch.float32)
     reference = copy.deepcopy(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -549,6 +599,7 @@ def test_fp32_model_under_bf16_autocast(family):
         loss.backward()
         return loss.item(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
 
+    monkeypatch.setattr(torch, "topk", lower_index_topk)  # HF's routers and load-balancing loss
     want, hf_grads = step(reference)
     bastile.apply(model=model, **NO_TRAINERS)
     got, grads = step(model)

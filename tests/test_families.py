@@ -200,13 +200,16 @@ class Dispatched(TorchDispatchMode):
 def expected_ops(family, model):
     """The ops a patched training step of the family's model must run: its norms, rotation (with the q/k norms where
     the rotation is whole-head and half-split), MLP (and its experts' grouping, dispatch and combine where it has
-    experts: Gemma 4's are optional), head, Gated DeltaNet's and short convolution's."""
+    experts, Gemma 4's being optional, and its routing where Bastile runs its router), head, Gated DeltaNet's and
+    short convolution's."""
     t = TRAITS[family]
     fused = t.attention.qk_norm.name == "PER_HEAD" and t.rotary.layout.name == "HALF_SPLIT" and not t.rotary.partial
     attention = "qk_norm_rope" if fused else "rope"
     mlp = {"geglu" if t.mlp.experts == "geglu" else "swiglu"}
     if t.mlp.experts and any(type(m).__name__ == t.name("Experts") for m in model.modules()):
         mlp |= {"expert_group", "expert_dispatch", "expert_combine"}
+    if t.mlp.router and any(type(m).__name__ == t.name("TopKRouter") for m in model.modules()):
+        mlp |= {"expert_route"}
     delta_net = {"causal_conv1d", "gated_delta_rule", "rms_norm_gated"} if t.linear_attention else set()
     conv = {"causal_conv1d"} if t.short_conv else set()
     return {"rms_norm", attention, "fused_linear_cross_entropy"} | mlp | delta_net | conv

@@ -62,7 +62,8 @@ def test_apply_reset_round_trip_restores_original_objects():
 
 
 # mlp_qwen3_moe has two targets: the dense MLP of mlp_only layers and the experts.
-MOE_MLP = [(modeling_qwen3_moe.Qwen3MoeMLP, "forward"), (modeling_qwen3_moe.Qwen3MoeExperts, "forward")]
+MOE_MLP = [(modeling_qwen3_moe.Qwen3MoeMLP, "forward"), (modeling_qwen3_moe.Qwen3MoeExperts, "forward"),
+           (modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward")]
 MOE_ORIGINALS = {t: t[0].__dict__[t[1]] for t in MOE_MLP}
 ONLY_MLP = dict(norm=False, attention=False, head=False, decoder=False, **NO_TRAINERS)
 
@@ -75,6 +76,7 @@ def test_multi_target_role_applies_and_resets_as_one_name():
     assert sorted(bastile.apply(families=["qwen3_moe"], **ONLY_MLP)) == patch_names("qwen3_moe", ["mlp"])
     assert bastile.get_patched_ops() == patch_names("qwen3_moe", ["mlp"])
     assert modeling_qwen3_moe.Qwen3MoeExperts.forward.__name__ == "mlp.experts[qwen3_moe]"
+    assert modeling_qwen3_moe.Qwen3MoeTopKRouter.forward.__name__ == "mlp.router[qwen3_moe]"
     assert modeling_qwen3_moe.Qwen3MoeMLP.forward is replacement("mlp_qwen3_moe", "Qwen3MoeMLP.forward")
     assert sorted(bastile.apply(families=["qwen3_moe"], **ONLY_MLP)) == patch_names("qwen3_moe", ["mlp"])  # twice is harmless
     assert bastile.reset(["mlp_qwen3_moe", *EXPERTS_PATCHES]) == ["mlp_qwen3_moe", *EXPERTS_PATCHES]
@@ -113,8 +115,9 @@ def test_multi_target_role_missing_one_target(monkeypatch):
     assert bastile.get_patched_ops() == []
     assert modeling_qwen3_moe.Qwen3MoeMLP.__dict__["forward"] is MOE_ORIGINALS[MOE_MLP[0]]
     assert sorted(bastile.apply(families=["qwen3_moe"], **ONLY_MLP)) == patch_names("qwen3_moe", ["mlp"])
-    assert len(bastile.patch._active["mlp_qwen3_moe"]) == 1
+    assert len(bastile.patch._active["mlp_qwen3_moe"]) == 2
     assert modeling_qwen3_moe.Qwen3MoeMLP.forward is replacement("mlp_qwen3_moe", "Qwen3MoeMLP.forward")
+    assert modeling_qwen3_moe.Qwen3MoeTopKRouter.forward is replacement("mlp_qwen3_moe", "Qwen3MoeTopKRouter.forward")
     bastile.reset()
     monkeypatch.undo()
     for (owner, attr), original in MOE_ORIGINALS.items():

@@ -99,6 +99,17 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class Router:
+    """A MoE block's softmax top-k router, `<prefix>TopKRouter` (weight [experts, hidden], top_k): its logits, and
+    each token's top_k experts weighted by the softmax of all logits at them or, renormalised, by the softmax over
+    the chosen (what HF's top-k of the softmax divided by its sum and GPT-OSS's softmax of the top-k logits both
+    give)."""
+    renorm: Optional[str] = None        # the router's attribute saying whether it renormalises; None: it always does
+    weights: str = "logits"             # the weights' dtype: the logits' ("logits"), or "float32" (Mixtral's)
+    bias: bool = False                  # the logits add the router's bias (GPT-OSS)
+
+
+@dataclass(frozen=True)
 class Mlp:
     dense: bool = True                  # `<prefix>MLP` is a SwiGLU MLP (in MoE families: the dense layers')
     fused_gate_up: bool = False         # one gate_up_proj, gate first (Phi-3, GLM-4)
@@ -109,6 +120,7 @@ class Mlp:
     experts: Optional[str] = None       # the experts' activation: "swiglu" or "geglu" (GPT-OSS's clamped one)
     # The swiglu experts' activation module; None where they hold F.silu, a function, as act_fn (LFM2-MoE)
     expert_activation: Optional[str] = "act_fn"
+    router: Optional[Router] = None     # the MoE block's router, where it is one Bastile's forward runs
     router_scores: bool = False         # the MoE block returns (hidden, router scores) (GPT-OSS)
     # Gemma 4 (enable_moe_block): the layer's router and experts run beside its dense MLP, on the MLP's
     # residual input: post_feedforward_layernorm_1(mlp) + post_feedforward_layernorm_2(experts(
@@ -256,6 +268,10 @@ class Family:
 LAYER_PARTS = frozenset({"Attention", "MLP", "DecoderLayer", "Experts"})
 
 
+# Qwen's and OLMoE's routers renormalise where the config's norm_topk_prob says
+_NORM_TOPK = Router(renorm="norm_topk_prob")
+
+
 def _family(model_type: str, prefix: str, config, module: Optional[str] = None, **traits) -> Family:
     return Family(model_type, modeling(module or model_type), prefix, frozenset(config), **traits)
 
@@ -333,7 +349,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     _family("qwen3_moe", "Qwen3Moe",
             {"attention_bias", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
              "norm_topk_prob", "sliding_window", "use_sliding_window"} | _MOE,
-            attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER), mlp=Mlp(experts="swiglu"),
+            attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER),
+            mlp=Mlp(experts="swiglu", router=_NORM_TOPK),
             head=Head(router_aux_loss=True)),
     # Qwen1.5-MoE and Qwen2-MoE: Qwen2's layers (q/k/v biases, qkv_bias; the window on the layers layer_types says)
     # with Qwen3-MoE's routed experts beside a shared expert (a <prefix>MLP) that HF's MoE block gates by a sigmoid;
@@ -341,15 +358,18 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     _family("qwen2_moe", "Qwen2Moe",
             {"decoder_sparse_step", "max_window_layers", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob",
              "num_experts", "qkv_bias", "shared_expert_intermediate_size", "use_sliding_window"} | _PER_LAYER | _MOE,
-            attention=Attention(window=Window.LAYER_TYPE), mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True)),
+            attention=Attention(window=Window.LAYER_TYPE), mlp=Mlp(experts="swiglu", router=_NORM_TOPK),
+            head=Head(router_aux_loss=True)),
     # GptOssMLP is the MoE block (router and experts), not a dense MLP. Its experts' GEGLU alpha and limit
     # are module attributes, which the patched gate reads (transformers 5.23 sets them from swiglu_*).
     _family("gpt_oss", "GptOss", {"attention_bias", "swiglu_alpha", "swiglu_limit"} | _PER_LAYER | _MOE,
             norm=Norm.WEIGHT_THEN_CAST, attention=Attention(window=Window.LAYER, sinks=True),
-            rotary=Rotary(layout=Layout.HALF_TABLES), mlp=Mlp(dense=False, experts="geglu", router_scores=True),
+            rotary=Rotary(layout=Layout.HALF_TABLES),
+            mlp=Mlp(dense=False, experts="geglu", router=Router(bias=True), router_scores=True),
             head=Head(router_aux_loss=True)),
     _family("mixtral", "Mixtral", {"sliding_window", "router_jitter_noise"} | _MOE,
-            attention=Attention(window=Window.CONFIG), mlp=Mlp(dense=False, experts="swiglu"),
+            attention=Attention(window=Window.CONFIG),
+            mlp=Mlp(dense=False, experts="swiglu", router=Router(weights="float32")),
             head=Head(router_aux_loss=True)),
     # Phi-3, Phi-3.5 and Phi-4(-mini): fused projections, partial rotary (rope_parameters'
     # partial_rotary_factor), dropout on the residual branches.
@@ -389,7 +409,7 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     # OLMoE: Llama's pre-norm layers and norms, q and k normed over the whole projection width (as OLMo 2, but
     # under Llama's rotation), every layer's MLP routed experts behind a softmax router, with its auxiliary loss.
     _family("olmoe", "Olmoe", {"attention_bias", "clip_qkv", "norm_topk_prob", "num_experts"} | _MOE,
-            attention=Attention(qk_norm=QkNorm.FULL_WIDTH), mlp=Mlp(dense=False, experts="swiglu"),
+            attention=Attention(qk_norm=QkNorm.FULL_WIDTH), mlp=Mlp(dense=False, experts="swiglu", router=_NORM_TOPK),
             head=Head(router_aux_loss=True), off={"clip_qkv": Off("Bastile's attention does not clamp q, k and v")}),
     # GLM-4.5/4.6/4.7's MoE: HF's sigmoid router (a correction bias, group-limited top-k, routed scaling), a
     # shared expert (a <prefix>MLP) beside the routed ones, the first first_k_dense_replace layers dense; half
@@ -459,7 +479,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
                                   output=("{prefix}CausalLMOutputWithPast", "CausalLMOutputWithPast"))),
     _family("qwen3_5_moe_text", "Qwen3_5Moe",
             _QWEN3_5 | {"moe_intermediate_size", "num_experts", "shared_expert_intermediate_size"} | _MOE,
-            module="qwen3_5_moe", **_QWEN3_5_TRAITS, mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
+            module="qwen3_5_moe", **_QWEN3_5_TRAITS, mlp=Mlp(experts="swiglu", router=Router()),
+            head=Head(router_aux_loss=True),
             multimodal=Multimodal("qwen3_5_moe", _QWEN3_5_MULTIMODAL, inputs=_QWEN3_5_INPUTS,
                                   output=("{prefix}CausalLMOutputWithPast", "MoeCausalLMOutputWithPast"))),
     # Qwen3-Next (which Qwen3.5 derives from): Qwen3.5's MoE layers (Gated DeltaNets, the gated attention with (1 + w)
@@ -470,7 +491,7 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             _QWEN3_5 | {"decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob",
                         "num_experts", "shared_expert_intermediate_size"} | _MOE,
             norm=Norm.OFFSET_THEN_CAST, attention=Attention(qk_norm=QkNorm.PER_HEAD, output_gate=True),
-            rotary=Rotary(partial=True), mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
+            rotary=Rotary(partial=True), mlp=Mlp(experts="swiglu", router=_NORM_TOPK), head=Head(router_aux_loss=True),
             linear_attention=True, grouped_projections=True),
     # Qwen3-VL: Qwen3's layers (per-head q/k norms; in its MoE model Qwen3-MoE's experts, layers in mlp_only_layers
     # or off the decoder_sparse_step dense) under interleaved multimodal RoPE, whose tables HF's rotary module
@@ -482,7 +503,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             multimodal=_qwen3_vl("qwen3_vl", "Qwen3VL", "CausalLMOutputWithPast")),
     _family("qwen3_vl_moe_text", "Qwen3VLMoeText",
             {"attention_bias", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts"} | _MOE,
-            module="qwen3_vl_moe", **_QWEN3_VL_TRAITS, mlp=Mlp(experts="swiglu"), head=Head(router_aux_loss=True),
+            module="qwen3_vl_moe", **_QWEN3_VL_TRAITS, mlp=Mlp(experts="swiglu", router=Router()),
+            head=Head(router_aux_loss=True),
             multimodal=_qwen3_vl("qwen3_vl_moe", "Qwen3VLMoe", "MoeCausalLMOutputWithPast")),
     # Qwen2.5-VL's multimodal model also takes the videos' seconds per temporal grid step (their RoPE positions'
     # spacing). Its vision blocks' norms are of the text's RMSNorm class (Qwen2_5_VLRMSNorm, as Llama's rounds):

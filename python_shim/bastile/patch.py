@@ -113,6 +113,11 @@ DECLARATIONS: Dict[str, Dict[str, Declaration]] = {
 }
 
 
+# Bastile's experts forwards (the families' Experts targets), which take PEFT's adapters of the experts' parameters
+_EXPERTS_FORWARDS = frozenset(t.replacement for roles in DECLARATIONS.values() for d in roles.values()
+                              for t in d.targets if t.cls == "Experts")
+
+
 def _patch(role: str, family: str, module: str, path: str, t: Target) -> Patch:
     return Patch(role, family, module, f"{path}.{t.attribute}", Wrap(t.replacement) if t.wraps else t.replacement,
                  t.part, t.lora)
@@ -125,8 +130,8 @@ _experts_forward: FrozenSet[type] = frozenset()
 
 def _note_experts_forward():
     global _experts_forward
-    _experts_forward = frozenset(owner for targets in _active.values() for owner, attr, _, part in targets
-                                 if attr == "forward" and part == "experts")
+    _experts_forward = frozenset(owner for targets in _active.values() for owner, attr, *_ in targets
+                                 if owner.__dict__.get(attr) in _EXPERTS_FORWARDS)
 
 
 def _on_experts_path(cls) -> bool:

@@ -1,20 +1,23 @@
-"""The mlp role: the dense MLP (part "dense") and the MoE experts (part "experts", experts.py).
+"""The mlp role: the dense MLP (part "dense") and the MoE experts (part "experts": experts.py, and the router).
 
 The dense MLP is `down(act(gate(x)) * up(x))`, gate and up from one gate_up_proj (gate first) where the family
 fuses them. Where the activation is SiLU or GELU-tanh, the activation and product run in one op fused with the
 down projection, so the activation is not kept for the backward; PEFT LoRA adapters on the projections run in
-fused nodes (lora.py). Any other activation runs HF's own math.
+fused nodes (lora.py). Any other activation runs HF's own math. A softmax top-k router (Mlp.router) computes its
+logits as HF does and its choice and weights in one op (`expert_route`).
 """
 import functools
 from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.activations import GELUTanh, SiLUActivation
 
 from .. import lora
 from ..experts import Gate, experts_forward, through_autograd
-from ..families import Mlp
+from ..families import Mlp, Router
+from ..ops.expert_route import expert_route
 from ..ops.expert_swiglu import expert_swiglu
 from ..ops.geglu import geglu
 from ..ops.swiglu import swiglu
@@ -143,6 +146,20 @@ def geglu_gate_backward(self, gate_up, grad, bias=None, expert=None, dot=False):
     return grad_gate_up, dots if dot else None
 
 
+def router_forward(traits: Router) -> Callable:
+    """The router's forward (HF's <prefix>TopKRouter): (logits, weights, chosen) as HF's, the logits as HF computes
+    them, the softmax, top-k, renormalisation and cast one `expert_route`."""
+    weights_dtype = {"logits": None, "float32": torch.float32}[traits.weights]
+
+    def router(self, hidden_states):
+        x = hidden_states.reshape(-1, self.weight.shape[-1])
+        logits = F.linear(x, self.weight, self.bias if traits.bias else None)
+        renorm = getattr(self, traits.renorm) if traits.renorm else True
+        weights, chosen = expert_route(logits, self.top_k, renorm, weights_dtype or logits.dtype)
+        return logits, weights, chosen
+    return router
+
+
 # traits -> gate stage
 GATES = {"swiglu": swiglu_gate, "geglu": lambda traits: Gate(geglu_gate, geglu_gate_backward, bias=True)}
 CONCATENATED = {"swiglu": True, "geglu": False}  # how each gate reads gate/up: [gate; up], or interleaved
@@ -157,4 +174,6 @@ def declare(ctx: Context) -> Declaration:
         gate = Gate(*(named(stage, "mlp", f) if callable(stage) else stage for stage in GATES[m.experts](m)))
         experts = named(experts_forward(gate, CONCATENATED[m.experts]), "mlp", f)
         targets.append(Target("Experts", "forward", experts, part="experts"))
+    if m.router:
+        targets.append(Target("TopKRouter", "forward", named(router_forward(m.router), "mlp", f), part="experts"))
     return Declaration(tuple(targets))
