@@ -187,6 +187,14 @@ mod tests {
         weights_are_the_softmax::<f32, half::f16>(2f64.powi(-11));
     }
 
+    /// d loss / d x[i] by central differences in f64.
+    fn central_difference(loss: impl Fn(&[f64]) -> f64, x: &[f64], i: usize) -> f64 {
+        let (mut up, mut down) = (x.to_vec(), x.to_vec());
+        up[i] += 1e-6;
+        down[i] -= 1e-6;
+        (loss(&up) - loss(&down)) / 2e-6
+    }
+
     /// The gradient against central differences of the forward's weights in f64 (the choice held fixed).
     #[test]
     fn gradient_matches_finite_differences() {
@@ -206,10 +214,7 @@ mod tests {
                 }).sum()
             };
             for i in 0..logits.len() {
-                let (mut up, mut down) = (logits.clone(), logits.clone());
-                up[i] += 1e-6;
-                down[i] -= 1e-6;
-                let want = (loss(&up) - loss(&down)) / 2e-6;
+                let want = central_difference(&loss, &logits, i);
                 assert!((got[i] - want).abs() < 1e-8, "renorm {renorm}, logit {i}: {} vs {want}", got[i]);
             }
         }
@@ -235,10 +240,7 @@ mod tests {
                 (0.5 * e[2] - 0.5 * e[0] + 0.25 * e[2]) / sum
             };
             for i in 0..4 {
-                let (mut up, mut down) = (logits.clone(), logits.clone());
-                up[i] += 1e-6;
-                down[i] -= 1e-6;
-                let want = (loss(&up) - loss(&down)) / 2e-6;
+                let want = central_difference(&loss, &logits, i);
                 assert!((twice[i] - want).abs() < 1e-8, "renorm {renorm}: {} vs {want}", twice[i]);
             }
         }
