@@ -1,8 +1,8 @@
-// A mixture of experts' router after its logits (include/expert_route.h): a warp a token. The forward picks the k
-// largest logits in k rounds, each the warp's largest key below the last pick's (so it keeps nothing but the last
-// key), the key ordering logits as torch.topk picks them; the logits are read again from L1 each round (a row of
-// Qwen3-MoE's 128 experts is 256 bytes). The backward finds the slots choosing each expert through the warp's
-// shuffles. Math in f32 with every sum reduced in one fixed order, each result rounded once.
+// A mixture of experts' router after its logits (include/expert_route.h), softmax or sigmoid: a warp a token. The
+// forward picks the k largest logits (scores) in k rounds, each the warp's largest key below the last pick's (so it
+// keeps nothing but the last key), the key ordering them as torch.topk picks them; the row is read again from L1
+// each round (a row of Qwen3-MoE's 128 experts is 256 bytes). The backward finds the slots choosing each expert
+// through the warp's shuffles. Math in f32 with every sum reduced in one fixed order, each result rounded once.
 #include "common.cuh"
 #include "expert_route.h"
 
@@ -140,6 +140,121 @@ template <class T, class W> __device__ __forceinline__ void backward(const Exper
   }
 }
 
+// The sigmoid router's score of expert j, rounded to the logits' dtype as HF's sigmoid rounds it.
+template <class T> __device__ __forceinline__ float score(const T *row, int64_t j) {
+  return round_to<T>(1.f / (1.f + expf(-to_f32(row[j]))));
+}
+
+// The groups whose experts may be chosen, a bit each: every group, or the group_k whose two largest choice values
+// sum highest (lane g holds group g's sum; the groups picked in rounds as the experts are).
+template <class Choice>
+__device__ __forceinline__ uint32_t allowed_groups(const ExpertRouteSigmoidForward &p, const Choice &choice, int lane) {
+  if (p.group_k >= p.groups) return FULL;
+  const int64_t size = p.experts / p.groups;
+  float mine = -INFINITY;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    uint64_t top[2] = {0, 0};
+    for (int i = 0; i < 2; ++i) {
+      const uint64_t above = i ? top[0] : ~0ull;
+      for (int64_t j = g * size + lane; j < (g + 1) * size; j += 32) {
+        const uint64_t key = rank_key(choice(j), j);
+        if (key < above && key > top[i]) top[i] = key;
+      }
+      top[i] = warp_max(top[i]);
+    }
+    if (lane == g) mine = key_value(top[0]) + key_value(top[1]);
+  }
+  uint32_t allowed = 0;
+  uint64_t last = ~0ull;
+  for (int64_t r = 0; r < p.group_k; ++r) {
+    const uint64_t key = lane < p.groups ? rank_key(mine, lane) : 0;
+    last = warp_max(key < last ? key : 0);
+    allowed |= 1u << key_index(last);
+  }
+  return allowed;
+}
+
+template <class T, class W> __device__ __forceinline__ void sigmoid_forward(const ExpertRouteSigmoidForward &p) {
+  const T *__restrict__ logits = static_cast<const T *>(p.logits);
+  W *__restrict__ weights = static_cast<W *>(p.weights);
+  const int lane = threadIdx.x % 32;
+  FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / 32) {
+    const int64_t t = base + threadIdx.x / 32;
+    if (t >= p.tokens) continue;
+    const T *row = logits + t * p.experts;
+    int64_t *pick = p.chosen + t * p.k;
+    const auto choice = [&](int64_t j) {
+      if (!p.bias) return score(row, j);
+      const float c = score(row, j) + p.bias[j];
+      return p.round_choice ? round_to<T>(c) : c;
+    };
+    const uint32_t allowed = allowed_groups(p, choice, lane);
+    const int64_t size = p.experts / p.groups;
+    uint64_t last = ~0ull;
+    float picked_sum = 0.f;
+    for (int64_t r = 0; r < p.k; ++r) {
+      uint64_t best = 0;
+      for (int64_t j = lane; j < p.experts; j += 32) {
+        const uint64_t key = rank_key((allowed >> (j / size)) & 1u ? choice(j) : -INFINITY, j);
+        if (key < last && key > best) best = key;
+      }
+      last = best = warp_max(best);
+      picked_sum += score(row, key_index(best));
+      if (r % 32 == lane) pick[r] = key_index(best);
+    }
+    const float denominator = p.renorm ? picked_sum + p.eps : 1.f;
+    for (int64_t s = lane; s < p.k; s += 32)
+      weights[t * p.k + s] = from_f32<W>(score(row, pick[s]) / denominator * p.scale);
+  }
+}
+
+template <class T, class W> __device__ __forceinline__ void sigmoid_backward(const ExpertRouteSigmoidBackward &p) {
+  const T *__restrict__ logits = static_cast<const T *>(p.logits);
+  const W *__restrict__ grad = static_cast<const W *>(p.grad);
+  T *__restrict__ out = static_cast<T *>(p.grad_logits);
+  const int lane = threadIdx.x % 32;
+  FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / 32) {
+    const int64_t t = base + threadIdx.x / 32;
+    if (t >= p.tokens) continue;
+    const T *row = logits + t * p.experts;
+    const int64_t *pick = p.chosen + t * p.k;
+    const W *g = grad + t * p.k;
+    const auto picked = [&](int64_t s) {
+      return score(row, checked_index(pick[s], p.experts, "expert_route_sigmoid", "chosen"));
+    };
+    float sum = 0.f, dot = 0.f;
+    for (int64_t s = lane; s < p.k; s += 32) {
+      const float v = picked(s);
+      sum += v;
+      dot += to_f32(g[s]) * v;
+    }
+    const float denominator = p.renorm ? warp_sum(sum) + p.eps : 1.f;
+    dot = p.renorm ? warp_sum(dot) / denominator : 0.f;
+    for (int64_t j0 = 0; j0 < p.experts; j0 += 32) {
+      const int64_t j = j0 + lane;
+      float chose = 0.f, times = 0.f;  // G_j and n_j
+      for (int64_t s0 = 0; s0 < p.k; s0 += 32) {
+        const int64_t s = s0 + lane;
+        const int64_t c = s < p.k ? pick[s] : -1;
+        const float gs = s < p.k ? to_f32(g[s]) : 0.f;
+        const int slots = static_cast<int>(p.k - s0 < 32 ? p.k - s0 : 32);
+        for (int i = 0; i < slots; ++i) {
+          const int64_t ci = __shfl_sync(FULL, c, i);
+          const float gi = __shfl_sync(FULL, gs, i);
+          if (ci == j) {
+            chose += gi;
+            times += 1.f;
+          }
+        }
+      }
+      if (j >= p.experts) continue;
+      const float v = score(row, j);
+      const float value = times > 0.f ? v * (1.f - v) * (p.scale * (chose - times * dot) / denominator) : 0.f;
+      out[t * p.experts + j] = from_f32<T>(value);
+    }
+  }
+}
+
 }  // namespace
 
 #define KERNEL(dir, t, w)                                                                                   \
@@ -149,7 +264,13 @@ template <class T, class W> __device__ __forceinline__ void backward(const Exper
   }
 #define DIR_fwd Forward
 #define DIR_bwd Backward
+#define DIR_sigmoid_fwd SigmoidForward
+#define DIR_sigmoid_bwd SigmoidBackward
 #define RUN_fwd forward
 #define RUN_bwd backward
+#define RUN_sigmoid_fwd sigmoid_forward
+#define RUN_sigmoid_bwd sigmoid_backward
 EXPERT_ROUTE_FORWARD_KERNELS(KERNEL)
 EXPERT_ROUTE_BACKWARD_KERNELS(KERNEL)
+EXPERT_ROUTE_SIGMOID_FORWARD_KERNELS(KERNEL)
+EXPERT_ROUTE_SIGMOID_BACKWARD_KERNELS(KERNEL)

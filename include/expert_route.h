@@ -23,6 +23,8 @@
   K(dir, bf16, f32) K(dir, bf16, f16) K(dir, bf16, bf16)
 #define EXPERT_ROUTE_FORWARD_KERNELS(K) EXPERT_ROUTE_DTYPES(K, fwd)
 #define EXPERT_ROUTE_BACKWARD_KERNELS(K) EXPERT_ROUTE_DTYPES(K, bwd)
+#define EXPERT_ROUTE_SIGMOID_FORWARD_KERNELS(K) EXPERT_ROUTE_DTYPES(K, sigmoid_fwd)
+#define EXPERT_ROUTE_SIGMOID_BACKWARD_KERNELS(K) EXPERT_ROUTE_DTYPES(K, sigmoid_bwd)
 
 typedef struct ExpertRouteForward {
   const void *logits;  /* [tokens, experts] */
@@ -48,3 +50,47 @@ typedef struct ExpertRouteBackward {
   int32_t weights_dtype;
   int32_t renorm;
 } ExpertRouteBackward;
+
+/* The sigmoid router (GLM-4.5's and LFM2-MoE's): scores s_j = round(sigmoid(logits[t, j])) in `dtype` (as HF's
+ * sigmoid rounds), chosen[t] the k largest of s_j + bias[j] (bias [experts] as f32, or none: s_j itself; the sum
+ * rounded to `dtype` where `round_choice`, as torch rounds a sum of two 16-bit tensors) in the order above, and
+ * their weights
+ *   w_s = scale * s_c / (sum_r s_r + eps)   with renorm (the sum over the chosen), else scale * s_c.
+ * The backward: with G_j, n_j as above and dot = sum_s grad_s s_s / (sum_r s_r + eps),
+ *   grad_logits[j] = s_j (1 - s_j) * scale * (G_j - n_j dot) / (sum_r s_r + eps)   with renorm, else
+ *   grad_logits[j] = s_j (1 - s_j) * scale * G_j
+ * (s_j the rounded score, as HF's sigmoid backward reads its output); 0 for experts not chosen. With groups > 1
+ * (GLM-4.5's n_group, at most 32) the experts are that many consecutive groups, each scored by the sum of its two
+ * largest s_j + bias[j]; the experts outside the group_k best groups (ties to the lower group) choose as -inf. */
+typedef struct ExpertRouteSigmoidForward {
+  const void *logits;   /* [tokens, experts] */
+  const float *bias;    /* [experts], or null */
+  void *weights;        /* [tokens, k] */
+  int64_t *chosen;      /* [tokens, k] */
+  int64_t tokens;
+  int64_t experts;
+  int64_t k;
+  int64_t groups;
+  int64_t group_k;
+  float eps;
+  float scale;
+  int32_t dtype;
+  int32_t weights_dtype;
+  int32_t renorm;
+  int32_t round_choice;
+} ExpertRouteSigmoidForward;
+
+typedef struct ExpertRouteSigmoidBackward {
+  const void *grad;       /* [tokens, k] */
+  const void *logits;     /* [tokens, experts] */
+  const int64_t *chosen;  /* [tokens, k] */
+  void *grad_logits;      /* [tokens, experts] */
+  int64_t tokens;
+  int64_t experts;
+  int64_t k;
+  float eps;
+  float scale;
+  int32_t dtype;
+  int32_t weights_dtype;
+  int32_t renorm;
+} ExpertRouteSigmoidBackward;

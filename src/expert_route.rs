@@ -1,12 +1,13 @@
-//! A mixture of experts' router after its logits: the top-k experts of each token and their weights, and the
-//! logits' gradient (the formulas are in `include/expert_route.h`): the launches of `cuda/expert_route.cu` and
+//! A mixture of experts' router after its logits, softmax or sigmoid: the top-k experts of each token and their
+//! weights, and the logits' gradient (the formulas are in `include/expert_route.h`): the launches of `cuda/expert_route.cu` and
 //! the CPU kernels, the reference the GPU is tested against. The CPU picks by sorting each row in the same order
 //! and computes in f64, each result rounded once.
 use crate::cpu::{self, Disjoint, Element};
 use crate::driver::{Device, Result};
 use crate::geometry;
 use crate::kernels::{self, Kernels, Launch, Plan, Tag};
-use crate::params::{BastileDType, ExpertRouteBackward, ExpertRouteForward, EXPERT_ROUTE_BLOCK};
+use crate::params::{BastileDType, ExpertRouteBackward, ExpertRouteForward, ExpertRouteSigmoidBackward,
+                    ExpertRouteSigmoidForward, EXPERT_ROUTE_BLOCK};
 use std::cmp::Ordering;
 
 /// One launch over `tokens` rows, a warp each.
@@ -37,6 +38,30 @@ impl Launch for ExpertRouteBackward {
         let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
         // SAFETY: as in the forward.
         crate::with_dtypes!(dt, wt, |T, W, _Y| unsafe { backward_cpu::<T, W>(self) })
+    }
+}
+
+impl Launch for ExpertRouteSigmoidForward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        plan(dev, *self, Tag::SigmoidFwd, self.dtype, self.weights_dtype, self.tokens)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
+        // SAFETY: as ExpertRouteForward's.
+        crate::with_dtypes!(dt, wt, |T, W, _Y| unsafe { sigmoid_forward_cpu::<T, W>(self) })
+    }
+}
+
+impl Launch for ExpertRouteSigmoidBackward {
+    fn plan(&self, dev: &'static Device) -> Result<Plan> {
+        plan(dev, *self, Tag::SigmoidBwd, self.dtype, self.weights_dtype, self.tokens)
+    }
+
+    fn cpu(&self) -> Result<()> {
+        let (dt, wt) = (BastileDType::from_raw(self.dtype)?, BastileDType::from_raw(self.weights_dtype)?);
+        // SAFETY: as ExpertRouteForward's.
+        crate::with_dtypes!(dt, wt, |T, W, _Y| unsafe { sigmoid_backward_cpu::<T, W>(self) })
     }
 }
 
@@ -113,6 +138,95 @@ unsafe fn backward_cpu<T: Element, W: Element>(p: &ExpertRouteBackward) -> Resul
                     0.0
                 };
                 *o = T::from_f64(v);
+            }
+        }
+    });
+    Ok(())
+}
+
+/// The sigmoid router's scores of a row, rounded to T as HF's sigmoid rounds them.
+fn scores<T: Element>(row: &[T]) -> Vec<f64> {
+    row.iter().map(|v| T::round(1.0 / (1.0 + (-v.to_f64()).exp()))).collect()
+}
+
+unsafe fn sigmoid_forward_cpu<T: Element, W: Element>(p: &ExpertRouteSigmoidForward) -> Result<()> {
+    let (tokens, experts, k, renorm) = (p.tokens as usize, p.experts as usize, p.k as usize, p.renorm != 0);
+    let (eps, scale, groups, group_k) = (p.eps as f64, p.scale as f64, p.groups as usize, p.group_k as usize);
+    let (wide, round_choice) = (T::DTYPE == BastileDType::BASTILE_F64, p.round_choice != 0);
+    let logits = cpu::slice::<T>(p.logits, tokens * experts);
+    let bias = (!p.bias.is_null()).then(|| cpu::slice::<f32>(p.bias.cast(), experts));
+    let weights = Disjoint::new(cpu::slice_mut::<W>(p.weights, tokens * k));
+    let chosen = Disjoint::new(cpu::slice_mut::<i64>(p.chosen.cast(), tokens * k));
+    cpu::parallel_for(tokens, grain(experts), |range| {
+        for t in range {
+            let s = scores(&logits[t * experts..(t + 1) * experts]);
+            // the choice adds the f32 bias in the promoted type, as HF's `scores + bias`
+            let plus = |s: f64, b: f32| match (wide, round_choice) {
+                (true, _) => s + b as f64,
+                (false, true) => T::round(s + b as f64),
+                (false, false) => (s as f32 + b) as f64,
+            };
+            let mut order: Vec<(f64, usize)> = match bias {
+                Some(b) => s.iter().zip(b).map(|(&s, &b)| plus(s, b)).zip(0..).collect(),
+                None => s.iter().copied().zip(0..).collect(),
+            };
+            if group_k < groups {
+                // each group's two largest choice values summed; the others' experts choose as -inf
+                let size = experts / groups;
+                let mut best: Vec<(f64, usize)> = order.chunks(size).zip(0..).map(|(members, g)| {
+                    let mut values: Vec<(f64, usize)> = members.to_vec();
+                    values.sort_by(|&a, &b| picked_before(a, b));
+                    let (a, b) = (values[0].0, values[1].0);
+                    (if wide { a + b } else { (a as f32 + b as f32) as f64 }, g)
+                }).collect();
+                best.sort_by(|&a, &b| picked_before(a, b));
+                let allowed: Vec<usize> = best[..group_k].iter().map(|&(_, g)| g).collect();
+                for (c, j) in order.iter_mut() {
+                    if !allowed.contains(&(*j / size)) {
+                        *c = f64::NEG_INFINITY;
+                    }
+                }
+            }
+            order.sort_by(|&a, &b| picked_before(a, b));
+            let picked = &order[..k];
+            let denominator = if renorm { picked.iter().map(|&(_, j)| s[j]).sum::<f64>() + eps } else { 1.0 };
+            // SAFETY: the ranges of parallel_for do not overlap.
+            let (w, c) = (weights.part(t * k..(t + 1) * k), chosen.part(t * k..(t + 1) * k));
+            for (slot, &(_, j)) in picked.iter().enumerate() {
+                (w[slot], c[slot]) = (W::from_f64(s[j] / denominator * scale), j as i64);
+            }
+        }
+    });
+    Ok(())
+}
+
+unsafe fn sigmoid_backward_cpu<T: Element, W: Element>(p: &ExpertRouteSigmoidBackward) -> Result<()> {
+    let (tokens, experts, k, renorm) = (p.tokens as usize, p.experts as usize, p.k as usize, p.renorm != 0);
+    let (eps, scale) = (p.eps as f64, p.scale as f64);
+    let chosen = cpu::slice::<i64>(p.chosen.cast(), tokens * k);
+    cpu::check_indices("expert_route_sigmoid", "chosen", chosen, experts, false)?;
+    let logits = cpu::slice::<T>(p.logits, tokens * experts);
+    let grad = cpu::slice::<W>(p.grad, tokens * k);
+    let out = Disjoint::new(cpu::slice_mut::<T>(p.grad_logits, tokens * experts));
+    cpu::parallel_for(tokens, grain(experts), |range| {
+        for t in range {
+            let s = scores(&logits[t * experts..(t + 1) * experts]);
+            let (pick, g) = (&chosen[t * k..(t + 1) * k], &grad[t * k..(t + 1) * k]);
+            let denominator = if renorm { pick.iter().map(|&j| s[j as usize]).sum::<f64>() + eps } else { 1.0 };
+            let dot = if renorm {
+                pick.iter().zip(g).map(|(&j, g)| g.to_f64() * s[j as usize]).sum::<f64>() / denominator
+            } else {
+                0.0
+            };
+            let (mut chose, mut times) = (vec![0.0; experts], vec![0.0; experts]);
+            for (&j, g) in pick.iter().zip(g) {
+                chose[j as usize] += g.to_f64();
+                times[j as usize] += 1.0;
+            }
+            // SAFETY: the ranges of parallel_for do not overlap.
+            for (j, o) in out.part(t * experts..(t + 1) * experts).iter_mut().enumerate() {
+                let v = s[j] * (1.0 - s[j]) * scale * (chose[j] - times[j] * dot) / denominator;
+                *o = T::from_f64(if times[j] > 0.0 { v } else { 0.0 });
             }
         }
     });
@@ -252,12 +366,87 @@ mod tests {
         assert_eq!(err, "bastile.expert_route: chosen holds 4, outside 0..4");
     }
 
+    fn sigmoid_route(logits: &[f64], bias: Option<&[f32]>, experts: usize, k: usize, renorm: bool)
+        -> (Vec<f64>, Vec<i64>) {
+        let tokens = logits.len() / experts;
+        let (mut weights, mut chosen) = (vec![f64::NAN; tokens * k], vec![-1i64; tokens * k]);
+        ExpertRouteSigmoidForward { logits: logits.as_ptr().cast(), bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+            weights: weights.as_mut_ptr().cast(), chosen: chosen.as_mut_ptr(), tokens: tokens as i64,
+            experts: experts as i64, k: k as i64, groups: 1, group_k: 1, eps: 1e-6, scale: 2.5, dtype: BASTILE_F64 as i32,
+            weights_dtype: BASTILE_F64 as i32, renorm: renorm as i32, round_choice: 0 }.cpu().unwrap();
+        (weights, chosen)
+    }
+
+    /// The sigmoid router: the choice by score plus bias, the weights the scores (over their sum plus eps), scaled.
+    #[test]
+    fn sigmoid_router_picks_by_score_plus_bias() {
+        let logits = [0.5, 2.0, -1.0, 1.0];
+        let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let (weights, chosen) = sigmoid_route(&logits, None, 4, 2, false);
+        assert_eq!(chosen, [1, 3]);
+        assert!((weights[0] - 2.5 * sigmoid(2.0)).abs() < 1e-15);
+        let bias = [0.0f32, 0.0, 2.0, 0.0];
+        let (weights, chosen) = sigmoid_route(&logits, Some(&bias), 4, 2, true);
+        assert_eq!(chosen, [2, 1]);
+        let sum = sigmoid(-1.0) + sigmoid(2.0) + 1e-6;
+        assert!((weights[0] - sigmoid(-1.0) / sum * 2.5).abs() < 1e-12, "{weights:?}"); // eps is f32
+    }
+
+    /// GLM-4.5's group-limited choice: 2 groups of 3, the group whose two largest choice values sum highest.
+    #[test]
+    fn sigmoid_router_chooses_within_the_best_groups() {
+        // group 0's two largest logits 3.0 and -3.0; group 1's 1.0 and 0.9: group 1 wins though 3.0 is the largest
+        let logits = [3.0, -3.0, -4.0, 1.0, 0.9, -5.0];
+        let mut weights = [f64::NAN; 2];
+        let mut chosen = [-1i64; 2];
+        let mut run = |groups, group_k| {
+            ExpertRouteSigmoidForward { logits: logits.as_ptr().cast(), bias: std::ptr::null(),
+                weights: weights.as_mut_ptr().cast(), chosen: chosen.as_mut_ptr(), tokens: 1, experts: 6, k: 2, groups,
+                group_k, eps: 0.0, scale: 1.0, dtype: BASTILE_F64 as i32, weights_dtype: BASTILE_F64 as i32, renorm: 0,
+                round_choice: 0 }
+                .cpu().unwrap();
+            chosen
+        };
+        assert_eq!(run(2, 1), [3, 4]);
+        assert_eq!(run(2, 2), [0, 3]);
+        assert_eq!(run(1, 1), [0, 3]);
+    }
+
+    #[test]
+    fn sigmoid_gradient_matches_finite_differences() {
+        let (tokens, experts, k) = (3usize, 6usize, 3usize);
+        let logits = noise(tokens * experts, 4, 2.0);
+        let grad = noise(tokens * k, 5, 1.0);
+        for renorm in [false, true] {
+            let (_, chosen) = sigmoid_route(&logits, None, experts, k, renorm);
+            let mut got = vec![f64::NAN; logits.len()];
+            ExpertRouteSigmoidBackward { grad: grad.as_ptr().cast(), logits: logits.as_ptr().cast(), chosen: chosen.as_ptr(),
+                grad_logits: got.as_mut_ptr().cast(), tokens: tokens as i64, experts: experts as i64, k: k as i64,
+                eps: 1e-6, scale: 2.5, dtype: BASTILE_F64 as i32, weights_dtype: BASTILE_F64 as i32,
+                renorm: renorm as i32 }.cpu().unwrap();
+            let loss = |x: &[f64]| -> f64 {
+                (0..tokens).map(|t| {
+                    let s: Vec<f64> = x[t * experts..(t + 1) * experts].iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+                    let pick = &chosen[t * k..(t + 1) * k];
+                    let denominator = if renorm { pick.iter().map(|&j| s[j as usize]).sum::<f64>() + 1e-6 } else { 1.0 };
+                    pick.iter().zip(&grad[t * k..]).map(|(&j, g)| g * s[j as usize] / denominator * 2.5).sum::<f64>()
+                }).sum()
+            };
+            for i in 0..logits.len() {
+                let want = central_difference(&loss, &logits, i);
+                assert!((got[i] - want).abs() < 1e-8, "renorm {renorm}, logit {i}: {} vs {want}", got[i]);
+            }
+        }
+    }
+
     #[test]
     fn every_launch_has_a_kernel() {
         for dt in [BASTILE_F32, BASTILE_F16, BASTILE_BF16] {
             for wt in [BASTILE_F32, BASTILE_F16, BASTILE_BF16] {
                 ExpertRouteForward::find(&[Tag::Fwd, dt.tag(), wt.tag()]).unwrap();
                 ExpertRouteBackward::find(&[Tag::Bwd, dt.tag(), wt.tag()]).unwrap();
+                ExpertRouteSigmoidForward::find(&[Tag::SigmoidFwd, dt.tag(), wt.tag()]).unwrap();
+                ExpertRouteSigmoidBackward::find(&[Tag::SigmoidBwd, dt.tag(), wt.tag()]).unwrap();
             }
         }
     }

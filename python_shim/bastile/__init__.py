@@ -11,7 +11,7 @@ from .ops.causal_conv1d import causal_conv1d
 from .ops.dequantize_4bit import dequantize_4bit
 from .ops.expert_combine import expert_combine
 from .ops.expert_linear import expert_linear
-from .ops.expert_route import expert_route
+from .ops.expert_route import expert_route, expert_route_sigmoid
 from .ops.expert_swiglu import expert_swiglu
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.fused_linear_divergence import fused_linear_divergence
@@ -28,4 +28,4 @@ from .runtime import clear_autotune_cache, warmup_all_kernels
 
 __all__ = ["apply", "reset", "get_patched_ops", "lora_modules", "supported_families", "warmup_all_kernels",
            "clear_autotune_cache", "data", "ops", "attention_sink", "causal_conv1d", "rms_norm", "rms_norm_gated", "swiglu", "rope", "qk_norm_rope",
-           "fused_linear_cross_entropy", "fused_linear_divergence", "fused_linear_log_probs", "gated_delta_rule", "geglu", "dequantize_4bit", "expert_combine", "expert_linear", "expert_route", "expert_swiglu", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]
+           "fused_linear_cross_entropy", "fused_linear_divergence", "fused_linear_log_probs", "gated_delta_rule", "geglu", "dequantize_4bit", "expert_combine", "expert_linear", "expert_route", "expert_route_sigmoid", "expert_swiglu", "BastileRMSNorm", "BastileSwiGLUMLP", "library_path"]

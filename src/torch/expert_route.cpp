@@ -6,6 +6,11 @@
 // (default float32, float64 for float64 logits). The logits' gradient comes from the weights' (chosen has none).
 // expert_route_backward(grad, logits, chosen, renorm) is that gradient as a piece: the formulas of
 // include/expert_route.h, of logits' dtype. Autograd saves the logits and chosen; autocast leaves the op alone.
+// expert_route_sigmoid(logits, k, bias, renorm, eps, scale, groups, group_k, dtype) is the sigmoid router (GLM-4.5's,
+// LFM2-MoE's): the scores sigmoid(logits) rounded to logits' dtype, the k largest of scores + bias (bias [experts]
+// float32 or logits' dtype, the sum rounded as torch's; it only chooses; with groups > 1 only among the group_k
+// groups whose two largest sum highest, GLM-4.5's n_group and topk_group), their scores as weights, with `renorm`
+// over their sum plus eps, times scale; its backward piece expert_route_sigmoid_backward the same way.
 #include "op.h"
 
 namespace bastile {
@@ -20,6 +25,16 @@ at::Tensor checked_logits(const char* op, const at::Tensor& logits) {
   return logits;
 }
 
+// A backward's grad [tokens, k] and chosen (int64, of grad's shape) for logits [tokens, experts], on its device.
+void check_choice(const char* op, const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& chosen) {
+  check_index(op, {"chosen", chosen});
+  TORCH_CHECK(chosen.dim() == 2 && chosen.sym_size(0) == logits.sym_size(0), "bastile.", op,
+              ": chosen must be [tokens, k] with tokens = ", logits.sym_size(0), " (logits'), got shape ",
+              chosen.sym_sizes());
+  check_same_shape(op, {"grad", grad}, {"chosen", chosen});
+  check_device(op, {"logits", logits}, {{"grad", grad}, {"chosen", chosen}});
+}
+
 struct ExpertRouteBackwardOp {
   static constexpr const char* schema =
       "expert_route_backward(Tensor grad, Tensor logits, Tensor chosen, bool renorm) -> Tensor";
@@ -29,12 +44,7 @@ struct ExpertRouteBackwardOp {
     constexpr const char* op = "expert_route_backward";
     const auto dt = dtype_code(op, {"logits", checked_logits(op, logits_in)});
     const auto wt = dtype_code(op, {"grad", grad_in});
-    check_index(op, {"chosen", chosen_in});
-    TORCH_CHECK(chosen_in.dim() == 2 && chosen_in.sym_size(0) == logits_in.sym_size(0), "bastile.", op,
-                ": chosen must be [tokens, k] with tokens = ", logits_in.sym_size(0), " (logits'), got shape ",
-                chosen_in.sym_sizes());
-    check_same_shape(op, {"grad", grad_in}, {"chosen", chosen_in});
-    check_device(op, {"logits", logits_in}, {{"grad", grad_in}, {"chosen", chosen_in}});
+    check_choice(op, grad_in, logits_in, chosen_in);
     auto out = at::empty_symint(logits_in.sym_sizes(), logits_in.options());
     if (logits_in.is_meta() || out.numel() == 0) return out;
     if (chosen_in.size(1) == 0) return out.zero_();
@@ -87,7 +97,104 @@ struct ExpertRouteOp {
   }
 };
 
+struct ExpertRouteSigmoidBackwardOp {
+  static constexpr const char* schema =
+      "expert_route_sigmoid_backward(Tensor grad, Tensor logits, Tensor chosen, bool renorm, float eps, float scale) "
+      "-> Tensor";
+
+  static at::Tensor kernel(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tensor& chosen_in,
+                           bool renorm, double eps, double scale) {
+    constexpr const char* op = "expert_route_sigmoid_backward";
+    const auto dt = dtype_code(op, {"logits", checked_logits(op, logits_in)});
+    const auto wt = dtype_code(op, {"grad", grad_in});
+    check_choice(op, grad_in, logits_in, chosen_in);
+    auto out = at::empty_symint(logits_in.sym_sizes(), logits_in.options());
+    if (logits_in.is_meta() || out.numel() == 0) return out;
+    if (chosen_in.size(1) == 0) return out.zero_();
+    const auto grad = grad_in.contiguous(), logits = logits_in.contiguous(), chosen = chosen_in.contiguous();
+    launch(logits, ExpertRouteSigmoidBackward{.grad = grad.data_ptr(), .logits = logits.data_ptr(),
+                                              .chosen = chosen.data_ptr<int64_t>(), .grad_logits = out.data_ptr(),
+                                              .tokens = logits.size(0), .experts = logits.size(1), .k = chosen.size(1),
+                                              .eps = static_cast<float>(eps), .scale = static_cast<float>(scale),
+                                              .dtype = dt, .weights_dtype = wt, .renorm = renorm});
+    return out;
+  }
+};
+
+struct ExpertRouteSigmoidOp {
+  static constexpr const char* schema =
+      "expert_route_sigmoid(Tensor logits, int k, Tensor? bias=None, bool renorm=False, float eps=0.0, "
+      "float scale=1.0, int groups=1, int group_k=1, ScalarType? dtype=None) -> (Tensor, Tensor)";
+  static constexpr size_t no_grad[] = {2};  // bias: it only chooses
+
+  static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& logits_in, int64_t k,
+                                                   const std::optional<at::Tensor>& bias_in, bool renorm, double eps,
+                                                   double scale, int64_t groups, int64_t group_k,
+                                                   std::optional<at::ScalarType> dtype) {
+    constexpr const char* op = "expert_route_sigmoid";
+    const auto dt = dtype_code(op, {"logits", checked_logits(op, logits_in)});
+    const auto& experts = logits_in.sym_size(1);
+    TORCH_CHECK(k >= 0 && experts >= k, "bastile.", op, ": k must be in 0..experts = ", experts, ", got ", k);
+    TORCH_CHECK(groups >= 1 && groups <= 32 && experts % groups == 0, "bastile.", op,
+                ": groups must be in 1..32 and divide the ", experts, " experts, got ", groups);
+    TORCH_CHECK(group_k >= 1 && group_k <= groups, "bastile.", op, ": group_k must be in 1..groups = ", groups,
+                ", got ", group_k);
+    TORCH_CHECK(group_k == groups || experts >= 2 * groups, "bastile.", op,
+                ": a group scores by its two largest experts, and ", experts, " experts in ", groups,
+                " groups leave fewer");
+    if (bias_in) {
+      TORCH_CHECK(bias_in->scalar_type() == at::kFloat || bias_in->scalar_type() == logits_in.scalar_type(),
+                  "bastile.", op, ": bias must be float32 or logits' ", logits_in.scalar_type(), ", got ",
+                  bias_in->scalar_type());
+      TORCH_CHECK(bias_in->dim() == 1 && bias_in->sym_size(0) == experts, "bastile.", op,
+                  ": bias must be [experts] = [", experts, "], got shape ", bias_in->sym_sizes());
+      check_device(op, {"logits", logits_in}, {{"bias", *bias_in}});
+    }
+    const auto w = dtype.value_or(stats_dtype(logits_in));
+    const auto wt = dtype_code(op, "dtype", w);
+    const auto& tokens = logits_in.sym_size(0);
+    auto weights = at::empty_symint({tokens, k}, logits_in.options().dtype(w));
+    auto chosen = at::empty_symint({tokens, k}, logits_in.options().dtype(at::kLong));
+    if (logits_in.is_meta() || weights.numel() == 0) return {weights, chosen};
+    const auto logits = logits_in.contiguous();
+    // the kernels read the bias as f32 (exact); a 16-bit bias of logits' dtype makes the choice a 16-bit sum
+    const auto bias = bias_in ? bias_in->to(at::kFloat).contiguous() : at::Tensor();
+    const bool round_choice = bias_in && bias_in->scalar_type() == logits_in.scalar_type() &&
+                              logits_in.scalar_type() != at::kFloat && logits_in.scalar_type() != at::kDouble;
+    launch(logits, ExpertRouteSigmoidForward{.logits = logits.data_ptr(),
+                                             .bias = bias.defined() ? bias.data_ptr<float>() : nullptr,
+                                             .weights = weights.data_ptr(), .chosen = chosen.data_ptr<int64_t>(),
+                                             .tokens = logits.size(0), .experts = logits.size(1), .k = k,
+                                             .groups = groups, .group_k = group_k,
+                                             .eps = static_cast<float>(eps), .scale = static_cast<float>(scale),
+                                             .dtype = dt, .weights_dtype = wt, .renorm = renorm,
+                                             .round_choice = round_choice});
+    return {weights, chosen};
+  }
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, int64_t k,
+                               const std::optional<at::Tensor>& bias, bool renorm, double eps, double scale,
+                               int64_t groups, int64_t group_k, std::optional<at::ScalarType> dtype) {
+    auto [weights, chosen] = call<ExpertRouteSigmoidOp>(logits, k, bias, renorm, eps, scale, groups, group_k, dtype);
+    ctx->save_for_backward({logits, chosen});
+    ctx->saved_data["renorm"] = renorm;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["scale"] = scale;
+    ctx->mark_non_differentiable({chosen});
+    return {weights, chosen};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor()};
+    const auto s = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    return {call<ExpertRouteSigmoidBackwardOp>(grads[0], s[0], s[1], d.at("renorm").toBool(), d.at("eps").toDouble(),
+                                               d.at("scale").toDouble())};
+  }
+};
+
 }  // namespace
 }  // namespace bastile
 
-BASTILE_OPS(bastile::ExpertRouteOp, bastile::ExpertRouteBackwardOp)
+BASTILE_OPS(bastile::ExpertRouteOp, bastile::ExpertRouteBackwardOp, bastile::ExpertRouteSigmoidOp,
+            bastile::ExpertRouteSigmoidBackwardOp)

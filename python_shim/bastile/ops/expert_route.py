@@ -16,3 +16,15 @@ def expert_route(logits: torch.Tensor, k: int, renorm: bool = True,
     Computed in float32 (float64 on CPU) and rounded once. Differentiable in logits (through the weights); the
     backward recomputes the softmax from the saved logits."""
     return torch.ops.bastile.expert_route(logits, k, renorm, dtype)
+
+
+def expert_route_sigmoid(logits: torch.Tensor, k: int, bias: Optional[torch.Tensor] = None, renorm: bool = False,
+                         eps: float = 0.0, scale: float = 1.0, groups: int = 1, group_k: int = 1,
+                         dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A sigmoid router (GLM-4.5's, LFM2-MoE's) after its logits in one kernel: the scores sigmoid(logits) rounded to
+    logits' dtype, chosen [tokens, k] (int64) the k largest of scores + bias (bias [experts] float32, None: the
+    scores; ties to the lower index; with groups > 1, at most 32, only in the group_k of that many consecutive groups
+    whose two largest sum highest, GLM-4.5's n_group and topk_group), weights [tokens, k] of `dtype` (float32 by
+    default) their scores, with `renorm` divided by their sum plus eps, times scale: computed in float32 (float64 on
+    CPU), rounded once. Differentiable in logits (the bias only chooses)."""
+    return torch.ops.bastile.expert_route_sigmoid(logits, k, bias, renorm, eps, scale, groups, group_k, dtype)
