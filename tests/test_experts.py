@@ -241,19 +241,30 @@ ROUTED = [f for f in FAMILIES if TRAITS[f].mlp.router]
 @pytest.mark.parametrize("family", ROUTED)
 def test_router_is_hf_router_in_one_op(family, device, dtype):
     """The router's forward: HF's logits, the same experts and their weights in HF's dtype (within f32 roundings and
-    one of the dtype's units), and after the logits one op, `expert_route`, forward and backward. The hidden states'
+    one of the dtype's units), and after the logits one op, `expert_route` (`expert_route_sigmoid` for GLM-4.5's and
+    LFM2-MoE's, their correction biases drawn at random), forward and backward. The hidden states'
     and router's gradients through weights and logits (a load-balancing term): in fp32 as HF's; in bf16, where HF
     rounds its softmax's output and backward in bf16 (GPT-OSS's softmax of the top-k) and Bastile once from f32, as
     far from HF's fp32 router as HF's bf16 one is (or within 1e-2 in norm)."""
     model = WRAPPED[family]().to(device, dtype) if family in WRAPPED else mini(family, device, dtype)
     router = next(m for m in model.modules() if type(m).__name__ == TRAITS[family].name("TopKRouter"))
+    # the sigmoid routers' correction biases (GLM-4.5's buffer, LFM2-MoE's the block's, passed in), not zeros
+    block = next(m for m in model.modules() if router in (getattr(m, "gate", None), getattr(m, "router", None)))
+    bias = next((b for b in (getattr(router, "e_score_correction_bias", None), getattr(block, "expert_bias", None))
+                 if b is not None), None)
+    if bias is not None:
+        bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(2)).mul(0.1))
+    extra = (block.expert_bias,) if getattr(block, "use_expert_bias", False) else ()
     exact = copy.deepcopy(router).float()
     x = torch.randn(64, router.weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(device, dtype)
     dy = torch.randn(64, router.top_k, generator=torch.Generator().manual_seed(1)).to(device)
 
     def run(module, cast=lambda t: t):
         leaves = [cast(x).detach().requires_grad_(), module.weight]
-        logits, weights, chosen = module(leaves[0])
+        logits, weights, chosen = module(leaves[0], *extra)
+        # each token's experts by index (GLM-4.5's top-k leaves them unsorted), their weights alongside
+        chosen, by_index = chosen.sort(-1)
+        weights = weights.gather(-1, by_index)
         loss = (weights * dy.to(weights.dtype)).sum() + logits.float().softmax(-1).square().sum()
         return (logits, weights, chosen), torch.autograd.grad(loss, leaves)
 
@@ -262,7 +273,8 @@ def test_router_is_hf_router_in_one_op(family, device, dtype):
     bastile.apply(model=model, **NO_TRAINERS)
     with Dispatched() as seen:
         (logits, weights, chosen), grads = run(router)
-    assert seen.calls == ["expert_route", "expert_route_backward"]
+    op = "expert_route" if TRAITS[family].mlp.router.kind == "softmax" else "expert_route_sigmoid"
+    assert seen.calls == [op, f"{op}_backward"]
     assert torch.equal(logits, hf_logits) and torch.equal(chosen, hf_chosen)
     assert weights.dtype == hf_weights.dtype
     torch.testing.assert_close(weights, hf_weights, rtol=torch.finfo(weights.dtype).eps, atol=1e-6)

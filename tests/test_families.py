@@ -209,7 +209,7 @@ def expected_ops(family, model):
     if t.mlp.experts and any(type(m).__name__ == t.name("Experts") for m in model.modules()):
         mlp |= {"expert_group", "expert_dispatch", "expert_combine"}
     if t.mlp.router and any(type(m).__name__ == t.name("TopKRouter") for m in model.modules()):
-        mlp |= {"expert_route"}
+        mlp |= {"expert_route" if t.mlp.router.kind == "softmax" else "expert_route_sigmoid"}
     delta_net = {"causal_conv1d", "gated_delta_rule", "rms_norm_gated"} if t.linear_attention else set()
     conv = {"causal_conv1d"} if t.short_conv else set()
     return {"rms_norm", attention, "fused_linear_cross_entropy"} | mlp | delta_net | conv
@@ -505,7 +505,8 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
     The families' rounding traits (where a norm rounds, OLMo's tables cast back) are invisible in fp32; a trait
     read wrongly here leaves a third of the elements or more off by an ulp. GPT-OSS's experts and its sink
     attention round once where HF rounds after each op (geglu; the scores, the softmax), so its attention, MLP
-    and layer are compared by the training tests only. Qwen3.5's
+    and layer are compared by the training tests only; so are LFM2-MoE's MLP and layer (its router's weights, which
+    HF sums, divides and scales in bf16, rounded once). Qwen3.5's
     Gated DeltaNet ops also round once (f32 math), where HF's rounds op by op in bf16: its layers are left to
     the training tests, and its first attention layer is the one compared; so are LFM2's (its short convolution's
     layers)."""
@@ -532,13 +533,14 @@ def test_layer_rounds_as_hf_bf16_cpu(family):
                  if TRAITS[family].residual.per_layer_input else [])
     norms = [m for m in layer.modules() if type(m).__name__.endswith("RMSNorm") and getattr(m, "weight", None) is not None]
     inputs = [torch.randn(2, 40, m.weight.shape[0], generator=g).bfloat16() for m in norms]
-    once = TRAITS[family].mlp.experts == "geglu"
+    t = TRAITS[family]
+    sinks = t.attention.sinks
+    once = t.mlp.experts == "geglu" or (t.mlp.router is not None and t.mlp.router.kind == "lfm2_moe")
 
     def run():
         with torch.no_grad():
-            outs = ([] if once else [layer.self_attn(h, **kw)[0]]) + [m(x) for m, x in zip(norms, inputs)]
-            return outs + ([] if once else [layer(h, *per_layer, **kw),
-                                            getattr(layer, TRAITS[family].residual.mlp)(h)])
+            outs = ([] if sinks else [layer.self_attn(h, **kw)[0]]) + [m(x) for m, x in zip(norms, inputs)]
+            return outs + ([] if once else [layer(h, *per_layer, **kw), getattr(layer, t.residual.mlp)(h)])
     want = run()
     bastile.apply(model=model)
     got = run()

@@ -100,10 +100,12 @@ class Attention:
 
 @dataclass(frozen=True)
 class Router:
-    """A MoE block's softmax top-k router, `<prefix>TopKRouter` (weight [experts, hidden], top_k): its logits, and
-    each token's top_k experts weighted by the softmax of all logits at them or, renormalised, by the softmax over
-    the chosen (what HF's top-k of the softmax divided by its sum and GPT-OSS's softmax of the top-k logits both
-    give)."""
+    """A MoE block's top-k router, `<prefix>TopKRouter` (weight [experts, hidden], top_k): its logits, and each
+    token's top_k experts and their weights. `kind` "softmax": weighted by the softmax of all logits at them or,
+    renormalised, by the softmax over the chosen (what HF's top-k of the softmax divided by its sum and GPT-OSS's
+    softmax of the top-k logits both give); a sigmoid router's family ("glm4_moe", "lfm2_moe"): its own stage
+    (roles/mlp.py), the scores sigmoid(logits) chosen with a correction bias, scaled by routed_scaling_factor."""
+    kind: str = "softmax"
     renorm: Optional[str] = None        # the router's attribute saying whether it renormalises; None: it always does
     weights: str = "logits"             # the weights' dtype: the logits' ("logits"), or "float32" (Mixtral's)
     bias: bool = False                  # the logits add the router's bias (GPT-OSS)
@@ -419,7 +421,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
              "n_shared_experts", "norm_topk_prob", "partial_rotary_factor", "routed_scaling_factor", "topk_group",
              "use_qk_norm"} | _MOE,
             attention=Attention(qk_norm=QkNorm.PER_HEAD, qk_norm_flag="use_qk_norm"), rotary=Rotary(partial=True),
-            mlp=Mlp(experts="swiglu"), head=Head(router_logits=True)),
+            mlp=Mlp(experts="swiglu", router=Router(kind="glm4_moe", renorm="norm_topk_prob")),
+            head=Head(router_logits=True), classes={"TopKRouter": "Glm4MoeTopkRouter"}),
     # ERNIE 4.5 (Baidu): Llama's layers with the interleaved rotation of whole heads on f32 tables, q and k cast back
     # (as GLM-4's pairs, OLMo 2's precision), biases where use_bias; its MoE model (ERNIE-4.5-21B-A3B, 300B-A47B)
     # routes its layers' experts by HF's softmax router (a correction bias choosing them, the weights renormalised
@@ -524,7 +527,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     _family("lfm2_moe", "Lfm2Moe", {"conv_bias", "conv_L_cache", "layer_types", "moe_intermediate_size", "norm_eps",
                                     "norm_topk_prob", "num_dense_layers", "num_experts", "num_experts_per_tok",
                                     "routed_scaling_factor", "use_expert_bias"},
-            mlp=Mlp(activation=None, projections=("w1", "w3", "w2"), experts="swiglu", expert_activation=None),
+            mlp=Mlp(activation=None, projections=("w1", "w3", "w2"), experts="swiglu", expert_activation=None,
+                    router=Router(kind="lfm2_moe", renorm="norm_topk_prob")),
             head=Head(router_logits=True), **_LFM2_TRAITS),
 ]}
 # Multimodal model types -> their language model's model type -> its family.

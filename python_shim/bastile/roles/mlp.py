@@ -3,8 +3,9 @@
 The dense MLP is `down(act(gate(x)) * up(x))`, gate and up from one gate_up_proj (gate first) where the family
 fuses them. Where the activation is SiLU or GELU-tanh, the activation and product run in one op fused with the
 down projection, so the activation is not kept for the backward; PEFT LoRA adapters on the projections run in
-fused nodes (lora.py). Any other activation runs HF's own math. A softmax top-k router (Mlp.router) computes its
-logits as HF does and its choice and weights in one op (`expert_route`).
+fused nodes (lora.py). Any other activation runs HF's own math. A router (Mlp.router: softmax, or GLM-4.5's and LFM2-MoE's
+sigmoid) computes its logits as HF does and its choice and weights in one op (`expert_route`,
+`expert_route_sigmoid`).
 """
 import functools
 from typing import Callable, Optional
@@ -17,7 +18,7 @@ from transformers.activations import GELUTanh, SiLUActivation
 from .. import lora
 from ..experts import Gate, experts_forward, through_autograd
 from ..families import Mlp, Router
-from ..ops.expert_route import expert_route
+from ..ops.expert_route import expert_route, expert_route_sigmoid
 from ..ops.expert_swiglu import expert_swiglu
 from ..ops.geglu import geglu
 from ..ops.swiglu import swiglu
@@ -146,18 +147,57 @@ def geglu_gate_backward(self, gate_up, grad, bias=None, expert=None, dot=False):
     return grad_gate_up, dots if dot else None
 
 
-def router_forward(traits: Router) -> Callable:
-    """The router's forward (HF's <prefix>TopKRouter): (logits, weights, chosen) as HF's, the logits as HF computes
-    them, the softmax, top-k, renormalisation and cast one `expert_route`."""
+# The routers' forwards (HF's <prefix>TopKRouter): (logits, weights, chosen) as HF's, the logits as HF computes them
+# and what it makes of them one op. Router.renorm names the router's attribute saying whether it renormalises.
+
+def renorms(traits: Router) -> Callable:
+    return (lambda router: getattr(router, traits.renorm)) if traits.renorm else (lambda router: True)
+
+
+def softmax_router(traits: Router) -> Callable:
+    """The softmax, top-k, renormalisation and cast as one `expert_route`."""
     weights_dtype = {"logits": None, "float32": torch.float32}[traits.weights]
+    renorm = renorms(traits)
 
     def router(self, hidden_states):
         x = hidden_states.reshape(-1, self.weight.shape[-1])
         logits = F.linear(x, self.weight, self.bias if traits.bias else None)
-        renorm = getattr(self, traits.renorm) if traits.renorm else True
-        weights, chosen = expert_route(logits, self.top_k, renorm, weights_dtype or logits.dtype)
+        weights, chosen = expert_route(logits, self.top_k, renorm(self), weights_dtype or logits.dtype)
         return logits, weights, chosen
     return router
+
+
+def glm4_moe_router(traits: Router) -> Callable:
+    """GLM-4.5's (Glm4MoeTopkRouter): float32 logits, the scores' sigmoid chosen with e_score_correction_bias within
+    the topk_group best of n_group groups, the weights renormalised (plus 1e-20) where norm_topk_prob says, times
+    routed_scaling_factor, as one `expert_route_sigmoid`."""
+    renorm = renorms(traits)
+
+    def router(self, hidden_states):
+        logits = F.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
+        weights, chosen = expert_route_sigmoid(logits, self.top_k, self.e_score_correction_bias, renorm(self), 1e-20,
+                                               self.routed_scaling_factor, self.num_group, self.topk_group,
+                                               torch.float32)
+        return logits, weights, chosen
+    return router
+
+
+def lfm2_moe_router(traits: Router) -> Callable:
+    """LFM2-MoE's: the scores' sigmoid chosen with the MoE block's expert bias where use_expert_bias says, the weights
+    in the logits' dtype renormalised (plus 1e-6) where norm_topk_prob says, times routed_scaling_factor, as one
+    `expert_route_sigmoid`."""
+    renorm = renorms(traits)
+
+    def router(self, hidden_states, expert_bias=None):
+        logits = F.linear(hidden_states, self.weight)
+        weights, chosen = expert_route_sigmoid(logits, self.top_k, expert_bias if self.use_expert_bias else None,
+                                               renorm(self), 1e-6, self.routed_scaling_factor, dtype=logits.dtype)
+        return logits, weights, chosen
+    return router
+
+
+# traits -> router stage
+ROUTERS = {"softmax": softmax_router, "glm4_moe": glm4_moe_router, "lfm2_moe": lfm2_moe_router}
 
 
 # traits -> gate stage
@@ -175,5 +215,6 @@ def declare(ctx: Context) -> Declaration:
         experts = named(experts_forward(gate, CONCATENATED[m.experts]), "mlp", f)
         targets.append(Target("Experts", "forward", experts, part="experts"))
     if m.router:
-        targets.append(Target("TopKRouter", "forward", named(router_forward(m.router), "mlp", f), part="experts"))
+        router = named(ROUTERS[m.router.kind](m.router), "mlp", f)
+        targets.append(Target("TopKRouter", "forward", router, part="experts"))
     return Declaration(tuple(targets))
