@@ -71,7 +71,8 @@ pytest: install
 # code can change: all but the ops' own (OP_TESTS: each op against its reference, the registration contract, the
 # library's packaging), which the first pass ran.
 NEWEST_SITE := $(VENV)/transformers-$(NEWEST)
-OP_TESTS = tests/test_contract.py tests/test_library.py tests/test_fused_linear_log_probs.py $(OPS:%=tests/test_%.py)
+OP_TESTS = tests/test_contract.py tests/test_library.py tests/test_fused_linear_log_probs.py tests/test_expert_group.py \
+	tests/test_expert_route_sigmoid.py $(OPS:%=tests/test_%.py)
 $(NEWEST_SITE)/.ready: | setup
 	$(PY) -m pip install -q --no-cache-dir --no-deps --target $(NEWEST_SITE) transformers==$(NEWEST)
 	touch $@
