@@ -45,6 +45,27 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// G_j and n_j of a row's slots (include/expert_route.h) for each lane's expert j: the slots are passed round the warp.
+template <class W>
+__device__ __forceinline__ float2 chosen_grad(int64_t j, const int64_t *pick, const W *g, int64_t k, int lane) {
+  float chose = 0.f, times = 0.f;
+  for (int64_t s0 = 0; s0 < k; s0 += 32) {
+    const int64_t s = s0 + lane;
+    const int64_t c = s < k ? pick[s] : -1;
+    const float gs = s < k ? to_f32(g[s]) : 0.f;
+    const int slots = static_cast<int>(k - s0 < 32 ? k - s0 : 32);
+    for (int i = 0; i < slots; ++i) {
+      const int64_t ci = __shfl_sync(FULL, c, i);
+      const float gi = __shfl_sync(FULL, gs, i);
+      if (ci == j) {
+        chose += gi;
+        times += 1.f;
+      }
+    }
+  }
+  return make_float2(chose, times);
+}
+
 // The row's largest logit, as the forward's first pick has it.
 template <class T> __device__ __forceinline__ float row_max(const T *row, int64_t experts, int lane) {
   uint64_t best = 0;  // below every key
@@ -117,21 +138,7 @@ template <class T, class W> __device__ __forceinline__ void backward(const Exper
     dot = warp_sum(dot);
     for (int64_t j0 = 0; j0 < p.experts; j0 += 32) {
       const int64_t j = j0 + lane;
-      float chose = 0.f, times = 0.f;  // G_j and n_j
-      for (int64_t s0 = 0; s0 < p.k; s0 += 32) {
-        const int64_t s = s0 + lane;
-        const int64_t c = s < p.k ? pick[s] : -1;
-        const float gs = s < p.k ? to_f32(g[s]) : 0.f;
-        const int slots = static_cast<int>(p.k - s0 < 32 ? p.k - s0 : 32);
-        for (int i = 0; i < slots; ++i) {
-          const int64_t ci = __shfl_sync(FULL, c, i);
-          const float gi = __shfl_sync(FULL, gs, i);
-          if (ci == j) {
-            chose += gi;
-            times += 1.f;
-          }
-        }
-      }
+      const auto [chose, times] = chosen_grad(j, pick, g, p.k, lane);
       if (j >= p.experts) continue;
       const float pj = expf(to_f32(row[j]) - top) / sum;
       const float value = p.renorm ? (times > 0.f ? pj * (chose - times * dot) : 0.f) : pj * (chose - dot);
@@ -232,21 +239,7 @@ template <class T, class W> __device__ __forceinline__ void sigmoid_backward(con
     dot = p.renorm ? warp_sum(dot) / denominator : 0.f;
     for (int64_t j0 = 0; j0 < p.experts; j0 += 32) {
       const int64_t j = j0 + lane;
-      float chose = 0.f, times = 0.f;  // G_j and n_j
-      for (int64_t s0 = 0; s0 < p.k; s0 += 32) {
-        const int64_t s = s0 + lane;
-        const int64_t c = s < p.k ? pick[s] : -1;
-        const float gs = s < p.k ? to_f32(g[s]) : 0.f;
-        const int slots = static_cast<int>(p.k - s0 < 32 ? p.k - s0 : 32);
-        for (int i = 0; i < slots; ++i) {
-          const int64_t ci = __shfl_sync(FULL, c, i);
-          const float gi = __shfl_sync(FULL, gs, i);
-          if (ci == j) {
-            chose += gi;
-            times += 1.f;
-          }
-        }
-      }
+      const auto [chose, times] = chosen_grad(j, pick, g, p.k, lane);
       if (j >= p.experts) continue;
       const float v = score(row, j);
       const float value = times > 0.f ? v * (1.f - v) * (p.scale * (chose - times * dot) / denominator) : 0.f;
