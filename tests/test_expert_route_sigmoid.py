@@ -76,8 +76,8 @@ def empty(device):
 BAD = [
     (lambda: op(torch.zeros(4, 8, dtype=torch.int32), 2), "expert_route_sigmoid: logits must be float32, float16"),
     (lambda: op(torch.zeros(4, 8), 9), "expert_route_sigmoid: k must be in 0..experts = 8, got 9"),
-    (lambda: op(torch.zeros(4, 8), 2, torch.zeros(8, dtype=torch.bfloat16)),
-     "expert_route_sigmoid: bias must be float32 or logits' Float, got BFloat16"),
+    (lambda: op(torch.zeros(4, 8), 2, torch.zeros(8, dtype=torch.int32)),
+     "expert_route_sigmoid: bias must be float32, float16, bfloat16 or logits' Float, got Int"),
     (lambda: op(torch.zeros(4, 8), 2, torch.zeros(7)), r"expert_route_sigmoid: bias must be \[experts\] = \[8\]"),
     (lambda: op(torch.zeros(4, 8, requires_grad=True), 2, torch.zeros(8, requires_grad=True)),
      "expert_route_sigmoid: bias requires grad, but expert_route_sigmoid does not differentiate it"),
@@ -163,7 +163,8 @@ def test_group_limited_choice_is_glm_routers(device, groups, group_k):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bias_of_the_logits_dtype_chooses_by_their_rounded_sum(device):
     """A bf16 bias with bf16 logits (LFM2-MoE's expert_bias after model.to(bfloat16)): the choice by the scores plus
-    the bias summed in bf16, as torch sums two bf16 tensors (ties to the lower index)."""
+    the bias summed in bf16, as torch sums two bf16 tensors (ties to the lower index); with float32 logits (GLM-4.5's)
+    the sum is float32's."""
     logits = logits_of(300, 32, seed=9, dtype=torch.bfloat16, device=device)
     bias = bias_of(32, seed=10, device=device).bfloat16()
     _, chosen = op(logits, 4, bias, True, 1e-6, 1.0)
@@ -173,6 +174,9 @@ def test_bias_of_the_logits_dtype_chooses_by_their_rounded_sum(device):
     assert torch.equal(chosen.cpu(), want)
     _, chosen32 = op(logits, 4, bias.float(), True, 1e-6, 1.0)
     assert not torch.equal(chosen32, chosen)  # the rounding decides some tokens' experts here
+    # GLM-4.5's float32 logits with its correction bias in bf16 (the model in bf16): the sum is float32's
+    wide = logits.float()
+    assert torch.equal(op(wide, 4, bias, True, 1e-6, 1.0)[1], op(wide, 4, bias.float(), True, 1e-6, 1.0)[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -277,7 +277,9 @@ def test_router_is_hf_router_in_one_op(family, device, dtype):
     assert seen.calls == [op, f"{op}_backward"]
     assert torch.equal(logits, hf_logits) and torch.equal(chosen, hf_chosen)
     assert weights.dtype == hf_weights.dtype
-    torch.testing.assert_close(weights, hf_weights, rtol=torch.finfo(weights.dtype).eps, atol=1e-6)
+    # one rounding, where HF's LFM2-MoE rounds its weights' sum, division and scaling in bf16
+    units = 1 if dtype == torch.float32 else 4
+    torch.testing.assert_close(weights, hf_weights, rtol=units * torch.finfo(weights.dtype).eps, atol=1e-6)
     for name, got, hf, want in zip(("hidden", "weight"), grads, hf_grads, fp32_grads):
         if dtype == torch.float32:
             torch.testing.assert_close(got, hf, rtol=1e-5, atol=1e-6)

@@ -8,7 +8,7 @@
 // include/expert_route.h, of logits' dtype. Autograd saves the logits and chosen; autocast leaves the op alone.
 // expert_route_sigmoid(logits, k, bias, renorm, eps, scale, groups, group_k, dtype) is the sigmoid router (GLM-4.5's,
 // LFM2-MoE's): the scores sigmoid(logits) rounded to logits' dtype, the k largest of scores + bias (bias [experts]
-// float32 or logits' dtype, the sum rounded as torch's; it only chooses; with groups > 1 only among the group_k
+// of a float dtype, the sum rounded as torch's; it only chooses; with groups > 1 only among the group_k
 // groups whose two largest sum highest, GLM-4.5's n_group and topk_group), their scores as weights, with `renorm`
 // over their sum plus eps, times scale; its backward piece expert_route_sigmoid_backward the same way.
 #include "op.h"
@@ -143,9 +143,10 @@ struct ExpertRouteSigmoidOp {
                 ": a group scores by its two largest experts, and ", experts, " experts in ", groups,
                 " groups leave fewer");
     if (bias_in) {
-      TORCH_CHECK(bias_in->scalar_type() == at::kFloat || bias_in->scalar_type() == logits_in.scalar_type(),
-                  "bastile.", op, ": bias must be float32 or logits' ", logits_in.scalar_type(), ", got ",
-                  bias_in->scalar_type());
+      // promoted with the scores as torch's `scores + bias`: to float32 (or float64 on the CPU), or a 16-bit sum
+      const auto b = bias_in->scalar_type();
+      TORCH_CHECK(b == logits_in.scalar_type() || b == at::kFloat || b == at::kHalf || b == at::kBFloat16, "bastile.",
+                  op, ": bias must be float32, float16, bfloat16 or logits' ", logits_in.scalar_type(), ", got ", b);
       TORCH_CHECK(bias_in->dim() == 1 && bias_in->sym_size(0) == experts, "bastile.", op,
                   ": bias must be [experts] = [", experts, "], got shape ", bias_in->sym_sizes());
       check_device(op, {"logits", logits_in}, {{"bias", *bias_in}});
