@@ -233,13 +233,15 @@ def test_frozen_experts_backward_sends_the_gradient_only(family, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-ROUTED = [f for f in FAMILIES if TRAITS[f].mlp.router]
+# each routed family, and where its router renormalises as its config says, both ways
+ROUTED = [(f, renorm) for f in FAMILIES if TRAITS[f].mlp.router
+          for renorm in ((True, False) if TRAITS[f].mlp.router.renorm else (None,))]
 
 
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.float32)] + [("cuda", torch.float32), ("cuda", torch.bfloat16)]
                          * ("cuda" in DEVICES))
-@pytest.mark.parametrize("family", ROUTED)
-def test_router_is_hf_router_in_one_op(family, device, dtype):
+@pytest.mark.parametrize("family,renorm", ROUTED)
+def test_router_is_hf_router_in_one_op(family, renorm, device, dtype):
     """The router's forward: HF's logits, the same experts and their weights in HF's dtype (within f32 roundings and
     one of the dtype's units), and after the logits one op, `expert_route` (`expert_route_sigmoid` for GLM-4.5's and
     LFM2-MoE's, their correction biases drawn at random), forward and backward. The hidden states'
@@ -248,6 +250,8 @@ def test_router_is_hf_router_in_one_op(family, device, dtype):
     far from HF's fp32 router as HF's bf16 one is (or within 1e-2 in norm)."""
     model = WRAPPED[family]().to(device, dtype) if family in WRAPPED else mini(family, device, dtype)
     router = next(m for m in model.modules() if type(m).__name__ == TRAITS[family].name("TopKRouter"))
+    if renorm is not None:
+        setattr(router, TRAITS[family].mlp.router.renorm, renorm)
     # the sigmoid routers' correction biases (GLM-4.5's buffer, LFM2-MoE's the block's, passed in), not zeros
     block = next(m for m in model.modules() if router in (getattr(m, "gate", None), getattr(m, "router", None)))
     bias = next((b for b in (getattr(router, "e_score_correction_bias", None), getattr(block, "expert_bias", None))
