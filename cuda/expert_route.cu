@@ -66,6 +66,32 @@ __device__ __forceinline__ float2 chosen_grad(int64_t j, const int64_t *pick, co
   return make_float2(chose, times);
 }
 
+// Each warp takes its token (a row of logits) in turn; the test is the warp's own, so uniform.
+template <class Body> __device__ __forceinline__ void for_each_token(int64_t tokens, const Body &body) {
+  FOR_EACH_ROW_GROUP(base, tokens, BLOCK / 32) {
+    const int64_t t = base + threadIdx.x / 32;
+    if (t < tokens) body(t);
+  }
+}
+
+// The k largest choice(j) of a row in k rounds, each the warp's largest key below the last pick's (so it keeps
+// nothing but the last key); lane r % 32 writes pick r, and every lane sees each pick's key through seen(r, key).
+template <class Choice, class Seen>
+__device__ __forceinline__ void pick_top_k(const Choice &choice, int64_t experts, int64_t k, int64_t *pick, int lane,
+                                           const Seen &seen) {
+  uint64_t last = ~0ull;
+  for (int64_t r = 0; r < k; ++r) {
+    uint64_t best = 0;  // below every key
+    for (int64_t j = lane; j < experts; j += 32) {
+      const uint64_t key = rank_key(choice(j), j);
+      if (key < last && key > best) best = key;
+    }
+    last = warp_max(best);
+    seen(r, last);
+    if (r % 32 == lane) pick[r] = key_index(last);
+  }
+}
+
 // The row's largest logit, as the forward's first pick has it.
 template <class T> __device__ __forceinline__ float row_max(const T *row, int64_t experts, int lane) {
   uint64_t best = 0;  // below every key
@@ -86,29 +112,19 @@ template <class T, class W> __device__ __forceinline__ void forward(const Expert
   const T *__restrict__ logits = static_cast<const T *>(p.logits);
   W *__restrict__ weights = static_cast<W *>(p.weights);
   const int lane = threadIdx.x % 32;
-  FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / 32) {
-    const int64_t t = base + threadIdx.x / 32;
-    if (t >= p.tokens) continue;  // the warp's own row: uniform
+  for_each_token(p.tokens, [&](int64_t t) {
     const T *row = logits + t * p.experts;
     int64_t *pick = p.chosen + t * p.k;
-    uint64_t last = ~0ull;
     float top = 0.f, picked_sum = 0.f;
-    for (int64_t r = 0; r < p.k; ++r) {
-      uint64_t best = 0;
-      for (int64_t j = lane; j < p.experts; j += 32) {
-        const uint64_t key = rank_key(to_f32(row[j]), j);
-        if (key < last && key > best) best = key;
-      }
-      last = best = warp_max(best);
-      const float v = key_value(best);
+    pick_top_k([&](int64_t j) { return to_f32(row[j]); }, p.experts, p.k, pick, lane, [&](int64_t r, uint64_t key) {
+      const float v = key_value(key);
       if (r == 0) top = v;
       picked_sum += expf(v - top);
-      if (r % 32 == lane) pick[r] = key_index(best);
-    }
+    });
     const float sum = p.renorm ? picked_sum : softmax_sum(row, p.experts, top, lane);
     // each lane reads back the picks it wrote
     for (int64_t s = lane; s < p.k; s += 32) weights[t * p.k + s] = from_f32<W>(expf(to_f32(row[pick[s]]) - top) / sum);
-  }
+  });
 }
 
 template <class T, class W> __device__ __forceinline__ void backward(const ExpertRouteBackward &p) {
@@ -116,9 +132,7 @@ template <class T, class W> __device__ __forceinline__ void backward(const Exper
   const W *__restrict__ grad = static_cast<const W *>(p.grad);
   T *__restrict__ out = static_cast<T *>(p.grad_logits);
   const int lane = threadIdx.x % 32;
-  FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / 32) {
-    const int64_t t = base + threadIdx.x / 32;
-    if (t >= p.tokens) continue;
+  for_each_token(p.tokens, [&](int64_t t) {
     const T *row = logits + t * p.experts;
     const int64_t *pick = p.chosen + t * p.k;
     const W *g = grad + t * p.k;
@@ -144,7 +158,7 @@ template <class T, class W> __device__ __forceinline__ void backward(const Exper
       const float value = p.renorm ? (times > 0.f ? pj * (chose - times * dot) : 0.f) : pj * (chose - dot);
       out[t * p.experts + j] = from_f32<T>(value);
     }
-  }
+  });
 }
 
 // The sigmoid router's score of expert j, rounded to the logits' dtype as HF's sigmoid rounds it.
@@ -185,9 +199,7 @@ template <class T, class W> __device__ __forceinline__ void sigmoid_forward(cons
   const T *__restrict__ logits = static_cast<const T *>(p.logits);
   W *__restrict__ weights = static_cast<W *>(p.weights);
   const int lane = threadIdx.x % 32;
-  FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / 32) {
-    const int64_t t = base + threadIdx.x / 32;
-    if (t >= p.tokens) continue;
+  for_each_token(p.tokens, [&](int64_t t) {
     const T *row = logits + t * p.experts;
     int64_t *pick = p.chosen + t * p.k;
     const auto choice = [&](int64_t j) {
@@ -197,22 +209,13 @@ template <class T, class W> __device__ __forceinline__ void sigmoid_forward(cons
     };
     const uint32_t allowed = allowed_groups(p, choice, lane);
     const int64_t size = p.experts / p.groups;
-    uint64_t last = ~0ull;
     float picked_sum = 0.f;
-    for (int64_t r = 0; r < p.k; ++r) {
-      uint64_t best = 0;
-      for (int64_t j = lane; j < p.experts; j += 32) {
-        const uint64_t key = rank_key((allowed >> (j / size)) & 1u ? choice(j) : -INFINITY, j);
-        if (key < last && key > best) best = key;
-      }
-      last = best = warp_max(best);
-      picked_sum += score(row, key_index(best));
-      if (r % 32 == lane) pick[r] = key_index(best);
-    }
+    pick_top_k([&](int64_t j) { return (allowed >> (j / size)) & 1u ? choice(j) : -INFINITY; }, p.experts, p.k, pick,
+               lane, [&](int64_t, uint64_t key) { picked_sum += score(row, key_index(key)); });
     const float denominator = p.renorm ? picked_sum + p.eps : 1.f;
     for (int64_t s = lane; s < p.k; s += 32)
       weights[t * p.k + s] = from_f32<W>(score(row, pick[s]) / denominator * p.scale);
-  }
+  });
 }
 
 template <class T, class W> __device__ __forceinline__ void sigmoid_backward(const ExpertRouteSigmoidBackward &p) {
@@ -220,9 +223,7 @@ template <class T, class W> __device__ __forceinline__ void sigmoid_backward(con
   const W *__restrict__ grad = static_cast<const W *>(p.grad);
   T *__restrict__ out = static_cast<T *>(p.grad_logits);
   const int lane = threadIdx.x % 32;
-  FOR_EACH_ROW_GROUP(base, p.tokens, BLOCK / 32) {
-    const int64_t t = base + threadIdx.x / 32;
-    if (t >= p.tokens) continue;
+  for_each_token(p.tokens, [&](int64_t t) {
     const T *row = logits + t * p.experts;
     const int64_t *pick = p.chosen + t * p.k;
     const W *g = grad + t * p.k;
@@ -245,7 +246,7 @@ template <class T, class W> __device__ __forceinline__ void sigmoid_backward(con
       const float value = times > 0.f ? v * (1.f - v) * (p.scale * (chose - times * dot) / denominator) : 0.f;
       out[t * p.experts + j] = from_f32<T>(value);
     }
-  }
+  });
 }
 
 }  // namespace

@@ -35,25 +35,36 @@ void check_choice(const char* op, const at::Tensor& grad, const at::Tensor& logi
   check_device(op, {"logits", logits}, {{"grad", grad}, {"chosen", chosen}});
 }
 
+// A backward piece (the block of either router, its own fields set): grad [tokens, k] and chosen for logits
+// [tokens, experts], the gradient of logits' dtype.
+template <class Block>
+at::Tensor backward_piece(const char* op, const at::Tensor& grad_in, const at::Tensor& logits_in,
+                          const at::Tensor& chosen_in, bool renorm, Block block) {
+  block.dtype = dtype_code(op, {"logits", checked_logits(op, logits_in)});
+  block.weights_dtype = dtype_code(op, {"grad", grad_in});
+  check_choice(op, grad_in, logits_in, chosen_in);
+  auto out = at::empty_symint(logits_in.sym_sizes(), logits_in.options());
+  if (logits_in.is_meta() || out.numel() == 0) return out;
+  if (chosen_in.size(1) == 0) return out.zero_();
+  const auto grad = grad_in.contiguous(), logits = logits_in.contiguous(), chosen = chosen_in.contiguous();
+  block.grad = grad.data_ptr();
+  block.logits = logits.data_ptr();
+  block.chosen = chosen.data_ptr<int64_t>();
+  block.grad_logits = out.data_ptr();
+  block.tokens = logits.size(0);
+  block.experts = logits.size(1);
+  block.k = chosen.size(1);
+  block.renorm = renorm;
+  launch(logits, block);
+  return out;
+}
+
 struct ExpertRouteBackwardOp {
   static constexpr const char* schema =
       "expert_route_backward(Tensor grad, Tensor logits, Tensor chosen, bool renorm) -> Tensor";
 
-  static at::Tensor kernel(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tensor& chosen_in,
-                           bool renorm) {
-    constexpr const char* op = "expert_route_backward";
-    const auto dt = dtype_code(op, {"logits", checked_logits(op, logits_in)});
-    const auto wt = dtype_code(op, {"grad", grad_in});
-    check_choice(op, grad_in, logits_in, chosen_in);
-    auto out = at::empty_symint(logits_in.sym_sizes(), logits_in.options());
-    if (logits_in.is_meta() || out.numel() == 0) return out;
-    if (chosen_in.size(1) == 0) return out.zero_();
-    const auto grad = grad_in.contiguous(), logits = logits_in.contiguous(), chosen = chosen_in.contiguous();
-    launch(logits, ExpertRouteBackward{.grad = grad.data_ptr(), .logits = logits.data_ptr(),
-                                       .chosen = chosen.data_ptr<int64_t>(), .grad_logits = out.data_ptr(),
-                                       .tokens = logits.size(0), .experts = logits.size(1), .k = chosen.size(1),
-                                       .dtype = dt, .weights_dtype = wt, .renorm = renorm});
-    return out;
+  static at::Tensor kernel(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& chosen, bool renorm) {
+    return backward_piece("expert_route_backward", grad, logits, chosen, renorm, ExpertRouteBackward{});
   }
 };
 
@@ -102,22 +113,11 @@ struct ExpertRouteSigmoidBackwardOp {
       "expert_route_sigmoid_backward(Tensor grad, Tensor logits, Tensor chosen, bool renorm, float eps, float scale) "
       "-> Tensor";
 
-  static at::Tensor kernel(const at::Tensor& grad_in, const at::Tensor& logits_in, const at::Tensor& chosen_in,
-                           bool renorm, double eps, double scale) {
-    constexpr const char* op = "expert_route_sigmoid_backward";
-    const auto dt = dtype_code(op, {"logits", checked_logits(op, logits_in)});
-    const auto wt = dtype_code(op, {"grad", grad_in});
-    check_choice(op, grad_in, logits_in, chosen_in);
-    auto out = at::empty_symint(logits_in.sym_sizes(), logits_in.options());
-    if (logits_in.is_meta() || out.numel() == 0) return out;
-    if (chosen_in.size(1) == 0) return out.zero_();
-    const auto grad = grad_in.contiguous(), logits = logits_in.contiguous(), chosen = chosen_in.contiguous();
-    launch(logits, ExpertRouteSigmoidBackward{.grad = grad.data_ptr(), .logits = logits.data_ptr(),
-                                              .chosen = chosen.data_ptr<int64_t>(), .grad_logits = out.data_ptr(),
-                                              .tokens = logits.size(0), .experts = logits.size(1), .k = chosen.size(1),
-                                              .eps = static_cast<float>(eps), .scale = static_cast<float>(scale),
-                                              .dtype = dt, .weights_dtype = wt, .renorm = renorm});
-    return out;
+  static at::Tensor kernel(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& chosen, bool renorm,
+                           double eps, double scale) {
+    return backward_piece("expert_route_sigmoid_backward", grad, logits, chosen, renorm,
+                          ExpertRouteSigmoidBackward{.eps = static_cast<float>(eps),
+                                                     .scale = static_cast<float>(scale)});
   }
 };
 
