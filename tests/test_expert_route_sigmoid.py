@@ -126,35 +126,21 @@ def test_values_and_gradients_match_fp64(device, dtype, weights_dtype, tokens, e
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_equals_hf_expression_in_float32(device):
-    """GLM-4.5's router after its float32 logits (one group): the same experts, the weights within f32 roundings,
-    the logits' gradient."""
-    logits = logits_of(64, 128, seed=3, device=device).requires_grad_()
-    bias = bias_of(128, device=device)
-    weights, chosen = op(logits, 8, bias, True, 1e-20, 2.5)
-    want, want_chosen = reference(logits, 8, bias, True, 1e-20, 2.5)
-    assert torch.equal(chosen, want_chosen)
-    assert ulps(weights, want).max() <= 4
-    dy = torch.randn(64, 8, generator=torch.Generator().manual_seed(4)).to(device)
-    (grad,) = torch.autograd.grad(weights, logits, dy)
-    (want_grad,) = torch.autograd.grad(want, logits, dy)
-    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("groups,group_k", [(8, 4), (4, 1), (32, 4), (2, 2)])
-def test_group_limited_choice_is_glm_routers(device, groups, group_k):
-    """GLM-4.5's router with n_group groups of which topk_group choose (float32, as its logits): the same experts
-    (HF's top-k leaves them unsorted: compared by index) with their weights, and the logits' gradient."""
-    logits = logits_of(200, 64, seed=5, device=device).requires_grad_()
-    bias = bias_of(64, seed=6, device=device)
+@pytest.mark.parametrize("tokens,experts,groups,group_k", [(64, 128, 1, 1), (200, 64, 8, 4), (200, 64, 4, 1),
+                                                           (200, 64, 32, 4), (200, 64, 2, 2)])
+def test_equals_glm_router(device, tokens, experts, groups, group_k):
+    """GLM-4.5's router after its float32 logits, with n_group groups of which topk_group choose: the same experts
+    (HF's top-k leaves them unsorted: compared by index) with their weights within f32 roundings, and the logits'
+    gradient."""
+    logits = logits_of(tokens, experts, seed=5, device=device).requires_grad_()
+    bias = bias_of(experts, seed=6, device=device)
     weights, chosen = op(logits, 8, bias, True, 1e-20, 2.5, groups, group_k)
     want, want_chosen = reference(logits, 8, bias, True, 1e-20, 2.5, groups, group_k)
     by_index = lambda w, c: (c.sort(-1).values, w.gather(-1, c.sort(-1).indices))
     (got_c, got_w), (want_c, want_w) = by_index(weights, chosen), by_index(want, want_chosen)
     assert torch.equal(got_c, want_c)
     assert ulps(got_w, want_w).max() <= 4
-    dy = torch.randn(200, 8, generator=torch.Generator().manual_seed(7)).to(device)
+    dy = torch.randn(tokens, 8, generator=torch.Generator().manual_seed(7)).to(device)
     (grad,) = torch.autograd.grad(got_w, logits, dy)
     (want_grad,) = torch.autograd.grad(want_w, logits, dy)
     torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
