@@ -19,7 +19,7 @@ import bastile
 from bastile import experts, long_context
 from bastile.families import FAMILIES as TRAITS
 from conftest import DEVICES, EXPERTS_PATCHES, NO_TRAINERS, needs_cuda, rel_err
-from test_families import WRAPPED, Dispatched, adam_steps, assert_grad_close, exact_delta_rule, exact_grads, mini
+from test_families import WRAPPED, Dispatched, route_op, adam_steps, assert_grad_close, exact_delta_rule, exact_grads, mini
 from test_qwen3_training import batches
 
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "gemma4_text", "glm4_moe", "qwen3_vl_moe_text",
@@ -244,11 +244,13 @@ ROUTED = [(f, renorm) for f in FAMILIES if TRAITS[f].mlp.router
 def test_router_is_hf_router_in_one_op(family, renorm, device, dtype):
     """The router's forward: HF's logits, the same experts and their weights in HF's dtype (within f32 roundings and
     one of the dtype's units), and after the logits one op, `expert_route` (`expert_route_sigmoid` for GLM-4.5's and
-    LFM2-MoE's, their correction biases drawn at random), forward and backward. The hidden states'
+    LFM2-MoE's, their correction biases drawn at random), forward and backward; the rest of the model's roles left
+    HF's (Gemma 4's router norms its input). The hidden states'
     and router's gradients through weights and logits (a load-balancing term): in fp32 as HF's; in bf16, where HF
     rounds its softmax's output and backward in bf16 (GPT-OSS's softmax of the top-k) and Bastile once from f32, as
     far from HF's fp32 router as HF's bf16 one is (or within 1e-2 in norm)."""
-    model = WRAPPED[family]().to(device, dtype) if family in WRAPPED else mini(family, device, dtype)
+    model = (WRAPPED[family]().to(device, dtype) if family in WRAPPED
+             else mini(family, device, dtype, **OVERRIDES.get(family, {})))
     router = next(m for m in model.modules() if type(m).__name__ == TRAITS[family].name("TopKRouter"))
     if renorm is not None:
         setattr(router, TRAITS[family].mlp.router.renorm, renorm)
@@ -258,14 +260,21 @@ def test_router_is_hf_router_in_one_op(family, renorm, device, dtype):
                  if b is not None), None)
     if bias is not None:
         bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(2)).mul(0.1))
+    # the routers' vectors (GPT-OSS's bias, Gemma 4's scales) drawn too, not their init's zeros and ones
+    with torch.no_grad():
+        for p in router.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.rand(p.shape, generator=torch.Generator().manual_seed(3)).add(0.5))
     extra = (block.expert_bias,) if getattr(block, "use_expert_bias", False) else ()
     exact = copy.deepcopy(router).float()
-    x = torch.randn(64, router.weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(device, dtype)
-    dy = torch.randn(64, router.top_k, generator=torch.Generator().manual_seed(1)).to(device)
+    hidden = model.get_input_embeddings().weight.shape[-1]
+    x = torch.randn(64, hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    names = ["hidden"] + [n for n, p in router.named_parameters() if p.requires_grad]
 
     def run(module, cast=lambda t: t):
-        leaves = [cast(x).detach().requires_grad_(), module.weight]
+        leaves = [cast(x).detach().requires_grad_()] + [p for p in module.parameters() if p.requires_grad]
         logits, weights, chosen = module(leaves[0], *extra)
+        dy = torch.randn(weights.shape, generator=torch.Generator().manual_seed(1)).to(device)
         # each token's experts by index (GLM-4.5's top-k leaves them unsorted), their weights alongside
         chosen, by_index = chosen.sort(-1)
         weights = weights.gather(-1, by_index)
@@ -274,17 +283,17 @@ def test_router_is_hf_router_in_one_op(family, renorm, device, dtype):
 
     _, fp32_grads = run(exact, lambda t: t.float())
     (hf_logits, hf_weights, hf_chosen), hf_grads = run(router)
-    bastile.apply(model=model, **NO_TRAINERS)
+    bastile.apply(model=model, norm=False, attention=False, decoder=False, head=False, **NO_TRAINERS)
     with Dispatched() as seen:
         (logits, weights, chosen), grads = run(router)
-    op = "expert_route" if TRAITS[family].mlp.router.kind == "softmax" else "expert_route_sigmoid"
+    op = route_op(TRAITS[family])
     assert seen.calls == [op, f"{op}_backward"]
     assert torch.equal(logits, hf_logits) and torch.equal(chosen, hf_chosen)
     assert weights.dtype == hf_weights.dtype
     # one rounding, where HF's LFM2-MoE rounds its weights' sum, division and scaling in bf16
     units = 1 if dtype == torch.float32 else 4
     torch.testing.assert_close(weights, hf_weights, rtol=units * torch.finfo(weights.dtype).eps, atol=1e-6)
-    for name, got, hf, want in zip(("hidden", "weight"), grads, hf_grads, fp32_grads):
+    for name, got, hf, want in zip(names, grads, hf_grads, fp32_grads):
         if dtype == torch.float32:
             torch.testing.assert_close(got, hf, rtol=1e-5, atol=1e-6)
         else:

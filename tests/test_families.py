@@ -197,6 +197,11 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def route_op(traits):
+    """The op running the family's router."""
+    return "expert_route_sigmoid" if traits.mlp.router.kind in ("glm4_moe", "lfm2_moe") else "expert_route"
+
+
 def expected_ops(family, model):
     """The ops a patched training step of the family's model must run: its norms, rotation (with the q/k norms where
     the rotation is whole-head and half-split), MLP (and its experts' grouping, dispatch and combine where it has
@@ -209,7 +214,7 @@ def expected_ops(family, model):
     if t.mlp.experts and any(type(m).__name__ == t.name("Experts") for m in model.modules()):
         mlp |= {"expert_group", "expert_dispatch", "expert_combine"}
     if t.mlp.router and any(type(m).__name__ == t.name("TopKRouter") for m in model.modules()):
-        mlp |= {"expert_route" if t.mlp.router.kind == "softmax" else "expert_route_sigmoid"}
+        mlp |= {route_op(t)}
     delta_net = {"causal_conv1d", "gated_delta_rule", "rms_norm_gated"} if t.linear_attention else set()
     conv = {"causal_conv1d"} if t.short_conv else set()
     return {"rms_norm", attention, "fused_linear_cross_entropy"} | mlp | delta_net | conv
@@ -1041,10 +1046,11 @@ def test_gemma4_moe_training_matches_hf_cpu_fp32():
     assert all(type(layer.experts).__name__ == "Gemma4TextExperts" for layer in model.model.layers)
     calls = []
     real = bastile.roles.mlp.swiglu
-    with pytest.MonkeyPatch.context() as m:
+    with pytest.MonkeyPatch.context() as m, Dispatched() as seen:
         m.setattr(bastile.roles.mlp, "swiglu", lambda *a: calls.append(1) or real(*a))
         losses, grads = train(model, data)
     assert len(calls) >= steps * len(model.model.layers)  # each layer's experts, each step
+    assert expected_ops("gemma4_text", model) <= seen.ops, seen.ops
     assert losses == pytest.approx(ref_losses, rel=1e-5) and ref_losses[-1] < ref_losses[0]
     assert grads.keys() == ref_grads.keys() and any(".experts." in n for n in grads)
     for name, g in ref_grads.items():

@@ -104,7 +104,8 @@ class Router:
     token's top_k experts and their weights. `kind` "softmax": weighted by the softmax of all logits at them or,
     renormalised, by the softmax over the chosen (what HF's top-k of the softmax divided by its sum and GPT-OSS's
     softmax of the top-k logits both give); a sigmoid router's family ("glm4_moe", "lfm2_moe"): its own stage
-    (roles/mlp.py), the scores sigmoid(logits) chosen with a correction bias, scaled by routed_scaling_factor."""
+    (roles/mlp.py), the scores sigmoid(logits) chosen with a correction bias, scaled by routed_scaling_factor;
+    "gemma4": Gemma4TextRouter's, renormalised softmax weights times a learned scale per expert."""
     kind: str = "softmax"
     renorm: Optional[str] = None        # the router's attribute saying whether it renormalises; None: it always does
     weights: str = "logits"             # the weights' dtype: the logits' ("logits"), or "float32" (Mixtral's)
@@ -460,8 +461,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     # last layers, the logits softcapped; in the MoE model (26B-A4B) experts beside each dense MLP.
     _family("gemma4_text", "Gemma4", _GEMMA4, module="gemma4", norm=Norm.OPTIONAL_WEIGHT_THEN_CAST,
             attention=Attention(qk_norm=QkNorm.PER_HEAD, window=Window.LAYER, shared_kv=True),
-            mlp=Mlp(experts="swiglu", beside=True), residual=GEMMA4, head=Head(softcap="final_logit_softcapping", output="CausalLMOutputWithPast"),
-            decoder="TextModel", layer="Text",
+            mlp=Mlp(experts="swiglu", beside=True, router=Router(kind="gemma4")), residual=GEMMA4, head=Head(softcap="final_logit_softcapping", output="CausalLMOutputWithPast"),
+            decoder="TextModel", layer="Text", classes={"TopKRouter": "Gemma4TextRouter"},
             # "vision": image tokens attend both ways, through the masks HF's multimodal model makes (which
             # Bastile's attention takes); the text decoder alone stays causal.
             off={"use_bidirectional_attention": Off(_CAUSAL_WHY, allowed=("vision",))},

@@ -3,9 +3,9 @@
 The dense MLP is `down(act(gate(x)) * up(x))`, gate and up from one gate_up_proj (gate first) where the family
 fuses them. Where the activation is SiLU or GELU-tanh, the activation and product run in one op fused with the
 down projection, so the activation is not kept for the backward; PEFT LoRA adapters on the projections run in
-fused nodes (lora.py). Any other activation runs HF's own math. A router (Mlp.router: softmax, or GLM-4.5's and LFM2-MoE's
-sigmoid) computes its logits as HF does and its choice and weights in one op (`expert_route`,
-`expert_route_sigmoid`).
+fused nodes (lora.py). Any other activation runs HF's own math. A router (Mlp.router: softmax, Gemma 4's softmax
+with a scale per expert, or GLM-4.5's and LFM2-MoE's sigmoid) computes its logits as HF does and its choice and
+weights in one op (`expert_route`, `expert_route_sigmoid`).
 """
 import functools
 from typing import Callable, Optional
@@ -196,8 +196,20 @@ def lfm2_moe_router(traits: Router) -> Callable:
     return router
 
 
+def gemma4_router(traits: Router) -> Callable:
+    """Gemma 4's (Gemma4TextRouter): HF's norm, scaling and projection to the logits; their softmax's top-k
+    renormalised as one float32 `expert_route`, times each chosen expert's per_expert_scale. Its first output is
+    the softmax of all logits, as HF's (the layer drops it; output_router_logits records it)."""
+    def router(self, hidden_states):
+        logits = self.proj(self.norm(hidden_states) * self.scale * self.scalar_root_size)
+        weights, chosen = expert_route(logits, self.config.top_k_experts, True, torch.float32)
+        return F.softmax(logits, dim=-1, dtype=torch.float32), weights * self.per_expert_scale[chosen], chosen
+    return router
+
+
 # traits -> router stage
-ROUTERS = {"softmax": softmax_router, "glm4_moe": glm4_moe_router, "lfm2_moe": lfm2_moe_router}
+ROUTERS = {"softmax": softmax_router, "glm4_moe": glm4_moe_router, "lfm2_moe": lfm2_moe_router,
+           "gemma4": gemma4_router}
 
 
 # traits -> gate stage
