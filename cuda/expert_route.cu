@@ -112,16 +112,26 @@ template <class T, class W> __device__ __forceinline__ void forward(const Expert
   const T *__restrict__ logits = static_cast<const T *>(p.logits);
   W *__restrict__ weights = static_cast<W *>(p.weights);
   const int lane = threadIdx.x % 32;
+  const bool clamps = p.renorm && p.norm_min > 0.f;
   for_each_token(p.tokens, [&](int64_t t) {
     const T *row = logits + t * p.experts;
     int64_t *pick = p.chosen + t * p.k;
-    float top = 0.f, picked_sum = 0.f;
-    pick_top_k([&](int64_t j) { return to_f32(row[j]); }, p.experts, p.k, pick, lane, [&](int64_t r, uint64_t key) {
-      const float v = key_value(key);
-      if (r == 0) top = v;
-      picked_sum += expf(v - top);
-    });
-    const float sum = p.renorm ? picked_sum : softmax_sum(row, p.experts, top, lane);
+    float top = 0.f, total = 0.f, picked_sum = 0.f;
+    if (p.bias) {
+      // chosen by the float32 softmax plus the bias: the softmax's total first
+      top = row_max(row, p.experts, lane);
+      total = softmax_sum(row, p.experts, top, lane);
+      pick_top_k([&](int64_t j) { return expf(to_f32(row[j]) - top) / total + p.bias[j]; }, p.experts, p.k, pick,
+                 lane, [&](int64_t, uint64_t key) { picked_sum += expf(to_f32(row[key_index(key)]) - top); });
+    } else {
+      pick_top_k([&](int64_t j) { return to_f32(row[j]); }, p.experts, p.k, pick, lane, [&](int64_t r, uint64_t key) {
+        const float v = key_value(key);
+        if (r == 0) top = v;
+        picked_sum += expf(v - top);
+      });
+      if (!p.renorm || clamps) total = softmax_sum(row, p.experts, top, lane);
+    }
+    const float sum = !p.renorm ? total : clamps && picked_sum < p.norm_min * total ? p.norm_min * total : picked_sum;
     // each lane reads back the picks it wrote
     for (int64_t s = lane; s < p.k; s += 32) weights[t * p.k + s] = from_f32<W>(expf(to_f32(row[pick[s]]) - top) / sum);
   });
@@ -140,10 +150,20 @@ template <class T, class W> __device__ __forceinline__ void backward(const Exper
     const auto picked = [&](int64_t s) {
       return expf(to_f32(row[checked_index(pick[s], p.experts, "expert_route", "chosen")]) - top);
     };
-    float sum = 0.f;
+    float sum = 0.f, scale = 1.f;
+    bool renorm = p.renorm;
     if (p.renorm) {
       for (int64_t s = lane; s < p.k; s += 32) sum += picked(s);
       sum = warp_sum(sum);
+      if (p.norm_min > 0.f) {
+        // the forward's clamp: the weights P_s / norm_min, the softmax over all scaled
+        const float total = softmax_sum(row, p.experts, top, lane);
+        if (sum < p.norm_min * total) {
+          renorm = false;
+          sum = total;
+          scale = 1.f / p.norm_min;
+        }
+      }
     } else {
       sum = softmax_sum(row, p.experts, top, lane);
     }
@@ -155,7 +175,7 @@ template <class T, class W> __device__ __forceinline__ void backward(const Exper
       const auto [chose, times] = chosen_grad(j, pick, g, p.k, lane);
       if (j >= p.experts) continue;
       const float pj = expf(to_f32(row[j]) - top) / sum;
-      const float value = p.renorm ? (times > 0.f ? pj * (chose - times * dot) : 0.f) : pj * (chose - dot);
+      const float value = renorm ? (times > 0.f ? pj * (chose - times * dot) : 0.f) : pj * (chose - dot) * scale;
       out[t * p.experts + j] = from_f32<T>(value);
     }
   });

@@ -3,11 +3,15 @@
  * lower index (as torch.topk picks them; -0 equals +0 and NaN is the largest) and gives their weights [k]:
  *   renorm   w_s = e_s / sum_r e_r   (a softmax over the chosen logits)
  *   else     w_s = e_s / sum_j e^(logits[t, j] - m)   (the softmax over all experts, at the chosen)
- * with e_s = e^(logits[t, chosen[s]] - m), m the largest logit. The backward gives the logits' gradient for the
- * weights' `grad` [tokens, k]: with dot = sum_s grad_s w_s and G_j = sum over the slots s choosing j of grad_s
- * (n_j of them),
+ * with e_s = e^(logits[t, chosen[s]] - m), m the largest logit. With a `bias` [experts] (ERNIE 4.5's correction)
+ * the choice is by P_j + bias[j] instead, P_j the softmax over all experts rounded to f32 (f64 for f64 logits) as
+ * HF's float32 softmax; with renorm and `norm_min` > 0 the chosen's probabilities are divided by their sum S clamped
+ * below at norm_min (ERNIE's moe_norm_min): where S < norm_min, w_s = P_s / norm_min. The backward gives the logits'
+ * gradient for the weights' `grad` [tokens, k]: with dot = sum_s grad_s w_s and G_j = sum over the slots s choosing
+ * j of grad_s (n_j of them),
  *   renorm   grad_logits[j] = p_j (G_j - n_j dot), p_j = e_j / sum_s e_s
  *   else     grad_logits[j] = p_j (G_j - dot),     p_j the softmax over all experts
+ * and where the clamp holds, p_j (G_j - dot) / norm_min with p_j the softmax over all and dot = sum_s grad_s p_s
  * (slots choosing one expert twice, which the forward never gives, are summed as autograd sums them). Both in f32
  * (f64 on the CPU), each result rounded once; logits and grad_logits are of `dtype`, weights and grad of
  * `weights_dtype`. A chosen index outside 0..experts stops the backward's kernel (CUDA) or is an error (CPU). */
@@ -28,11 +32,13 @@
 
 typedef struct ExpertRouteForward {
   const void *logits;  /* [tokens, experts] */
+  const float *bias;   /* [experts], or null */
   void *weights;       /* [tokens, k] */
   int64_t *chosen;     /* [tokens, k] */
   int64_t tokens;
   int64_t experts;
   int64_t k;
+  float norm_min;
   int32_t dtype;
   int32_t weights_dtype;
   int32_t renorm;
@@ -46,6 +52,7 @@ typedef struct ExpertRouteBackward {
   int64_t tokens;
   int64_t experts;
   int64_t k;
+  float norm_min;
   int32_t dtype;
   int32_t weights_dtype;
   int32_t renorm;

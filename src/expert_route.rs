@@ -85,19 +85,35 @@ fn grain(experts: usize) -> usize {
     (cpu::GRAIN / experts.max(1)).max(1)
 }
 
+/// The renormalised weights' denominator: the chosen's sum of exponentials, clamped below at norm_min times the
+/// total (their probabilities' sum at norm_min); None where it is not clamped.
+fn clamped(picked: f64, total: f64, norm_min: f64) -> Option<f64> {
+    (norm_min > 0.0 && picked < norm_min * total).then(|| norm_min * total)
+}
+
 unsafe fn forward_cpu<T: Element, W: Element>(p: &ExpertRouteForward) -> Result<()> {
     let (tokens, experts, k, renorm) = (p.tokens as usize, p.experts as usize, p.k as usize, p.renorm != 0);
+    let wide = T::DTYPE == BastileDType::BASTILE_F64;
     let logits = cpu::slice::<T>(p.logits, tokens * experts);
+    let bias = (!p.bias.is_null()).then(|| cpu::slice::<f32>(p.bias.cast(), experts));
+    let norm_min = p.norm_min as f64;
     let weights = Disjoint::new(cpu::slice_mut::<W>(p.weights, tokens * k));
     let chosen = Disjoint::new(cpu::slice_mut::<i64>(p.chosen.cast(), tokens * k));
     cpu::parallel_for(tokens, grain(experts), |range| {
         for t in range {
             let row: Vec<f64> = logits[t * experts..(t + 1) * experts].iter().map(|v| v.to_f64()).collect();
-            let mut order: Vec<(f64, usize)> = row.iter().copied().zip(0..).collect();
-            order.sort_by(|&a, &b| picked_before(a, b));
             let e = exps(&row);
+            let total: f64 = e.iter().sum();
+            // by the logits, or by the softmax (in HF's float32) plus the bias
+            let mut order: Vec<(f64, usize)> = match bias {
+                None => row.iter().copied().zip(0..).collect(),
+                Some(b) if wide => e.iter().zip(b).map(|(e, &b)| e / total + b as f64).zip(0..).collect(),
+                Some(b) => e.iter().zip(b).map(|(e, &b)| ((e / total) as f32 + b) as f64).zip(0..).collect(),
+            };
+            order.sort_by(|&a, &b| picked_before(a, b));
             let picked = &order[..k];
-            let sum: f64 = if renorm { picked.iter().map(|&(_, j)| e[j]).sum() } else { e.iter().sum() };
+            let picked_sum: f64 = picked.iter().map(|&(_, j)| e[j]).sum();
+            let sum = if !renorm { total } else { clamped(picked_sum, total, norm_min).unwrap_or(picked_sum) };
             // SAFETY: the ranges of parallel_for do not overlap.
             let (w, c) = (weights.part(t * k..(t + 1) * k), chosen.part(t * k..(t + 1) * k));
             for (s, &(_, j)) in picked.iter().enumerate() {
@@ -109,7 +125,8 @@ unsafe fn forward_cpu<T: Element, W: Element>(p: &ExpertRouteForward) -> Result<
 }
 
 unsafe fn backward_cpu<T: Element, W: Element>(p: &ExpertRouteBackward) -> Result<()> {
-    let (tokens, experts, k, renorm) = (p.tokens as usize, p.experts as usize, p.k as usize, p.renorm != 0);
+    let (tokens, experts, k, renorm, norm_min) =
+        (p.tokens as usize, p.experts as usize, p.k as usize, p.renorm != 0, p.norm_min as f64);
     let chosen = cpu::slice::<i64>(p.chosen.cast(), tokens * k);
     cpu::check_indices("expert_route", "chosen", chosen, experts, false)?;
     let logits = cpu::slice::<T>(p.logits, tokens * experts);
@@ -120,7 +137,15 @@ unsafe fn backward_cpu<T: Element, W: Element>(p: &ExpertRouteBackward) -> Resul
             let row: Vec<f64> = logits[t * experts..(t + 1) * experts].iter().map(|v| v.to_f64()).collect();
             let (pick, g) = (&chosen[t * k..(t + 1) * k], &grad[t * k..(t + 1) * k]);
             let e = exps(&row);
-            let sum: f64 = if renorm { pick.iter().map(|&j| e[j as usize]).sum() } else { e.iter().sum() };
+            let total: f64 = e.iter().sum();
+            let picked_sum: f64 = pick.iter().map(|&j| e[j as usize]).sum();
+            // where the forward clamped, the weights are the softmax over all divided by norm_min
+            let clamp = if renorm { clamped(picked_sum, total, norm_min) } else { None };
+            let (renorm, sum, scale) = match clamp {
+                Some(_) => (false, total, 1.0 / norm_min),
+                None if renorm => (true, picked_sum, 1.0),
+                None => (false, total, 1.0),
+            };
             let dot: f64 = pick.iter().zip(g).map(|(&j, g)| g.to_f64() * e[j as usize] / sum).sum();
             let (mut chose, mut times) = (vec![0.0; experts], vec![0.0; experts]);
             for (&j, g) in pick.iter().zip(g) {
@@ -131,7 +156,7 @@ unsafe fn backward_cpu<T: Element, W: Element>(p: &ExpertRouteBackward) -> Resul
             for (j, o) in out.part(t * experts..(t + 1) * experts).iter_mut().enumerate() {
                 let pj = e[j] / sum;
                 let v = if !renorm {
-                    pj * (chose[j] - dot)
+                    pj * (chose[j] - dot) * scale
                 } else if times[j] > 0.0 {
                     pj * (chose[j] - times[j] * dot)
                 } else {
@@ -242,8 +267,9 @@ mod tests {
     fn route<T: Element, W: Element>(logits: &[T], experts: usize, k: usize, renorm: bool) -> (Vec<W>, Vec<i64>) {
         let tokens = logits.len() / experts;
         let (mut weights, mut chosen) = (vec![W::from_f64(f64::NAN); tokens * k], vec![-1i64; tokens * k]);
-        ExpertRouteForward { logits: logits.as_ptr().cast(), weights: weights.as_mut_ptr().cast(), chosen: chosen.as_mut_ptr(),
-            tokens: tokens as i64, experts: experts as i64, k: k as i64, dtype: T::DTYPE as i32,
+        ExpertRouteForward { logits: logits.as_ptr().cast(), bias: std::ptr::null(), weights: weights.as_mut_ptr().cast(),
+            chosen: chosen.as_mut_ptr(), tokens: tokens as i64, experts: experts as i64, k: k as i64, norm_min: 0.0,
+            dtype: T::DTYPE as i32,
             weights_dtype: W::DTYPE as i32, renorm: renorm as i32 }.cpu().unwrap();
         (weights, chosen)
     }
@@ -254,7 +280,8 @@ mod tests {
         let mut out = vec![T::from_f64(f64::NAN); logits.len()];
         ExpertRouteBackward { grad: grad.as_ptr().cast(), logits: logits.as_ptr().cast(), chosen: chosen.as_ptr(),
             grad_logits: out.as_mut_ptr().cast(), tokens: (logits.len() / experts) as i64, experts: experts as i64,
-            k: k as i64, dtype: T::DTYPE as i32, weights_dtype: W::DTYPE as i32, renorm: renorm as i32 }.cpu()?;
+            k: k as i64, norm_min: 0.0, dtype: T::DTYPE as i32, weights_dtype: W::DTYPE as i32, renorm: renorm as i32 }
+            .cpu()?;
         Ok(out)
     }
 

@@ -1,8 +1,9 @@
 """torch.ops.bastile.expert_route, a mixture of experts' router after its logits, against HF's routers and fp64.
 
 The references are transformers' own expressions: Qwen3-MoE's router (softmax over all experts in float32, top-k,
-the top-k renormalised by their sum where norm_topk_prob says) and GPT-OSS's (top-k of the logits, softmax over
-them); their gradients are fp64 autograd's. Where logits tie, the choice is torch.topk's on CUDA: the lower index.
+the top-k renormalised by their sum where norm_topk_prob says), ERNIE 4.5's (the top-k of the softmax plus a
+correction bias, renormalised by their sum clamped below at moe_norm_min) and GPT-OSS's (top-k of the logits,
+softmax over them); their gradients are fp64 autograd's. Where logits tie, the choice is torch.topk's on CUDA: the lower index.
 """
 import pytest
 import torch
@@ -17,21 +18,30 @@ def stats(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def reference(logits, k, renorm, dtype=None):
-    """HF's Qwen3-MoE router after its logits (transformers' Qwen3MoeTopKRouter.forward)."""
+def reference(logits, k, renorm, dtype=None, bias=None, norm_min=0.0):
+    """HF's Qwen3-MoE router after its logits (transformers' Qwen3MoeTopKRouter.forward), ERNIE 4.5's with a bias
+    (Ernie4_5_MoeTopKRouter.forward)."""
     probs = torch.softmax(logits.to(stats(logits)), dim=-1)
-    top, chosen = torch.topk(probs, k, dim=-1)
+    chosen = torch.topk(probs if bias is None else probs + bias, k, dim=-1).indices
+    top = probs.gather(-1, chosen)
     if renorm:
-        top = top / top.sum(dim=-1, keepdim=True)
+        top = top / torch.clamp(top.sum(dim=-1, keepdim=True), min=norm_min)
     return top.to(dtype or stats(logits)), chosen
 
 
-def exact(logits, k, renorm):
-    """fp64, the choice by a stable descending sort (ties to the lower index): (weights, chosen)."""
+def exact(logits, k, renorm, bias=None, norm_min=0.0):
+    """fp64, the choice by a stable descending sort (ties to the lower index) of the logits, or of the float32
+    softmax plus the bias: (weights, chosen)."""
     x = logits.detach().double().cpu().requires_grad_(logits.requires_grad)
-    chosen = torch.sort(x.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    choice = x.detach() if bias is None else torch.softmax(x.detach(), -1).float() + bias.cpu().float()
+    chosen = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
     probs = torch.softmax(x, dim=-1).gather(-1, chosen)
-    return (probs / probs.sum(-1, keepdim=True) if renorm else probs), chosen, x
+    return (probs / probs.sum(-1, keepdim=True).clamp(min=norm_min) if renorm else probs), chosen, x
+
+
+def bias_of(experts, seed=11, device="cpu"):
+    """A correction bias of ERNIE's size: as large as the probabilities it moves."""
+    return torch.rand(experts, generator=torch.Generator().manual_seed(seed)).mul(0.05).to(device)
 
 
 def logits_of(tokens, experts, seed=0, dtype=torch.float32, device="cpu"):
@@ -42,7 +52,9 @@ def samples(device):
     # the first two differ in tokens only
     return [((logits_of(5, 8, 0, device=device).requires_grad_(), 2, True), {}),
             ((logits_of(7, 8, 1, device=device).requires_grad_(), 2, True), {}),
-            ((logits_of(4, 40, 2, device=device).requires_grad_(), 6, False), {})]
+            ((logits_of(4, 40, 2, device=device).requires_grad_(), 6, False), {}),
+            ((logits_of(6, 16, 3, device=device).requires_grad_(), 4, True, None, bias_of(16, device=device), 1e-12),
+             {})]
 
 
 def empty(device):
@@ -56,6 +68,9 @@ BAD = [
     (lambda: op(torch.zeros(4, 8), 9, True), "expert_route: k must be in 0..experts = 8, got 9"),
     (lambda: op(torch.zeros(4, 8), -1, True), "expert_route: k must be in 0..experts = 8, got -1"),
     (lambda: op(torch.zeros(4, 8), 2, True, torch.int64), "expert_route: dtype must be float32, float16, bfloat16"),
+    (lambda: op(torch.zeros(4, 8), 2, True, None, torch.zeros(7)), r"expert_route: bias must be \[experts\] = \[8\], got shape \[7\]"),
+    (lambda: op(torch.zeros(4, 8), 2, True, None, torch.zeros(8, dtype=torch.int32)), "expert_route: bias must be float32, float16, bfloat16"),
+    (lambda: op(torch.zeros(4, 8), 2, True, None, None, -1.0), "expert_route: norm_min must be >= 0, got -1"),
     (lambda: backward_op(torch.zeros(4, 2), torch.zeros(4, 8), torch.zeros(4, 3, dtype=torch.long), True),
      "expert_route_backward: grad and chosen must have the same shape"),
     (lambda: backward_op(torch.zeros(4, 2), torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int32), True),
@@ -79,11 +94,15 @@ SHAPES = [(37, 8, 2), (19, 32, 4), (23, 64, 8), (41, 128, 8), (9, 512, 10), (13,
 @pytest.mark.parametrize("dtype,weights_dtype", DTYPES)
 @pytest.mark.parametrize("tokens,experts,k", SHAPES)
 @pytest.mark.parametrize("renorm", [True, False])
-def test_values_and_gradients_match_fp64(device, dtype, weights_dtype, tokens, experts, k, renorm):
+@pytest.mark.parametrize("biased", [False, True])
+def test_values_and_gradients_match_fp64(device, dtype, weights_dtype, tokens, experts, k, renorm, biased):
+    """The weights and the logits' gradient against fp64, the choice by the logits or (ERNIE's) by the softmax plus
+    a correction bias."""
     logits = logits_of(tokens, experts, seed=experts + k, dtype=dtype, device=device).requires_grad_()
-    weights, chosen = op(logits, k, renorm, weights_dtype)
+    bias = bias_of(experts, device=device) if biased else None
+    weights, chosen = op(logits, k, renorm, weights_dtype, bias)
     assert (weights.dtype, chosen.dtype, weights.shape, chosen.shape) == (weights_dtype, torch.long, (tokens, k), (tokens, k))
-    want, want_chosen, x = exact(logits, k, renorm)
+    want, want_chosen, x = exact(logits, k, renorm, bias)
     assert torch.equal(chosen.cpu(), want_chosen)
     # computed in f32 and rounded once: float32 weights within the units of the exp, the division and the sum (a
     # lane's experts one after another, then the warp's tree), 16-bit ones within one unit
@@ -111,6 +130,52 @@ def test_equals_qwen3_moe_router(device, norm_topk_prob):
     (grad,) = torch.autograd.grad(weights, logits, dy)
     (want_grad,) = torch.autograd.grad(want, logits, dy)
     assert torch.allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_ernie_router(device, dtype):
+    """ERNIE 4.5's router after its float32 logits (64 experts, top 6: ERNIE-4.5-21B-A3B's): the experts its
+    softmax plus the correction bias chooses, their weights renormalised by a sum clamped at moe_norm_min, in the
+    hidden states' dtype; the logits' gradient."""
+    logits = logits_of(64, 64, seed=12, device=device).requires_grad_()
+    bias = bias_of(64, device=device)
+    weights, chosen = op(logits, 6, True, dtype, bias, 1e-12)
+    want, want_chosen = reference(logits, 6, True, dtype, bias, 1e-12)
+    assert torch.equal(chosen, want_chosen)
+    assert not torch.equal(chosen, op(logits, 6, True, dtype)[1])  # the bias chose some tokens' experts
+    assert ulps(weights, want).max() <= (8 if dtype == torch.float32 else 1)
+    dy = torch.randn(64, 6, generator=torch.Generator().manual_seed(13)).to(device, dtype)
+    (grad,) = torch.autograd.grad(weights, logits, dy)
+    (want_grad,) = torch.autograd.grad(want, logits, dy)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad, want_grad, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_min_clamps_the_renormalising_sum(device):
+    """Where the chosen probabilities sum below norm_min (a bias choosing unlikely experts), the weights are the
+    probabilities over norm_min and the gradient clamp's (none through the sum), as torch.clamp's; elsewhere the
+    renormalised ones. Against fp64 autograd of HF's expression, forward and backward."""
+    logits = logits_of(40, 16, seed=14, device=device)
+    logits[::2, :4] -= 12  # every other token's first four experts unlikely; the bias picks them for every token
+    bias = torch.zeros(16, device=device)
+    bias[:4] = 1.0
+    x = logits.double().cpu().requires_grad_()
+    # the bias ties the unlikely experts' choice values in float32 (Bastile's order) and not in fp64: by index
+    by_index = lambda w, c: (c.sort(-1).values, w.gather(-1, c.sort(-1).indices))
+    for norm_min in (0.2, 1e-12):
+        chosen, weights = by_index(*op(logits.requires_grad_(), 4, True, torch.float32, bias, norm_min))
+        want_chosen, want = by_index(*reference(x, 4, True, torch.float64, bias.cpu().double(), norm_min))
+        assert torch.equal(chosen.cpu(), want_chosen)
+        probs = torch.softmax(x.detach(), -1).gather(-1, want_chosen).sum(-1)
+        assert (probs < norm_min).any() == (norm_min > 0.1) and not (probs < norm_min).all()  # both cases at 0.2
+        torch.testing.assert_close(weights.detach().cpu().double(), want.detach(), rtol=1e-5, atol=1e-9)
+        dy = torch.randn(40, 4, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+        (grad,) = torch.autograd.grad(weights, logits, dy.to(device, torch.float32))
+        (want_grad,) = torch.autograd.grad(want, x, dy)
+        torch.testing.assert_close(grad.cpu().double(), want_grad, rtol=1e-4, atol=1e-7)
+        logits = logits.detach()
 
 
 @pytest.mark.parametrize("device", DEVICES)

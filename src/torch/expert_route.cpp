@@ -3,9 +3,11 @@
 // first, a tie to the lower index (as torch.topk picks them, NaN first), and their weights: with `renorm` the
 // softmax over the chosen logits (HF's top-k of the softmax renormalised, or its softmax of the top-k logits),
 // else the softmax over all experts at the chosen. In f32 (f64 for float64 logits), rounded once to `dtype`
-// (default float32, float64 for float64 logits). The logits' gradient comes from the weights' (chosen has none).
-// expert_route_backward(grad, logits, chosen, renorm) is that gradient as a piece: the formulas of
-// include/expert_route.h, of logits' dtype. Autograd saves the logits and chosen; autocast leaves the op alone.
+// (default float32, float64 for float64 logits). With a `bias` [experts] (ERNIE 4.5's) the choice is by the
+// float32 softmax plus the bias, and `norm_min` clamps the renormalising sum below (ERNIE's moe_norm_min). The
+// logits' gradient comes from the weights' (chosen and bias have none). expert_route_backward(grad, logits, chosen,
+// renorm, norm_min) is that gradient as a piece: the formulas of include/expert_route.h, of logits' dtype. Autograd
+// saves the logits and chosen; autocast leaves the op alone.
 // expert_route_sigmoid(logits, k, bias, renorm, eps, scale, groups, group_k, dtype) is the sigmoid router (GLM-4.5's,
 // LFM2-MoE's): the scores sigmoid(logits) rounded to logits' dtype, the k largest of scores + bias (bias [experts]
 // of a float dtype, the sum rounded as torch's; it only chooses; with groups > 1 only among the group_k
@@ -61,23 +63,42 @@ at::Tensor backward_piece(const char* op, const at::Tensor& grad_in, const at::T
 
 struct ExpertRouteBackwardOp {
   static constexpr const char* schema =
-      "expert_route_backward(Tensor grad, Tensor logits, Tensor chosen, bool renorm) -> Tensor";
+      "expert_route_backward(Tensor grad, Tensor logits, Tensor chosen, bool renorm, float norm_min=0.0) -> Tensor";
 
-  static at::Tensor kernel(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& chosen, bool renorm) {
-    return backward_piece("expert_route_backward", grad, logits, chosen, renorm, ExpertRouteBackward{});
+  static at::Tensor kernel(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& chosen, bool renorm,
+                           double norm_min) {
+    return backward_piece("expert_route_backward", grad, logits, chosen, renorm,
+                          ExpertRouteBackward{.norm_min = static_cast<float>(norm_min)});
   }
 };
 
+// A router's correction bias: [experts] of a float dtype on logits' device, read by the kernels as f32 (exact).
+at::Tensor checked_bias(const char* op, const std::optional<at::Tensor>& bias, const at::Tensor& logits) {
+  if (!bias) return at::Tensor();
+  const auto b = bias->scalar_type();
+  TORCH_CHECK(b == logits.scalar_type() || b == at::kFloat || b == at::kHalf || b == at::kBFloat16, "bastile.", op,
+              ": bias must be float32, float16, bfloat16 or logits' ", logits.scalar_type(), ", got ", b);
+  TORCH_CHECK(bias->dim() == 1 && bias->sym_size(0) == logits.sym_size(1), "bastile.", op,
+              ": bias must be [experts] = [", logits.sym_size(1), "], got shape ", bias->sym_sizes());
+  check_device(op, {"logits", logits}, {{"bias", *bias}});
+  return bias->to(at::kFloat).contiguous();
+}
+
 struct ExpertRouteOp {
   static constexpr const char* schema =
-      "expert_route(Tensor logits, int k, bool renorm, ScalarType? dtype=None) -> (Tensor, Tensor)";
+      "expert_route(Tensor logits, int k, bool renorm, ScalarType? dtype=None, Tensor? bias=None, "
+      "float norm_min=0.0) -> (Tensor, Tensor)";
+  static constexpr size_t no_grad[] = {4};  // bias: it only chooses
 
   static std::tuple<at::Tensor, at::Tensor> kernel(const at::Tensor& logits_in, int64_t k, bool renorm,
-                                                   std::optional<at::ScalarType> dtype) {
+                                                   std::optional<at::ScalarType> dtype,
+                                                   const std::optional<at::Tensor>& bias_in, double norm_min) {
     constexpr const char* op = "expert_route";
     const auto dt = dtype_code(op, {"logits", checked_logits(op, logits_in)});
     const auto& experts = logits_in.sym_size(1);
     TORCH_CHECK(k >= 0 && experts >= k, "bastile.", op, ": k must be in 0..experts = ", experts, ", got ", k);
+    TORCH_CHECK(norm_min >= 0, "bastile.", op, ": norm_min must be >= 0, got ", norm_min);
+    const auto bias = checked_bias(op, bias_in, logits_in);
     const auto w = dtype.value_or(stats_dtype(logits_in));
     const auto wt = dtype_code(op, "dtype", w);
     const auto& tokens = logits_in.sym_size(0);
@@ -85,18 +106,22 @@ struct ExpertRouteOp {
     auto chosen = at::empty_symint({tokens, k}, logits_in.options().dtype(at::kLong));
     if (logits_in.is_meta() || weights.numel() == 0) return {weights, chosen};
     const auto logits = logits_in.contiguous();
-    launch(logits, ExpertRouteForward{.logits = logits.data_ptr(), .weights = weights.data_ptr(),
-                                      .chosen = chosen.data_ptr<int64_t>(), .tokens = logits.size(0),
-                                      .experts = logits.size(1), .k = k, .dtype = dt, .weights_dtype = wt,
+    launch(logits, ExpertRouteForward{.logits = logits.data_ptr(),
+                                      .bias = bias.defined() ? bias.data_ptr<float>() : nullptr,
+                                      .weights = weights.data_ptr(), .chosen = chosen.data_ptr<int64_t>(),
+                                      .tokens = logits.size(0), .experts = logits.size(1), .k = k,
+                                      .norm_min = static_cast<float>(norm_min), .dtype = dt, .weights_dtype = wt,
                                       .renorm = renorm});
     return {weights, chosen};
   }
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, int64_t k, bool renorm,
-                               std::optional<at::ScalarType> dtype) {
-    auto [weights, chosen] = call<ExpertRouteOp>(logits, k, renorm, dtype);
+                               std::optional<at::ScalarType> dtype, const std::optional<at::Tensor>& bias,
+                               double norm_min) {
+    auto [weights, chosen] = call<ExpertRouteOp>(logits, k, renorm, dtype, bias, norm_min);
     ctx->save_for_backward({logits, chosen});
     ctx->saved_data["renorm"] = renorm;
+    ctx->saved_data["norm_min"] = norm_min;
     ctx->mark_non_differentiable({chosen});
     return {weights, chosen};
   }
@@ -104,7 +129,8 @@ struct ExpertRouteOp {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return {at::Tensor()};
     const auto s = ctx->get_saved_variables();
-    return {call<ExpertRouteBackwardOp>(grads[0], s[0], s[1], ctx->saved_data["renorm"].toBool())};
+    const auto& d = ctx->saved_data;
+    return {call<ExpertRouteBackwardOp>(grads[0], s[0], s[1], d.at("renorm").toBool(), d.at("norm_min").toDouble())};
   }
 };
 
@@ -142,15 +168,8 @@ struct ExpertRouteSigmoidOp {
     TORCH_CHECK(group_k == groups || experts >= 2 * groups, "bastile.", op,
                 ": a group scores by its two largest experts, and ", experts, " experts in ", groups,
                 " groups leave fewer");
-    if (bias_in) {
-      // promoted with the scores as torch's `scores + bias`: to float32 (or float64 on the CPU), or a 16-bit sum
-      const auto b = bias_in->scalar_type();
-      TORCH_CHECK(b == logits_in.scalar_type() || b == at::kFloat || b == at::kHalf || b == at::kBFloat16, "bastile.",
-                  op, ": bias must be float32, float16, bfloat16 or logits' ", logits_in.scalar_type(), ", got ", b);
-      TORCH_CHECK(bias_in->dim() == 1 && bias_in->sym_size(0) == experts, "bastile.", op,
-                  ": bias must be [experts] = [", experts, "], got shape ", bias_in->sym_sizes());
-      check_device(op, {"logits", logits_in}, {{"bias", *bias_in}});
-    }
+    // promoted with the scores as torch's `scores + bias`: to float32 (or float64 on the CPU), or a 16-bit sum
+    const auto bias = checked_bias(op, bias_in, logits_in);
     const auto w = dtype.value_or(stats_dtype(logits_in));
     const auto wt = dtype_code(op, "dtype", w);
     const auto& tokens = logits_in.sym_size(0);
@@ -158,8 +177,7 @@ struct ExpertRouteSigmoidOp {
     auto chosen = at::empty_symint({tokens, k}, logits_in.options().dtype(at::kLong));
     if (logits_in.is_meta() || weights.numel() == 0) return {weights, chosen};
     const auto logits = logits_in.contiguous();
-    // the kernels read the bias as f32 (exact); a 16-bit bias of logits' dtype makes the choice a 16-bit sum
-    const auto bias = bias_in ? bias_in->to(at::kFloat).contiguous() : at::Tensor();
+    // a 16-bit bias of logits' dtype makes the choice a 16-bit sum
     const bool round_choice = bias_in && bias_in->scalar_type() == logits_in.scalar_type() &&
                               logits_in.scalar_type() != at::kFloat && logits_in.scalar_type() != at::kDouble;
     launch(logits, ExpertRouteSigmoidForward{.logits = logits.data_ptr(),
