@@ -244,7 +244,7 @@ ROUTED = [(f, renorm) for f in FAMILIES if TRAITS[f].mlp.router
 def test_router_is_hf_router_in_one_op(family, renorm, device, dtype):
     """The router's forward: HF's logits, the same experts and their weights in HF's dtype (within f32 roundings and
     one of the dtype's units), and after the logits one op, `expert_route` (`expert_route_sigmoid` for GLM-4.5's and
-    LFM2-MoE's, their correction biases drawn at random), forward and backward; the rest of the model's roles left
+    LFM2-MoE's; the correction biases drawn at random), forward and backward; the rest of the model's roles left
     HF's (Gemma 4's router norms its input). The hidden states'
     and router's gradients through weights and logits (a load-balancing term): in fp32 as HF's; in bf16, where HF
     rounds its softmax's output and backward in bf16 (GPT-OSS's softmax of the top-k) and Bastile once from f32, as
@@ -254,10 +254,12 @@ def test_router_is_hf_router_in_one_op(family, renorm, device, dtype):
     router = next(m for m in model.modules() if type(m).__name__ == TRAITS[family].name("TopKRouter"))
     if renorm is not None:
         setattr(router, TRAITS[family].mlp.router.renorm, renorm)
-    # the sigmoid routers' correction biases (GLM-4.5's buffer, LFM2-MoE's the block's, passed in), not zeros
+    # the routers' correction biases (GLM-4.5's buffer, ERNIE's moe_statics', LFM2-MoE's the block's, passed in),
+    # not zeros
     block = next(m for m in model.modules() if router in (getattr(m, "gate", None), getattr(m, "router", None)))
-    bias = next((b for b in (getattr(router, "e_score_correction_bias", None), getattr(block, "expert_bias", None))
-                 if b is not None), None)
+    bias = next((b for n, b in (*router.named_buffers(), *router.named_parameters(),
+                                ("expert_bias", getattr(block, "expert_bias", None)))
+                 if n.endswith(("e_score_correction_bias", "expert_bias")) and b is not None), None)
     if bias is not None:
         bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(2)).mul(0.1))
     # the routers' vectors (GPT-OSS's bias, Gemma 4's scales) drawn too, not their init's zeros and ones

@@ -171,12 +171,25 @@ WRAPPED = {"qwen3_vl_text": lambda: qwen3_vl_multimodal(), "qwen3_vl_moe_text": 
            "qwen2_5_vl_text": lambda: qwen2_vl_multimodal("qwen2_5_vl"), "qwen2_vl_text": lambda: qwen2_vl_multimodal("qwen2_vl")}
 
 
+# Weights transformers 5.17 leaves at zeros where 5.23 draws them, as checkpoints have them: ERNIE 4.5's routers
+# (at zeros every expert ties, and HF's CPU top-k orders ties its own way, CUDA's and Bastile's by index)
+DRAWN = {"Ernie4_5_MoeTopKRouter"}
+
+
+def drawn(model):
+    """The model with the weights of DRAWN drawn as transformers 5.23 initialises them."""
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ in DRAWN:
+                m.weight.normal_(0.0, model.config.initializer_range)
+    return model
+
+
 def mini(family, device, dtype, seed=0, **overrides):
     config_cls, model_cls, extra = MINI[family]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
-    model = getattr(transformers, model_cls)(cfg)
-    return model.to(device=device, dtype=dtype).train()
+    return drawn(getattr(transformers, model_cls)(cfg)).to(device=device, dtype=dtype).train()
 
 
 class Dispatched(TorchDispatchMode):

@@ -20,7 +20,7 @@ import bastile
 from bastile import families
 from bastile.families import Unsupported
 from conftest import NO_TRAINERS, patch_names
-from test_families import Dispatched, expected_ops
+from test_families import Dispatched, drawn, expected_ops
 
 CONFIGS = Path(__file__).parent / "configs"
 FOLDERS = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file())
@@ -57,7 +57,7 @@ def build(config, device, **kw):
     """The causal LM of a config, or its image-text model where it has no causal LM (Mistral 3's)."""
     auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModelForImageTextToText
     with torch.device(device):
-        return auto.from_config(config, **kw)
+        return drawn(auto.from_config(config, **kw))
 
 
 def shrunk(raw: dict) -> dict:

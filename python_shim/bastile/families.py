@@ -105,7 +105,8 @@ class Router:
     renormalised, by the softmax over the chosen (what HF's top-k of the softmax divided by its sum and GPT-OSS's
     softmax of the top-k logits both give); a sigmoid router's family ("glm4_moe", "lfm2_moe"): its own stage
     (roles/mlp.py), the scores sigmoid(logits) chosen with a correction bias, scaled by routed_scaling_factor;
-    "gemma4": Gemma4TextRouter's, renormalised softmax weights times a learned scale per expert."""
+    "gemma4": Gemma4TextRouter's, renormalised softmax weights times a learned scale per expert; "ernie4_5_moe":
+    the softmax plus a correction bias choosing, the renormalising sum clamped at moe_norm_min."""
     kind: str = "softmax"
     renorm: Optional[str] = None        # the router's attribute saying whether it renormalises; None: it always does
     weights: str = "logits"             # the weights' dtype: the logits' ("logits"), or "float32" (Mixtral's)
@@ -426,14 +427,14 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
             head=Head(router_logits=True), classes={"TopKRouter": "Glm4MoeTopkRouter"}),
     # ERNIE 4.5 (Baidu): Llama's layers with the interleaved rotation of whole heads on f32 tables, q and k cast back
     # (as GLM-4's pairs, OLMo 2's precision), biases where use_bias; its MoE model (ERNIE-4.5-21B-A3B, 300B-A47B)
-    # routes its layers' experts by HF's softmax router (a correction bias choosing them, the weights renormalised
+    # routes its layers' experts by a softmax router (a correction bias choosing them, the weights renormalised
     # with moe_norm_min) beside a shared expert (a <prefix>MLP), the layers off moe_layer_* dense.
     _family("ernie4_5", "Ernie4_5", {"use_bias"}, rotary=Rotary(layout=Layout.INTERLEAVED, cast_back=True)),
     _family("ernie4_5_moe", "Ernie4_5_Moe",
             {"moe_intermediate_size", "moe_layer_end_index", "moe_layer_interval", "moe_layer_start_index",
              "moe_norm_min", "moe_num_shared_experts", "use_bias"} | _MOE,
-            rotary=Rotary(layout=Layout.INTERLEAVED, cast_back=True), mlp=Mlp(experts="swiglu"),
-            head=Head(router_aux_loss=True)),
+            rotary=Rotary(layout=Layout.INTERLEAVED, cast_back=True),
+            mlp=Mlp(experts="swiglu", router=Router(kind="ernie4_5_moe")), head=Head(router_aux_loss=True)),
     # partial_rotary_factor is read from rope_parameters (the top-level key is its legacy spelling).
     _family("glm4", "Glm4", {"attention_bias", "partial_rotary_factor"},
             rotary=Rotary(layout=Layout.INTERLEAVED, partial=True),

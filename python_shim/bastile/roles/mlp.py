@@ -4,7 +4,7 @@ The dense MLP is `down(act(gate(x)) * up(x))`, gate and up from one gate_up_proj
 fuses them. Where the activation is SiLU or GELU-tanh, the activation and product run in one op fused with the
 down projection, so the activation is not kept for the backward; PEFT LoRA adapters on the projections run in
 fused nodes (lora.py). Any other activation runs HF's own math. A router (Mlp.router: softmax, Gemma 4's softmax
-with a scale per expert, or GLM-4.5's and LFM2-MoE's sigmoid) computes its logits as HF does and its choice and
+with a scale per expert, ERNIE 4.5's with a correction bias, or GLM-4.5's and LFM2-MoE's sigmoid) computes its logits as HF does and its choice and
 weights in one op (`expert_route`, `expert_route_sigmoid`).
 """
 import functools
@@ -207,9 +207,22 @@ def gemma4_router(traits: Router) -> Callable:
     return router
 
 
+def ernie4_5_moe_router(traits: Router) -> Callable:
+    """ERNIE 4.5's (Ernie4_5_MoeTopKRouter): float32 logits outside autocast, as HF's; the top-k of their softmax
+    plus moe_statics' correction bias, the weights renormalised by their sum clamped at moe_norm_min, in the hidden
+    states' dtype, as one `expert_route`."""
+    def router(self, hidden_states):
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            logits = F.linear(hidden_states.float(), self.weight.float())
+        weights, chosen = expert_route(logits, self.top_k, True, hidden_states.dtype,
+                                       self.moe_statics.e_score_correction_bias.view(-1), self.norm_min)
+        return logits, weights, chosen
+    return router
+
+
 # traits -> router stage
 ROUTERS = {"softmax": softmax_router, "glm4_moe": glm4_moe_router, "lfm2_moe": lfm2_moe_router,
-           "gemma4": gemma4_router}
+           "gemma4": gemma4_router, "ernie4_5_moe": ernie4_5_moe_router}
 
 
 # traits -> gate stage
