@@ -275,7 +275,10 @@ def test_router_is_hf_router_in_one_op(family, renorm, device, dtype):
 
     def run(module, cast=lambda t: t):
         leaves = [cast(x).detach().requires_grad_()] + [p for p in module.parameters() if p.requires_grad]
-        logits, weights, chosen = module(leaves[0], *extra)
+        out = module(leaves[0], *extra)
+        # GraniteMoE's router under transformers 5.17 returns (experts, weights, logits); Bastile's (and 5.23's)
+        # the logits first
+        logits, weights, chosen = out[::-1] if out[0].dtype == torch.long else out
         dy = torch.randn(weights.shape, generator=torch.Generator().manual_seed(1)).to(device)
         # each token's experts by index (GLM-4.5's top-k leaves them unsorted), their weights alongside
         chosen, by_index = chosen.sort(-1)

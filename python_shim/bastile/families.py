@@ -106,11 +106,15 @@ class Router:
     softmax of the top-k logits both give); a sigmoid router's family ("glm4_moe", "lfm2_moe"): its own stage
     (roles/mlp.py), the scores sigmoid(logits) chosen with a correction bias, scaled by routed_scaling_factor;
     "gemma4": Gemma4TextRouter's, renormalised softmax weights times a learned scale per expert; "ernie4_5_moe":
-    the softmax plus a correction bias choosing, the renormalising sum clamped at moe_norm_min."""
+    the softmax plus a correction bias choosing, the renormalising sum clamped at moe_norm_min; "granitemoe": float32
+    logits, the softmax over the top-k in the hidden states' dtype."""
     kind: str = "softmax"
     renorm: Optional[str] = None        # the router's attribute saying whether it renormalises; None: it always does
     weights: str = "logits"             # the weights' dtype: the logits' ("logits"), or "float32" (Mixtral's)
     bias: bool = False                  # the logits add the router's bias (GPT-OSS)
+    # The MoE block (<prefix>MoE) runs Bastile's forward too, unpacking the router's outputs in Bastile's order
+    # (logits, weights, experts): GraniteMoE's, whose router returns them in another order in transformers 5.17
+    block: bool = False
 
 
 @dataclass(frozen=True)
@@ -392,17 +396,17 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
              "residual_multiplier"},
             residual=Residual(multiplier="residual_multiplier"), head=Head(logit_divisor="logits_scaling")),
     # Granite 3.x MoE (granite-3.1-1b-a400m, -3b-a800m): Granite's multipliers and scaling around Mixtral-style layers,
-    # whose MoE block is the layer's block_sparse_moe (its router softmaxes the top-k logits). transformers records
-    # no router logits for it (5.17) or the router's first output, the experts' indices (5.23): its load-balancing
-    # loss is no loss of the router's, and a config asking for it is refused.
+    # whose MoE block is the layer's block_sparse_moe (its router softmaxes the top-k logits; transformers 5.17's
+    # returns the experts first, 5.23's the logits). transformers 5.17 records no router logits for it: its
+    # load-balancing loss is no loss of the router's, and a config asking for it is refused.
     _family("granitemoe", "GraniteMoe",
             {"attention_bias", "attention_multiplier", "embedding_multiplier", "logits_scaling",
              "residual_multiplier"} | _MOE,
-            mlp=Mlp(dense=False, experts="swiglu"),
+            mlp=Mlp(dense=False, experts="swiglu", router=Router(kind="granitemoe", block=True)),
             residual=Residual(mlp="block_sparse_moe", multiplier="residual_multiplier"),
             head=Head(logit_divisor="logits_scaling", router_aux_loss=True),
-            off={"output_router_logits": Off("transformers' GraniteMoE computes its load-balancing loss from no "
-                                             "router logits (5.17) or from the experts' indices (5.23)")}),
+            off={"output_router_logits": Off("transformers 5.17's GraniteMoE records no router logits, so its "
+                                             "load-balancing loss has none of the router's")}),
     _family("ministral3", "Ministral3", {"sliding_window"},
             attention=Attention(window=Window.CONFIG, query_scale=True), multimodal=_MISTRAL3),
     _family("olmo2", "Olmo2", {"attention_bias"}, norm=Norm.WEIGHT_THEN_CAST,

@@ -4,7 +4,7 @@ The dense MLP is `down(act(gate(x)) * up(x))`, gate and up from one gate_up_proj
 fuses them. Where the activation is SiLU or GELU-tanh, the activation and product run in one op fused with the
 down projection, so the activation is not kept for the backward; PEFT LoRA adapters on the projections run in
 fused nodes (lora.py). Any other activation runs HF's own math. A router (Mlp.router: softmax, Gemma 4's softmax
-with a scale per expert, ERNIE 4.5's with a correction bias, or GLM-4.5's and LFM2-MoE's sigmoid) computes its logits as HF does and its choice and
+with a scale per expert, ERNIE 4.5's with a correction bias, GraniteMoE's, or GLM-4.5's and LFM2-MoE's sigmoid) computes its logits as HF does and its choice and
 weights in one op (`expert_route`, `expert_route_sigmoid`).
 """
 import functools
@@ -220,9 +220,27 @@ def ernie4_5_moe_router(traits: Router) -> Callable:
     return router
 
 
+def granitemoe_router(traits: Router) -> Callable:
+    """GraniteMoE's: float32 logits, the softmax over their top-k in the hidden states' dtype, as one `expert_route`,
+    returned in Bastile's order (which its block, Bastile's too, unpacks)."""
+    def router(self, hidden_states):
+        logits = F.linear(hidden_states, self.weight).float()
+        weights, chosen = expert_route(logits, self.top_k, True, hidden_states.dtype)
+        return logits, weights, chosen
+    return router
+
+
 # traits -> router stage
 ROUTERS = {"softmax": softmax_router, "glm4_moe": glm4_moe_router, "lfm2_moe": lfm2_moe_router,
-           "gemma4": gemma4_router, "ernie4_5_moe": ernie4_5_moe_router}
+           "gemma4": gemma4_router, "ernie4_5_moe": ernie4_5_moe_router, "granitemoe": granitemoe_router}
+
+
+def moe_block(self, layer_input):
+    """A MoE block of the router and the experts alone (GraniteMoE's, Router.block): the router's outputs in
+    Bastile's order, whatever the release's."""
+    hidden_states = layer_input.reshape(-1, layer_input.shape[-1])
+    _, weights, chosen = self.router(hidden_states)
+    return self.experts(hidden_states, chosen, weights).view(*layer_input.shape[:-1], self.input_size)
 
 
 # traits -> gate stage
@@ -242,4 +260,6 @@ def declare(ctx: Context) -> Declaration:
     if m.router:
         router = named(ROUTERS[m.router.kind](m.router), "mlp", f)
         targets.append(Target("TopKRouter", "forward", router, part="experts"))
+        if m.router.block:
+            targets.append(Target("MoE", "forward", named(moe_block, "mlp", f), part="experts"))
     return Declaration(tuple(targets))
