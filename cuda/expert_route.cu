@@ -1,8 +1,9 @@
 // A mixture of experts' router after its logits (include/expert_route.h), softmax or sigmoid: a warp a token. The
-// forward picks the k largest logits (scores; ERNIE's softmax plus its bias) in k rounds, each the warp's largest key below the last pick's (so it
-// keeps nothing but the last key), the key ordering them as torch.topk picks them; the row is read again from L1
-// each round (a row of Qwen3-MoE's 128 experts is 256 bytes). The backward finds the slots choosing each expert
-// through the warp's shuffles. Math in f32 with every sum reduced in one fixed order, each result rounded once.
+// forward picks the k largest logits (scores; ERNIE's softmax plus its bias) in k rounds, each the warp's largest
+// key below the last pick's (so it keeps nothing but the last key), the key ordering them as torch.topk picks them;
+// the row is read again from L1 each round (a row of Qwen3-MoE's 128 experts is 256 bytes). The backward finds
+// the slots choosing each expert through the warp's shuffles. Math in f32 with every sum reduced in one fixed
+// order, each result rounded once.
 #include "common.cuh"
 #include "expert_route.h"
 

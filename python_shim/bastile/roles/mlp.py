@@ -4,8 +4,8 @@ The dense MLP is `down(act(gate(x)) * up(x))`, gate and up from one gate_up_proj
 fuses them. Where the activation is SiLU or GELU-tanh, the activation and product run in one op fused with the
 down projection, so the activation is not kept for the backward; PEFT LoRA adapters on the projections run in
 fused nodes (lora.py). Any other activation runs HF's own math. A router (Mlp.router: softmax, Gemma 4's softmax
-with a scale per expert, ERNIE 4.5's with a correction bias, GraniteMoE's, or GLM-4.5's and LFM2-MoE's sigmoid) computes its logits as HF does and its choice and
-weights in one op (`expert_route`, `expert_route_sigmoid`).
+with a scale per expert, ERNIE 4.5's with a correction bias, GraniteMoE's, or GLM-4.5's and LFM2-MoE's sigmoid)
+computes its logits as HF does and its choice and weights in one op (`expert_route`, `expert_route_sigmoid`).
 """
 import functools
 from typing import Callable, Optional
