@@ -118,12 +118,13 @@ int main(int argc, char **argv) {
   ExpertSwiglu p{};
   p.x = x, p.weight = w, p.offsets = offsets_d, p.gate_up = gate_up, p.h = h;
   p.pairs = pairs, p.in = in, p.inter = inter, p.experts = experts;
-  p.dtype = BASTILE_BF16, p.activation = SWIGLU_SILU, p.gemm = 1, p.stages = stages;
-  p.x_map = tensor_map(x, pairs, in, BASTILE_GEMM_TILE_M);
-  p.weight_map = tensor_map(w, weight_rows, in, BASTILE_GEMM_TILE_N / 2);
+  p.dtype = BASTILE_BF16, p.activation = SWIGLU_SILU, p.hopper = 1, p.gemm.stages = stages;
+  p.gemm.col_tiles = (int32_t)col_tiles;
+  p.gemm.x_map = tensor_map(x, pairs, in, BASTILE_GEMM_TILE_M);
+  p.gemm.weight_map = tensor_map(w, weight_rows, in, EXPERT_SWIGLU_TILE_COLS);
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int shared = stages * (BASTILE_GEMM_TILE_M + BASTILE_GEMM_TILE_N) * BASTILE_GEMM_TILE_K * 2 + 1024;
+  const int shared = stages * (BASTILE_GEMM_TILE_M + 2 * EXPERT_SWIGLU_TILE_COLS) * BASTILE_GEMM_TILE_K * 2 + 1024;
   CHECK(cudaFuncSetAttribute(TIMED, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
   const int grid = (int)std::min<int64_t>(((pairs + BASTILE_GEMM_TILE_M - 1) / BASTILE_GEMM_TILE_M + experts) * col_tiles, sms);
 
