@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bastile
 from bastile.families import FAMILIES as TRAITS, Unsupported
+from bastile.versions import installed_before
 from bastile.roles import attention as attention_role
 from conftest import DEVICES, NO_TRAINERS, as_near_exact, needs_cuda, patch_names, rel_err
 from test_qwen3_training import assert_params_close, batches
@@ -1004,6 +1005,36 @@ def test_olmoe_clipping_q_k_v_is_refused_before_patching():
                                           ".*nothing was patched"):
         bastile.apply(model=model)
     assert bastile.get_patched_ops() == []
+
+
+def test_granitemoe_router_loss_where_transformers_records_its_logits():
+    """GraniteMoE asking for the router's load-balancing loss: from transformers 5.23, whose decoder records the
+    router logits, the loss, the aux loss and the gradients are HF's (Bastile's router and block); before it,
+    refused before anything is patched (5.17 records none)."""
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+
+    def step(model):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    build = lambda: mini("granitemoe", "cpu", torch.float32, output_router_logits=True, router_aux_loss_coef=0.01)
+    model = build()
+    if installed_before("5.23"):
+        with pytest.raises(Unsupported, match=r"granitemoe with output_router_logits=True: transformers before 5.23 "
+                                              "records no router logits.*nothing was patched"):
+            bastile.apply(model=model)
+        assert bastile.get_patched_ops() == []
+        return
+    ref, ref_grads = step(model)
+    model = build()
+    bastile.apply(model=model, **NO_TRAINERS)
+    out, grads = step(model)
+    assert ref.aux_loss is not None and len(out.router_logits) == len(ref.router_logits) == 3
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys() and any(".router." in n for n in grads)
+    for name, g in ref_grads.items():
+        assert_grad_close(grads[name], g, name)
 
 
 def test_gemma4_gradients_are_the_exact_derivative():

@@ -179,9 +179,11 @@ class Head:
 
 @dataclass(frozen=True)
 class Off:
-    """A config flag the family's forwards assume off (false or None, or one of `allowed`), and why."""
+    """A config flag the family's forwards assume off (false or None, or one of `allowed`), and why; under transformers
+    releases older than `before` only, where given (a later release's modeling code makes the flag work)."""
     why: str
     allowed: Tuple = ()
+    before: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -398,15 +400,15 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in [
     # Granite 3.x MoE (granite-3.1-1b-a400m, -3b-a800m): Granite's multipliers and scaling around Mixtral-style layers,
     # whose MoE block is the layer's block_sparse_moe (its router softmaxes the top-k logits; transformers 5.17's
     # returns the experts first, 5.23's the logits). transformers 5.17 records no router logits for it: its
-    # load-balancing loss is no loss of the router's, and a config asking for it is refused.
+    # load-balancing loss is no loss of the router's, and a config asking for it is refused before 5.23.
     _family("granitemoe", "GraniteMoe",
             {"attention_bias", "attention_multiplier", "embedding_multiplier", "logits_scaling",
              "residual_multiplier"} | _MOE,
             mlp=Mlp(dense=False, experts="swiglu", router=Router(kind="granitemoe", block=True)),
             residual=Residual(mlp="block_sparse_moe", multiplier="residual_multiplier"),
             head=Head(logit_divisor="logits_scaling", router_aux_loss=True),
-            off={"output_router_logits": Off("transformers 5.17's GraniteMoE records no router logits, so its "
-                                             "load-balancing loss has none of the router's")}),
+            off={"output_router_logits": Off("transformers before 5.23 records no router logits for GraniteMoE, so its "
+                                             "load-balancing loss has none of the router's", before="5.23")}),
     _family("ministral3", "Ministral3", {"sliding_window"},
             attention=Attention(window=Window.CONFIG, query_scale=True), multimodal=_MISTRAL3),
     _family("olmo2", "Olmo2", {"attention_bias"}, norm=Norm.WEIGHT_THEN_CAST,
@@ -610,6 +612,7 @@ def _check_quantization(family: Family, quantizer) -> None:
 
 def _check_config(family: Family, config) -> None:
     from transformers import PretrainedConfig
+    from .versions import installed_before
     if family.mlp.experts and getattr(getattr(config, "distributed_config", None), "enable_expert_parallel", False):
         raise Unsupported(f"bastile: {family.model_type} with expert parallelism (distributed_config."
                           "enable_expert_parallel): Bastile's expert path runs every expert on each rank")
@@ -631,7 +634,7 @@ def _check_config(family: Family, config) -> None:
         raise Unsupported(f"bastile: {family.model_type} with is_causal={config.is_causal!r}: {_CAUSAL_WHY}")
     for key, off in family.off.items():
         value = getattr(config, key, None)
-        if value and value not in off.allowed:
+        if value and value not in off.allowed and (off.before is None or installed_before(off.before)):
             raise Unsupported(f"bastile: {family.model_type} with {key}={value!r}: {off.why}")
     rope = config.rope_parameters or {}
     tables = rope.values() if set(rope) <= set(LAYER_TYPES) and rope else [rope]

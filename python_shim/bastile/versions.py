@@ -18,6 +18,12 @@ def tested() -> str:
     return f"{a}.{b} to {c}.{d}"
 
 
+def installed_before(version: str) -> bool:
+    """Whether the installed transformers is a release older than `version`."""
+    import transformers
+    return _release(transformers.__version__) < _release(version)
+
+
 def check_transformers(version: str) -> None:
     """Raises for a transformers release older than the tested range; warns, once per version, for a newer one."""
     if _release(version) < _release(TRANSFORMERS_OLDEST):
