@@ -594,6 +594,40 @@ def test_lora_modules_reports_the_expert_adapters():
     assert all(bastile.lora_modules(model)[n].startswith("PEFT's ParamWrapper") for n in wrapped)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16)]
+                         + [("cuda", torch.bfloat16)] * ("cuda" in DEVICES))
+def test_load_balancing_loss_is_hf_without_a_host_sync(masked, device, dtype):
+    """The heads' load-balancing loss (roles/head.py) against transformers' load_balancing_loss_func on three layers'
+    router logits (2 rows of 12 tokens, 8 experts, top 2; some tokens padded where masked): the same value and
+    gradients of the logits, bit for bit (the same products and sums in the same order; the counts exact in
+    float32 whatever order adds them); on CUDA under torch's sync debug mode set to raise (5.17's torch.bincount
+    reads a value on the host)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from bastile.roles.head import load_balancing_loss
+    g = torch.Generator().manual_seed(5)
+    logits = [torch.randn(24, 8, generator=g).to(device, dtype).requires_grad_() for _ in range(3)]
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    mask = mask.to(device) if masked else None
+    want = load_balancing_loss_func(tuple(logits), 8, 2, mask)
+    want_grads = torch.autograd.grad(want, logits)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = load_balancing_loss(tuple(logits), 8, 2, mask)
+        got_grads = torch.autograd.grad(got, logits)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == want.dtype == torch.float32 and got.device.type == device
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert load_balancing_loss(None, 8, 2) == load_balancing_loss_func(None, 8, 2) == 0
+
+
 def test_expert_parallelism_is_refused_before_patching():
     """transformers' expert parallelism sends a rank's pairs of other ranks' experts to a sentinel expert, which the
     expert path has no rows for: refused before anything is patched."""

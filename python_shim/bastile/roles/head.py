@@ -133,13 +133,39 @@ def recorded_output(family: Family) -> Callable:
     return output
 
 
+def load_balancing_loss(router_logits, experts: int, top_k: int, attention_mask=None):
+    """HF's load_balancing_loss_func (one function in every MoE modeling module of transformers 5.17-5.23):
+    experts times the sum over experts of the share of the layers' rows choosing each (the top-k of the softmax of
+    each layer's logits) times its mean softmax probability, over the rows the attention mask keeps. Without its
+    host sync: the counts are summed in place on the device as float32 (exact integers), where transformers 5.17's
+    torch.bincount reads each layer's largest index on the host."""
+    if router_logits is None or not isinstance(router_logits, tuple):
+        return 0
+    device = router_logits[0].device
+    counts = torch.zeros(experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(experts, dtype=torch.float32, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for logits in router_logits:
+        weights = nn.functional.softmax(logits.to(device), dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        chosen = chosen.reshape(-1)
+        if mask is None:
+            counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+            probs = probs + weights.float().sum(dim=0)
+        else:
+            counts.scatter_add_(0, chosen, mask.repeat_interleave(top_k))
+            probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+    rows = float(sum(g.shape[0] for g in router_logits)) if mask is None else mask.sum() * len(router_logits)
+    return torch.sum(counts / rows * (probs / rows).unsqueeze(0)) * experts
+
+
 def moe_output(family: Family) -> Callable:
     """MoeCausalLMOutputWithPast, with the router's load-balancing loss added to the loss as HF adds it."""
     def output(self, fields, outputs, labels, routing, attention_mask):
         aux_loss, loss = None, fields["loss"]
         if routing:
-            aux_loss = hf_attr(family, "load_balancing_loss_func")(outputs.router_logits, self.num_experts,
-                                                                   self.num_experts_per_tok, attention_mask)
+            aux_loss = load_balancing_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                                           attention_mask)
             if labels is not None:
                 loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
         return hf_attr(family, "MoeCausalLMOutputWithPast")(
@@ -214,8 +240,8 @@ def multimodal_lm_forward(ctx: Context) -> Callable:
                           hidden_states=outputs.hidden_states, attentions=outputs.attentions)
             if moe and kwargs.get("output_router_logits"):
                 text = self.config.get_text_config()
-                fields["aux_loss"] = hf_attr(family, "load_balancing_loss_func")(
-                    outputs.router_logits, text.num_experts, text.num_experts_per_tok, attention_mask)
+                fields["aux_loss"] = load_balancing_loss(outputs.router_logits, text.num_experts,
+                                                         text.num_experts_per_tok, attention_mask)
                 if labels is not None:
                     fields["loss"] = loss + text.router_aux_loss_coef * fields["aux_loss"].to(loss.device)
             return _output(output_class(family), fields, outputs)
