@@ -83,6 +83,11 @@ MODELS = {
                               4096, 1),
     "qwen3-30b-a3b-8l-attn": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3-30b-a3b-8l",
                               ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
+    # the same with the router's load-balancing loss in the loss (output_router_logits, as TRL's MoE recipes set it)
+    "qwen3-30b-a3b-8l-attn-aux": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                                  ("Qwen--Qwen3-30B-A3B", dict(num_hidden_layers=8, output_router_logits=True,
+                                                               router_aux_loss_coef=0.001)),
+                                  ["q_proj", "k_proj", "v_proj", "o_proj"], 4096, 1),
     # Granite 3.1 3B-A800M (32 layers of 40 experts, 8 a token) and OLMoE-1B-7B (16 layers of 64 experts, 8 a token)
     # with every weight trained; Qwen1.5-MoE-A2.7B (24 layers of 60 experts, 4 a token, beside a gated shared expert)
     # under PEFT's all-linear LoRA (the attention, the shared expert and its gate: PEFT does not reach this family's
