@@ -13,6 +13,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from peft import LoraConfig, get_peft_model
+from transformers import masking_utils
 from transformers.integrations import moe
 
 import bastile
@@ -626,6 +627,36 @@ def test_load_balancing_loss_is_hf_without_a_host_sync(masked, device, dtype):
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert load_balancing_loss(None, 8, 2) == load_balancing_loss_func(None, 8, 2) == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_step_makes_no_host_sync(family, monkeypatch):
+    """A patched bf16 training step on CUDA (the loss with the router's load-balancing loss where the mini asks for
+    it, the backward) under torch's sync debug mode set to raise: grouping the pairs, routing, the grouped products,
+    the fused loss and the load-balancing loss read nothing back on the host. A first step outside the mode (lazy
+    initialisation reads what it reads once). HF's masks of a decoder without layer types check the positions for
+    packed rows with a host read (once a step): the test gives that check its answer for these unpacked rows."""
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    base = WRAPPED[family]() if family in WRAPPED else mini(family, "cpu", torch.float32, **OVERRIDES.get(family, {}))
+    model = base.to("cuda", torch.bfloat16)
+    bastile.apply(model=model, **NO_TRAINERS)
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 24),
+                        generator=torch.Generator().manual_seed(3)).cuda()
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)
 
 
 def test_expert_parallelism_is_refused_before_patching():
