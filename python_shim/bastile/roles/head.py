@@ -138,7 +138,8 @@ def load_balancing_loss(router_logits, experts: int, top_k: int, attention_mask=
     experts times the sum over experts of the share of the layers' rows choosing each (the top-k of the softmax of
     each layer's logits) times its mean softmax probability, over the rows the attention mask keeps. Without its
     host sync: the counts are summed in place on the device as float32 (exact integers), where transformers 5.17's
-    torch.bincount reads each layer's largest index on the host."""
+    torch.bincount reads each layer's largest index on the host (5.23's torch.histc does not: with 5.23 the oldest
+    release tested, HF's function can serve again)."""
     if router_logits is None or not isinstance(router_logits, tuple):
         return 0
     device = router_logits[0].device
