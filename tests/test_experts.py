@@ -5,6 +5,7 @@ and PEFT LoRA on the 3-D expert parameters (ParamWrapper, `target_parameters`, w
 losses within 1e-5 of HF's, the first step's gradients as the family tests compare them; neither transformers'
 experts functions nor PEFT's parametrized weight run in the patched step.
 """
+import contextlib
 import copy
 import sys
 
@@ -595,6 +596,17 @@ def test_lora_modules_reports_the_expert_adapters():
     assert all(bastile.lora_modules(model)[n].startswith("PEFT's ParamWrapper") for n in wrapped)
 
 
+@contextlib.contextmanager
+def raising_on_syncs():
+    """CUDA work queued before it finished, then torch's sync debug mode raising at any host read of the device."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16)]
                          + [("cuda", torch.bfloat16)] * ("cuda" in DEVICES))
@@ -613,15 +625,9 @@ def test_load_balancing_loss_is_hf_without_a_host_sync(masked, device, dtype):
     mask = mask.to(device) if masked else None
     want = load_balancing_loss_func(tuple(logits), 8, 2, mask)
     want_grads = torch.autograd.grad(want, logits)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+    with raising_on_syncs() if device == "cuda" else contextlib.nullcontext():
         got = load_balancing_loss(tuple(logits), 8, 2, mask)
         got_grads = torch.autograd.grad(got, logits)
-    finally:
-        if device == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
     assert got.dtype == want.dtype == torch.float32 and got.device.type == device
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for a, b in zip(got_grads, want_grads):
@@ -650,12 +656,8 @@ def test_training_step_makes_no_host_sync(family, monkeypatch):
         return loss
 
     step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with raising_on_syncs():
         loss = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)
 
 
