@@ -146,6 +146,7 @@ def load_balancing_loss(router_logits, experts: int, top_k: int, attention_mask=
     counts = torch.zeros(experts, dtype=torch.float32, device=device)
     probs = torch.zeros(experts, dtype=torch.float32, device=device)
     mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    slots = None if mask is None else mask.repeat_interleave(top_k)  # each row's mask, once a chosen expert
     for logits in router_logits:
         weights = nn.functional.softmax(logits.to(device), dim=-1)
         _, chosen = torch.topk(weights, top_k, dim=-1)
@@ -154,7 +155,7 @@ def load_balancing_loss(router_logits, experts: int, top_k: int, attention_mask=
             counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
             probs = probs + weights.float().sum(dim=0)
         else:
-            counts.scatter_add_(0, chosen, mask.repeat_interleave(top_k))
+            counts.scatter_add_(0, chosen, slots)
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
     rows = float(sum(g.shape[0] for g in router_logits)) if mask is None else mask.sum() * len(router_logits)
     return torch.sum(counts / rows * (probs / rows).unsqueeze(0)) * experts
